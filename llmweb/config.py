@@ -1,0 +1,146 @@
+"""Settings: one frozen dataclass, read once from `LLMWEB_*` environment variables.
+
+Nothing here runs at import time. `Settings.from_env()` is called by the entry points (app.py,
+the CLI, tests) and the result is passed down explicitly; no module reads the environment on
+its own. Every field is checked in `__post_init__`, so a bad value fails at start with a clear
+message instead of deep inside a turn.
+
+The README's configuration table lists every variable below; tests/test_config.py checks that
+the two stay in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+QUANTS = ("4bit", "8bit", "bf16", "fp16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+CPU_CONTEXT_CAP = 2048  # tokens; prefill cost on CPU grows fast past this
+
+REPO_DIR = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # where things live
+    data_dir: Path = REPO_DIR / "data"
+    cache_dir: Path | None = None  # converted model copies; default data_dir/models
+    # the model
+    model: str = ""  # "" = the embedded SmolLM2-135M-Instruct; else a hub id or a local path
+    quant: str = "4bit"
+    device: str = "auto"
+    offload: bool = False
+    warmup: bool = False
+    embedder: str = ""  # "" = the embedded all-MiniLM-L6-v2
+    # token budgets
+    context_limit: int = 0  # 0 = the model's maximum, capped at CPU_CONTEXT_CAP on CPU
+    max_new_tokens: int = 256  # the hard cap and the generation reserve
+    summary_tokens: int = 192
+    retrieved_tokens: int = 512
+    user_tokens: int = 1024
+    history_high: float = 0.85  # fold old turns into the summary past this share of the room
+    history_low: float = 0.5  # ... until history is back under this share
+    system_prompt: str = (
+        "You are a helpful, concise assistant. When sources are given, answer from them and "
+        "cite them by their [number]."
+    )
+    # generation defaults
+    temperature: float = 0.0
+    top_p: float = 0.9
+    repetition_penalty: float = 1.1
+    # the engine
+    queue_size: int = 8
+    request_timeout_s: float = 120.0
+    admission_wait_s: float = 10.0
+    mem_limit_mb: int = 0  # CPU: process RSS limit for admission; 0 = 80% of RAM
+    mem_margin_mb: int = 512  # CUDA: free memory kept in reserve
+    frag_release_mb: int = 256  # idle: empty_cache() when reserved-allocated passes this
+    # session KV caches
+    kv_reuse: bool = True
+    kv_ttl_s: float = 1800.0
+    kv_budget_mb: int = 0  # 0 = derived from device memory
+    # retrieval
+    top_k: int = 4
+    max_top_k: int = 16
+    min_score: float = 0.25
+    chunk_tokens: int = 200
+    chunk_overlap: int = 40
+    # serving
+    host: str = "127.0.0.1"
+    port: int = 7860
+    auth: str = ""  # "user:password" turns on login
+    max_file_mb: int = 20
+    max_message_chars: int = 100_000
+
+    def __post_init__(self) -> None:
+        check = _Checker()
+        check(self.quant in QUANTS, f"LLMWEB_QUANT must be one of {', '.join(QUANTS)}, not {self.quant!r}")
+        check(self.device in DEVICES, f"LLMWEB_DEVICE must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        check(self.context_limit >= 0, "LLMWEB_CONTEXT_LIMIT must be >= 0 (0 = the model's maximum)")
+        check(self.max_new_tokens >= 1, "LLMWEB_MAX_NEW_TOKENS must be >= 1")
+        for name in ("summary_tokens", "retrieved_tokens", "user_tokens", "queue_size", "top_k", "max_top_k",
+                     "chunk_tokens", "port", "max_file_mb", "max_message_chars"):
+            check(getattr(self, name) >= 1, f"LLMWEB_{name.upper()} must be >= 1")
+        check(0 < self.history_low < self.history_high <= 1,
+              "need 0 < LLMWEB_HISTORY_LOW < LLMWEB_HISTORY_HIGH <= 1")
+        check(0 <= self.chunk_overlap < self.chunk_tokens, "need 0 <= LLMWEB_CHUNK_OVERLAP < LLMWEB_CHUNK_TOKENS")
+        check(self.top_k <= self.max_top_k, "LLMWEB_TOP_K must be <= LLMWEB_MAX_TOP_K")
+        check(self.request_timeout_s > 0 and self.kv_ttl_s > 0, "time limits must be > 0")
+        check(not self.auth or ":" in self.auth, "LLMWEB_AUTH must look like user:password")
+        check(self.temperature >= 0, "LLMWEB_TEMPERATURE must be >= 0")
+
+    @property
+    def models_dir(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else self.data_dir / "models"
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
+        """Read every field from `LLMWEB_<FIELD>`; keyword overrides win (the CLI's flags)."""
+        env = os.environ if env is None else env
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f"LLMWEB_{f.name.upper()}")
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse(f, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def env_names() -> list[str]:
+    return [f"LLMWEB_{f.name.upper()}" for f in dataclasses.fields(Settings)]
+
+
+class _Checker:
+    def __call__(self, ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _parse(f: dataclasses.Field, raw: str):
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    name = f"LLMWEB_{f.name.upper()}"
+    try:
+        if "Path" in kind:
+            return Path(raw).expanduser()
+        if kind == "bool":
+            low = raw.strip().lower()
+            if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(raw)
+            return low in ("1", "true", "yes", "on")
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from None
+    return raw
+
