@@ -79,7 +79,7 @@ def test_time_limit(engine, fmt):
     with pytest.raises(TimedOut, match="time limit"):
         h.result()
     assert h.stats.finish_reason == "timeout"
-    assert h.stats.total_s < 3
+    assert h.stats.generated_tokens < 400  # stopped by the limit, not by length
 
 
 def test_five_threads_are_served_one_at_a_time(engine, fmt):
