@@ -1,0 +1,230 @@
+"""The chat turn, UI-agnostic: retrieve → plan → generate → record → compress.
+
+`Chat.send(conv_id, text)` yields `Queued`, then `Delta` (the reply so far) as tokens stream,
+then one `Finished` with the reply, its `TurnStats` and its sources. The UI, the API endpoint,
+`replay` and the benchmarks all call this one path. Closing the generator early (stop button,
+client gone) cancels the engine request; a partial reply is still stored, marked as stopped.
+
+Compression runs after the reply: when the window's history passes its high-water mark, the
+oldest turns are folded into the rolling summary by a background engine job, so the prompt
+prefix changes rarely (and the session KV cache is dropped only then).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+from . import context, summary
+from .config import Settings
+from .engine import Engine, GenerationRequest, Tokens, Waiting
+from .errors import ConfigError, InputError
+from .records import Chunk, Turn
+from .store import Store
+from .telemetry import TurnStats
+from .tokens import ChatFormat, render_prompt
+
+log = logging.getLogger(__name__)
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class Queued:
+    position: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # the whole reply so far
+
+
+@dataclass(frozen=True)
+class Finished:
+    reply: str
+    stats: TurnStats
+    sources: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    prompt: tuple[tuple[str, str], ...] = ()  # the planned messages (role, text), system first
+
+    def prompt_text(self) -> str:
+        return "\n\n".join(f"### {role}\n{text}" for role, text in self.prompt)
+
+
+def clean_message(text: str, max_chars: int) -> str:
+    """Validate a user message: not empty, not huge; control characters and lone surrogates removed."""
+    if not isinstance(text, str):
+        raise InputError("A message must be text.")
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    text = _CONTROL.sub("", text).strip()
+    if not text:
+        raise InputError("Your message is empty. Type a question or some text first.")
+    if len(text) > max_chars:
+        raise InputError(f"Your message is {len(text):,} characters; the limit is {max_chars:,}. "
+                         "Attach long text as a document instead, and ask about it.")
+    return text
+
+
+def reduced_budget(b: context.Budget) -> context.Budget:
+    """The budget for the one retry after an OOM: two thirds of the context, half the reply and documents."""
+    limit = max(b.context_limit * 2 // 3, 2)
+    return replace(b, context_limit=limit, max_new_tokens=max(min(b.max_new_tokens // 2, limit // 2), 1),
+                   retrieved_tokens=b.retrieved_tokens // 2)
+
+
+def source_dicts(chunks) -> list[dict]:
+    out = []
+    for i, c in enumerate(chunks, 1):
+        snippet = " ".join(c.text.split())
+        out.append({"n": i, "source": c.source, "page": c.page, "heading": c.heading,
+                    "score": round(float(c.score), 3), "kind": c.kind,
+                    "snippet": snippet[:240] + ("…" if len(snippet) > 240 else "")})
+    return out
+
+
+class Chat:
+    def __init__(self, settings: Settings, engine: Engine, fmt: ChatFormat, store: Store,
+                 budget: context.Budget, library=None):
+        self.settings = settings
+        self.engine = engine
+        self.fmt = fmt
+        self.store = store
+        self.budget = budget
+        self.library = library
+        self._jobs: dict[str, threading.Thread] = {}
+        self._jobs_lock = threading.Lock()
+
+    # ---- the turn
+    def send(self, conv_id: str, text: str, *, use_docs: bool = True, seed: int | None = None,
+             wait_summary: bool = False) -> Iterator[Queued | Delta | Finished]:
+        s = self.settings
+        text = clean_message(text, s.max_message_chars)
+        conv = self.store.get(conv_id)
+        window = [t.as_turn() for t in conv.turns[conv.summarized_upto:]]
+
+        # 1) retrieve
+        chunks: list[Chunk] = []
+        if use_docs and self.library is not None and len(self.library) > 0:
+            chunks = self.library.search(text, k=s.top_k, min_score=s.min_score)
+
+        # 2) plan (raises InputError with the numbers when the message cannot fit)
+        plan = context.plan(s.system_prompt, conv.summary, window, chunks, text, self.budget, self.fmt)
+
+        # 3) generate, with a smaller plan ready for an OOM retry
+        def smaller() -> GenerationRequest | None:
+            reduced = reduced_budget(self.budget)
+            try:
+                p = context.plan(s.system_prompt, conv.summary, window, chunks[: max(len(chunks) // 2, 0)],
+                                 text, reduced, self.fmt)
+            except (InputError, ConfigError):
+                return None
+            return replace(request, prompt_ids=p.ids, max_new_tokens=reduced.max_new_tokens, fallback=None)
+
+        request = GenerationRequest(
+            prompt_ids=plan.ids, max_new_tokens=self.budget.max_new_tokens, temperature=s.temperature,
+            top_p=s.top_p, repetition_penalty=s.repetition_penalty, seed=seed, stop_ids=self.fmt.stop_ids,
+            session_id=conv_id, timeout_s=s.request_timeout_s, fallback=smaller)
+        handle = self.engine.submit(request)
+        reply, finished = "", False
+        sources = source_dicts(plan.chunks)
+        try:
+            for event in handle.events():
+                if isinstance(event, Waiting):
+                    yield Queued(event.position)
+                elif isinstance(event, Tokens):
+                    reply = self.fmt.decode(handle.generated)
+                    yield Delta(reply)
+            finished = True
+        finally:
+            if not finished:
+                handle.cancel()
+                if handle.generated:  # keep what was shown; the worker stops within a token
+                    self._record(conv_id, text, self.fmt.decode(handle.generated), None, plan, sources, conv)
+        reply = self.fmt.decode(handle.generated).strip()
+        stats = self._stats(handle.stats, plan, conv, len(conv.turns))
+
+        # 4) record
+        self._record(conv_id, text, reply, stats, plan, sources, conv)
+        notes = []
+        if handle.stats.finish_reason == "cancelled":
+            notes.append("Stopped.")
+        if plan.left_out:
+            notes.append(plan.left_out.capitalize() + ".")
+
+        # 5) compress
+        self._maybe_compress(conv_id, plan)
+        if wait_summary:
+            self.wait_background(conv_id)
+        yield Finished(reply, stats, sources, notes, plan.messages)
+
+    def _stats(self, gen, plan, conv, turn_index: int) -> TurnStats:
+        return TurnStats(turn=turn_index + 1, gen=gen, sections=dict(plan.sections),
+                         context_limit=plan.context_limit, dropped_turns=plan.dropped_turns,
+                         summarized_turns=conv.summarized_upto, summary_tokens=plan.summary_tokens,
+                         dropped_chunks=len(plan.dropped_chunks))
+
+    def _record(self, conv_id, text, reply, stats, plan, sources, conv) -> None:
+        d = stats.to_dict() if stats is not None else {"finish_reason": "cancelled",
+                                                        "prompt_tokens": len(plan.ids)}
+        self.store.add_turn(conv_id, text, reply, d, sources)
+
+    # ---- compression
+    def _maybe_compress(self, conv_id: str, plan) -> None:
+        conv = self.store.get(conv_id)
+        window = conv.turns[conv.summarized_upto:]
+        counts = [context.turn_tokens(self.fmt, t.as_turn()) for t in window]
+        n = summary.turns_to_fold(counts, plan.history_room, self.settings.history_high, self.settings.history_low)
+        if n <= 0:
+            return
+        with self._jobs_lock:
+            job = self._jobs.get(conv_id)
+            if job is not None and job.is_alive():
+                return
+            job = threading.Thread(target=self._summarise, name=f"summary-{conv_id[:8]}",
+                                   args=(conv_id, conv.summary, [t.as_turn() for t in window[:n]],
+                                         conv.summarized_upto + n), daemon=True)
+            self._jobs[conv_id] = job
+        job.start()
+
+    def _summarise(self, conv_id: str, previous: str, turns: list[Turn], upto: int) -> None:
+        try:
+            new = self.write_summary(previous, turns)
+            self.store.set_summary(conv_id, new, upto)
+            self.engine.drop_session(conv_id)  # the prefix changed: the old cache is no longer useful
+        except Exception:  # the turn already streamed; a failed summary is retried next turn
+            log.exception("summary for %s failed", conv_id)
+
+    def write_summary(self, previous: str, turns: list[Turn]) -> str:
+        """Ask the model (as a low-priority job) for an updated summary of `turns`."""
+        cap = self.budget.summary_tokens
+        room = self.budget.context_limit - cap - 64
+        per_turn = max(room // max(len(turns), 1) // 2, 16)
+        while True:
+            system, user = summary.summary_request_messages(previous, turns, cap)
+            ids = render_prompt(self.fmt, system, [("user", user)])
+            if len(ids) + cap <= self.budget.context_limit or per_turn <= 16:
+                break
+            turns = [Turn(summary.cap_text(t.user, per_turn, self.fmt.count),
+                          summary.cap_text(t.assistant, per_turn, self.fmt.count)) for t in turns]
+            per_turn //= 2
+        if len(ids) + cap > self.budget.context_limit:
+            raise InputError(f"summary prompt of {len(ids)} tokens does not fit the context")
+        handle = self.engine.submit(GenerationRequest(
+            prompt_ids=ids, max_new_tokens=cap, temperature=0.0,
+            repetition_penalty=self.settings.repetition_penalty, stop_ids=self.fmt.stop_ids, background=True))
+        text = self.fmt.decode(handle.result())
+        return summary.clean_summary(text, cap, self.fmt)
+
+    def wait_background(self, conv_id: str | None = None, timeout: float | None = None) -> None:
+        with self._jobs_lock:
+            jobs = [j for k, j in self._jobs.items() if conv_id is None or k == conv_id]
+        for j in jobs:
+            j.join(timeout)
+
+    # ---- conversations
+    def delete(self, conv_id: str) -> None:
+        self.engine.drop_session(conv_id)
+        self.store.delete(conv_id)

@@ -1,0 +1,146 @@
+"""Command line: `python -m llmweb serve | replay | ingest | search | bench`.
+
+Settings come from `LLMWEB_*` variables; flags override them. Domain errors end the command
+with their message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .config import Settings
+from .errors import LlmwebError
+
+log = logging.getLogger("llmweb")
+
+
+def on_spaces(env=os.environ) -> bool:
+    return env.get("SYSTEM") == "spaces"
+
+
+def serve_settings(args, env=os.environ) -> Settings:
+    """Settings for `serve`: on Hugging Face Spaces, bind 0.0.0.0 and keep data in a writable dir."""
+    overrides = {"host": args.host, "port": args.port}
+    if on_spaces(env):
+        overrides["host"] = args.host or "0.0.0.0"
+        if "LLMWEB_DATA_DIR" not in env:
+            overrides["data_dir"] = Path("/data/llmweb") if os.access("/data", os.W_OK) else Path("/tmp/llmweb")
+    return Settings.from_env(env, **overrides)
+
+
+def cmd_serve(args) -> int:
+    from .runtime import Runtime
+    from .ui import build_app, launch_kwargs
+
+    settings = serve_settings(args)
+    runtime = Runtime(settings).start(background=True)
+    demo = build_app(runtime)
+    print(f"llmweb: serving on http://{settings.host}:{settings.port}", flush=True)
+    demo.queue(default_concurrency_limit=None, max_size=settings.queue_size * 8)
+    demo.launch(**launch_kwargs(settings))
+    return 0
+
+
+def read_script(path: Path) -> list[str]:
+    users = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            users.append(json.loads(line)["user"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise LlmwebError(f"{path}:{n}: expected a JSON object like {{\"user\": \"...\"}}") from None
+    return users
+
+
+def replay(runtime, users: list[str], *, prompt_text: bool = False, conv_id: str | None = None,
+           seed: int | None = None):
+    """Run a scripted conversation through the chat path; yield one dict per turn."""
+    from .chat import Finished
+
+    chat = runtime.wait_ready()
+    conv_id = conv_id or runtime.store.create_conversation("replay")
+    for user in users:
+        for event in chat.send(conv_id, user, wait_summary=True, seed=seed):
+            if isinstance(event, Finished):
+                d = event.stats.to_dict()
+                d["reply"] = event.reply
+                d["sources"] = event.sources
+                if prompt_text:
+                    d["prompt_text"] = event.prompt_text()
+                yield d
+
+
+def cmd_replay(args) -> int:
+    from .runtime import Runtime
+
+    settings = Settings.from_env()
+    users = read_script(Path(args.file))
+    runtime = Runtime(settings).start(background=False)
+    try:
+        for d in replay(runtime, users, prompt_text=args.prompt_text, seed=args.seed):
+            if args.json:
+                print(json.dumps(d, ensure_ascii=False), flush=True)
+            else:
+                print(f"[{d['turn']}] {d['prompt_tokens']} prompt tokens ({d['reused_tokens']} reused), "
+                      f"{d['generated_tokens']} generated, TTFT {d['ttft_s']:.2f} s\n{d['reply']}\n", flush=True)
+    finally:
+        runtime.close()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m llmweb", description="llmweb: long local-LLM chat sessions")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command")
+
+    s = sub.add_parser("serve", help="serve the web app (default)")
+    s.add_argument("--host", default=None)
+    s.add_argument("--port", type=int, default=None)
+    s.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("replay", help="run a scripted conversation (JSON lines of {\"user\": ...})")
+    r.add_argument("file")
+    r.add_argument("--json", action="store_true", help="one JSON object per turn")
+    r.add_argument("--prompt-text", action="store_true", help="include each turn's full prompt text")
+    r.add_argument("--seed", type=int, default=None)
+    r.set_defaults(func=cmd_replay)
+
+    from . import bench, docs_cli
+
+    docs_cli.add_parsers(sub)
+    bench.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-v", "--verbose"):
+        argv = ["serve"] + argv
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(argv + ["serve"])
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .models import configure_allocator
+
+    configure_allocator()
+    try:
+        return args.func(args)
+    except LlmwebError as e:
+        print(f"llmweb: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

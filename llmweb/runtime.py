@@ -1,0 +1,138 @@
+"""The running app's parts, built from Settings: model, engine, store, document library, chat.
+
+`Runtime.start()` loads the model on a background thread so the web page can come up at once
+and show progress ("converting GGUF, first run…"); `wait_ready()` blocks callers until the
+chat is usable and re-raises a load failure as a user-facing error. The CLI's `replay` and
+`bench` use the same object, so every path shares one engine (one worker per model).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psutil
+
+from . import models
+from .config import Settings
+from .context import Budget
+from .errors import ConfigError, LlmwebError
+from .kvcache import KVStore
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+
+def kv_budget_bytes(settings: Settings, loaded) -> int:
+    """LLMWEB_KV_BUDGET_MB, or a quarter of free device memory after loading (CPU: 1/16 of RAM, <= 1 GiB)."""
+    if settings.kv_budget_mb > 0:
+        return settings.kv_budget_mb * 2**20
+    if not loaded.on_cpu:
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        return max(int(free * 0.25), 64 * 2**20)
+    return min(psutil.virtual_memory().total // 16, 2**30)
+
+
+def cpu_mem_limit_bytes(settings: Settings) -> int:
+    if settings.mem_limit_mb > 0:
+        return settings.mem_limit_mb * 2**20
+    return int(psutil.virtual_memory().total * 0.8)
+
+
+class Runtime:
+    def __init__(self, settings: Settings, fault=None, loaded=None):
+        self.settings = settings
+        self._preloaded = loaded  # tests and benchmarks share one loaded model
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(settings.data_dir / "llmweb.sqlite3")
+        self.fault = fault
+        self.status = "Starting…"
+        self.loaded = None
+        self.engine = None
+        self.chat = None
+        self.budget: Budget | None = None
+        self._library = None
+        self._library_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- start-up
+    def start(self, background: bool = True) -> "Runtime":
+        if background:
+            self._thread = threading.Thread(target=self._load, name="llmweb-load", daemon=True)
+            self._thread.start()
+        else:
+            self._load()
+            if self._error is not None:
+                raise self._error
+        return self
+
+    def _progress(self, message: str) -> None:
+        self.status = message
+        log.info(message)
+
+    def _load(self) -> None:
+        from .chat import Chat
+        from .engine import Engine, EngineLimits
+        from .tokens import TemplateFormat
+
+        s = self.settings
+        try:
+            t0 = time.perf_counter()
+            loaded = self._preloaded or models.load(s, progress=self._progress)
+            fmt = TemplateFormat(loaded.tokenizer)
+            budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
+            if s.warmup:
+                self._progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
+                models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
+            kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
+            limits = EngineLimits(
+                queue_size=s.queue_size, max_new_tokens=budget.max_new_tokens,
+                request_timeout_s=s.request_timeout_s, admission_wait_s=s.admission_wait_s,
+                mem_limit_bytes=cpu_mem_limit_bytes(s) if loaded.on_cpu else 0,
+                mem_margin_bytes=s.mem_margin_mb * 2**20, frag_release_bytes=s.frag_release_mb * 2**20,
+                kv_reuse=s.kv_reuse)
+            self.engine = Engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault)
+            self.loaded, self.budget = loaded, budget
+            self.chat = Chat(s, self.engine, fmt, self.store, budget, library=self.library)
+            notes = (" " + " ".join(loaded.notes)) if loaded.notes else ""
+            self._progress(f"Ready: {loaded.describe()} · context {budget.context_limit} tokens"
+                           f" · started in {time.perf_counter() - t0:.0f} s.{notes}")
+        except BaseException as e:  # shown in the UI's status line and raised to callers
+            log.exception("model load failed")
+            self._error = e
+            self.status = f"Model failed to load: {e}"
+        finally:
+            self._ready.set()
+
+    def wait_ready(self, timeout: float | None = None):
+        if not self._ready.wait(timeout):
+            raise LlmwebError(f"The model is still loading ({self.status}). Try again in a moment.")
+        if self._error is not None:
+            if isinstance(self._error, LlmwebError):
+                raise self._error
+            raise ConfigError(f"The model failed to load: {self._error}")
+        return self.chat
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._error is None
+
+    # ---- documents
+    @property
+    def library(self):
+        with self._library_lock:
+            if self._library is None:
+                from .retrieval import Index
+
+                self._library = Index(self.settings)
+            return self._library
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.store.close()

@@ -1,0 +1,111 @@
+"""The chat path with the real model: budgets hold over long sessions, summaries happen,
+KV reuse never changes the text, bad messages get clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmweb.chat import Delta, Finished, clean_message
+from llmweb.errors import InputError
+from llmweb.runtime import Runtime
+from tests.conftest import make_settings
+
+
+def run_turn(chat, conv, text, **kw):
+    deltas, fin = [], None
+    for ev in chat.send(conv, text, use_docs=False, wait_summary=True, **kw):
+        if isinstance(ev, Delta):
+            deltas.append(ev.text)
+        elif isinstance(ev, Finished):
+            fin = ev
+    return deltas, fin
+
+
+@pytest.fixture
+def small_runtime(tmp_path, fp32_model):
+    rt = Runtime(make_settings(tmp_path, context_limit=512, max_new_tokens=40, summary_tokens=64,
+                               quant="fp32"), loaded=fp32_model).start(background=False)
+    yield rt
+    rt.close()
+
+
+def test_clean_message_rejects_empty_and_huge_and_strips_controls():
+    with pytest.raises(InputError, match="empty"):
+        clean_message(" \n\t ", 100)
+    with pytest.raises(InputError, match="1,000 characters; the limit is 100"):
+        clean_message("x" * 1000, 100)
+    assert clean_message("a\x00b\x1bc 🙂 שלום \ud800", 100) == "abc 🙂 שלום ?"
+
+
+def test_sixty_turns_stay_inside_a_small_context(small_runtime):
+    rt = small_runtime
+    chat = rt.chat
+    conv = rt.store.create_conversation()
+    topics = ["cats", "the moon", "rivers", "bread", "music", "trains", "snow", "maps", "tea", "bees"]
+    for i in range(60):
+        user = f"Turn {i}: tell me one short fact about {topics[i % len(topics)]}."
+        deltas, fin = run_turn(chat, conv, user)
+        s = fin.stats
+        assert s.gen.prompt_tokens + s.sections["reserve"] <= 512 == s.context_limit
+        assert sum(v for k, v in s.sections.items() if k != "reserve") == s.gen.prompt_tokens
+        assert deltas and deltas[-1].strip() == fin.reply
+        # the newest turns are verbatim in the prompt
+        prompt = fin.prompt_text()
+        assert user in prompt
+        stored = rt.store.get(conv)
+        for t in stored.turns[-3:-1]:
+            assert t.user in prompt and t.assistant in prompt
+    stored = rt.store.get(conv)
+    assert stored.summarized_upto > 0, "at least one compression happened"
+    assert stored.summary.strip()
+    assert len(stored.turns) == 60
+
+
+def test_reuse_gives_the_same_replies_over_15_turns_with_a_compression(tmp_path, fp32_model):
+    replies = {}
+    summaries = {}
+    for mode in (True, False):
+        rt = Runtime(make_settings(tmp_path / str(mode), context_limit=512, max_new_tokens=40, summary_tokens=64,
+                                   kv_reuse=mode, quant="fp32"), loaded=fp32_model).start(background=False)
+        try:
+            conv = rt.store.create_conversation()
+            out, reused = [], []
+            for i in range(15):
+                _, fin = run_turn(rt.chat, conv, f"Question {i}: name a colour and a fruit of that colour.")
+                out.append(fin.reply)
+                reused.append(fin.stats.gen.reused_tokens)
+            replies[mode] = out
+            summaries[mode] = rt.store.get(conv).summarized_upto
+            if mode:
+                assert sum(r > 0 for r in reused) >= 10, reused
+            else:
+                assert not any(reused)
+        finally:
+            rt.close()
+    assert summaries[True] == summaries[False] > 0, "one compression (at least) in both modes"
+    assert replies[True] == replies[False]
+
+
+def test_oversized_message_is_refused_with_both_numbers(small_runtime):
+    conv = small_runtime.store.create_conversation()
+    with pytest.raises(InputError, match=r"Your message is [\d,]+ tokens; the limit is"):
+        run_turn(small_runtime.chat, conv, "word " * 3000)
+    assert small_runtime.store.get(conv).turns == []
+
+
+def test_closing_the_stream_cancels_and_keeps_the_partial_reply(small_runtime):
+    chat = small_runtime.chat
+    conv = small_runtime.store.create_conversation()
+    gen = chat.send(conv, "Write a long story about a dragon and a knight.", use_docs=False)
+    n = 0
+    for ev in gen:
+        if isinstance(ev, Delta):
+            n += 1
+            if n == 3:
+                break
+    gen.close()
+    stored = small_runtime.store.get(conv)
+    assert len(stored.turns) == 1 and stored.turns[0].stats["finish_reason"] == "cancelled"
+    assert stored.turns[0].assistant
+    _, fin = run_turn(chat, conv, "What is 2 + 2?")  # the worker is free
+    assert fin.stats.gen.finish_reason in ("eos", "length")
