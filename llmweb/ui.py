@@ -13,6 +13,7 @@ import json
 import logging
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import gradio as gr
 
@@ -206,7 +207,7 @@ def build_app(runtime) -> gr.Blocks:
         path.write_text(text, encoding="utf-8")
         return str(path)
 
-    def api_chat(message: str, conversation_id: str = ""):
+    def api_chat(message: str, conversation_id: str = "") -> Iterator[str]:
         """Send one message; streams the reply text. Pass the same conversation_id to continue a chat."""
         chat = chat_or_error()
         try:

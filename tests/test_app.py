@@ -1,0 +1,38 @@
+"""The launched Gradio app, driven through gradio_client like an API user."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gradio_client import Client
+
+from llmweb.runtime import Runtime
+from llmweb.ui import build_app
+from tests.conftest import make_settings
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, nf4_model):
+    settings = make_settings(tmp_path_factory.mktemp("app"), max_new_tokens=48)
+    runtime = Runtime(settings, loaded=nf4_model).start(background=True)
+    demo = build_app(runtime)
+    demo.queue(default_concurrency_limit=None, max_size=64)
+    _app, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
+    yield runtime, url
+    demo.close()
+    runtime.close()
+
+
+def test_streamed_reply_names_paris(served):
+    runtime, url = served
+    client = Client(url, verbose=False)
+    job = client.submit("What is the capital of France?", "", api_name="/chat")
+    partials = list(job)
+    final = job.result()
+    assert "Paris" in final
+    assert len(partials) >= 2, "the reply streamed in pieces"
+    conv = runtime.store.list_conversations()[0]
+    stats = json.loads(client.predict(conv.id, api_name="/stats"))
+    assert stats["generated_tokens"] >= 1 and stats["prompt_tokens"] > 0
+    assert stats["mem"]["rss_bytes"] > 0
