@@ -97,6 +97,44 @@ def ttft_markdown(r: dict) -> str:
         "", f"Replies identical in both modes: {r['identical_replies']}", ""])
 
 
+def quant(settings, quants=("fp32", "4bit"), new_tokens: int = 64, repeats: int = 3) -> dict:
+    """Weights size and decode speed of each quantisation, same prompt, one process."""
+    from . import models
+    from .engine import Engine, EngineLimits, GenerationRequest
+    from .kvcache import KVStore
+    from .tokens import TemplateFormat, render_prompt
+
+    rows = []
+    for q in quants:
+        lm = models.load(settings.replace(quant=q))
+        fmt = TemplateFormat(lm.tokenizer)
+        engine = Engine(lm.model, lm.device, KVStore(0, 1), EngineLimits(max_new_tokens=new_tokens, kv_reuse=False),
+                        lm.kv_bytes_per_token)
+        ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "Write a long story about a lighthouse.")])
+        speeds, ttfts = [], []
+        try:
+            for _ in range(repeats):
+                h = engine.submit(GenerationRequest(ids, new_tokens))  # no stop ids: always new_tokens
+                h.result()
+                speeds.append(h.stats.decode_tok_s)
+                ttfts.append(h.stats.ttft_s)
+        finally:
+            engine.close()
+        rows.append({"quant": lm.quant, "weights_mib": round(lm.weights_bytes / 2**20, 1),
+                     "decode_tok_s": round(statistics.median(speeds), 1), "ttft_s": round(statistics.median(ttfts), 3),
+                     "device": lm.device})
+        del engine, lm
+    return {"bench": "quant", "model": settings.model or models.EMBEDDED_NAME, "new_tokens": new_tokens, "rows": rows}
+
+
+def quant_markdown(r: dict) -> str:
+    lines = [f"## Quantisation ({r['model']}, {r['new_tokens']} new tokens, median of 3)", "",
+             "| quant | weights (MiB) | decode tok/s | TTFT (s) | device |", "|---|---:|---:|---:|---|"]
+    lines += [f"| {x['quant']} | {x['weights_mib']:.0f} | {x['decode_tok_s']:.1f} | {x['ttft_s']:.3f} | {x['device']} |"
+              for x in r["rows"]]
+    return "\n".join(lines) + "\n"
+
+
 def environment(runtime) -> dict:
     lm, s = runtime.loaded, runtime.settings
     return {"model": lm.name, "quant": lm.quant, "device": lm.device, "weights_mib": round(lm.weights_bytes / 2**20, 1),
@@ -106,8 +144,8 @@ def environment(runtime) -> dict:
 
 
 def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="benchmarks: ttft | retrieval")
-    b.add_argument("which", choices=["ttft", "retrieval"])
+    b = sub.add_parser("bench", help="benchmarks: ttft | retrieval | quant")
+    b.add_argument("which", choices=["ttft", "retrieval", "quant"])
     b.add_argument("--turns", type=int, default=40)
     b.add_argument("--chunks", type=int, default=10_000)
     b.add_argument("--max-new-tokens", type=int, default=48, help="reply length per turn (ttft)")
@@ -123,6 +161,10 @@ def main(args) -> int:
 
         result = bench_retrieval.run(Settings.from_env(), n_chunks=args.chunks)
         print(json.dumps(result, indent=2) if args.json else bench_retrieval.format_markdown(result))
+        return 0
+    if args.which == "quant":
+        result = quant(Settings.from_env())
+        print(json.dumps(result, indent=2) if args.json else quant_markdown(result))
         return 0
     from .runtime import Runtime
 

@@ -1,0 +1,41 @@
+"""Settings: parsing, checks, and the README's table staying in step with the code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from llmweb.config import Settings, env_names
+from llmweb.errors import ConfigError
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_env_values_are_parsed_and_checked():
+    s = Settings.from_env({"LLMWEB_QUANT": "fp32", "LLMWEB_KV_REUSE": "0", "LLMWEB_TOP_K": "3",
+                           "LLMWEB_HISTORY_HIGH": "0.9", "LLMWEB_DATA_DIR": "/tmp/x"})
+    assert (s.quant, s.kv_reuse, s.top_k, s.history_high, str(s.data_dir)) == ("fp32", False, 3, 0.9, "/tmp/x")
+    with pytest.raises(ConfigError, match="LLMWEB_QUANT must be one of"):
+        Settings.from_env({"LLMWEB_QUANT": "3bit"})
+    with pytest.raises(ConfigError, match="LLMWEB_TOP_K='many' is not a valid int"):
+        Settings.from_env({"LLMWEB_TOP_K": "many"})
+    with pytest.raises(ConfigError, match="user:password"):
+        Settings.from_env({"LLMWEB_AUTH": "nocolon"})
+
+
+def test_flags_override_env():
+    assert Settings.from_env({"LLMWEB_PORT": "9000"}, port=9001).port == 9001
+    assert Settings.from_env({"LLMWEB_PORT": "9000"}, port=None).port == 9000
+
+
+def test_safe_defaults():
+    s = Settings()
+    assert s.host == "127.0.0.1" and s.max_file_mb > 0 and not s.auth
+
+
+def test_readme_table_lists_every_setting():
+    text = README.read_text(encoding="utf-8")
+    documented = set(re.findall(r"^\| `(LLMWEB_[A-Z_]+)` \|", text, flags=re.M))
+    assert documented == set(env_names())

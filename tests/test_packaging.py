@@ -1,0 +1,44 @@
+"""The install steps of `make run`, the Dockerfile and the README cannot drift apart."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def install_block(path: Path, strip: str) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    block = text.split("# INSTALL (begin)", 1)[1].split("# INSTALL (end)", 1)[0]
+    lines = [re.sub(r"\s+", " ", ln.strip()) for ln in block.splitlines() if ln.strip()]
+    return [re.sub(strip, "", ln) for ln in lines]
+
+
+def test_dockerfile_installs_exactly_what_make_run_installs():
+    make = install_block(REPO / "Makefile", r"^\$\(BIN\)/")
+    docker = install_block(REPO / "Dockerfile", r"^RUN ")
+    assert make and make == docker
+
+
+def test_requirements_pin_every_dependency():
+    for name in ("requirements.txt", "requirements-models.txt", "requirements-dev.txt"):
+        for line in (REPO / name).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                assert re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.+\-]*", line), f"{name}: {line} is not pinned"
+
+
+def test_space_front_matter_matches_requirements():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    front = readme.split("---", 2)[1]
+    assert "sdk: gradio" in front and "app_file: app.py" in front
+    sdk = re.search(r"sdk_version: (\S+)", front).group(1)
+    assert f"gradio=={sdk}" in (REPO / "requirements.txt").read_text()
+
+
+def test_dockerfile_is_non_root_with_healthcheck_volume_and_port():
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^USER (?!root)\w+", text, re.M)
+    assert "HEALTHCHECK" in text and "/gradio_api/info" in text
+    assert re.search(r"^VOLUME /data", text, re.M) and re.search(r"^EXPOSE 7860", text, re.M)
