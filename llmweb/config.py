@@ -23,6 +23,7 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_CONTEXT_CAP = 2048  # tokens; prefill cost on CPU grows fast past this
 
 REPO_DIR = Path(__file__).resolve().parent.parent
+SAMPLE_DIR = REPO_DIR / "data" / "sample"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,7 @@ class Settings:
     offload: bool = False
     warmup: bool = False
     embedder: str = ""  # "" = the embedded all-MiniLM-L6-v2
+    sample_docs: bool = True  # index the bundled user guide (data/sample) on first start
     # token budgets
     context_limit: int = 0  # 0 = the model's maximum, capped at CPU_CONTEXT_CAP on CPU
     max_new_tokens: int = 256  # the hard cap and the generation reserve

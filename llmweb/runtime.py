@@ -15,7 +15,7 @@ import time
 import psutil
 
 from . import models
-from .config import Settings
+from .config import SAMPLE_DIR, Settings
 from .context import Budget
 from .errors import ConfigError, LlmwebError
 from .kvcache import KVStore
@@ -99,6 +99,8 @@ class Runtime:
             self.engine = Engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault)
             self.loaded, self.budget = loaded, budget
             self.chat = Chat(s, self.engine, fmt, self.store, budget, library=self.library)
+            if s.sample_docs:
+                self._seed_sample()
             notes = (" " + " ".join(loaded.notes)) if loaded.notes else ""
             self._progress(f"Ready: {loaded.describe()} · context {budget.context_limit} tokens"
                            f" · started in {time.perf_counter() - t0:.0f} s.{notes}")
@@ -123,6 +125,19 @@ class Runtime:
         return self._ready.is_set() and self._error is None
 
     # ---- documents
+    def _seed_sample(self) -> None:
+        """Index the bundled user guide once per data dir, so a new user can ask about llmweb at once."""
+        marker = self.settings.data_dir / "index" / ".sample-seeded"
+        if marker.exists() or not SAMPLE_DIR.is_dir():
+            return
+        self._progress("Indexing the sample user guide…")
+        reports = self.library.ingest([SAMPLE_DIR])
+        for r in reports:
+            if not r.ok:
+                log.warning("sample corpus: %s", r.describe())
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("indexed\n")
+
     @property
     def library(self):
         with self._library_lock:

@@ -207,6 +207,38 @@ def build_app(runtime) -> gr.Blocks:
         path.write_text(text, encoding="utf-8")
         return str(path)
 
+    def documents_view():
+        docs = runtime.library.documents()
+        if not docs:
+            table = "*No documents yet. Add .txt, .md, .pdf, .html or .docx files above.*"
+        else:
+            rows = ["| document | chunks |", "|---|---:|"] + [f"| {html.escape(d.source)} | {d.chunks} |" for d in docs]
+            table = "\n".join(rows)
+        return table, gr.update(choices=[(d.source, d.doc_id) for d in docs], value=None)
+
+    def upload(files, progress=gr.Progress()):
+        if not files:
+            return gr.skip(), gr.skip(), gr.skip(), None
+        paths = [f if isinstance(f, str) else f.name for f in files]
+
+        def tell(done, total, what):
+            progress((done, max(total, 1)), desc=what)
+
+        reports = runtime.library.ingest_uploads([(p, Path(p).name) for p in paths], progress=tell)
+        lines = [("✅ " if r.ok else "⚠️ ") + html.escape(r.describe()) for r in reports]
+        table, choices = documents_view()
+        return table, choices, "\n\n".join(lines), None
+
+    def remove_document(doc_id):
+        if not doc_id:
+            raise gr.Error("Pick a document to remove first.")
+        try:
+            info = runtime.library.remove(doc_id)
+        except LlmwebError as e:
+            raise gr.Error(str(e)) from None
+        table, choices = documents_view()
+        return table, choices, f"Removed {html.escape(info.source)} ({info.chunks} chunks)."
+
     def api_chat(message: str, conversation_id: str = "") -> Iterator[str]:
         """Send one message; streams the reply text. Pass the same conversation_id to continue a chat."""
         chat = chat_or_error()
@@ -247,9 +279,17 @@ def build_app(runtime) -> gr.Blocks:
                 with gr.Row():
                     msg = gr.Textbox(placeholder="Ask anything (Enter to send)", show_label=False, scale=8,
                                      lines=1, max_lines=8, autofocus=True)
-                    send = gr.Button("Send", variant="primary", scale=1, elem_id="llmweb-send")
-                    stop = gr.Button("Stop", variant="stop", scale=1, elem_id="llmweb-stop")
+                    send = gr.Button("Send", variant="primary", scale=0, min_width=90, elem_id="llmweb-send")
+                    stop = gr.Button("Stop", variant="stop", scale=0, min_width=90, elem_id="llmweb-stop")
                 use_docs = gr.Checkbox(value=True, label="Answer from my documents when relevant")
+                with gr.Accordion("Documents", open=False, elem_id="llmweb-documents"):
+                    files = gr.File(label="Add documents", file_count="multiple", file_types=DOC_TYPES,
+                                    elem_id="llmweb-upload")
+                    ingest_md = gr.Markdown(elem_id="llmweb-ingest")
+                    docs_md = gr.Markdown(elem_id="llmweb-doclist")
+                    with gr.Row():
+                        remove_dd = gr.Dropdown(label="Remove a document", choices=[], scale=3)
+                        remove_btn = gr.Button("Remove", size="sm", scale=1)
             with gr.Column(scale=2, min_width=300):
                 gr.Markdown("### Last turn")
                 stats_md = gr.Markdown(stats_markdown({}), elem_id="llmweb-stats")
@@ -270,6 +310,9 @@ def build_app(runtime) -> gr.Blocks:
         timer.tick(lambda: (status_text(), gr.Timer(active=not runtime.ready)), None, [status, timer],
                    api_visibility="private", show_progress="hidden")
         demo.load(switch, conv_state, opened, api_visibility="private")
+        demo.load(documents_view, None, [docs_md, remove_dd], api_visibility="private")
+        files.upload(upload, files, [docs_md, remove_dd, ingest_md, files], api_visibility="private")
+        remove_btn.click(remove_document, remove_dd, [docs_md, remove_dd, ingest_md], api_visibility="private")
         gr.api(api_chat, api_name="chat")
         gr.api(api_stats, api_name="stats")
     return demo

@@ -18,6 +18,7 @@ MODEL_CACHE = REPO / "data" / "models"
 
 
 def make_settings(data_dir: Path, **kw) -> Settings:
+    kw.setdefault("sample_docs", False)
     return Settings(data_dir=data_dir, cache_dir=MODEL_CACHE, **kw)
 
 

@@ -109,3 +109,22 @@ def test_closing_the_stream_cancels_and_keeps_the_partial_reply(small_runtime):
     assert stored.turns[0].assistant
     _, fin = run_turn(chat, conv, "What is 2 + 2?")  # the worker is free
     assert fin.stats.gen.finish_reason in ("eos", "length")
+
+
+def test_question_about_the_sample_guide_cites_it(tmp_path, fp32_model):
+    rt = Runtime(make_settings(tmp_path, sample_docs=True, max_new_tokens=32, quant="fp32"),
+                 loaded=fp32_model).start(background=False)
+    try:
+        assert [d.source for d in rt.library.documents()] == ["sample/llmweb-guide.md"] or \
+            [d.source for d in rt.library.documents()] == ["llmweb-guide.md"]
+        conv = rt.store.create_conversation()
+        fin = [e for e in rt.chat.send(conv, "How do I change the model?") if isinstance(e, Finished)][0]
+        assert fin.sources, "the answer cites sources"
+        top = fin.sources[0]
+        assert top["source"].endswith("llmweb-guide.md") and top["heading"] == "How do I change the model?"
+        assert fin.stats.sections["retrieved"] > 0
+        assert "LLMWEB_MODEL" in fin.prompt_text()
+        # the sources are stored with the turn, for the UI after a reload
+        assert rt.store.get(conv).turns[0].sources == fin.sources
+    finally:
+        rt.close()
