@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from . import context, summary
+from . import context, memory, summary
 from .config import Settings
 from .engine import Engine, GenerationRequest, Tokens, Waiting
 from .errors import ConfigError, InputError
@@ -75,9 +75,9 @@ def reduced_budget(b: context.Budget) -> context.Budget:
                    retrieved_tokens=b.retrieved_tokens // 2)
 
 
-def source_dicts(chunks) -> list[dict]:
+def source_dicts(chunks, start: int = 1) -> list[dict]:
     out = []
-    for i, c in enumerate(chunks, 1):
+    for i, c in enumerate(chunks, start):
         snippet = " ".join(c.text.split())
         out.append({"n": i, "source": c.source, "page": c.page, "heading": c.heading,
                     "score": round(float(c.score), 3), "kind": c.kind,
@@ -95,6 +95,7 @@ class Chat:
         self.budget = budget
         self.library = library
         self._jobs: dict[str, threading.Thread] = {}
+        self._recall: dict = {}  # conversation id -> its recall Index
         self._jobs_lock = threading.Lock()
 
     # ---- the turn
@@ -105,20 +106,24 @@ class Chat:
         conv = self.store.get(conv_id)
         window = [t.as_turn() for t in conv.turns[conv.summarized_upto:]]
 
-        # 1) retrieve
+        # 1) retrieve: documents, and earlier turns of this chat that left the window
         chunks: list[Chunk] = []
         if use_docs and self.library is not None and len(self.library) > 0:
             chunks = self.library.search(text, k=s.top_k, min_score=s.min_score)
+        recall: list[Chunk] = []
+        if s.recall and conv.summarized_upto > 0 and self.library is not None:
+            recall = self.recall_index(conv_id).search(text, k=s.recall_k, min_score=s.min_score)
+        mem = self.memory_text(conv)
 
         # 2) plan (raises InputError with the numbers when the message cannot fit)
-        plan = context.plan(s.system_prompt, conv.summary, window, chunks, text, self.budget, self.fmt)
+        plan = context.plan(s.system_prompt, mem, window, chunks, text, self.budget, self.fmt, recall=recall)
 
         # 3) generate, with a smaller plan ready for an OOM retry
         def smaller() -> GenerationRequest | None:
             reduced = reduced_budget(self.budget)
             try:
-                p = context.plan(s.system_prompt, conv.summary, window, chunks[: max(len(chunks) // 2, 0)],
-                                 text, reduced, self.fmt)
+                p = context.plan(s.system_prompt, mem, window, chunks[: len(chunks) // 2], text, reduced,
+                                 self.fmt, recall=recall[: len(recall) // 2])
             except (InputError, ConfigError):
                 return None
             return replace(request, prompt_ids=p.ids, max_new_tokens=reduced.max_new_tokens, fallback=None)
@@ -129,7 +134,7 @@ class Chat:
             session_id=conv_id, timeout_s=s.request_timeout_s, fallback=smaller)
         handle = self.engine.submit(request)
         reply, finished = "", False
-        sources = source_dicts(plan.chunks)
+        sources = source_dicts(plan.chunks) + source_dicts(plan.recall, start=len(plan.chunks) + 1)
         try:
             for event in handle.events():
                 if isinstance(event, Waiting):
@@ -173,6 +178,8 @@ class Chat:
 
     # ---- compression
     def _maybe_compress(self, conv_id: str, plan) -> None:
+        if not self.settings.summaries:
+            return  # window only: old turns are left out (and reported), never folded
         conv = self.store.get(conv_id)
         window = conv.turns[conv.summarized_upto:]
         counts = [context.turn_tokens(self.fmt, t.as_turn()) for t in window]
@@ -183,23 +190,50 @@ class Chat:
             job = self._jobs.get(conv_id)
             if job is not None and job.is_alive():
                 return
-            job = threading.Thread(target=self._summarise, name=f"summary-{conv_id[:8]}",
-                                   args=(conv_id, conv.summary, [t.as_turn() for t in window[:n]],
-                                         conv.summarized_upto + n), daemon=True)
+            job = threading.Thread(target=self._fold, name=f"summary-{conv_id[:8]}",
+                                   args=(conv_id, conv.summary, window[:n], conv.summarized_upto + n), daemon=True)
             self._jobs[conv_id] = job
         job.start()
 
-    def _summarise(self, conv_id: str, previous: str, turns: list[Turn], upto: int) -> None:
+    def _fold(self, conv_id: str, previous: str, folded, upto: int) -> None:
+        """Fold turns out of the window: index them for recall, keep the user's facts, summarise."""
         try:
+            turns = [t.as_turn() for t in folded]
+            if self.settings.recall and self.library is not None:
+                self.recall_index(conv_id).add_chunks([
+                    Chunk(text=f"User: {t.user}\nAssistant: {t.assistant}", source=f"turn {st.idx + 1}",
+                          doc_id=f"turn-{st.idx}", kind="recall") for st, t in zip(folded, turns)])
             new = self.write_summary(previous, turns)
-            self.store.set_summary(conv_id, new, upto)
+            grounded = memory.ground(new, previous + "\n" + "\n".join(f"{t.user}\n{t.assistant}" for t in turns))
+            if grounded.dropped:
+                log.info("summary for %s: dropped %d ungrounded sentences: %s", conv_id, len(grounded.dropped),
+                         grounded.dropped)
+            known = {" ".join(f.text.lower().split()) for f in self.store.facts(conv_id)}
+            for fact in memory.extract_facts(t.user for t in turns):
+                if " ".join(fact.lower().split()) not in known:
+                    self.store.add_fact(conv_id, fact, pinned=False)
+            self.store.set_summary(conv_id, grounded.text, upto)
             self.engine.drop_session(conv_id)  # the prefix changed: the old cache is no longer useful
         except Exception:  # the turn already streamed; a failed summary is retried next turn
             log.exception("summary for %s failed", conv_id)
 
+    def memory_text(self, conv) -> str:
+        """The summary and the facts that fit their cap, as placed after the system prompt."""
+        facts = memory.select_facts(conv.facts, self.settings.facts_tokens, self.fmt.count)
+        return memory.memory_text(conv.summary, facts)
+
+    def recall_index(self, conv_id: str):
+        from .retrieval import Index
+
+        with self._jobs_lock:
+            index = self._recall.get(conv_id)
+            if index is None:
+                index = self._recall[conv_id] = Index(self.settings, f"recall-{conv_id}", embedder=self.library.embedder)
+            return index
+
     def write_summary(self, previous: str, turns: list[Turn]) -> str:
         """Ask the model (as a low-priority job) for an updated summary of `turns`."""
-        cap = self.budget.summary_tokens
+        cap = self.settings.summary_tokens
         room = self.budget.context_limit - cap - 64
         per_turn = max(room // max(len(turns), 1) // 2, 16)
         while True:
@@ -226,5 +260,21 @@ class Chat:
 
     # ---- conversations
     def delete(self, conv_id: str) -> None:
+        from .retrieval import delete_namespace
+
         self.engine.drop_session(conv_id)
         self.store.delete(conv_id)
+        with self._jobs_lock:
+            self._recall.pop(conv_id, None)
+        delete_namespace(self.settings, f"recall-{conv_id}")
+
+    # ---- memory panel
+    def add_fact(self, conv_id: str, text: str) -> None:
+        text = clean_message(text, 300)
+        self.store.add_fact(conv_id, text, pinned=True)
+
+    def set_fact_pinned(self, fact_id: int, pinned: bool) -> None:
+        self.store.set_fact_pinned(fact_id, pinned)
+
+    def delete_fact(self, fact_id: int) -> None:
+        self.store.delete_fact(fact_id)

@@ -45,6 +45,10 @@ class Settings:
     summary_tokens: int = 192
     retrieved_tokens: int = 512
     user_tokens: int = 1024
+    facts_tokens: int = 128  # the user's own fact sentences kept verbatim next to the summary
+    summaries: bool = True  # fold old turns into a summary (off: window only)
+    recall: bool = True  # retrieve earlier turns that left the window
+    recall_k: int = 3
     history_high: float = 0.85  # fold old turns into the summary past this share of the room
     history_low: float = 0.5  # ... until history is back under this share
     system_prompt: str = (
@@ -85,7 +89,7 @@ class Settings:
         check(self.device in DEVICES, f"LLMWEB_DEVICE must be one of {', '.join(DEVICES)}, not {self.device!r}")
         check(self.context_limit >= 0, "LLMWEB_CONTEXT_LIMIT must be >= 0 (0 = the model's maximum)")
         check(self.max_new_tokens >= 1, "LLMWEB_MAX_NEW_TOKENS must be >= 1")
-        for name in ("summary_tokens", "retrieved_tokens", "user_tokens", "queue_size", "top_k", "max_top_k",
+        for name in ("summary_tokens", "facts_tokens", "recall_k", "retrieved_tokens", "user_tokens", "queue_size", "top_k", "max_top_k",
                      "chunk_tokens", "port", "max_file_mb", "max_message_chars"):
             check(getattr(self, name) >= 1, f"LLMWEB_{name.upper()} must be >= 1")
         check(0 < self.history_low < self.history_high <= 1,

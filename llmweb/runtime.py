@@ -8,6 +8,7 @@ chat is usable and re-raises a load failure as a user-facing error. The CLI's `r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -86,6 +87,8 @@ class Runtime:
             loaded = self._preloaded or models.load(s, progress=self._progress)
             fmt = TemplateFormat(loaded.tokenizer)
             budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
+            # the summary section holds the summary and the user's facts (chat.memory_text)
+            budget = dataclasses.replace(budget, summary_tokens=s.summary_tokens + s.facts_tokens)
             if s.warmup:
                 self._progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
                 models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)

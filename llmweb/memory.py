@@ -1,0 +1,139 @@
+"""Long-session memory that keeps facts: grounding a model-written summary, and the user's facts.
+
+Pure text logic: no torch, no I/O. A small model's summary can invent names and numbers
+("Dana Okafor, a Maltese Terrier..."); `ground()` drops every summary sentence that carries a
+name, number or date found nowhere in the text it summarises. `extract_facts()` picks the
+user's own sentences that state facts (names, numbers, dates, preferences, "remember ...") so
+they can be kept verbatim next to the summary, whatever the model's size. `select_facts()`
+applies the token cap: pinned facts first, then the newest unpinned ones; the oldest unpinned go
+first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+FACTS_HEADER = "Facts the user stated (verbatim):"
+
+_SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)")
+_WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*|\d[\d,.:/\-]*")
+_NUMBER = re.compile(r"\d")
+_VERBISH = re.compile(r"(ed|ing|ly|s)$")
+_MONTHS = ("january february march april may june july august september october november december "
+           "monday tuesday wednesday thursday friday saturday sunday").split()
+# capitalised words that are not names: sentence starters, pronouns, chat roles
+_COMMON = set("""a an the this that these those there here it its i i'm i've i'd i'll me my mine we our you your
+he she him her his they them their what which who whom whose when where why how yes no not and but or so if
+then also in on at to for from of by with about as after before during since until while user assistant
+summary the conversation earlier later finally first second third next they've we've okay ok please thanks
+thank sure hello hi dear today tomorrow yesterday some many most all both each every any one two""".split())
+
+_FACT_CUES = re.compile(
+    r"\b(remember|my name|i am|i'm|my \w+ (?:is|are|was)|i (?:live|work|was born|like|love|prefer|hate|have|own|use)"
+    r"|call me|favou?rite|birthday|allergic|deadline|born)\b", re.I)
+
+
+@dataclass(frozen=True)
+class Grounded:
+    text: str  # the summary with ungrounded sentences removed
+    dropped: tuple[str, ...]  # the removed sentences
+
+
+def sentences(text: str) -> list[str]:
+    return [s.strip() for s in _SENTENCE.findall(text) if s.strip()]
+
+
+def salient_terms(sentence: str) -> set[str]:
+    """Names (capitalised words that are not common words), numbers and dates, lower-cased.
+
+    A sentence's first word is capitalised anyway; it counts as a name only when it does not
+    look like a verb or adverb ("Discussed", "Asking", "Mostly", "Mentions").
+    """
+    terms = set()
+    for i, word in enumerate(_WORD.findall(sentence)):
+        if _NUMBER.match(word):
+            terms.add(word.strip(".,:/-"))
+        elif word[0].isupper() and word.lower() not in _COMMON:
+            if i == 0 and _VERBISH.search(word.lower()):
+                continue
+            terms.add(_base(word))
+    return {t for t in terms if t}
+
+
+def _base(word: str) -> str:
+    w = word.lower()
+    for suffix in ("'s", "’s"):
+        if w.endswith(suffix):
+            w = w[: -len(suffix)]
+    return w.strip(".,:/-")
+
+
+def _vocabulary(source: str) -> set[str]:
+    return {_base(w) for w in _WORD.findall(source)}
+
+
+def ground(summary: str, source: str) -> Grounded:
+    """Keep only summary sentences whose names, numbers and dates all occur in `source`."""
+    vocab = _vocabulary(source)
+    kept, dropped = [], []
+    for s in sentences(summary):
+        missing = {t for t in salient_terms(s) if t not in vocab and t not in _MONTHS}
+        (dropped if missing else kept).append(s)
+    return Grounded(" ".join(kept), tuple(dropped))
+
+
+def is_fact(sentence: str) -> bool:
+    """Does a user's sentence state a fact worth keeping word for word?"""
+    s = sentence.strip()
+    if len(s.split()) < 3 or s.endswith("?"):
+        return False
+    if _FACT_CUES.search(s) or _NUMBER.search(s):
+        return True
+    words = _WORD.findall(s)
+    # a name: a capitalised, uncommon word that is not the first word
+    return any(w[0].isupper() and w.lower() not in _COMMON for w in words[1:])
+
+
+def extract_facts(user_messages: Iterable[str], max_chars: int = 300) -> list[str]:
+    """The fact-stating sentences of the user's messages, verbatim, in order, without repeats."""
+    seen, out = set(), []
+    for message in user_messages:
+        for s in sentences(message):
+            key = " ".join(s.lower().split())
+            if key in seen or len(s) > max_chars or not is_fact(s):
+                continue
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+@dataclass(frozen=True)
+class FactLike:
+    text: str
+    pinned: bool
+
+
+def select_facts(facts: Sequence, max_tokens: int, count: Callable[[str], int]) -> list:
+    """The facts that fit `max_tokens`: pinned ones first, then the newest unpinned (facts are oldest first)."""
+    chosen, used = set(), 0
+    order = [i for i, f in enumerate(facts) if f.pinned] + [i for i in reversed(range(len(facts))) if not facts[i].pinned]
+    for i in order:
+        cost = count(facts[i].text) + 2
+        if used + cost > max_tokens:
+            continue
+        chosen.add(i)
+        used += cost
+    return [f for i, f in enumerate(facts) if i in chosen]
+
+
+def facts_block(facts: Sequence) -> str:
+    if not facts:
+        return ""
+    return FACTS_HEADER + "\n" + "\n".join(f"- {f.text}" for f in facts)
+
+
+def memory_text(summary: str, facts: Sequence) -> str:
+    """What goes into the system message after the system prompt: the summary, then the facts."""
+    return "\n\n".join(part for part in (summary.strip(), facts_block(facts)) if part)
