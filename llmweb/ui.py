@@ -48,7 +48,28 @@ def _mib(n) -> str:
     return f"{(n or 0) / 2**20:,.0f} MiB"
 
 
-def stats_markdown(d: dict) -> str:
+NEAR = 0.9  # warn when a turn uses this share of the context or of the memory limit
+
+
+def warnings(d: dict, limits: dict) -> list[str]:
+    """Plain-words warnings for a turn that came near the token budget or the memory limit."""
+    out = []
+    limit = d.get("context_limit") or 0
+    used = (d.get("prompt_tokens") or 0) + (d.get("sections", {}).get("reserve") or 0)
+    if limit and used >= NEAR * limit:
+        out.append(f"⚠️ This turn used {used:,} of {limit:,} context tokens; older turns will be summarised "
+                   "or left out.")
+    if d.get("dropped_turns"):
+        out.append(f"⚠️ {d['dropped_turns']} older turns did not fit and were left out.")
+    mem = d.get("mem", {})
+    mem_limit = limits.get("mem_limit_bytes") or 0
+    peak = mem.get("peak_rss_bytes") or mem.get("rss_bytes") or 0
+    if mem_limit and peak >= NEAR * mem_limit:
+        out.append(f"⚠️ Memory is near its limit: {_mib(peak)} of {_mib(mem_limit)}.")
+    return out
+
+
+def stats_markdown(d: dict, limits: dict | None = None) -> str:
     """The last turn's TurnStats (as a dict) in plain words."""
     if not d:
         return "*No turns yet. Ask something.*"
@@ -71,7 +92,7 @@ def stats_markdown(d: dict) -> str:
                      f"{d.get('dropped_turns', 0)} left out")
     if d.get("oom_retry"):
         lines.append("- ran out of memory once; answered with a smaller prompt")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + warnings(d, limits or {}))
 
 
 def sections_html(d: dict) -> str:
@@ -117,10 +138,43 @@ def history_messages(conv) -> list[dict]:
     return out
 
 
+def fact_label(f) -> str:
+    return ("📌 " if f.pinned else "") + (f.text if len(f.text) <= 60 else f.text[:57] + "…")
+
+
 def summary_markdown(conv) -> str:
-    if not conv.summary:
-        return "*No summary yet: the whole conversation still fits in the window.*"
-    return f"Summary of the first {conv.summarized_upto} turns:\n\n{conv.summary}"
+    parts = [f"**Summary of the first {conv.summarized_upto} turns:** {html.escape(conv.summary)}" if conv.summary
+             else "*No summary yet: the whole conversation still fits in the window.*"]
+    if conv.facts:
+        parts.append("**Facts you stated** (kept word for word; 📌 = pinned, never dropped):")
+        parts += [f"- {'📌 ' if f.pinned else ''}{html.escape(f.text)}" for f in conv.facts]
+    else:
+        parts.append("*No facts kept yet. Facts you state are kept when their turn leaves the window; "
+                     "add one below to keep it now.*")
+    return "\n".join(parts)
+
+
+def plot_frames(conv):
+    """Two long-format tables for the session plots: tokens per section and memory, per turn."""
+    import pandas as pd
+
+    tokens, memory = [], []
+    for t in conv.turns:
+        d = t.stats or {}
+        turn = t.idx + 1
+        for name, n in (d.get("sections") or {}).items():
+            if name != "reserve":
+                tokens.append({"turn": turn, "section": name, "tokens": n})
+        mem = d.get("mem") or {}
+        for key, label in (("rss_bytes", "RSS"), ("cuda_allocated_bytes", "GPU allocated"),
+                           ("cuda_reserved_bytes", "GPU reserved"), ("cuda_peak_bytes", "GPU peak")):
+            if mem.get(key) is not None:
+                memory.append({"turn": turn, "measure": label, "MiB": mem[key] / 2**20})
+        for key, label in (("kv_session_bytes", "KV this chat"), ("kv_store_bytes", "KV all chats")):
+            if d.get(key) is not None:
+                memory.append({"turn": turn, "measure": label, "MiB": d[key] / 2**20})
+    return (pd.DataFrame(tokens, columns=["turn", "section", "tokens"]),
+            pd.DataFrame(memory, columns=["turn", "measure", "MiB"]))
 
 
 def build_app(runtime) -> gr.Blocks:
@@ -139,49 +193,57 @@ def build_app(runtime) -> gr.Blocks:
     def last_stats(conv) -> dict:
         return conv.turns[-1].stats if conv.turns else {}
 
-    def open_conversation(conv_id: str):
-        """(conv_id, chatbot, list, stats, bar, memory) for an existing id, or a new chat."""
+    def panel(conv, notes: str = "") -> dict:
+        """Every component that shows a conversation, filled from the store."""
+        d = last_stats(conv)
+        tokens_df, memory_df = plot_frames(conv)
+        return {
+            conv_state: conv.id,
+            chatbot: history_messages(conv),
+            conv_list: gr.update(choices=conversation_choices(), value=conv.id),
+            stats_md: stats_markdown(d, limits()) + (f"\n\n{notes}" if notes else ""),
+            bar: sections_html(d),
+            memory_md: summary_markdown(conv),
+            fact_dd: gr.update(choices=[(fact_label(f), f.id) for f in conv.facts], value=None),
+            tokens_plot: tokens_df,
+            memory_plot: memory_df,
+        }
+
+    def limits() -> dict:
+        engine = runtime.engine
+        return {"mem_limit_bytes": engine.limits.mem_limit_bytes} if engine is not None else {}
+
+    def open_conversation(conv_id: str) -> dict:
         try:
             conv = store.get(conv_id) if conv_id else None
         except NotFound:
             conv = None
         if conv is None:
             conv = store.get(store.create_conversation())
-        d = last_stats(conv)
-        return (conv.id, history_messages(conv), gr.update(choices=conversation_choices(), value=conv.id),
-                stats_markdown(d), sections_html(d), summary_markdown(conv))
+        return panel(conv)
 
     def status_text():
         return f"**llmweb** · {runtime.status}"
 
     def respond(message, history, conv_id, use_docs):
         chat = chat_or_error()
-        if not conv_id:
+        if not conv_id or not _exists(store, conv_id):
             conv_id = store.create_conversation()
-        history = list(history or [])
-        shown = history + [{"role": "user", "content": message}, {"role": "assistant", "content": "…"}]
-        stats_md, bar = gr.skip(), gr.skip()
+        shown = list(history or []) + [{"role": "user", "content": message}, {"role": "assistant", "content": "…"}]
+        notes = ""
         try:
             for event in chat.send(conv_id, message, use_docs=bool(use_docs)):
                 if isinstance(event, Queued):
                     shown[-1] = {"role": "assistant", "content": f"*Waiting: {event.position} ahead in the queue…*"}
-                    yield shown, "", gr.skip(), gr.skip(), gr.skip(), conv_id, gr.skip()
+                    yield {chatbot: shown, msg: "", conv_state: conv_id}
                 elif isinstance(event, Delta):
                     shown[-1] = {"role": "assistant", "content": event.text}
-                    yield shown, "", gr.skip(), gr.skip(), gr.skip(), conv_id, gr.skip()
+                    yield {chatbot: shown, msg: "", conv_state: conv_id}
                 elif isinstance(event, Finished):
-                    d = event.stats.to_dict()
-                    stats_md = stats_markdown(d) + ("\n\n" + " ".join(event.notes) if event.notes else "")
-                    bar = sections_html(d)
-                    shown[-1] = {"role": "assistant", "content": event.reply or "*(no reply)*"}
-                    src = sources_message(event.sources)
-                    if src:
-                        shown.append(src)
+                    notes = " ".join(event.notes)
         except LlmwebError as e:
             raise gr.Error(str(e)) from None
-        conv = store.get(conv_id)
-        yield (shown, "", stats_md, bar, summary_markdown(conv), conv_id,
-               gr.update(choices=conversation_choices(), value=conv_id))
+        yield {msg: "", **panel(store.get(conv_id), notes)}
 
     def new_chat():
         return open_conversation("")
@@ -197,6 +259,21 @@ def build_app(runtime) -> gr.Blocks:
                 store.delete(conv_id)
         remaining = store.list_conversations()
         return open_conversation(remaining[0].id if remaining else "")
+
+    def fact_action(conv_id, fact_id, action, text=""):
+        chat = chat_or_error()
+        try:
+            if action == "add":
+                chat.add_fact(conv_id, text)
+            elif fact_id is None:
+                raise gr.Error("Pick a fact first.")
+            elif action == "delete":
+                chat.delete_fact(int(fact_id))
+            else:
+                chat.set_fact_pinned(int(fact_id), action == "pin")
+        except LlmwebError as e:
+            raise gr.Error(str(e)) from None
+        return {new_fact: "", **panel(store.get(conv_id))}
 
     def export(conv_id, kind):
         if not conv_id:
@@ -294,22 +371,39 @@ def build_app(runtime) -> gr.Blocks:
                 gr.Markdown("### Last turn")
                 stats_md = gr.Markdown(stats_markdown({}), elem_id="llmweb-stats")
                 bar = gr.HTML("", elem_id="llmweb-sections")
-                with gr.Accordion("Memory", open=False):
+                with gr.Accordion("Memory", open=False, elem_id="llmweb-memory-panel"):
                     memory_md = gr.Markdown(elem_id="llmweb-memory")
+                    fact_dd = gr.Dropdown(label="Fact", choices=[], elem_id="llmweb-fact")
+                    with gr.Row():
+                        pin_btn = gr.Button("Pin", size="sm")
+                        unpin_btn = gr.Button("Unpin", size="sm")
+                        del_fact_btn = gr.Button("Delete", size="sm", variant="stop")
+                    with gr.Row():
+                        new_fact = gr.Textbox(placeholder="Something to remember, word for word", show_label=False,
+                                              scale=3)
+                        add_fact_btn = gr.Button("Remember", size="sm", scale=1)
+                gr.Markdown("### This chat, turn by turn")
+                tokens_plot = gr.LinePlot(x="turn", y="tokens", color="section", height=220,
+                                          title="Prompt tokens by section", elem_id="llmweb-tokens-plot")
+                memory_plot = gr.LinePlot(x="turn", y="MiB", color="measure", height=220,
+                                          title="Memory", elem_id="llmweb-memory-plot")
 
-        outputs = [chatbot, msg, stats_md, bar, memory_md, conv_state, conv_list]
-        opened = [conv_state, chatbot, conv_list, stats_md, bar, memory_md]
-        ev_submit = msg.submit(respond, [msg, chatbot, conv_state, use_docs], outputs, api_visibility="private")
-        ev_send = send.click(respond, [msg, chatbot, conv_state, use_docs], outputs, api_visibility="private")
+        shown = [conv_state, chatbot, conv_list, stats_md, bar, memory_md, fact_dd, tokens_plot, memory_plot]
+        inputs = [msg, chatbot, conv_state, use_docs]
+        ev_submit = msg.submit(respond, inputs, shown + [msg], api_name="respond_enter", api_visibility="private")
+        ev_send = send.click(respond, inputs, shown + [msg], api_name="respond")
         stop.click(None, None, None, cancels=[ev_submit, ev_send])
-        new_btn.click(new_chat, None, opened, api_visibility="private")
-        conv_list.input(switch, conv_list, opened, api_visibility="private")
-        delete_btn.click(delete_chat, conv_state, opened, api_visibility="private")
+        new_btn.click(new_chat, None, shown, api_visibility="private")
+        conv_list.input(switch, conv_list, shown, api_visibility="private")
+        delete_btn.click(delete_chat, conv_state, shown, api_visibility="private")
         export_md.click(lambda c: export(c, "md"), conv_state, export_md, api_visibility="private")
         export_json.click(lambda c: export(c, "json"), conv_state, export_json, api_visibility="private")
+        for button, action in ((pin_btn, "pin"), (unpin_btn, "unpin"), (del_fact_btn, "delete"), (add_fact_btn, "add")):
+            button.click(lambda c, f, t, a=action: fact_action(c, f, a, t), [conv_state, fact_dd, new_fact],
+                         shown + [new_fact], api_visibility="private")
         timer.tick(lambda: (status_text(), gr.Timer(active=not runtime.ready)), None, [status, timer],
                    api_visibility="private", show_progress="hidden")
-        demo.load(switch, conv_state, opened, api_visibility="private")
+        demo.load(switch, conv_state, shown, api_visibility="private")
         demo.load(documents_view, None, [docs_md, remove_dd], api_visibility="private")
         files.upload(upload, files, [docs_md, remove_dd, ingest_md, files], api_visibility="private")
         remove_btn.click(remove_document, remove_dd, [docs_md, remove_dd, ingest_md], api_visibility="private")

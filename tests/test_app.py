@@ -36,3 +36,21 @@ def test_streamed_reply_names_paris(served):
     stats = json.loads(client.predict(conv.id, api_name="/stats"))
     assert stats["generated_tokens"] >= 1 and stats["prompt_tokens"] > 0
     assert stats["mem"]["rss_bytes"] > 0
+
+
+def test_ui_panel_and_plots_update_after_each_turn(served):
+    """The Send button's event (api name "respond"): the stats panel and the session plots per turn."""
+    _runtime, url = served
+    client = Client(url, verbose=False)
+    history, conv = [], ""
+    for turn, question in enumerate(["What is the capital of France?", "And of Italy?"], 1):
+        conv, history, _lst, stats_md, bar, _memory, _facts, tokens, memory, _msg = client.predict(
+            question, history, conv, True, api_name="/respond")
+        assert f"**Turn {turn}**" in stats_md and "prompt **" in stats_md
+        assert "llmweb-bar" in bar and "system" in bar
+        token_turns = {row[0] for row in tokens["data"]}
+        assert token_turns == set(range(1, turn + 1)), tokens["data"]
+        measures = {(row[0], row[1]) for row in memory["data"]}
+        assert (turn, "RSS") in measures and (turn, "KV this chat") in measures
+        assert [m["role"] for m in history[-2:]] == ["user", "assistant"]
+    assert "reused" in stats_md
