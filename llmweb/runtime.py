@@ -25,6 +25,15 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 
+def gpu_entry(fn):
+    """`@spaces.GPU` where the `spaces` package is present (Hugging Face ZeroGPU); elsewhere `fn` itself."""
+    try:
+        import spaces
+    except ImportError:
+        return fn
+    return spaces.GPU(fn)
+
+
 def kv_budget_bytes(settings: Settings, loaded) -> int:
     """LLMWEB_KV_BUDGET_MB, or a quarter of free device memory after loading (CPU: 1/16 of RAM, <= 1 GiB)."""
     if settings.kv_budget_mb > 0:
@@ -99,7 +108,8 @@ class Runtime:
                 mem_limit_bytes=cpu_mem_limit_bytes(s) if loaded.on_cpu else 0,
                 mem_margin_bytes=s.mem_margin_mb * 2**20, frag_release_bytes=s.frag_release_mb * 2**20,
                 kv_reuse=s.kv_reuse)
-            self.engine = Engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault)
+            self.engine = Engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault,
+                                 gpu=gpu_entry)
             self.loaded, self.budget = loaded, budget
             self.chat = Chat(s, self.engine, fmt, self.store, budget, library=self.library)
             if s.sample_docs:

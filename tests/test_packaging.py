@@ -42,3 +42,9 @@ def test_dockerfile_is_non_root_with_healthcheck_volume_and_port():
     assert re.search(r"^USER (?!root)\w+", text, re.M)
     assert "HEALTHCHECK" in text and "/gradio_api/info" in text
     assert re.search(r"^VOLUME /data", text, re.M) and re.search(r"^EXPOSE 7860", text, re.M)
+
+
+def test_readme_shows_the_same_install_lines():
+    make = install_block(REPO / "Makefile", r"^\$\(BIN\)/")
+    readme = install_block(REPO / "README.md", r"^\.venv/bin/")
+    assert readme == make
