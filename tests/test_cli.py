@@ -1,0 +1,60 @@
+"""The command line as a user runs it: replay, ingest, search (subprocesses, real model and embedder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import MODEL_CACHE, REPO
+
+KEYS = {"turn", "prompt_tokens", "generated_tokens", "ttft_s", "decode_tok_s", "total_s", "reply", "mem",
+        "sections", "dropped_turns", "summarized_turns", "summary_tokens", "reused_tokens", "prefilled_tokens",
+        "kv_session_bytes", "kv_store_bytes"}
+
+
+def run_cli(tmp_path, *args, **env):
+    full_env = {**os.environ, "LLMWEB_DATA_DIR": str(tmp_path / "data"), "LLMWEB_CACHE_DIR": str(MODEL_CACHE),
+                "LLMWEB_SAMPLE_DOCS": "0", **env}
+    return subprocess.run([sys.executable, "-m", "llmweb", *args], cwd=REPO, env=full_env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_replay_prints_one_json_object_per_turn(tmp_path):
+    script = tmp_path / "chat.jsonl"
+    questions = [f"Question {i}: name a country in Europe." for i in range(10)]
+    script.write_text("\n".join(json.dumps({"user": q}) for q in questions) + "\n")
+    out = run_cli(tmp_path, "replay", str(script), "--json", "--prompt-text", LLMWEB_MAX_NEW_TOKENS="12")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["turn"] for r in rows] == list(range(1, 11))
+    for r, q in zip(rows, questions):
+        assert KEYS <= set(r), KEYS - set(r)
+        assert r["mem"]["rss_bytes"] > 0 and r["generated_tokens"] >= 1
+        assert q in r["prompt_text"]
+        assert sum(v for k, v in r["sections"].items() if k != "reserve") == r["prompt_tokens"]
+    assert all(r["reused_tokens"] > 0 for r in rows[1:]), "later turns reuse the session's KV cache"
+
+
+def test_replay_rejects_a_malformed_script(tmp_path):
+    script = tmp_path / "bad.jsonl"
+    script.write_text('{"user": "hi"}\nnot json\n')
+    out = run_cli(tmp_path, "replay", str(script), "--json")
+    assert out.returncode == 2 and "bad.jsonl:2: expected a JSON object" in out.stderr
+
+
+def test_ingest_then_search_json(tmp_path):
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "rover.md").write_text("# Rover\n\nThe Zephyr-7 rover's battery lasts 412 hours on one charge.\n")
+    (docs / "sub" / "tea.txt").write_text("Green tea is steeped at 80 degrees for two minutes.\n")
+    (docs / "sub" / "junk.bin").write_bytes(b"\x00\x01")
+    out = run_cli(tmp_path, "ingest", str(docs))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 of 2 files indexed" in out.stdout
+    out = run_cli(tmp_path, "search", "how long does the rover battery last", "--k", "2", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    hits = json.loads(out.stdout)
+    assert hits[0]["source"].endswith("rover.md") and "412 hours" in hits[0]["text"]
+    assert set(hits[0]) == {"source", "page", "text", "score"} and len(hits) <= 2
