@@ -144,15 +144,16 @@ class Chat:
                     yield Delta(reply)
             finished = True
         finally:
-            if not finished:
+            if not finished:  # closed early (stop, disconnect) or failed (time limit, OOM)
                 handle.cancel()
                 if handle.generated:  # keep what was shown; the worker stops within a token
-                    self._record(conv_id, text, self.fmt.decode(handle.generated), None, plan, sources, conv)
+                    stats = self._stats(handle.stats, plan, conv) if handle.stats else None
+                    self._record(conv_id, text, self.fmt.decode(handle.generated).strip(), stats, plan, sources)
         reply = self.fmt.decode(handle.generated).strip()
-        stats = self._stats(handle.stats, plan, conv, len(conv.turns))
+        stats = self._stats(handle.stats, plan, conv)
 
         # 4) record
-        self._record(conv_id, text, reply, stats, plan, sources, conv)
+        self._record(conv_id, text, reply, stats, plan, sources)
         notes = []
         if handle.stats.finish_reason == "cancelled":
             notes.append("Stopped.")
@@ -165,15 +166,15 @@ class Chat:
             self.wait_background(conv_id)
         yield Finished(reply, stats, sources, notes, plan.messages)
 
-    def _stats(self, gen, plan, conv, turn_index: int) -> TurnStats:
-        return TurnStats(turn=turn_index + 1, gen=gen, sections=dict(plan.sections),
+    def _stats(self, gen, plan, conv) -> TurnStats:
+        return TurnStats(turn=len(conv.turns) + 1, gen=gen, sections=dict(plan.sections),
                          context_limit=plan.context_limit, dropped_turns=plan.dropped_turns,
                          summarized_turns=conv.summarized_upto, summary_tokens=plan.summary_tokens,
                          dropped_chunks=len(plan.dropped_chunks))
 
-    def _record(self, conv_id, text, reply, stats, plan, sources, conv) -> None:
-        d = stats.to_dict() if stats is not None else {"finish_reason": "cancelled",
-                                                        "prompt_tokens": len(plan.ids)}
+    def _record(self, conv_id, text, reply, stats, plan, sources) -> None:
+        d = stats.to_dict() if stats is not None else {"finish_reason": "cancelled", "prompt_tokens": len(plan.ids),
+                                                        "sections": dict(plan.sections)}
         self.store.add_turn(conv_id, text, reply, d, sources)
 
     # ---- compression
