@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
@@ -146,6 +147,10 @@ class Chat:
         finally:
             if not finished:  # closed early (stop, disconnect) or failed (time limit, OOM)
                 handle.cancel()
+                for _ in range(40):  # the worker notices within a token; then its stats are complete
+                    if handle.stats is not None or handle.error is not None:
+                        break
+                    time.sleep(0.05)
                 if handle.generated:  # keep what was shown; the worker stops within a token
                     stats = self._stats(handle.stats, plan, conv) if handle.stats else None
                     self._record(conv_id, text, self.fmt.decode(handle.generated).strip(), stats, plan, sources)
@@ -173,8 +178,9 @@ class Chat:
                          dropped_chunks=len(plan.dropped_chunks))
 
     def _record(self, conv_id, text, reply, stats, plan, sources) -> None:
-        d = stats.to_dict() if stats is not None else {"finish_reason": "cancelled", "prompt_tokens": len(plan.ids),
-                                                        "sections": dict(plan.sections)}
+        d = stats.to_dict() if stats is not None else {
+            "turn": len(self.store.get(conv_id).turns) + 1, "finish_reason": "cancelled",
+            "prompt_tokens": len(plan.ids), "sections": dict(plan.sections), "context_limit": plan.context_limit}
         self.store.add_turn(conv_id, text, reply, d, sources)
 
     # ---- compression

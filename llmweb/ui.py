@@ -11,7 +11,9 @@ from __future__ import annotations
 import html
 import json
 import logging
+import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -48,6 +50,7 @@ def _mib(n) -> str:
     return f"{(n or 0) / 2**20:,.0f} MiB"
 
 
+_MD_LEAD = re.compile(r"^\s*(#{1,6}\s+|[>*+-]\s+|\d+[.)]\s+)+")
 NEAR = 0.9  # warn when a turn uses this share of the context or of the memory limit
 
 
@@ -121,8 +124,9 @@ def sources_message(sources: list[dict]) -> dict | None:
     lines = []
     for s in sources:
         where = f", p. {s['page']}" if s.get("page") else (f", {s['heading']}" if s.get("heading") else "")
+        snippet = _MD_LEAD.sub("", s["snippet"])  # a chunk may start with "# Heading": not a heading here
         lines.append(f"**[{s['n']}] {html.escape(s['source'])}{html.escape(where)}** · score {s['score']:.2f}\n"
-                     f"> {html.escape(s['snippet'])}")
+                     f"> {html.escape(snippet)}")
     return {"role": "assistant", "content": "\n\n".join(lines),
             "metadata": {"title": f"Sources ({len(sources)})", "status": "done"}}
 
@@ -131,7 +135,9 @@ def history_messages(conv) -> list[dict]:
     out: list[dict] = []
     for t in conv.turns:
         out.append({"role": "user", "content": t.user})
-        out.append({"role": "assistant", "content": t.assistant or "*(no reply)*"})
+        stopped = (t.stats or {}).get("finish_reason") == "cancelled"
+        out.append({"role": "assistant", "content": (t.assistant or "") + ("\n\n*(stopped)*" if stopped else "")
+                    or "*(no reply)*"})
         src = sources_message(t.sources)
         if src:
             out.append(src)
@@ -173,8 +179,9 @@ def plot_frames(conv):
         for key, label in (("kv_session_bytes", "KV this chat"), ("kv_store_bytes", "KV all chats")):
             if d.get(key) is not None:
                 memory.append({"turn": turn, "measure": label, "MiB": d[key] / 2**20})
-    return (pd.DataFrame(tokens, columns=["turn", "section", "tokens"]),
-            pd.DataFrame(memory, columns=["turn", "measure", "MiB"]))
+    # numeric dtypes even when empty: an empty frame of objects would make the plot's axes categorical
+    return (pd.DataFrame(tokens, columns=["turn", "section", "tokens"]).astype({"turn": "int64", "tokens": "float64"}),
+            pd.DataFrame(memory, columns=["turn", "measure", "MiB"]).astype({"turn": "int64", "MiB": "float64"}))
 
 
 def build_app(runtime) -> gr.Blocks:
@@ -205,8 +212,10 @@ def build_app(runtime) -> gr.Blocks:
             bar: sections_html(d),
             memory_md: summary_markdown(conv),
             fact_dd: gr.update(choices=[(fact_label(f), f.id) for f in conv.facts], value=None),
-            tokens_plot: tokens_df,
-            memory_plot: memory_df,
+            # None, not an empty frame, for a chat without turns: after an empty frame the plot
+            # would stop drawing lines for later updates in this page (seen in Gradio 6.31)
+            tokens_plot: tokens_df if len(tokens_df) else None,
+            memory_plot: memory_df if len(memory_df) else None,
         }
 
     def limits() -> dict:
@@ -244,6 +253,18 @@ def build_app(runtime) -> gr.Blocks:
         except LlmwebError as e:
             raise gr.Error(str(e)) from None
         yield {msg: "", **panel(store.get(conv_id), notes)}
+
+    def after_stop(conv_id, history):
+        """After Stop: wait (briefly) for the partial turn to be stored, then show it as stopped."""
+        if not conv_id or not _exists(store, conv_id):
+            return gr.skip()
+        asked = sum(1 for m in history or [] if m.get("role") == "user")
+        deadline = time.monotonic() + 5.0
+        conv = store.get(conv_id)
+        while len(conv.turns) < asked and time.monotonic() < deadline:
+            time.sleep(0.1)
+            conv = store.get(conv_id)
+        return panel(conv, "Stopped.")
 
     def new_chat():
         return open_conversation("")
@@ -340,7 +361,7 @@ def build_app(runtime) -> gr.Blocks:
 
     with gr.Blocks(title="llmweb") as demo:
         conv_state = gr.BrowserState("", storage_key="llmweb_conversation")
-        status = gr.Markdown(status_text(), elem_id="llmweb-status")
+        status = gr.Markdown(status_text, elem_id="llmweb-status")  # a callable: fresh on every page load
         timer = gr.Timer(1.0)
         with gr.Row():
             with gr.Column(scale=1, min_width=220):
@@ -392,7 +413,8 @@ def build_app(runtime) -> gr.Blocks:
         inputs = [msg, chatbot, conv_state, use_docs]
         ev_submit = msg.submit(respond, inputs, shown + [msg], api_name="respond_enter", api_visibility="private")
         ev_send = send.click(respond, inputs, shown + [msg], api_name="respond")
-        stop.click(None, None, None, cancels=[ev_submit, ev_send])
+        stop.click(None, None, None, cancels=[ev_submit, ev_send]).then(
+            after_stop, [conv_state, chatbot], shown, api_visibility="private")
         new_btn.click(new_chat, None, shown, api_visibility="private")
         conv_list.input(switch, conv_list, shown, api_visibility="private")
         delete_btn.click(delete_chat, conv_state, shown, api_visibility="private")

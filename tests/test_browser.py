@@ -1,0 +1,434 @@
+"""The real app, served by `python -m llmweb serve`, driven in headless Debian chromium like a user.
+
+One server and one browser page per module; the steps run in file order and build on each other
+(one conversation): a streamed answer with its stats, a stopped long answer, a question answered
+from an uploaded document with its cited source, and a reload that restores the chat.
+Screenshots of each step go to test-artifacts/browser/ (git-ignored); a failing step also leaves
+`<step>-failure.png` and `<step>-failure.html` there.
+
+Skipped when /usr/bin/chromium is missing, unless LLMWEB_REQUIRE_BROWSER=1 (CI), which turns the
+skip into a failure. `pytest -m "not browser"` leaves it out on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts" / "browser"
+MODEL_CACHE = REPO / "data" / "models"
+CHROMIUM = Path("/usr/bin/chromium")
+REQUIRE = os.environ.get("LLMWEB_REQUIRE_BROWSER") == "1"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+MAX_NEW_TOKENS = 160
+STARTUP_S = 180.0   # process up and serving /gradio_api/info
+READY_S = 600.0     # the status line says Ready (first run converts the GGUF, ~20 s on an idle machine)
+REPLY_S = 180.0     # one answer, on a busy 2-core machine
+VIEWPORT = {"width": 1500, "height": 1000}
+
+# The one message box is the chat column's textbox; reply bubbles are bot messages that are not
+# collapsible "thought" blocks (the Sources block is one of those).
+MESSAGE_BOX = 'textarea[data-testid="textbox"][placeholder^="Ask anything"]'
+USER_MSGS = '#llmweb-chat [data-testid="user"]'
+REPLY_MSGS = '#llmweb-chat .message:not(.thought) > [data-testid="bot"]'
+THOUGHTS = "#llmweb-chat .thought"
+TOASTS = '[data-testid="toast-text"]'
+
+DOC_NAME = "zephyr-notes.md"
+DOC_TEXT = """# Zephyr-7 rover notes
+
+The Zephyr-7 rover's battery lasts 412 hours.
+It was built for long surveys of dry lake beds.
+"""
+
+_missing = None
+if not CHROMIUM.exists():
+    _missing = f"{CHROMIUM} is missing (Debian: apt-get install chromium)"
+else:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError as e:  # pragma: no cover - requirements-dev.txt installs it
+        _missing = f"the Python package playwright is not installed ({e})"
+if _missing and not REQUIRE:
+    pytest.skip(f"browser test skipped: {_missing}; set LLMWEB_REQUIRE_BROWSER=1 to make this a failure",
+                allow_module_level=True)
+
+
+# ---- helpers
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str) -> int | None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+    try:
+        with opener.open(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path):
+        self.proc, self.url, self.log_path = proc, url, log_path
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return "(no server log)"
+        return "\n".join(lines[-n:])
+
+
+def poll(fn, timeout: float, what: str, server: Server | None = None, page=None, interval: float = 0.25):
+    """Call fn until it returns something truthy; fail with `what`, the last value and the server log."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        last = fn()
+        if last:
+            return last
+        if page is not None:
+            toasts = [t for t in page.locator(TOASTS).all_inner_texts() if t.strip()]
+            if toasts:
+                raise AssertionError(f"while waiting for {what}, the app showed an error: {toasts}")
+        if server is not None and server.proc.poll() is not None:
+            raise AssertionError(f"the server exited ({server.proc.returncode}) while waiting for {what}\n"
+                                 f"{server.log_tail()}")
+        if time.monotonic() > deadline:
+            log = f"\n--- server log ---\n{server.log_tail()}" if server is not None else ""
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {last!r}{log}")
+        time.sleep(interval)
+
+
+def wait_stable(fn, what: str, server: Server, page, quiet_s: float = 1.0, timeout: float = 60.0):
+    """Wait until fn() has returned the same value for quiet_s seconds (animations, late updates)."""
+    last = {"value": object(), "since": time.monotonic()}
+
+    def settled():
+        value = fn()
+        if value != last["value"]:
+            last.update(value=value, since=time.monotonic())
+        return time.monotonic() - last["since"] >= quiet_s
+    poll(settled, timeout, what, server, page, interval=0.1)
+    return last["value"]
+
+
+def reply_texts(page) -> list[str]:
+    return [t.strip() for t in page.locator(REPLY_MSGS).all_inner_texts()]
+
+
+def user_texts(page) -> list[str]:
+    return [t.strip() for t in page.locator(USER_MSGS).all_inner_texts()]
+
+
+def is_real_text(t: str) -> bool:
+    """Reply text, not the app's placeholders ("…" before the first token, "Waiting: …" in the queue)."""
+    t = (t or "").strip()
+    return bool(t) and t != "…" and not t.startswith("Waiting")
+
+
+def stats_turn(page) -> int:
+    m = re.search(r"Turn (\d+)", page.locator("#llmweb-stats").inner_text())
+    return int(m.group(1)) if m else 0
+
+
+def shot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+@contextlib.contextmanager
+def step(page, name: str):
+    """On failure, leave a screenshot and the page's HTML next to the other artifacts."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            shot(page, f"{name}-failure.png")
+            (ARTIFACTS / f"{name}-failure.html").write_text(page.content(), encoding="utf-8")
+        raise
+
+
+# In-page recorder: every distinct text the last reply bubble showed, in order (a MutationObserver
+# sees each streamed update even when the test's own polling would miss a fast one).
+RECORDER_JS = """(sel) => {
+  window.__llmwebTexts = [];
+  const record = () => {
+    const all = document.querySelectorAll(sel);
+    if (!all.length) return;
+    const t = all[all.length - 1].innerText.trim();
+    const seen = window.__llmwebTexts;
+    if (!seen.length || seen[seen.length - 1] !== t) seen.push(t);
+  };
+  if (window.__llmwebObserver) window.__llmwebObserver.disconnect();
+  window.__llmwebObserver = new MutationObserver(record);
+  window.__llmwebObserver.observe(document.querySelector('#llmweb-chat'),
+                                  {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def start_recording(page) -> None:
+    page.evaluate(RECORDER_JS, REPLY_MSGS)
+
+
+def recorded(page) -> list[str]:
+    return page.evaluate("() => window.__llmwebTexts || []")
+
+
+def send(page, text: str) -> None:
+    box = page.locator(MESSAGE_BOX)
+    box.fill(text)
+    page.locator("#llmweb-send").click()
+
+
+def ask(page, server: Server, text: str) -> tuple[str, int]:
+    """Send a message and wait for the finished turn (the stats panel moves to a newer turn)."""
+    before = stats_turn(page)
+    n_replies = len(reply_texts(page))
+    start_recording(page)
+    send(page, text)
+    turn = poll(lambda: (t if (t := stats_turn(page)) > before else 0), REPLY_S,
+                f"the stats panel to move past turn {before} after asking {text!r}", server, page)
+    replies = reply_texts(page)
+    assert len(replies) > n_replies, f"no new reply bubble after {text!r}: {replies}"
+    return replies[-1], turn
+
+
+def token_counter():
+    """Count tokens with the chat model's own tokenizer (from the shared converted-model cache)."""
+    try:
+        from tokenizers import Tokenizer
+
+        path = next(iter(sorted(MODEL_CACHE.rglob("tokenizer.json"))), None)
+        if path is not None:
+            tok = Tokenizer.from_file(str(path))
+            return lambda s: len(tok.encode(s, add_special_tokens=False).ids)
+    except Exception:  # pragma: no cover - fall back to a rough estimate
+        pass
+    return lambda s: len(s) // 4
+
+
+# ---- fixtures
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if _missing:
+        pytest.fail(f"LLMWEB_REQUIRE_BROWSER=1 but {_missing}", pytrace=False)
+    data_dir = tmp_path_factory.mktemp("browser-data")
+    port = free_port()
+    env = dict(os.environ)
+    env.update(LLMWEB_DATA_DIR=str(data_dir), LLMWEB_CACHE_DIR=str(MODEL_CACHE),
+               LLMWEB_MAX_NEW_TOKENS=str(MAX_NEW_TOKENS), LLMWEB_SAMPLE_DOCS="0", LLMWEB_HOST="127.0.0.1",
+               GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
+    env.pop("LLMWEB_AUTH", None)
+    log_path = data_dir / "server.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "llmweb", "serve", "--port", str(port)],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    srv = Server(proc, f"http://127.0.0.1:{port}/", log_path)
+    try:
+        poll(lambda: http_status(srv.url + "gradio_api/info") == 200, STARTUP_S,
+             "GET /gradio_api/info to answer 200", srv, interval=1.0)
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+        log.close()
+        with contextlib.suppress(OSError):
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            (ARTIFACTS / "server.log").write_bytes(log_path.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport=VIEWPORT)
+            pg = context.new_page()
+            pg.set_default_timeout(60_000)
+            pg.goto(server.url, wait_until="domcontentloaded", timeout=120_000)
+            with step(pg, "startup"):
+                pg.locator("#llmweb-status").wait_for(timeout=120_000)
+
+                def ready():
+                    text = pg.locator("#llmweb-status").inner_text()
+                    if "failed" in text.lower():
+                        raise AssertionError(f"the status line reports a failure: {text}\n{server.log_tail()}")
+                    return "Ready" in text
+                poll(ready, READY_S, 'the status line (#llmweb-status) to say "Ready"', server, interval=1.0)
+                pg.locator(MESSAGE_BOX).wait_for(state="visible")
+            yield pg
+        finally:
+            browser.close()
+
+
+# ---- the steps (in file order; they share one conversation)
+def test_streamed_reply_with_stats_and_sections(page, server):
+    with step(page, "chat"):
+        assert "No turns yet" in page.locator("#llmweb-stats").inner_text()
+        reply, turn = ask(page, server, "What is the capital of France?")
+        assert turn == 1
+        assert "Paris" in reply, reply
+        streamed = [t for t in recorded(page) if is_real_text(t)]
+        assert len(set(streamed)) >= 2, f"the reply did not stream in pieces: {streamed}"
+        assert streamed[-1] == reply and all(reply.startswith(t.rstrip("…").strip()[:10]) for t in streamed), \
+            f"the streamed texts do not grow into the reply: {streamed}"
+        assert user_texts(page) == ["What is the capital of France?"]
+
+        stats = page.locator("#llmweb-stats").inner_text()
+        m = re.search(r"prompt ([\d,]+) tokens", stats)
+        g = re.search(r"generated ([\d,]+) tokens", stats)
+        assert m and int(m.group(1).replace(",", "")) > 0, stats
+        assert g and int(g.group(1).replace(",", "")) > 0, stats
+        assert "first token after" in stats and "RSS" in stats, stats
+
+        bar = page.locator("#llmweb-sections .llmweb-bar")
+        bar.wait_for(state="visible")
+        assert bar.locator("div").count() >= 2, "the sections bar has at most one section"
+        legend = page.locator("#llmweb-sections .llmweb-legend").inner_text()
+        for name in ("system", "user", "free"):
+            assert name in legend, legend
+        shot(page, "chat.png")
+
+
+def test_stop_keeps_partial_reply_and_app_still_answers(page, server):
+    with step(page, "stopped"):
+        n_replies = len(reply_texts(page))
+        turn_before = stats_turn(page)
+        start_recording(page)
+        send(page, "Write a very long story about a dragon who learns to fly.")
+
+        def some_text():
+            replies = reply_texts(page)
+            return len(replies) > n_replies and is_real_text(replies[-1]) and len(replies[-1].split()) >= 3
+        poll(some_text, REPLY_S, "the long answer to start streaming", server, page, interval=0.1)
+        page.locator("#llmweb-stop").click()
+        at_click = reply_texts(page)[-1]
+
+        # The page then shows the partial reply as stored, marked "(stopped)", and it stays put.
+        poll(lambda: reply_texts(page)[-1].endswith("(stopped)"), 60,
+             'the partial reply to be marked "(stopped)"', server, page)
+        stopped = wait_stable(lambda: reply_texts(page)[-1], "the reply to stop changing after Stop", server, page,
+                              quiet_s=1.5)
+        time.sleep(3.0)
+        assert reply_texts(page)[-1] == stopped, "the reply kept growing after Stop"
+        assert stopped.startswith(at_click.rstrip("…").strip()), (at_click, stopped)
+        assert "Stopped." in page.locator("#llmweb-stats").inner_text()
+
+        count = token_counter()
+        assert count(stopped) <= MAX_NEW_TOKENS * 3 // 4, \
+            f"the stopped reply has {count(stopped)} tokens, about a full {MAX_NEW_TOKENS}-token answer: {stopped!r}"
+        shot(page, "stopped.png")
+
+        reply, turn = ask(page, server, "What is the capital of Italy?")
+        assert is_real_text(reply), reply
+        assert turn > turn_before
+        assert user_texts(page)[-1] == "What is the capital of Italy?"
+
+
+def test_uploaded_document_is_cited(page, server, tmp_path):
+    with step(page, "cited-source"):
+        doc = tmp_path / DOC_NAME
+        doc.write_text(DOC_TEXT, encoding="utf-8")
+        page.locator("#llmweb-documents").get_by_text("Documents", exact=True).first.click()
+        page.locator("#llmweb-upload").wait_for(state="visible")
+        page.locator("#llmweb-upload input[type=file]").set_input_files(str(doc))
+
+        def listed():
+            m = re.search(re.escape(DOC_NAME) + r"\s*\|?\s*(\d+)", page.locator("#llmweb-doclist").inner_text())
+            return m and int(m.group(1))
+        chunks = poll(listed, REPLY_S, f"{DOC_NAME} in the documents list with its chunk count", server, page)
+        assert chunks >= 1
+        ingest = page.locator("#llmweb-ingest").inner_text()
+        assert DOC_NAME in ingest and "chunk" in ingest, ingest
+
+        n_thoughts = page.locator(THOUGHTS).count()
+        reply, _turn = ask(page, server, "How long does the Zephyr-7 rover's battery last?")
+        assert is_real_text(reply), reply
+        assert page.locator(THOUGHTS).count() == n_thoughts + 1, "no Sources block after the reply"
+        sources = page.locator(THOUGHTS).last
+        title = sources.locator(".title").inner_text()
+        m = re.search(r"Sources \((\d+)\)", title)
+        assert m and int(m.group(1)) >= 1, title
+        # The Sources block belongs to the last reply: it is the chat's last bot element.
+        last_bot = page.locator('#llmweb-chat [data-testid="bot"]').last
+        assert "Sources (" in last_bot.inner_text(), last_bot.inner_text()
+
+        page.locator("#llmweb-chat > [data-testid=status-tracker].hide").wait_for(state="attached", timeout=60_000)
+        sources.locator(".title").click()
+        text = poll(lambda: (t if DOC_NAME in (t := sources.inner_text()) else ""), 30,
+                    f"the opened Sources block to name {DOC_NAME}", server, page)
+        assert "412 hours" in text, text
+        assert "&#x27;" not in text and "&amp;" not in text, f"HTML entities shown as text: {text!r}"
+        # The block slides open (slowly on a busy machine): wait until its height stops changing,
+        # then scroll the chat log to its end (the Sources block is its last element).
+        wait_stable(lambda: sources.bounding_box()["height"], "the Sources block to finish opening", server, page)
+        log = page.locator('#llmweb-chat [role="log"]')
+        log.evaluate("e => { e.scrollTop = e.scrollHeight; }")
+        wait_stable(lambda: log.evaluate("e => e.scrollHeight - e.scrollTop - e.clientHeight"),
+                    "the chat log to rest at its end", server, page)
+        shot(page, "cited-source.png")
+
+
+def test_reload_restores_the_chat(page, server):
+    with step(page, "reloaded"):
+        users_before = user_texts(page)
+        replies_before = reply_texts(page)
+        turn_before = stats_turn(page)
+        assert len(users_before) == 4, users_before
+
+        page.reload(wait_until="domcontentloaded")
+        poll(lambda: user_texts(page) == users_before, REPLY_S,
+             f"the reloaded page to show the earlier messages {users_before}", server, page)
+        replies = poll(lambda: (r if len(r := reply_texts(page)) == len(replies_before) else None), 60,
+                       "the earlier replies after the reload", server, page)
+        assert replies[0] == replies_before[0]
+        assert "Paris" in replies[0]
+        # The stopped reply comes back from the server as it was stored: short, so the server
+        # stopped generating (not just the page updating).
+        stopped_shown, stopped_stored = replies_before[1], replies[1]
+        assert stopped_stored.startswith(stopped_shown.rstrip("…").strip()), (stopped_shown, stopped_stored)
+        assert token_counter()(stopped_stored) <= MAX_NEW_TOKENS * 3 // 4, stopped_stored
+        assert page.locator(THOUGHTS).count() >= 1, "the Sources block was not restored"
+        poll(lambda: stats_turn(page) == turn_before, 60, f"the stats panel to show turn {turn_before} again",
+             server, page)
+        poll(lambda: "Ready" in page.locator("#llmweb-status").inner_text(), 60,
+             'the status line to say "Ready" after the reload', server, page)
+        # Show the start of the restored chat in the screenshot (the log autoscrolls to its end
+        # while it renders, so scroll again until it stays). Only the picture depends on this.
+        first = page.locator(USER_MSGS).first
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            page.locator('#llmweb-chat [role="log"]').evaluate("e => { e.scrollTop = 0; }")
+            page.wait_for_timeout(300)
+            if first.evaluate("e => { const r = e.getBoundingClientRect(), c = e.closest('[role=log]')"
+                              ".getBoundingClientRect(); return r.top >= c.top - 1 && r.bottom <= c.bottom + 1; }"):
+                break
+        shot(page, "reloaded.png")
