@@ -44,6 +44,7 @@ SOURCES_HEADER = "Sources:"
 OVER_BUDGET = "over the retrieved-text budget"
 NO_ROOM = "no room left in the context"
 
+PROTECTED_TURNS = 2  # the newest turns, kept verbatim before the summary and retrieved text get room
 SECTIONS = ("system", "summary", "history", "recall", "retrieved", "user", "reserve")
 
 
@@ -189,17 +190,25 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
                          f"context limit is {limit:,}. Shorten your message.")
     left = limit - fixed
 
+    # the newest turns outrank the summary and retrieved text: keep room for them first
+    protected = 0
+    for turn in list(reversed(turns))[:PROTECTED_TURNS]:
+        cost = turn_tokens(fmt, turn)
+        if protected + cost > left:
+            break
+        protected += cost
+
     # 2) the running summary: ours, so it is cut (at a sentence end) rather than refused
     given = summary.strip()
     used_summary = cap_text(given, budget.summary_tokens, fmt.count) if given else ""
     n_summary = _summary_cost(fmt, system, used_summary, n_system)
-    while used_summary and n_summary > left:
-        used_summary = cap_text(used_summary, fmt.count(used_summary) - (n_summary - left), fmt.count)
+    while used_summary and n_summary > left - protected:
+        used_summary = cap_text(used_summary, fmt.count(used_summary) - (n_summary - (left - protected)), fmt.count)
         n_summary = _summary_cost(fmt, system, used_summary, n_system)
     left -= n_summary
 
     # 3) retrieved text: recalled passages and document chunks share one budget; whole, best first
-    cap = min(budget.retrieved_tokens, left)
+    cap = min(budget.retrieved_tokens, left - protected)
     pool = sorted([(c, True) for c in recall] + [(c, False) for c in chunks], key=lambda p: -p[0].score)
     docs: list[Chunk] = []
     recs: list[Chunk] = []

@@ -3,9 +3,12 @@
 The engine speaks token ids. It knows nothing of text, chat templates, retrieval or the UI.
 
     submit(GenerationRequest) -> Handle       (bounded queue; BusyError when full)
-    for event in handle.events(): ...        Waiting(position) | Tokens(ids); raises domain errors
+    for event in handle.events(): ...        Waiting(position) | Tokens(ids) | Restarted(reason);
+                                              raises domain errors
+    handle.generated                          the ids of the reply so far (reset by Restarted)
     handle.stats                              GenerationStats once finished
-    handle.cancel()                           stops within a token; frees the worker
+    handle.cancel()                           stops within a token (or a prefill chunk) and frees
+                                              the worker; a queued request leaves the queue at once
 
 One request runs at a time, whoever submits it (UI, API, CLI, tests): Gradio's concurrency
 limits are per event group and do not guarantee that (DESIGN.md). Interactive requests are
@@ -22,8 +25,15 @@ For each request the worker
      checking cancel / time limit between steps;
   4) stores the session's cache (prompt + generated[:-1]) for the next turn, or drops it.
 `torch.OutOfMemoryError` anywhere in 2-3 frees that request's cache, evicts idle caches,
-empties the allocator and retries once with the request's smaller `fallback`; the worker
-itself never dies.
+empties the allocator and retries once with the request's smaller `fallback` (the tokens already
+streamed are void: `Restarted` tells the consumer to start the reply over); the worker itself
+never dies. The retry runs only after the failed attempt's exception is gone, because its
+traceback would keep that attempt's frames, and with them its KV cache and activations, alive.
+
+When idle, the worker expires old session caches and, on CUDA, empties the allocator cache once
+reserved − allocated passes `frag_release_bytes` (`release_fragmentation`, counted in
+`counters.idle_releases`). Every request's stats carry the memory snapshot after it, including
+the allocator's fragmentation figures on CUDA.
 """
 
 from __future__ import annotations
@@ -74,6 +84,13 @@ class Tokens:
     ids: list[int]
 
 
+@dataclass(frozen=True)
+class Restarted:
+    """The ids streamed so far are void (`handle.generated` is empty again); a retry starts over."""
+
+    reason: str  # "oom": ran out of memory, retrying with the request's smaller fallback
+
+
 _DONE = object()
 
 
@@ -94,7 +111,9 @@ class Handle:
         self.generated: list[int] = []
 
     def cancel(self) -> None:
+        """Stop this request: a running one within a token, a queued one at once (it leaves the queue)."""
         self._cancel.set()
+        self._engine._withdraw(self)
 
     @property
     def cancelled(self) -> bool:
@@ -105,16 +124,20 @@ class Handle:
         """1-based place among waiting interactive requests; 0 once running or done."""
         return self._engine.position(self)
 
-    def events(self, poll_s: float = 0.5) -> Iterator[Waiting | Tokens]:
-        """Yield Waiting while queued, then Tokens as they come; raise the request's error if any."""
-        last_pos = None
+    def events(self, poll_s: float = 0.5) -> Iterator[Waiting | Tokens | Restarted]:
+        """Yield Waiting every `poll_s` while queued, then Tokens as they come (Restarted before an
+        OOM retry); raise the request's error if any.
+
+        Waiting repeats even when the position has not changed: a consumer that streams to a
+        client (a Gradio generator) only learns that its client left when it yields, and must not
+        sit silently in the queue until its turn comes.
+        """
         while True:
             try:
                 item = self._events.get(timeout=poll_s)
             except queue.Empty:
                 pos = self.position
-                if pos and pos != last_pos:
-                    last_pos = pos
+                if pos:
                     yield Waiting(pos)
                 continue
             if item is _DONE:
@@ -133,6 +156,10 @@ class Handle:
     def _emit(self, ids: list[int]) -> None:
         self.generated.extend(ids)
         self._events.put(Tokens(ids))
+
+    def _restart(self, reason: str) -> None:
+        self.generated = []  # a new list: a reader never sees the old ids and new ones mixed
+        self._events.put(Restarted(reason))
 
     def _finish(self, stats: GenerationStats | None, error: LlmwebError | None = None) -> None:
         self.stats, self.error = stats, error
@@ -158,14 +185,17 @@ class _Counters:
     served: int = 0
     ooms: int = 0
     refused: int = 0
-    idle_releases: int = 0
+    idle_releases: int = 0  # allocator caches emptied while idle (release_fragmentation)
+    idle_released_bytes: int = 0  # reserved bytes those gave back to the device
     history: list = field(default_factory=list)
 
 
 class Engine:
     def __init__(self, model, device: str, kv: KVStore, limits: EngineLimits, kv_bytes_per_token: int,
-                 fault: Callable[[int], None] | None = None):
+                 fault: Callable[[int], None] | None = None, gpu: Callable | None = None):
         self.model = model
+        if gpu is not None:  # e.g. @spaces.GPU on ZeroGPU Spaces: the GPU entry point is one generation
+            self._generate = gpu(self._generate)
         self.device = device
         self.kv = kv
         self.limits = limits
@@ -175,6 +205,8 @@ class Engine:
         self._lock = threading.Condition()
         self._waiting: deque[Handle] = deque()
         self._background: deque[Handle] = deque()
+        self._current: Handle | None = None  # the request being served
+        self._frag_floor = 0  # fragmentation left after the last idle release (it could not free more)
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="llmweb-engine", daemon=True)
         self._thread.start()
@@ -215,15 +247,32 @@ class Engine:
         self.kv.drop(session_id)
 
     def close(self, timeout: float = 5.0) -> None:
+        """Refuse new requests, cancel the queued ones and the running one, and stop the worker."""
         with self._lock:
             self._stopped = True
             pending = list(self._waiting) + list(self._background)
             self._waiting.clear()
             self._background.clear()
+            current = self._current
             self._lock.notify_all()
         for h in pending:
             h._finish(None, Cancelled("The engine shut down before this request ran."))
+        if current is not None:
+            current._cancel.set()  # stops within a token; its consumer gets the partial reply
         self._thread.join(timeout)
+
+    def _withdraw(self, handle: Handle) -> None:
+        """Take a cancelled request out of its queue, so that it no longer holds a place there."""
+        with self._lock:
+            for lane in (self._waiting, self._background):
+                try:
+                    lane.remove(handle)
+                    break
+                except ValueError:
+                    continue
+            else:
+                return  # running, done, or never queued: the worker sees the flag
+        handle._finish(None, Cancelled("Cancelled before it started."))
 
     # ---- the worker
     def _next(self) -> Handle | None:
@@ -237,7 +286,8 @@ class Engine:
                         self._lock.acquire()
             if self._stopped:
                 return None
-            return (self._waiting or self._background).popleft()
+            self._current = (self._waiting or self._background).popleft()
+            return self._current
 
     def _loop(self) -> None:
         while True:
@@ -264,31 +314,30 @@ class Engine:
             self.counters.active += 1
             self.counters.max_active = max(self.counters.max_active, self.counters.active)
         try:
-            try:
-                predicted = self._admit(handle)
-                stats = self._generate(handle, request, predicted)
-            except torch.OutOfMemoryError:
+            stats = self._attempt(handle, request, admit=True)
+            if stats is None:  # out of memory; the failed attempt's frames are already freed
                 self.counters.ooms += 1
                 self._recover()
                 smaller = request.fallback() if request.fallback else None
                 if smaller is None:
                     raise OutOfMemory("Out of memory while generating; nothing smaller to retry with. "
-                                      "Try a shorter message or fewer documents.") from None
+                                      "Try a shorter message or fewer documents.")
                 smaller = _cap(smaller, self.limits.max_new_tokens)
                 log.warning("engine: OOM; retrying request %s with %d prompt tokens (was %d)",
                             handle.id, len(smaller.prompt_ids), len(request.prompt_ids))
-                try:
-                    predicted = self._predict(smaller)
-                    stats = self._generate(handle, smaller, predicted)
-                except torch.OutOfMemoryError:
+                handle._restart("oom")
+                stats = self._attempt(handle, smaller, admit=False)
+                if stats is None:
                     self.counters.ooms += 1
                     self._recover()
                     raise OutOfMemory("Out of memory even with a smaller prompt. Try a shorter message, "
-                                      "fewer documents, or a smaller model / 4-bit weights.") from None
+                                      "fewer documents, or a smaller model / 4-bit weights.")
                 stats.oom_retry = True
         finally:
             with self._lock:
                 self.counters.active -= 1
+                self._current = None
+            self._frag_floor = 0  # allocations changed: the next idle period may release again
         stats.queue_wait_s = wait_s
         self.counters.served += 1
         if stats.finish_reason == "cancelled":
@@ -299,6 +348,22 @@ class Engine:
                 f"{self._timeout(handle.request):.0f} s."))
         else:
             handle._finish(stats)
+
+    def _attempt(self, handle: Handle, request: GenerationRequest, admit: bool) -> GenerationStats | None:
+        """Admit (or only predict) and generate once; None if it ran out of memory.
+
+        Returning instead of raising matters: while an OOM exception is alive, its traceback holds
+        the frames of the failed forward pass, with this request's KV cache and activations. Once
+        this handler returns they are freed, before `_recover` empties the allocator cache.
+        """
+        import torch
+
+        try:
+            predicted = self._admit(handle) if admit else self._predict(request)
+            return self._generate(handle, request, predicted)
+        except torch.OutOfMemoryError as e:
+            log.warning("engine: request %s ran out of memory: %s", handle.id, str(e).splitlines()[0][:200])
+            return None
 
     # ---- 1) admission
     def _predict(self, request: GenerationRequest) -> int:
@@ -326,6 +391,8 @@ class Engine:
             available = self._available()
             if need <= available:
                 return need
+            if handle.cancelled:
+                raise Cancelled("Cancelled while waiting for memory.")
             if not evicted:
                 # the request's own session cache counts as reusable memory, others are idle
                 freed = self.kv.evict(self.kv.budget_bytes)  # everything idle
@@ -334,7 +401,7 @@ class Engine:
                 self._empty_cache()
                 log.info("engine: admission evicted %d bytes of idle KV caches", freed)
                 continue
-            if time.perf_counter() >= deadline or handle.cancelled:
+            if time.perf_counter() >= deadline:
                 self.counters.refused += 1
                 raise AdmissionError(
                     f"This request needs ~{_gib(need)} of memory but only {_gib(max(available, 0))} is free; "
@@ -383,38 +450,45 @@ class Engine:
                     reused = 0
                 stats.reused_tokens, stats.prefilled_tokens = reused, len(prompt) - reused
 
-                # prefill the rest in chunks
+                # prefill the rest in chunks; a cancel or the time limit stops between chunks
+                n_rest = len(prompt) - reused
                 rest = torch.tensor([prompt[reused:]], device=self.device)  # (1, n_rest)
-                for start in range(0, rest.shape[1], PREFILL_CHUNK):
+                filled, stop = reused, None
+                for start in range(0, n_rest, PREFILL_CHUNK):
+                    if start and (stop := _stop_reason(handle, t0, timeout)):
+                        break
                     logits = forward(rest[:, start:start + PREFILL_CHUNK], cache)  # (1, vocab)
+                    filled = reused + min(start + PREFILL_CHUNK, n_rest)
                 del rest
-                sampler = _Sampler(request, prompt, self.device)
+                stats.prefilled_tokens = filled - reused
 
                 # 3) decode
                 finish = "length"
                 generated: list[int] = []
                 t_first = None
-                for step in range(request.max_new_tokens):
-                    next_id = sampler(logits)
+                if stop is not None:
+                    finish = stop
                     del logits
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                        stats.ttft_s = t_first - t0
-                    if next_id in request.stop_ids:
-                        finish = "eos"
-                        break
-                    generated.append(next_id)
-                    handle._emit([next_id])
-                    rss.sample()
-                    if handle.cancelled:
-                        finish = "cancelled"
-                        break
-                    if time.perf_counter() - t0 > timeout:
-                        finish = "timeout"
-                        break
-                    if step + 1 == request.max_new_tokens:
-                        break
-                    logits = forward(torch.tensor([[next_id]], device=self.device), cache)
+                else:
+                    sampler = _Sampler(request, prompt, self.device)
+                    for step in range(request.max_new_tokens):
+                        next_id = sampler(logits)
+                        del logits
+                        if t_first is None:
+                            t_first = time.perf_counter()
+                            stats.ttft_s = t_first - t0
+                        if next_id in request.stop_ids:
+                            finish = "eos"
+                            break
+                        generated.append(next_id)
+                        handle._emit([next_id])
+                        rss.sample()
+                        if stop := _stop_reason(handle, t0, timeout):
+                            finish = stop
+                            break
+                        if step + 1 == request.max_new_tokens:
+                            break
+                        logits = forward(torch.tensor([[next_id]], device=self.device), cache)
                 t_end = time.perf_counter()
                 stats.finish_reason = finish
                 stats.generated_tokens = len(generated)
@@ -423,7 +497,11 @@ class Engine:
                 stats.total_s = t_end - t0
                 # 4) keep the cache for the session's next turn. Every generated token but the
                 #    last was fed back; after a stop token, all kept ones were (it was not kept).
-                held_ids = prompt + (generated if finish == "eos" else generated[:-1])
+                #    A prefill stopped early holds only the prompt's first `filled` tokens.
+                if filled < len(prompt):
+                    held_ids = prompt[:filled]
+                else:
+                    held_ids = prompt + (generated if finish == "eos" else generated[:-1])
                 assert cache.get_seq_length() == len(held_ids), \
                     f"cache {cache.get_seq_length()} != ids {len(held_ids)} ({finish})"
                 stats.kv_session_bytes = cache_nbytes(cache)
@@ -456,11 +534,31 @@ class Engine:
     def _idle(self) -> None:
         """Between requests: expire old session caches; release a fragmented allocator cache."""
         self.kv.expire()
-        if is_cuda(self.device):
-            snap = memory_snapshot(self.device)
-            if (snap.fragmentation_bytes or 0) > self.limits.frag_release_bytes:
-                self._empty_cache()
-                self.counters.idle_releases += 1
+        self.release_fragmentation()
+
+    def release_fragmentation(self) -> int:
+        """Empty the allocator cache once reserved − allocated passes `frag_release_bytes`.
+
+        CUDA only (a no-op elsewhere); the worker calls it when idle. What `empty_cache()` could
+        not give back (segments that still hold live tensors) is remembered, so an idle worker
+        does not try again every second for nothing; serving a request resets that. Returns the
+        reserved bytes given back to the device.
+        """
+        if not is_cuda(self.device):
+            return 0
+        before = memory_snapshot(self.device)
+        frag = before.fragmentation_bytes or 0
+        if frag <= max(self.limits.frag_release_bytes, self._frag_floor):
+            return 0
+        self._empty_cache()
+        after = memory_snapshot(self.device)
+        self._frag_floor = after.fragmentation_bytes or 0
+        released = max((before.cuda_reserved_bytes or 0) - (after.cuda_reserved_bytes or 0), 0)
+        self.counters.idle_releases += 1
+        self.counters.idle_released_bytes += released
+        log.info("engine: idle; reserved − allocated was %s (inactive split %s), emptied the allocator "
+                 "cache: %s given back", _gib(frag), _gib(before.cuda_inactive_split_bytes or 0), _gib(released))
+        return released
 
 
 class _Sampler:
@@ -497,6 +595,14 @@ class _Sampler:
             nxt = int(torch.multinomial(probs, 1, generator=self.gen)[0, 0])
         self.ids = torch.cat([self.ids, torch.tensor([[nxt]], device=self.ids.device)], dim=1)
         return nxt
+
+
+def _stop_reason(handle: Handle, t0: float, timeout: float) -> str | None:
+    if handle.cancelled:
+        return "cancelled"
+    if time.perf_counter() - t0 > timeout:
+        return "timeout"
+    return None
 
 
 def _cap(request: GenerationRequest, cap: int) -> GenerationRequest:

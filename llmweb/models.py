@@ -137,31 +137,51 @@ def _float_dtype(quant: str, device: str):
     return torch.bfloat16
 
 
-def _load_kwargs(quant: str, device: str) -> dict:
+def _load_kwargs(quant: str, device: str, offload: bool = False) -> dict:
     import torch
     from transformers import BitsAndBytesConfig
 
     kw: dict = {"attn_implementation": "sdpa", "dtype": _float_dtype(quant, device)}
+    # Offloaded layers stay unquantised on the CPU/disk; bitsandbytes refuses such a device map
+    # unless told so (transformers' quantizer raises ValueError, which would silently turn into
+    # the float fallback below, loaded whole onto a GPU it does not fit).
+    cpu_offload = {"llm_int8_enable_fp32_cpu_offload": True} if offload else {}
     if quant == "4bit":
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16)
+            bnb_4bit_compute_dtype=torch.bfloat16, **cpu_offload)
     elif quant == "8bit":
-        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, **cpu_offload)
     if device != "cpu" or quant in ("4bit", "8bit"):
         kw["device_map"] = {"": device}
     return kw
 
 
 def _offload_kwargs(settings: Settings) -> dict:
-    """device_map="auto" with a GPU memory cap and a disk folder, for a model too big for the GPU."""
+    """device_map="auto" with a GPU memory cap and a disk folder, for a model too big for the GPU.
+
+    GPU 0 gets its free memory minus LLMWEB_MEM_MARGIN_MB (the margin is what the KV caches and
+    activations run in); the CPU gets 80% of the RAM available now, so what does not fit there
+    goes to the offload folder under the data dir instead of swapping or meeting the OOM killer.
+    """
+    import psutil
     import torch
 
     free, _total = torch.cuda.mem_get_info()
-    gpu_cap = max(int(free - settings.mem_margin_mb * 2**20), 2**30)
+    gpu_cap = max(int(free - settings.mem_margin_mb * 2**20), 0)
+    cpu_cap = int(psutil.virtual_memory().available * 0.8)
     folder = settings.data_dir / "offload"
     folder.mkdir(parents=True, exist_ok=True)
-    return {"device_map": "auto", "max_memory": {0: gpu_cap, "cpu": "64GiB"}, "offload_folder": str(folder)}
+    return {"device_map": "auto", "max_memory": {0: gpu_cap, "cpu": cpu_cap}, "offload_folder": str(folder)}
+
+
+def load_kwargs(settings: Settings, quant: str, device: str) -> dict:
+    """Everything `from_pretrained` gets for this quantisation and device (offload on CUDA only)."""
+    offload = settings.offload and device != "cpu"
+    kw = _load_kwargs(quant, device, offload=offload)
+    if offload:
+        kw.update(_offload_kwargs(settings))
+    return kw
 
 
 def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
@@ -181,10 +201,7 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
     try:
         if quant in ("4bit", "8bit"):
             import bitsandbytes  # noqa: F401  (fails here, clearly, when the platform lacks it)
-        kw = _load_kwargs(quant, device)
-        if settings.offload and device != "cpu":
-            kw.update(_offload_kwargs(settings))
-        model = AutoModelForCausalLM.from_pretrained(source, **kw)
+        model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, quant, device))
     except (ImportError, RuntimeError, ValueError, OSError, NotImplementedError) as e:
         if quant not in ("4bit", "8bit"):
             raise
@@ -192,7 +209,7 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         notes.append(f"{quant} is not available here ({type(e).__name__}: {e}); loaded {fallback} instead.")
         log.warning(notes[-1])
         quant = fallback
-        model = AutoModelForCausalLM.from_pretrained(source, **_load_kwargs(quant, device))
+        model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, quant, device))
     model.eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
     compute = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

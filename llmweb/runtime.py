@@ -161,6 +161,8 @@ class Runtime:
             return self._library
 
     def close(self) -> None:
+        if self.chat is not None:
+            self.chat.wait_background(timeout=30)  # summaries write to the store
         if self.engine is not None:
             self.engine.close()
         self.store.close()

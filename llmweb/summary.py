@@ -71,10 +71,10 @@ def turns_to_fold(turn_token_counts: Sequence[int], room: int, high: float, low:
 
     - While sum <= high * room: 0. The window, and so the prompt prefix, only grows.
     - Past it: the fewest oldest turns that bring the rest down to <= low * room, except that
-      the newest `keep` turns are not folded while they fit in the room (even if they alone are
-      over the low-water mark: then everything older goes). Turns that cannot fit in the room
-      at all are folded whatever `keep` says, since the planner would leave them out anyway;
-      that can empty the window.
+      the newest `keep` turns are never folded (even if they alone are over the low-water mark:
+      then everything older goes). The planner keeps room for them before the summary and
+      retrieved text; one too big for the whole room is left out (and reported) until it is
+      no longer among the newest, and is folded then.
     """
     if not 0 < low < high <= 1:
         raise ValueError(f"need 0 < low < high <= 1, got low={low}, high={high}")
@@ -91,8 +91,7 @@ def turns_to_fold(turn_token_counts: Sequence[int], room: int, high: float, low:
         return n
 
     n_low = fewest_to_fold(low * room)
-    n_room = fewest_to_fold(room)  # <= n_low
-    return max(min(n_low, max(len(counts) - keep, 0)), n_room)
+    return min(n_low, max(len(counts) - keep, 0))
 
 
 def summary_request_messages(previous_summary: str, turns: Sequence[Turn], max_tokens: int) -> tuple[str, str]:

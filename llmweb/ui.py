@@ -19,7 +19,7 @@ from typing import Iterator
 
 import gradio as gr
 
-from .chat import Delta, Finished, Queued
+from .chat import Delta, Finished, Queued, clean_message
 from .errors import LlmwebError
 from .store import NotFound
 
@@ -236,6 +236,10 @@ def build_app(runtime) -> gr.Blocks:
 
     def respond(message, history, conv_id, use_docs):
         chat = chat_or_error()
+        try:
+            clean_message(message, settings.max_message_chars)  # refuse before creating a conversation
+        except LlmwebError as e:
+            raise gr.Error(str(e)) from None
         if not conv_id or not _exists(store, conv_id):
             conv_id = store.create_conversation()
         shown = list(history or []) + [{"role": "user", "content": message}, {"role": "assistant", "content": "…"}]
@@ -340,15 +344,21 @@ def build_app(runtime) -> gr.Blocks:
     def api_chat(message: str, conversation_id: str = "") -> Iterator[str]:
         """Send one message; streams the reply text. Pass the same conversation_id to continue a chat."""
         chat = chat_or_error()
+        created = ""
         try:
-            conv_id = conversation_id if conversation_id and _exists(store, conversation_id) else \
-                store.create_conversation()
+            clean_message(message, settings.max_message_chars)  # refuse before creating a conversation
+            conv_id = conversation_id if conversation_id and _exists(store, conversation_id) else ""
+            if not conv_id:
+                conv_id = created = store.create_conversation()
             for event in chat.send(conv_id, message):
-                if isinstance(event, Delta):
+                if isinstance(event, Queued):
+                    yield ""  # nothing to show yet; lets Gradio notice a client that left while queued
+                elif isinstance(event, Delta):
                     yield event.text
                 elif isinstance(event, Finished):
                     yield event.reply
         except LlmwebError as e:
+            _drop_if_empty(store, created)
             raise gr.Error(str(e)) from None
 
     def api_stats(conversation_id: str) -> str:
@@ -432,6 +442,12 @@ def build_app(runtime) -> gr.Blocks:
         gr.api(api_chat, api_name="chat")
         gr.api(api_stats, api_name="stats")
     return demo
+
+
+def _drop_if_empty(store, conv_id: str) -> None:
+    """Delete a conversation this call created if the message was refused (no turn was stored)."""
+    if conv_id and _exists(store, conv_id) and not store.get(conv_id).turns:
+        store.delete(conv_id)
 
 
 def _exists(store, conv_id: str) -> bool:

@@ -123,13 +123,14 @@ def test_summary_over_budget_is_cut_at_a_sentence_and_reported():
     assert "of the summary" in p.left_out
 
 
-def test_summary_is_cut_to_the_room_left_before_chunks_and_history():
+def test_summary_is_cut_to_the_room_left_after_the_newest_turns():
     fmt = FakeFormat()
     b = budget(limit=60, new=10, summary=200)
     p = plan("s", words(100), [Turn("a", "b")], [Chunk("c", "f.txt", score=1)], "hi", b, fmt)
-    # 60 - 10 reserve - 4 system - 6 user = 40 left: the 6-word header + 34 words of summary
-    assert p.summary == words(34) and p.summary_cut == 66 and p.free == 0
-    assert p.kept_turns == 0 and p.chunks == () and p.dropped_chunks[0][1] == NO_ROOM
+    # 60 - 10 reserve - 4 system - 6 user = 40 left; the newest turn (8) first: the 6-word
+    # header + 26 words of summary, and no room for the chunk
+    assert p.summary == words(26) and p.summary_cut == 74 and p.free == 0
+    assert p.kept_turns == 1 and p.chunks == () and p.dropped_chunks[0][1] == NO_ROOM
     check_invariants(p, fmt, "s", [Turn("a", "b")], "hi", b)
 
 
@@ -252,3 +253,17 @@ def test_plan_invariants(system, summary, turns, chunks, recall, user_len, b):
     assert " ".join(summary.split()).startswith(p.summary)
     assert p.summary_tokens <= b.summary_tokens
     assert p.summary_tokens + p.summary_cut == fmt.count(summary)
+
+
+def test_newest_two_turns_outrank_summary_and_retrieved_text():
+    from llmweb.context import Budget, plan
+    from llmweb.records import Chunk, Turn
+    from tests.fakes import FakeFormat
+
+    fmt = FakeFormat()
+    turns = [Turn(f"question {i} " + "q " * 10, f"answer {i} " + "a " * 10) for i in range(6)]
+    chunks = [Chunk(text="chunk " * 60, source=f"doc{i}.md", score=0.9 - i / 10) for i in range(4)]
+    budget = Budget(context_limit=200, max_new_tokens=20, summary_tokens=80, retrieved_tokens=150, user_tokens=50)
+    p = plan("sys", "summary " * 70, turns, chunks, "hello there", budget, fmt)
+    assert p.kept_turns >= 2, p.sections
+    assert len(p.ids) + budget.max_new_tokens <= 200
