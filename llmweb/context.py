@@ -147,14 +147,18 @@ def system_message(system: str, summary: str) -> str:
 
 
 def compose_user_message(user_message: str, chunks: Sequence[Chunk] = (), recall: Sequence[Chunk] = ()) -> str:
-    """The current user message: earlier passages, numbered sources, then the user's text as given."""
-    parts = []
+    """The current user message: the user's text as given, then earlier passages and numbered sources.
+
+    The user's text comes first on purpose. History keeps only that text, so next turn the
+    session's KV cache still matches up to its end, and only the reply after it is prefilled
+    again; with the passages first, all of them would be prefilled again every turn.
+    """
+    parts = [user_message]
     if recall:
         parts.append(RECALL_HEADER + "\n" + "\n\n".join(f"({c.label()}) {c.text.strip()}" for c in recall))
     if chunks:
         parts.append(SOURCES_HEADER + "\n" + "\n\n".join(
             f"[{i}] {c.label()}:\n{c.text.strip()}" for i, c in enumerate(chunks, 1)))
-    parts.append(user_message)
     return "\n\n".join(parts)
 
 

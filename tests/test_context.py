@@ -57,8 +57,8 @@ def check_invariants(p, fmt, system, turns, user_message, b):
     if p.dropped_turns:
         assert turn_tokens(fmt, turns[p.dropped_turns - 1]) > p.free
     assert p.history_room == p.sections["history"] + p.free
-    # the user's text is the end of the last message, unchanged
-    assert p.messages[-1][0] == "user" and p.messages[-1][1].endswith(user_message)
+    # the user's text opens the last message, unchanged (passages follow it)
+    assert p.messages[-1][0] == "user" and p.messages[-1][1].startswith(user_message)
     assert p.sections["recall"] + p.sections["retrieved"] <= b.retrieved_tokens
 
 
@@ -73,7 +73,7 @@ def test_layout_sections_and_numbering():
                                ("user", "what is x"), ("assistant", "x is y"))
     assert [c.source for c in p.chunks] == ["guide.md", "notes.txt"]  # best score first, tagged [1], [2]
     last = p.messages[-1][1]
-    assert last == "Sources:\n[1] guide.md, p. 2:\nguide text here\n\n[2] notes.txt:\nlow text\n\nand z?"
+    assert last == "and z?\n\nSources:\n[1] guide.md, p. 2:\nguide text here\n\n[2] notes.txt:\nlow text"
     assert p.kept_turns == 2 and p.dropped_turns == 0 and p.dropped_chunks == ()
     sys_ids = fmt.system_ids(SYSTEM)
     assert p.sections["system"] == len(sys_ids)
@@ -155,7 +155,7 @@ def test_recall_shares_the_budget_and_has_its_own_section():
     doc = Chunk(words(20), "guide.md", score=0.5)
     p = plan(SYSTEM, "", [], [doc], "colour?", budget(), fmt, recall=[rec])
     last = p.messages[-1][1]
-    assert last.startswith("Earlier in this conversation:\n(this conversation, turn 3) we chose blue\n\n")
+    assert "\n\nEarlier in this conversation:\n(this conversation, turn 3) we chose blue\n\nSources:" in last
     assert "[1] guide.md:" in last  # document numbering is not shifted by recalled passages
     assert p.recall == (rec,) and p.chunks == (doc,)
     assert p.sections["recall"] > 0 and p.sections["retrieved"] > 0
