@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     docs_cli.add_parsers(sub)
     bench.add_parser(sub)
+    bench.add_capacity_parser(sub)
     return p
 
 

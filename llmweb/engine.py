@@ -217,7 +217,8 @@ class Engine:
             raise ValueError("max_new_tokens must be >= 1")
         if len(request.prompt_ids) == 0:
             raise ValueError("empty prompt")
-        request = _cap(request, self.limits.max_new_tokens)
+        if not request.background:  # the cap is for replies; a summary has its own (LLMWEB_SUMMARY_TOKENS)
+            request = _cap(request, self.limits.max_new_tokens)
         handle = Handle(request, self)
         with self._lock:
             if self._stopped:
@@ -367,8 +368,9 @@ class Engine:
 
     # ---- 1) admission
     def _predict(self, request: GenerationRequest) -> int:
-        kv = self.kv_bytes_per_token * (len(request.prompt_ids) + request.max_new_tokens)
-        return int(kv * (1 + ACTIVATION_MARGIN) + ACTIVATION_FLOOR)
+        heads = getattr(getattr(self.model, "config", None), "num_attention_heads", 0) or 0
+        kv, activation = predict_bytes(self.kv_bytes_per_token, heads, len(request.prompt_ids), request.max_new_tokens)
+        return kv + activation
 
     def _available(self) -> int:
         if is_cuda(self.device):
@@ -559,6 +561,16 @@ class Engine:
         log.info("engine: idle; reserved − allocated was %s (inactive split %s), emptied the allocator "
                  "cache: %s given back", _gib(frag), _gib(before.cuda_inactive_split_bytes or 0), _gib(released))
         return released
+
+
+def predict_bytes(kv_bytes_per_token: int, heads: int, prompt_tokens: int, max_new_tokens: int) -> tuple[int, int]:
+    """(KV bytes, activation bytes) of one request. Activations: a margin on the KV, a floor, and
+    the attention scores of one prefill chunk against the whole context (heads x chunk x context
+    x 4 bytes), which dominate at long contexts (measured by `capacity` at 4096 tokens)."""
+    tokens = prompt_tokens + max_new_tokens
+    kv = kv_bytes_per_token * tokens
+    scores = heads * min(PREFILL_CHUNK, prompt_tokens) * tokens * 4
+    return kv, int(kv * ACTIVATION_MARGIN + scores + ACTIVATION_FLOOR)
 
 
 class _Sampler:

@@ -40,7 +40,7 @@ class ChatFormat(Protocol):
 class TemplateFormat:
     """A `ChatFormat` over a Hugging Face tokenizer and its chat template."""
 
-    def __init__(self, tokenizer, cache_size: int = 8192):
+    def __init__(self, tokenizer, cache_size: int = 2048):
         self.tokenizer = tokenizer
         render = self._render
         probe = render([{"role": "system", "content": _PROBE_SYSTEM}])

@@ -1,0 +1,457 @@
+"""Capacity: predicted vs measured peak memory per (context, concurrency), on ONE engine.
+
+`python -m llmweb capacity --context 512,1024,2048 --concurrency 1,2,4`
+
+For each combination, `concurrency` sessions each submit a real prompt (the chat template
+around filler text, `context - max_new_tokens` tokens, checked with the format) to a single
+`Engine`, all at once, with session ids so every session's KV cache stays resident afterwards.
+That is what concurrency costs here: the app has one generation worker, so a second user does
+not run in parallel; their request waits in the queue, and their KV cache stays in memory
+between turns. The figures therefore show queueing and resident caches, not parallel
+activations.
+
+Per combination we record
+  - the prediction from the model config: weights + KV (`kv_bytes_per_token` x (prompt +
+    max_new_tokens) x sessions) + the engine's activation margin for the one running request
+    (`engine.predict_bytes`: a margin on its KV, a floor and one prefill chunk's attention scores), as admission control
+    computes it;
+  - the measured peak: CUDA `max_memory_allocated` (and the engine's per-request peaks); CPU
+    the process peak RSS (Linux VmHWM, reset before each batch; a sampling thread elsewhere),
+    and the growth over the baseline taken just before the batch with all caches freed;
+  - whether it fits the device: CUDA total memory minus `LLMWEB_MEM_MARGIN_MB`; CPU the
+    admission limit (`LLMWEB_MEM_LIMIT_MB`, default 80% of RAM).
+
+`run()` returns plain dicts; `markdown()`, `write_csv()` and `plot()` render them; the CLI
+writes CSV + PNG (+ the Markdown) under `settings.data_dir / "reports"` and prints the paths.
+Nothing heavy happens at import time.
+"""
+
+from __future__ import annotations
+
+import csv
+import ctypes
+import gc
+import json
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .config import Settings
+from .errors import ConfigError, LlmwebError
+
+log = logging.getLogger(__name__)
+
+SYSTEM = "You are a helpful assistant."
+SINGLE_WORKER_NOTE = (
+    "Concurrency above 1 runs through the same single worker (one generation at a time): the "
+    "figures show queueing and resident KV caches (one per session), not parallel activations.")
+
+COLUMNS = ["context", "concurrency", "prompt_tokens", "kv_tokens_per_session", "completed", "refused", "evicted",
+           "predicted_weights_bytes", "predicted_kv_bytes", "predicted_activation_bytes", "predicted_bytes",
+           "predicted_growth_bytes", "measured_baseline_bytes", "measured_peak_bytes", "measured_growth_bytes",
+           "resident_kv_bytes", "limit_bytes", "kv_budget_bytes", "fits", "max_queue_wait_s", "batch_s"]
+
+_FILLER = ("The harbour town kept a long record of tides, ships and weather. Each morning the keeper "
+           "wrote down the height of the water, the direction of the wind and the colour of the sky, "
+           "and each evening he read the older pages to see whether the seasons repeated themselves. ").split()
+
+
+# ---- memory measurement (shared with bench.py)
+
+def release_memory(device: str = "cpu") -> None:
+    """Collect garbage and hand freed memory back (glibc malloc_trim; CUDA allocator cache)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS may keep freed pages, figures are upper bounds
+        pass
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def current_bytes(device: str = "cpu") -> int:
+    """What we compare across time: CUDA allocated bytes, or the process RSS on CPU."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.memory_allocated(device))
+    from .telemetry import rss_bytes
+
+    return rss_bytes()
+
+
+def private_bytes(device: str = "cpu") -> tuple[int, str]:
+    """Memory a leak would grow, and its name: CUDA allocated; on CPU anonymous RSS (heap, not code).
+
+    Total RSS also counts file-backed pages (shared libraries paged in the first time a code path
+    runs), which move by tens of MiB without any leak; Linux reports the anonymous part apart.
+    """
+    if str(device).startswith("cuda"):
+        return current_bytes(device), "CUDA allocated"
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(r"RssAnon:\s+(\d+)\s+kB", f.read())
+        if m:
+            return int(m.group(1)) * 1024, "anonymous RSS"
+    except OSError:
+        pass
+    return current_bytes(device), "RSS"
+
+
+class PeakMeter:
+    """Peak memory between `start()` and `stop()`: CUDA max_memory_allocated, or the process peak RSS.
+
+    On Linux the kernel keeps the RSS high-water mark (VmHWM) and writing 5 to
+    /proc/self/clear_refs resets it, so the CPU peak is exact. Elsewhere a thread samples RSS
+    every 2 ms (a short spike can be missed).
+    """
+
+    def __init__(self, device: str = "cpu"):
+        self.device = str(device)
+        self.method = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sampled = 0
+
+    def start(self) -> "PeakMeter":
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.method = "cuda max_memory_allocated"
+            return self
+        if _reset_hwm():
+            self.method = "VmHWM"
+            return self
+        from .telemetry import rss_bytes
+
+        self.method = "sampled RSS (2 ms)"
+        self._sampled = rss_bytes()
+        self._stop.clear()
+
+        def sample():
+            while not self._stop.wait(0.002):
+                self._sampled = max(self._sampled, rss_bytes())
+
+        self._thread = threading.Thread(target=sample, name="llmweb-rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self._thread is None:
+            return _read_hwm()
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        from .telemetry import rss_bytes
+
+        return max(self._sampled, rss_bytes())
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _read_hwm() > 0
+    except OSError:
+        return False
+
+
+def _read_hwm() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
+        return int(m.group(1)) * 1024 if m else 0
+    except OSError:
+        return 0
+
+
+# ---- prompts
+
+def filler_prompt(fmt, target_tokens: int, tag: str = "", system: str = SYSTEM) -> list[int]:
+    """The longest real prompt (system + one user message of filler text) of at most `target_tokens`."""
+    from .tokens import render_prompt
+
+    def ids_for(n_words: int) -> list[int]:
+        words = [_FILLER[i % len(_FILLER)] for i in range(n_words)]
+        text = (tag + " " if tag else "") + "Summarise these notes. " + " ".join(words)
+        return render_prompt(fmt, system, [("user", text)])
+
+    lo, hi = 0, max(target_tokens, 1)  # a word is at least one token: hi words is always too many
+    if len(ids_for(lo)) > target_tokens:
+        raise ConfigError(f"a context of {target_tokens} prompt tokens is too small for the chat template "
+                          f"({len(ids_for(lo))} tokens with an empty message)")
+    while lo < hi:  # the largest word count whose prompt fits
+        mid = (lo + hi + 1) // 2
+        if len(ids_for(mid)) <= target_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    ids = ids_for(lo)
+    assert len(ids) <= target_tokens, f"prompt of {len(ids)} tokens over the target {target_tokens}"
+    return ids
+
+
+# ---- the measurement
+
+def device_limit(settings: Settings, loaded) -> int:
+    """CUDA: total device memory minus the margin; CPU: the admission limit (LLMWEB_MEM_LIMIT_MB)."""
+    if loaded.on_cpu:
+        from .runtime import cpu_mem_limit_bytes
+
+        return cpu_mem_limit_bytes(settings)
+    import torch
+
+    total = torch.cuda.get_device_properties(loaded.device).total_memory
+    return int(total - settings.mem_margin_mb * 2**20)
+
+
+def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int) -> dict:
+    """Weights + resident KV of every session + the activation margin of the one running request."""
+    from .engine import predict_bytes
+
+    heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
+    per_session, activation = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
+    kv = per_session * sessions
+    return {"predicted_weights_bytes": int(loaded.weights_bytes), "predicted_kv_bytes": int(kv),
+            "predicted_activation_bytes": activation,
+            "predicted_bytes": int(loaded.weights_bytes + kv + activation),
+            "predicted_growth_bytes": int(kv + activation)}
+
+
+def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int], max_new_tokens: int = 16,
+        loaded=None, progress: Callable[[str], None] = log.info) -> dict:
+    """Measure every (context, concurrency) combination on one engine; return rows and the setup."""
+    from . import models
+    from .engine import Engine, EngineLimits, GenerationRequest
+    from .kvcache import KVStore
+    from .runtime import kv_budget_bytes
+    from .tokens import TemplateFormat
+
+    contexts, concurrencies = sorted(set(contexts)), sorted(set(concurrencies))
+    if not contexts or not concurrencies or min(contexts) < 1 or min(concurrencies) < 1:
+        raise ConfigError("--context and --concurrency need positive integers, e.g. 512,1024 and 1,2")
+    if max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be >= 1")
+    loaded = loaded or models.load(settings, progress=progress)
+    if max(contexts) > loaded.max_context:
+        raise ConfigError(f"context {max(contexts)} is over the model's maximum of {loaded.max_context} tokens")
+    for c in contexts:
+        if c <= max_new_tokens:
+            raise ConfigError(f"context {c} leaves no room for a prompt with --max-new-tokens {max_new_tokens}")
+    fmt = TemplateFormat(loaded.tokenizer)
+    limit = device_limit(settings, loaded)
+    kv_budget = kv_budget_bytes(settings, loaded)
+    # The store never evicts here: every session's cache must stay resident to be measured.
+    # Admission control still runs, against the same limit as the app's.
+    kv = KVStore(budget_bytes=1 << 62, ttl_s=24 * 3600)
+    limits = EngineLimits(queue_size=max(concurrencies), max_new_tokens=max_new_tokens,
+                          request_timeout_s=max(settings.request_timeout_s, 600.0), admission_wait_s=2.0,
+                          mem_limit_bytes=limit if loaded.on_cpu else 0,
+                          mem_margin_bytes=settings.mem_margin_mb * 2**20, kv_reuse=True)
+    engine = Engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token)
+    rows: list[dict] = []
+    method = ""
+    t_all = time.perf_counter()
+    try:
+        # one warm-up request, so the first combination does not pay for one-off allocations
+        engine.submit(GenerationRequest(filler_prompt(fmt, min(contexts) - max_new_tokens), max_new_tokens)).result()
+        for context in contexts:
+            prompts = [filler_prompt(fmt, context - max_new_tokens, tag=f"Session {i + 1}.")
+                       for i in range(max(concurrencies))]
+            for k in concurrencies:
+                progress(f"capacity: context {context}, {k} session(s)…")
+                row, method = _measure(engine, loaded, prompts[:k], context, max_new_tokens, limit, kv_budget)
+                rows.append(row)
+    finally:
+        engine.kv.clear()
+        engine.close()
+    return {"bench": "capacity", "model": loaded.name, "quant": loaded.quant, "device": loaded.device,
+            "weights_bytes": int(loaded.weights_bytes), "kv_bytes_per_token": loaded.kv_bytes_per_token,
+            "max_new_tokens": max_new_tokens, "limit_bytes": limit, "kv_budget_bytes": kv_budget,
+            "limit_source": ("CUDA total memory - LLMWEB_MEM_MARGIN_MB" if not loaded.on_cpu
+                             else "LLMWEB_MEM_LIMIT_MB (0 = 80% of RAM)"),
+            "measured": method, "note": SINGLE_WORKER_NOTE, "total_s": round(time.perf_counter() - t_all, 1),
+            "rows": rows}
+
+
+def _measure(engine, loaded, prompts: list[list[int]], context: int, max_new_tokens: int,
+             limit: int, kv_budget: int) -> tuple[dict, str]:
+    from .engine import GenerationRequest
+
+    engine.kv.clear()
+    release_memory(loaded.device)
+    evictions = engine.kv.evictions
+    baseline = current_bytes(loaded.device)
+    meter = PeakMeter(loaded.device).start()
+    t0 = time.perf_counter()
+    handles = [engine.submit(GenerationRequest(ids, max_new_tokens, session_id=f"capacity-{context}-{i}"))
+               for i, ids in enumerate(prompts)]  # all at once: they queue for the one worker
+    completed, refused, stats = 0, 0, []
+    for h in handles:
+        try:
+            h.result()
+            completed += 1
+            stats.append(h.stats)
+        except LlmwebError as e:  # admission refusal or OOM: that is a finding, not a crash
+            refused += 1
+            log.warning("capacity: context %d: %s", context, e)
+    batch_s = time.perf_counter() - t0
+    peak = meter.stop()
+    for s in stats:  # the engine's own per-request peaks (CUDA resets per request; RSS sampled per token)
+        if s.mem is not None:
+            peak = max(peak, s.mem.cuda_peak_bytes or 0, s.mem.peak_rss_bytes or 0)
+    prompt_tokens = max(len(p) for p in prompts)
+    pred = predict(loaded, prompt_tokens, max_new_tokens, len(prompts))
+    growth = max(peak - baseline, 0)
+    evicted = engine.kv.evictions - evictions  # admission evicts idle caches when memory is short
+    device_peak_predicted = baseline + pred["predicted_growth_bytes"]
+    row = {"context": context, "concurrency": len(prompts), "prompt_tokens": prompt_tokens,
+           "kv_tokens_per_session": prompt_tokens + max_new_tokens, "completed": completed, "refused": refused,
+           "evicted": evicted,
+           **pred, "measured_baseline_bytes": int(baseline), "measured_peak_bytes": int(peak),
+           "measured_growth_bytes": int(growth), "resident_kv_bytes": int(engine.kv.total_bytes),
+           "limit_bytes": int(limit), "kv_budget_bytes": int(kv_budget),
+           "fits": bool(refused == 0 and evicted == 0 and max(device_peak_predicted, peak) <= limit),
+           "max_queue_wait_s": round(max((s.queue_wait_s for s in stats), default=0.0), 3),
+           "batch_s": round(batch_s, 3)}
+    engine.kv.clear()
+    return row, meter.method
+
+
+# ---- rendering
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def markdown(r: dict) -> str:
+    cpu = not str(r["device"]).startswith("cuda")
+    peak_name = "measured peak RSS" if cpu else "measured peak allocated"
+    lines = [
+        f"## Capacity ({r['model']}, {r['quant']}, {r['device']}, {r['max_new_tokens']} new tokens per request)", "",
+        f"| context | sessions | prompt tokens | predicted MiB (weights + KV + act) | {peak_name} MiB "
+        "| predicted growth MiB (KV + act) | measured growth MiB | resident KV MiB | max queue wait (s) | fits |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for x in r["rows"]:
+        why = ([f"{x['refused']} refused"] if x["refused"] else []) + \
+              ([f"{x['evicted']} caches evicted"] if x["evicted"] else [])
+        fits = "yes" if x["fits"] else "**no**" + (f" ({', '.join(why)})" if why else "")
+        lines.append(
+            f"| {x['context']} | {x['concurrency']} | {x['prompt_tokens']} | {_mib(x['predicted_bytes'])} "
+            f"| {_mib(x['measured_peak_bytes'])} | {_mib(x['predicted_growth_bytes'])} "
+            f"| {_mib(x['measured_growth_bytes'])} | {_mib(x['resident_kv_bytes'])} "
+            f"| {x['max_queue_wait_s']:.2f} | {fits} |")
+    lines += [
+        "",
+        f"- Limit: {_mib(r['limit_bytes'])} MiB ({r['limit_source']}); the app's KV budget for all sessions' "
+        f"caches: {_mib(r['kv_budget_bytes'])} MiB (not applied here, so every cache stays resident).",
+        f"- Prediction: weights {_mib(r['weights_bytes'])} MiB + {r['kv_bytes_per_token']:,} KV bytes/token x "
+        "(prompt + new tokens) x sessions + the engine's activation margin for the one running request.",
+        f"- Measured: {r['measured']}; growth = peak minus the baseline just before the batch (caches freed)."
+        + (" On CPU the peak RSS also holds the Python/torch runtime, so compare growth with growth."
+           if cpu else ""),
+        "- Fits: the larger of (baseline + predicted growth) and the measured peak is under the limit, "
+        "and admission control neither refused a request nor evicted a session's cache.",
+        f"- {r['note']}",
+        ""]
+    return "\n".join(lines)
+
+
+def write_csv(r: dict, path: Path) -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for row in r["rows"]:
+            w.writerow({k: row[k] for k in COLUMNS})
+    return path
+
+
+def plot(r: dict, path: Path) -> Path:
+    """Predicted vs measured per context, one line per concurrency: growth (left), peak vs limit (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, k in enumerate(sorted({x["concurrency"] for x in r["rows"]})):
+        rows = sorted((x for x in r["rows"] if x["concurrency"] == k), key=lambda x: x["context"])
+        ctx = [x["context"] for x in rows]
+        c = colours[i % len(colours)]
+        for ax, pred, meas in ((axes[0], "predicted_growth_bytes", "measured_growth_bytes"),
+                               (axes[1], "predicted_bytes", "measured_peak_bytes")):
+            ax.plot(ctx, [x[pred] / 2**20 for x in rows], "--", color=c, marker="o", label=f"{k} session(s), predicted")
+            ax.plot(ctx, [x[meas] / 2**20 for x in rows], "-", color=c, marker="s", label=f"{k} session(s), measured")
+    cpu = not str(r["device"]).startswith("cuda")
+    axes[0].set_title("Growth over the loaded model: KV + activations")
+    axes[1].set_title("Peak: predicted (weights + KV + act) vs measured" + (" RSS" if cpu else " allocated"))
+    axes[1].axhline(r["limit_bytes"] / 2**20, color="black", linewidth=1, linestyle=":", label="limit")
+    for ax in axes:
+        ax.set_xlabel("context (tokens per session)")
+        ax.set_ylabel("MiB")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    if cpu:
+        axes[1].set_yscale("log")
+    fig.suptitle(f"llmweb capacity: {r['model']} ({r['quant']}, {r['device']})\n"
+                 "one worker: concurrency = queued requests + resident KV caches, not parallel activations",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_reports(r: dict, data_dir: Path) -> dict[str, Path]:
+    folder = Path(data_dir) / "reports"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"capacity-{time.strftime('%Y%m%d-%H%M%S')}"
+    paths = {"csv": write_csv(r, stem.with_suffix(".csv")), "png": plot(r, stem.with_suffix(".png"))}
+    md = stem.with_suffix(".md")
+    md.write_text(markdown(r), encoding="utf-8")
+    paths["md"] = md
+    return paths
+
+
+# ---- the command
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"expected comma-separated integers, not {text!r}") from None
+
+
+def add_parser(sub) -> None:
+    c = sub.add_parser("capacity", help="predicted vs measured peak memory per context and concurrency")
+    c.add_argument("--context", default="512,1024,2048", help="tokens per session (prompt + reply), comma-separated")
+    c.add_argument("--concurrency", default="1,2,4", help="sessions submitted at once, comma-separated")
+    c.add_argument("--max-new-tokens", type=int, default=16, help="reply length per request")
+    c.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+    c.set_defaults(func=main)
+
+
+def main(args) -> int:
+    settings = Settings.from_env()
+    result = run(settings, _ints(args.context), _ints(args.concurrency), max_new_tokens=args.max_new_tokens)
+    paths = write_reports(result, settings.data_dir)
+    if args.json:
+        print(json.dumps({**result, "files": {k: str(p) for k, p in paths.items()}}, indent=2))
+        return 0
+    print(markdown(result))
+    for kind, p in paths.items():
+        print(f"{kind}: {p}")
+    return 0
