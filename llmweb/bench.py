@@ -548,8 +548,8 @@ def write_reports(result: dict, markdown: str, data_dir: Path, stem: str = "benc
 # ---- the command
 
 def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="benchmarks: all (the default suite) | ttft | retrieval | quant")
-    b.add_argument("which", nargs="?", default="all", choices=["all", "ttft", "retrieval", "quant"])
+    b = sub.add_parser("bench", help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity")
+    b.add_argument("which", nargs="?", default="all", choices=["all", "ttft", "retrieval", "quant", "fidelity"])
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
     b.add_argument("--chunks", type=int, default=None,
                    help="retrieval: corpus size in chunks (default 10000 for `bench retrieval`, 2000 in the suite)")
@@ -562,6 +562,8 @@ def add_parser(sub) -> None:
     b.add_argument("--replay-new-tokens", type=int, default=16, help="suite: reply length in the memory replay")
     b.add_argument("--overhead-tokens", type=int, default=32, help="suite: new tokens per engine-overhead run")
     b.add_argument("--repeats", type=int, default=3, help="suite: A/B repeats of the engine-overhead runs")
+    b.add_argument("--fillers", type=int, default=12, help="fidelity: filler turns before each checkpoint")
+    b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=main)
 
@@ -593,6 +595,17 @@ def main(args) -> int:
 
         result = bench_retrieval.run(Settings.from_env(), n_chunks=args.chunks or 10_000)
         print(json.dumps(result, indent=2) if args.json else bench_retrieval.format_markdown(result))
+        return 0
+    if args.which == "fidelity":
+        from . import bench_fidelity
+
+        # a small context by default, so the planted facts leave the window within the run
+        settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 32)
+        if not settings.context_limit:
+            settings = settings.replace(context_limit=512)
+        result = bench_fidelity.run(settings, fillers_between=args.fillers, checkpoints=args.checkpoints,
+                                    progress=_stderr)
+        print(json.dumps(result, indent=2) if args.json else bench_fidelity.format_markdown(result))
         return 0
     if args.which == "quant":
         result = quant(Settings.from_env())

@@ -22,7 +22,7 @@ from typing import Iterator
 from . import context, memory, summary
 from .config import Settings
 from .engine import Engine, GenerationRequest, Tokens, Waiting
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, LlmwebError
 from .records import Chunk, Turn
 from .store import Store
 from .telemetry import TurnStats
@@ -210,19 +210,24 @@ class Chat:
                 self.recall_index(conv_id).add_chunks([
                     Chunk(text=f"User: {t.user}\nAssistant: {t.assistant}", source=f"turn {st.idx + 1}",
                           doc_id=f"turn-{st.idx}", kind="recall") for st, t in zip(folded, turns)])
-            new = self.write_summary(previous, turns)
-            grounded = memory.ground(new, previous + "\n" + "\n".join(f"{t.user}\n{t.assistant}" for t in turns))
-            if grounded.dropped:
-                log.info("summary for %s: dropped %d ungrounded sentences: %s", conv_id, len(grounded.dropped),
-                         grounded.dropped)
+            source = previous + "\n" + "\n".join(f"{t.user}\n{t.assistant}" for t in turns)
+            try:
+                grounded = memory.ground(self.write_summary(previous, turns), source)
+                if grounded.dropped:
+                    log.info("summary for %s: dropped %d ungrounded sentences: %s", conv_id,
+                             len(grounded.dropped), grounded.dropped)
+                new = grounded.text
+            except LlmwebError as e:  # the window still moves on: facts and recall keep what matters
+                log.warning("summary for %s failed (%s); keeping the previous summary", conv_id, e)
+                new = previous
             known = {" ".join(f.text.lower().split()) for f in self.store.facts(conv_id)}
             for fact in memory.extract_facts(t.user for t in turns):
                 if " ".join(fact.lower().split()) not in known:
                     self.store.add_fact(conv_id, fact, pinned=False)
-            self.store.set_summary(conv_id, grounded.text, upto)
+            self.store.set_summary(conv_id, new, upto)
             self.engine.drop_session(conv_id)  # the prefix changed: the old cache is no longer useful
-        except Exception:  # the turn already streamed; a failed summary is retried next turn
-            log.exception("summary for %s failed", conv_id)
+        except Exception:  # the turn already streamed; a failed fold is tried again next turn
+            log.exception("folding turns for %s failed", conv_id)
 
     def memory_text(self, conv) -> str:
         """The summary and the facts that fit their cap, as placed after the system prompt."""
@@ -239,25 +244,33 @@ class Chat:
             return index
 
     def write_summary(self, previous: str, turns: list[Turn]) -> str:
-        """Ask the model (as a low-priority job) for an updated summary of `turns`."""
-        cap = self.settings.summary_tokens
-        room = self.budget.context_limit - cap - 64
-        per_turn = max(room // max(len(turns), 1) // 2, 16)
-        while True:
-            system, user = summary.summary_request_messages(previous, turns, cap)
-            ids = render_prompt(self.fmt, system, [("user", user)])
-            if len(ids) + cap <= self.budget.context_limit or per_turn <= 16:
-                break
-            turns = [Turn(summary.cap_text(t.user, per_turn, self.fmt.count),
-                          summary.cap_text(t.assistant, per_turn, self.fmt.count)) for t in turns]
-            per_turn //= 2
-        if len(ids) + cap > self.budget.context_limit:
-            raise InputError(f"summary prompt of {len(ids)} tokens does not fit the context")
-        handle = self.engine.submit(GenerationRequest(
-            prompt_ids=ids, max_new_tokens=cap, temperature=0.0,
-            repetition_penalty=self.settings.repetition_penalty, stop_ids=self.fmt.stop_ids, background=True))
-        text = self.fmt.decode(handle.result())
-        return summary.clean_summary(text, cap, self.fmt)
+        """Ask the model (low-priority jobs) for an updated summary of `turns`.
+
+        Turns are folded in batches whose prompt fits the context (long turns are shortened
+        first), each batch updating the summary of the ones before.
+        """
+        cap = min(self.settings.summary_tokens, self.budget.context_limit // 4)  # room for turns in small contexts
+        limit = self.budget.context_limit - cap
+        per_turn = max(limit // 8, 16)  # tokens kept of each side of a turn in the summary prompt
+        short = [Turn(summary.cap_text(t.user, per_turn, self.fmt.count),
+                      summary.cap_text(t.assistant, per_turn, self.fmt.count)) for t in turns]
+        text = previous
+        while short:
+            n = len(short)
+            while True:  # the most turns, oldest first, whose summary prompt fits
+                system, user = summary.summary_request_messages(text, short[:n], cap)
+                ids = render_prompt(self.fmt, system, [("user", user)])
+                if len(ids) <= limit or n == 1:
+                    break
+                n = max(n // 2, 1)
+            if len(ids) > limit:
+                raise InputError(f"summary prompt of {len(ids)} tokens does not fit the context")
+            handle = self.engine.submit(GenerationRequest(
+                prompt_ids=ids, max_new_tokens=cap, temperature=0.0,
+                repetition_penalty=self.settings.repetition_penalty, stop_ids=self.fmt.stop_ids, background=True))
+            text = summary.clean_summary(self.fmt.decode(handle.result()), cap, self.fmt)
+            short = short[n:]
+        return text
 
     def wait_background(self, conv_id: str | None = None, timeout: float | None = None) -> None:
         with self._jobs_lock:
