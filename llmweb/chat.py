@@ -190,7 +190,10 @@ class Chat:
         conv = self.store.get(conv_id)
         window = conv.turns[conv.summarized_upto:]
         counts = [context.turn_tokens(self.fmt, t.as_turn()) for t in window]
-        n = summary.turns_to_fold(counts, plan.history_room, self.settings.history_high, self.settings.history_low)
+        # the room history has apart from this turn's retrieved text, which comes and goes: folding
+        # against it keeps compressions rare (and the prompt prefix, so the KV cache, stable)
+        room = plan.history_room + plan.sections["retrieved"] + plan.sections["recall"]
+        n = summary.turns_to_fold(counts, room, self.settings.history_high, self.settings.history_low)
         if n <= 0:
             return
         with self._jobs_lock:
