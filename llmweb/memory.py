@@ -30,6 +30,7 @@ then also in on at to for from of by with about as after before during since unt
 summary the conversation earlier later finally first second third next they've we've okay ok please thanks
 thank sure hello hi dear today tomorrow yesterday some many most all both each every any one two""".split())
 
+_FIRST_PERSON = re.compile(r"\b(i|i'm|i've|me|my|mine|we|our|us)\b", re.I)
 _FACT_CUES = re.compile(
     r"\b(remember|my name|i am|i'm|my \w+ (?:is|are|was)|i (?:live|work|was born|like|love|prefer|hate|have|own|use)"
     r"|call me|favou?rite|birthday|allergic|deadline|born)\b", re.I)
@@ -89,11 +90,14 @@ def is_fact(sentence: str) -> bool:
     s = sentence.strip()
     if len(s.split()) < 3 or s.endswith("?"):
         return False
-    if _FACT_CUES.search(s) or _NUMBER.search(s):
+    if _FACT_CUES.search(s):
         return True
     words = _WORD.findall(s)
-    # a name: a capitalised, uncommon word that is not the first word
-    return any(w[0].isupper() and w.lower() not in _COMMON for w in words[1:])
+    # otherwise: about the user (first person) and carrying a number or a name (a capitalised,
+    # uncommon word that is not the first); "Question 3: name a colour." is not a fact
+    if not _FIRST_PERSON.search(s):
+        return False
+    return bool(_NUMBER.search(s)) or any(w[0].isupper() and w.lower() not in _COMMON for w in words[1:])
 
 
 def extract_facts(user_messages: Iterable[str], max_chars: int = 300) -> list[str]:
