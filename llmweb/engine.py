@@ -45,7 +45,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from .errors import AdmissionError, BusyError, Cancelled, LlmwebError, OutOfMemory, TimedOut
@@ -187,7 +187,6 @@ class _Counters:
     refused: int = 0
     idle_releases: int = 0  # allocator caches emptied while idle (release_fragmentation)
     idle_released_bytes: int = 0  # reserved bytes those gave back to the device
-    history: list = field(default_factory=list)
 
 
 class Engine:

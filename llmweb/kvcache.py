@@ -81,7 +81,7 @@ class KVStore:
         Returns False (and keeps nothing) when this cache alone exceeds the budget.
         """
         nbytes = cache_nbytes(cache) if nbytes is None else nbytes
-        assert len(ids) >= 0 and nbytes >= 0
+        assert nbytes >= 0, "a cache cannot hold negative bytes"
         if nbytes > self.budget_bytes:
             return False
         with self._lock:
