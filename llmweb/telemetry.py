@@ -135,3 +135,150 @@ class TurnStats:
                  dropped_turns=self.dropped_turns, summarized_turns=self.summarized_turns,
                  summary_tokens=self.summary_tokens, dropped_chunks=self.dropped_chunks)
         return d
+
+
+# ---- measurement helpers for the benchmarks (llmweb/bench/): peaks, leaks, freed memory
+# Standard-library imports are local so this block only appends to the module.
+
+def release_memory(device: str = "cpu") -> None:
+    """Collect garbage and hand freed memory back (glibc malloc_trim; CUDA allocator cache)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS may keep freed pages, figures are upper bounds
+        pass
+    if is_cuda(device):
+        import torch
+
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def current_bytes(device: str = "cpu") -> int:
+    """What we compare across time: CUDA allocated bytes, or the process RSS on CPU."""
+    if is_cuda(device):
+        import torch
+
+        return int(torch.cuda.memory_allocated(device))
+    return rss_bytes()
+
+
+def private_bytes(device: str = "cpu") -> tuple[int, str]:
+    """Memory a leak would grow, and its name: CUDA allocated; on CPU anonymous RSS (heap, not code).
+
+    Total RSS also counts file-backed pages (shared libraries paged in the first time a code path
+    runs), which move by tens of MiB without any leak; Linux reports the anonymous part apart.
+    """
+    import re
+
+    if is_cuda(device):
+        return current_bytes(device), "CUDA allocated"
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(r"RssAnon:\s+(\d+)\s+kB", f.read())
+        if m:
+            return int(m.group(1)) * 1024, "anonymous RSS"
+    except OSError:
+        pass
+    return current_bytes(device), "RSS"
+
+
+def live_tensors() -> tuple[int, int]:
+    """(live torch tensors, of which held by live DynamicCaches), after a full collection.
+
+    Types are tested with `type()`, not `isinstance()`: some torch objects warn when their
+    `__class__` is read.
+    """
+    import gc
+
+    import torch
+    from transformers import DynamicCache
+
+    gc.collect()
+    tensors = in_caches = 0
+    for o in gc.get_objects():
+        kind = type(o)
+        if issubclass(kind, torch.Tensor):
+            tensors += 1
+        elif issubclass(kind, DynamicCache):
+            for layer in getattr(o, "layers", ()):
+                in_caches += sum(issubclass(type(getattr(layer, n, None)), torch.Tensor) for n in ("keys", "values"))
+    return tensors, in_caches
+
+
+class PeakMeter:
+    """Peak memory between `start()` and `stop()`: CUDA max_memory_allocated, or the process peak RSS.
+
+    On Linux the kernel keeps the RSS high-water mark (VmHWM) and writing 5 to
+    /proc/self/clear_refs resets it, so the CPU peak is exact. Elsewhere a thread samples RSS
+    every 2 ms (a short spike can be missed).
+    """
+
+    def __init__(self, device: str = "cpu"):
+        import threading
+
+        self.device = str(device)
+        self.method = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sampled = 0
+
+    def start(self) -> "PeakMeter":
+        import threading
+
+        if is_cuda(self.device):
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.method = "cuda max_memory_allocated"
+            return self
+        if _reset_hwm():
+            self.method = "VmHWM"
+            return self
+        self.method = "sampled RSS (2 ms)"
+        self._sampled = rss_bytes()
+        self._stop.clear()
+
+        def sample():
+            while not self._stop.wait(0.002):
+                self._sampled = max(self._sampled, rss_bytes())
+
+        self._thread = threading.Thread(target=sample, name="llmweb-rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        if is_cuda(self.device):
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self._thread is None:
+            return _read_hwm()
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        return max(self._sampled, rss_bytes())
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _read_hwm() > 0
+    except OSError:
+        return False
+
+
+def _read_hwm() -> int:
+    import re
+
+    try:
+        with open("/proc/self/status") as f:
+            m = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
+        return int(m.group(1)) * 1024 if m else 0
+    except OSError:
+        return 0
