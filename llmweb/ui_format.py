@@ -1,0 +1,160 @@
+"""What the web UI shows, as plain values: Markdown, HTML, chat messages and plot tables.
+
+Pure functions from typed records (`TurnStats`, `Source`, the store's `Conversation`) to text
+and tables, so they are tested without a browser or a model. This module must not import
+gradio, touch the store or the engine, or decide anything: ui.py calls it and places the results.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from typing import Sequence
+
+from .records import Source, TurnStats
+from .telemetry import mib
+
+SECTION_COLOURS = {"system": "#6b7280", "summary": "#8b5cf6", "facts": "#ec4899", "history": "#3b82f6",
+                   "recall": "#06b6d4", "retrieved": "#f59e0b", "user": "#10b981", "reserve": "#e5e7eb"}
+NEAR = 0.9  # warn when a turn uses this share of the context or of the memory limit
+NO_TURNS = "*No turns yet. Ask something.*"
+STOPPED = "\n\n*(stopped)*"
+
+_MD_LEAD = re.compile(r"^\s*(#{1,6}\s+|[>*+-]\s+|\d+[.)]\s+)+")
+
+
+def warnings(s: TurnStats, mem_limit_bytes: int = 0) -> list[str]:
+    """Plain-words warnings for a turn that came near the token budget or the memory limit."""
+    out = []
+    used = s.gen.prompt_tokens + s.sections.get("reserve", 0)
+    if s.context_limit and used >= NEAR * s.context_limit:
+        out.append(f"⚠️ This turn used {used:,} of {s.context_limit:,} context tokens; older turns will be "
+                   "summarised or left out.")
+    if s.dropped_turns:
+        out.append(f"⚠️ {s.dropped_turns} older turns did not fit and were left out.")
+    peak = s.mem.peak_rss_bytes or s.mem.rss_bytes
+    if mem_limit_bytes and peak >= NEAR * mem_limit_bytes:
+        out.append(f"⚠️ Memory is near its limit: {mib(peak)} of {mib(mem_limit_bytes)}.")
+    return out
+
+
+def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
+    """The last turn's figures in plain words."""
+    if s is None:
+        return NO_TURNS
+    g, mem = s.gen, s.mem
+    lines = [
+        f"**Turn {s.turn}** · {g.finish_reason}",
+        f"- prompt **{g.prompt_tokens:,}** tokens: reused {g.reused_tokens:,} of {g.prompt_tokens:,} from this "
+        f"chat's cache, prefilled {g.prefilled_tokens:,}",
+        f"- generated **{g.generated_tokens:,}** tokens at {g.decode_tok_s:.1f} tok/s",
+        f"- first token after {g.ttft_s:.2f} s (queued {g.queue_wait_s:.2f} s); total {g.total_s:.1f} s",
+    ]
+    if mem.on_cuda:
+        lines.append(f"- GPU: allocated {mib(mem.cuda_allocated_bytes)}, reserved {mib(mem.cuda_reserved_bytes)}, "
+                     f"peak {mib(mem.cuda_peak_bytes)}")
+    lines.append(f"- RSS {mib(mem.rss_bytes)} (peak this turn {mib(mem.peak_rss_bytes)})")
+    lines.append(f"- KV cache: this chat {mib(g.kv_session_bytes)}, all chats {mib(g.kv_store_bytes)}")
+    if s.dropped_turns or s.summarized_turns:
+        lines.append(f"- history: {s.summarized_turns} turns summarised, {s.dropped_turns} left out")
+    if g.oom_retry:
+        lines.append("- ran out of memory once; answered with a smaller prompt")
+    return "\n".join(lines + [""] + warnings(s, mem_limit_bytes))
+
+
+def sections_html(s: TurnStats | None) -> str:
+    """A stacked bar of prompt tokens per section against the context limit."""
+    if s is None or not s.sections or not s.context_limit:
+        return ""
+    limit = s.context_limit
+    bars, legend = [], []
+    for name, n in s.sections.items():
+        if n <= 0:
+            continue
+        pct = 100 * n / limit
+        colour = SECTION_COLOURS.get(name, "#9ca3af")
+        bars.append(f'<div title="{name}: {n} tokens" style="width:{pct:.2f}%;background:{colour}"></div>')
+        legend.append(f'<span><i style="background:{colour}"></i>{name} {n:,} ({pct:.0f}%)</span>')
+    free = max(limit - sum(s.sections.values()), 0)
+    legend.append(f"<span>free {free:,} of {limit:,}</span>")
+    return (f'<div class="llmweb-bar">{"".join(bars)}</div>'
+            f'<div class="llmweb-legend">{"".join(legend)}</div>')
+
+
+def sources_message(sources: Sequence[Source]) -> dict | None:
+    """The collapsible "Sources (n)" chat message under an answer, or None without sources."""
+    if not sources:
+        return None
+    lines = []
+    for s in sources:
+        snippet = _MD_LEAD.sub("", s.snippet)  # a chunk may start with "# Heading": not a heading here
+        lines.append(f"**[{s.n}] {html.escape(s.label())}** · score {s.score:.2f}\n> {html.escape(snippet)}")
+    return {"role": "assistant", "content": "\n\n".join(lines),
+            "metadata": {"title": f"Sources ({len(sources)})", "status": "done"}}
+
+
+def history_messages(conv) -> list[dict]:
+    """A stored conversation as Chatbot messages: user, assistant (marked when stopped), sources."""
+    out: list[dict] = []
+    for t in conv.turns:
+        stopped = t.stats is not None and t.stats.stopped
+        out.append({"role": "user", "content": t.user})
+        out.append({"role": "assistant", "content": (t.assistant or "") + (STOPPED if stopped else "")
+                    or "*(no reply)*"})
+        src = sources_message(t.sources)
+        if src:
+            out.append(src)
+    return out
+
+
+def fact_label(f) -> str:
+    return ("📌 " if f.pinned else "") + (f.text if len(f.text) <= 60 else f.text[:57] + "…")
+
+
+def summary_markdown(conv) -> str:
+    parts = [f"**Summary of the first {conv.summarized_upto} turns:** {html.escape(conv.summary)}" if conv.summary
+             else "*No summary yet: the whole conversation still fits in the window.*"]
+    if conv.facts:
+        parts.append("**Facts you stated** (kept word for word; 📌 = pinned, never dropped):")
+        parts += [f"- {'📌 ' if f.pinned else ''}{html.escape(f.text)}" for f in conv.facts]
+    else:
+        parts.append("*No facts kept yet. Facts you state are kept when their turn leaves the window; "
+                     "add one below to keep it now.*")
+    return "\n".join(parts)
+
+
+def documents_markdown(docs) -> str:
+    """The document library as a Markdown table (`DocumentInfo`: source, chunks)."""
+    if not docs:
+        return "*No documents yet. Add .txt, .md, .pdf, .html or .docx files above.*"
+    rows = ["| document | chunks |", "|---|---:|"] + [f"| {html.escape(d.source)} | {d.chunks} |" for d in docs]
+    return "\n".join(rows)
+
+
+def ingest_markdown(reports) -> str:
+    """One line per uploaded file (`IngestReport`): ✅ added, or ⚠️ and why not."""
+    return "\n\n".join(("✅ " if r.ok else "⚠️ ") + html.escape(r.describe()) for r in reports)
+
+
+_MEMORY_MEASURES = (("rss_bytes", "RSS"), ("cuda_allocated_bytes", "GPU allocated"),
+                    ("cuda_reserved_bytes", "GPU reserved"), ("cuda_peak_bytes", "GPU peak"))
+_KV_MEASURES = (("kv_session_bytes", "KV this chat"), ("kv_store_bytes", "KV all chats"))
+
+
+def plot_frames(conv):
+    """Two long-format tables for the session plots: tokens per section and memory (MiB), per turn."""
+    import pandas as pd
+
+    tokens, memory = [], []
+    for t in conv.turns:
+        s, turn = t.stats, t.idx + 1
+        if s is None:
+            continue
+        tokens += [{"turn": turn, "section": name, "tokens": n} for name, n in s.sections.items() if name != "reserve"]
+        if s.gen.mem is not None:
+            memory += [{"turn": turn, "measure": label, "MiB": getattr(s.mem, key) / 2**20}
+                       for key, label in _MEMORY_MEASURES if getattr(s.mem, key) is not None]
+        memory += [{"turn": turn, "measure": label, "MiB": getattr(s.gen, key) / 2**20} for key, label in _KV_MEASURES]
+    # numeric dtypes even when empty: an empty frame of objects would make the plot's axes categorical
+    return (pd.DataFrame(tokens, columns=["turn", "section", "tokens"]).astype({"turn": "int64", "tokens": "float64"}),
+            pd.DataFrame(memory, columns=["turn", "measure", "MiB"]).astype({"turn": "int64", "MiB": "float64"}))
