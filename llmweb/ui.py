@@ -29,8 +29,8 @@ import gradio as gr
 from .chat import Delta, Finished, Queued, clean_message
 from .errors import InputError, LlmwebError
 from .store import NotFound
-from .ui_format import (documents_markdown, fact_label, history_messages, ingest_markdown, plot_frames,
-                        sections_html, stats_markdown, summary_markdown)
+from .ui_format import (SECTION_COLOURS, documents_markdown, fact_label, history_messages, ingest_markdown,
+                        plot_frames, sections_html, stats_markdown, summary_markdown)
 
 DOC_TYPES = [".txt", ".md", ".pdf", ".html", ".htm", ".docx"]
 WAIT_READY_S = 600.0
@@ -155,9 +155,11 @@ def _panel_column() -> dict:
             new_fact = gr.Textbox(placeholder="Something to remember, word for word", show_label=False, scale=3)
             add_fact_btn = gr.Button("Remember", size="sm", scale=1)
     gr.Markdown("### This chat, turn by turn")
-    tokens_plot = gr.LinePlot(x="turn", y="tokens", color="section", height=220,
-                              title="Prompt tokens by section", elem_id="llmweb-tokens-plot")
-    memory_plot = gr.LinePlot(x="turn", y="MiB", color="measure", height=220,
+    # "~g": turn 1 reads "1", not "1.000000"; the sections keep the colours of the bar above
+    tokens_plot = gr.LinePlot(x="turn", y="tokens", color="section", height=220, x_axis_format="~g",
+                              color_map=SECTION_COLOURS, title="Prompt tokens by section",
+                              elem_id="llmweb-tokens-plot")
+    memory_plot = gr.LinePlot(x="turn", y="MiB", color="measure", height=220, x_axis_format="~g",
                               title="Memory", elem_id="llmweb-memory-plot")
     return dict(stats_md=stats_md, bar=bar, memory_md=memory_md, fact_dd=fact_dd, pin_btn=pin_btn,
                 unpin_btn=unpin_btn, del_fact_btn=del_fact_btn, new_fact=new_fact, add_fact_btn=add_fact_btn,
