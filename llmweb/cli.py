@@ -1,4 +1,4 @@
-"""Command line: `python -m llmweb serve | replay | ingest | search | bench`.
+"""Command line: `python -m llmweb serve | replay | ingest | search | bench | capacity`.
 
 Settings come from `LLMWEB_*` variables; flags override them. Domain errors end the command
 with their message and exit status 2, never a traceback.
@@ -94,12 +94,6 @@ def cmd_replay(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from . import bench
-
-    return bench.main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llmweb", description="llmweb: long local-LLM chat sessions")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -120,8 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench, docs_cli
 
     docs_cli.add_parsers(sub)
-    bench.add_parser(sub)
-    bench.add_capacity_parser(sub)
+    bench.register(sub)  # bench, capacity
     return p
 
 

@@ -14,7 +14,9 @@ import sys
 
 import pytest
 
-from llmweb import bench, capacity
+from llmweb import bench
+from llmweb.bench import capacity, suite
+from llmweb.bench.common import write_reports
 from llmweb.cli import build_parser
 
 from tests.conftest import MODEL_CACHE, REPO, make_settings
@@ -88,15 +90,15 @@ def test_bench_without_a_subcommand_is_the_suite():
     args = build_parser().parse_args(["bench"])
     assert args.which == "all" and args.turns == 40 and args.chunks is None and args.replay_turns == 200
     args = build_parser().parse_args(["capacity", "--context", "512,1024", "--concurrency", "1,4"])
-    assert capacity._ints(args.context) == [512, 1024] and capacity._ints(args.concurrency) == [1, 4]
+    assert bench.parse_ints(args.context) == [512, 1024] and bench.parse_ints(args.concurrency) == [1, 4]
 
 
 @pytest.fixture(scope="module")
 def suite_result(nf4_model, tmp_path_factory):
     settings = make_settings(tmp_path_factory.mktemp("suite"), device="cpu")
-    return settings, bench.suite(settings, turns=6, ttft_new_tokens=8, chunks=30, replay_turns=8, warmup_turns=2,
-                                 replay_context=512, replay_new_tokens=8, overhead_tokens=6, overhead_repeats=1,
-                                 loaded=nf4_model)
+    return settings, suite.run(settings, turns=6, ttft_new_tokens=8, chunks=30, replay_turns=8, warmup_turns=2,
+                               replay_context=512, replay_new_tokens=8, overhead_tokens=6, overhead_repeats=1,
+                               loaded=nf4_model)
 
 
 def test_suite_reports_every_section(suite_result):
@@ -120,12 +122,12 @@ def test_suite_reports_every_section(suite_result):
 
 def test_suite_writes_markdown_and_json(suite_result):
     settings, r = suite_result
-    md = bench.suite_markdown(r)
+    md = suite.markdown(r)
     for heading in ("## Environment", "## Engine overhead", "## TTFT over 6 turns", "## Memory over a 8-turn replay",
                     "## Retrieval (30 chunks"):
         assert heading in md
     assert "Ratio ours / bare:" in md and "growth the KV store does not explain" in md
-    paths = bench.write_reports(r, md, settings.data_dir)
+    paths = write_reports(r, md, settings.data_dir)
     assert paths["md"].read_text() == md
     assert json.loads(paths["json"].read_text())["overhead"]["ratio"] == r["overhead"]["ratio"]
     assert paths["md"].parent == settings.data_dir / "reports"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmweb import bench_fidelity as bf
+from llmweb.bench import fidelity as bf
 from tests.conftest import make_settings
 
 
@@ -24,5 +24,5 @@ def test_fidelity_bench_tiny_run(tmp_path, fp32_model):
     # memory can only add facts to the prompt: never fewer than the bare window
     rates = [r["modes"][m]["fact_in_prompt_rate"] for m in bf.MODES]
     assert rates[2] >= rates[0] and rates[1] >= rates[0]
-    text = bf.format_markdown(r)
+    text = bf.markdown(r)
     assert "| window+summary+recall |" in text and "facts in prompt" in text

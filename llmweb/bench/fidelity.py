@@ -51,8 +51,8 @@ def script(fillers_between: int, checkpoints: int) -> list[tuple[str, int | None
 
 
 def run(settings, loaded=None, fillers_between: int = 12, checkpoints: int = 3, progress=print) -> dict:
-    from .chat import Finished
-    from .runtime import Runtime
+    from ..chat import Finished
+    from ..runtime import Runtime
 
     turns = script(fillers_between, checkpoints)
     checks: list[Check] = []
@@ -100,7 +100,7 @@ def summarise(checks: list[Check], settings, loaded, n_turns: int) -> dict:
     return out
 
 
-def format_markdown(r: dict) -> str:
+def markdown(r: dict) -> str:
     lines = [f"## Memory fidelity ({r['model']}, {r['quant']}, context {r['context_limit']}, "
              f"{r['turns_per_mode']} turns per mode)", "",
              "| mode | checkpoint (turn) | facts in prompt | answers correct |", "|---|---:|---:|---:|"]

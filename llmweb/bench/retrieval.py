@@ -1,10 +1,10 @@
-"""Retrieval benchmark: ingest throughput and query latency with the real embedder.
+"""`python -m llmweb bench retrieval`: ingest throughput and query latency with the real embedder.
 
 `run(settings, n_chunks, queries)` writes a synthetic corpus (deterministic: a fixed seed and a
 fixed word list) of about `n_chunks` chunks into a temporary folder, ingests it into a temporary
 data dir (never the user's), then times `queries` searches. It returns plain numbers;
-`format_markdown(result)` renders them as a table. The CLI (`python -m llmweb bench retrieval`)
-calls both. The embedder load is timed separately and is not part of the throughput.
+`markdown(result)` renders them as a table. The embedder load is timed separately and is not
+part of the throughput.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .config import Settings
-from .retrieval import Embedder, Index
+from ..config import Settings
+from ..retrieval import Embedder, Index
 
 SEED = 1234
 DOCS = 50  # the corpus is split into this many files (or fewer for small runs)
@@ -133,7 +133,7 @@ def run(settings: Settings, n_chunks: int = 10_000, queries: int = 200,
     }
 
 
-def format_markdown(result: dict) -> str:
+def markdown(result: dict) -> str:
     rows = [
         ("embedder", result["embedder"]),
         ("CPU threads (torch) / cores", f"{result['threads']} / {result['cpus']}"),

@@ -29,22 +29,18 @@ Nothing heavy happens at import time.
 from __future__ import annotations
 
 import csv
-import ctypes
-import gc
-import json
 import logging
-import re
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .config import Settings
-from .errors import ConfigError, LlmwebError
+from ..config import Settings
+from ..errors import ConfigError, LlmwebError
+from ..telemetry import PeakMeter, current_bytes, release_memory
+from .common import SYSTEM, report_stem
 
 log = logging.getLogger(__name__)
 
-SYSTEM = "You are a helpful assistant."
 SINGLE_WORKER_NOTE = (
     "Concurrency above 1 runs through the same single worker (one generation at a time): the "
     "figures show queueing and resident KV caches (one per session), not parallel activations.")
@@ -59,129 +55,11 @@ _FILLER = ("The harbour town kept a long record of tides, ships and weather. Eac
            "and each evening he read the older pages to see whether the seasons repeated themselves. ").split()
 
 
-# ---- memory measurement (shared with bench.py)
-
-def release_memory(device: str = "cpu") -> None:
-    """Collect garbage and hand freed memory back (glibc malloc_trim; CUDA allocator cache)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: RSS may keep freed pages, figures are upper bounds
-        pass
-    if str(device).startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def current_bytes(device: str = "cpu") -> int:
-    """What we compare across time: CUDA allocated bytes, or the process RSS on CPU."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.memory_allocated(device))
-    from .telemetry import rss_bytes
-
-    return rss_bytes()
-
-
-def private_bytes(device: str = "cpu") -> tuple[int, str]:
-    """Memory a leak would grow, and its name: CUDA allocated; on CPU anonymous RSS (heap, not code).
-
-    Total RSS also counts file-backed pages (shared libraries paged in the first time a code path
-    runs), which move by tens of MiB without any leak; Linux reports the anonymous part apart.
-    """
-    if str(device).startswith("cuda"):
-        return current_bytes(device), "CUDA allocated"
-    try:
-        with open("/proc/self/status") as f:
-            m = re.search(r"RssAnon:\s+(\d+)\s+kB", f.read())
-        if m:
-            return int(m.group(1)) * 1024, "anonymous RSS"
-    except OSError:
-        pass
-    return current_bytes(device), "RSS"
-
-
-class PeakMeter:
-    """Peak memory between `start()` and `stop()`: CUDA max_memory_allocated, or the process peak RSS.
-
-    On Linux the kernel keeps the RSS high-water mark (VmHWM) and writing 5 to
-    /proc/self/clear_refs resets it, so the CPU peak is exact. Elsewhere a thread samples RSS
-    every 2 ms (a short spike can be missed).
-    """
-
-    def __init__(self, device: str = "cpu"):
-        self.device = str(device)
-        self.method = ""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._sampled = 0
-
-    def start(self) -> "PeakMeter":
-        if self.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.method = "cuda max_memory_allocated"
-            return self
-        if _reset_hwm():
-            self.method = "VmHWM"
-            return self
-        from .telemetry import rss_bytes
-
-        self.method = "sampled RSS (2 ms)"
-        self._sampled = rss_bytes()
-        self._stop.clear()
-
-        def sample():
-            while not self._stop.wait(0.002):
-                self._sampled = max(self._sampled, rss_bytes())
-
-        self._thread = threading.Thread(target=sample, name="llmweb-rss-sampler", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> int:
-        if self.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.synchronize(self.device)
-            return int(torch.cuda.max_memory_allocated(self.device))
-        if self._thread is None:
-            return _read_hwm()
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
-        from .telemetry import rss_bytes
-
-        return max(self._sampled, rss_bytes())
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _read_hwm() > 0
-    except OSError:
-        return False
-
-
-def _read_hwm() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            m = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
-        return int(m.group(1)) * 1024 if m else 0
-    except OSError:
-        return 0
-
-
 # ---- prompts
 
 def filler_prompt(fmt, target_tokens: int, tag: str = "", system: str = SYSTEM) -> list[int]:
     """The longest real prompt (system + one user message of filler text) of at most `target_tokens`."""
-    from .tokens import render_prompt
+    from ..tokens import render_prompt
 
     def ids_for(n_words: int) -> list[int]:
         words = [_FILLER[i % len(_FILLER)] for i in range(n_words)]
@@ -208,7 +86,7 @@ def filler_prompt(fmt, target_tokens: int, tag: str = "", system: str = SYSTEM) 
 def device_limit(settings: Settings, loaded) -> int:
     """CUDA: total device memory minus the margin; CPU: the admission limit (LLMWEB_MEM_LIMIT_MB)."""
     if loaded.on_cpu:
-        from .runtime import cpu_mem_limit_bytes
+        from ..runtime import cpu_mem_limit_bytes
 
         return cpu_mem_limit_bytes(settings)
     import torch
@@ -219,7 +97,7 @@ def device_limit(settings: Settings, loaded) -> int:
 
 def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int) -> dict:
     """Weights + resident KV of every session + the activation margin of the one running request."""
-    from .engine import predict_bytes
+    from ..engine import predict_bytes
 
     heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
     per_session, activation = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
@@ -233,11 +111,11 @@ def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int) -> d
 def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int], max_new_tokens: int = 16,
         loaded=None, progress: Callable[[str], None] = log.info) -> dict:
     """Measure every (context, concurrency) combination on one engine; return rows and the setup."""
-    from . import models
-    from .engine import Engine, EngineLimits, GenerationRequest
-    from .kvcache import KVStore
-    from .runtime import kv_budget_bytes
-    from .tokens import TemplateFormat
+    from .. import models
+    from ..engine import Engine, EngineLimits, GenerationRequest
+    from ..kvcache import KVStore
+    from ..runtime import kv_budget_bytes
+    from ..tokens import TemplateFormat
 
     contexts, concurrencies = sorted(set(contexts)), sorted(set(concurrencies))
     if not contexts or not concurrencies or min(contexts) < 1 or min(concurrencies) < 1:
@@ -288,7 +166,7 @@ def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int
 
 def _measure(engine, loaded, prompts: list[list[int]], context: int, max_new_tokens: int,
              limit: int, kv_budget: int) -> tuple[dict, str]:
-    from .engine import GenerationRequest
+    from ..engine import GenerationRequest
 
     engine.kv.clear()
     release_memory(loaded.device)
@@ -416,42 +294,9 @@ def plot(r: dict, path: Path) -> Path:
 
 
 def write_reports(r: dict, data_dir: Path) -> dict[str, Path]:
-    folder = Path(data_dir) / "reports"
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"capacity-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = report_stem(data_dir, "capacity")
     paths = {"csv": write_csv(r, stem.with_suffix(".csv")), "png": plot(r, stem.with_suffix(".png"))}
     md = stem.with_suffix(".md")
     md.write_text(markdown(r), encoding="utf-8")
     paths["md"] = md
     return paths
-
-
-# ---- the command
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"expected comma-separated integers, not {text!r}") from None
-
-
-def add_parser(sub) -> None:
-    c = sub.add_parser("capacity", help="predicted vs measured peak memory per context and concurrency")
-    c.add_argument("--context", default="512,1024,2048", help="tokens per session (prompt + reply), comma-separated")
-    c.add_argument("--concurrency", default="1,2,4", help="sessions submitted at once, comma-separated")
-    c.add_argument("--max-new-tokens", type=int, default=16, help="reply length per request")
-    c.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
-    c.set_defaults(func=main)
-
-
-def main(args) -> int:
-    settings = Settings.from_env()
-    result = run(settings, _ints(args.context), _ints(args.concurrency), max_new_tokens=args.max_new_tokens)
-    paths = write_reports(result, settings.data_dir)
-    if args.json:
-        print(json.dumps({**result, "files": {k: str(p) for k, p in paths.items()}}, indent=2))
-        return 0
-    print(markdown(result))
-    for kind, p in paths.items():
-        print(f"{kind}: {p}")
-    return 0

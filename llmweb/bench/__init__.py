@@ -1,0 +1,143 @@
+"""Benchmarks, apart from the product: `python -m llmweb bench [all|ttft|retrieval|quant|fidelity]` and `capacity`.
+
+One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
+
+  suite.py      `bench` (all): one model load, then overhead, TTFT, memory replay, retrieval; a report
+  overhead.py   our Engine vs a bare `model.generate` loop, decode tokens/s
+  ttft.py       `bench ttft`: time-to-first-token over a growing chat, with and without KV reuse
+  memory.py     the 200-turn replay: memory growth the KV store does not explain, live tensors
+  quant.py      `bench quant`: weights size and decode speed per quantisation
+  retrieval.py  `bench retrieval`: ingest chunks/s and query latency at ~10k chunks
+  fidelity.py   `bench fidelity`: do early facts stay in the prompt? three memory modes
+  capacity.py   `capacity`: measured peak memory vs prediction per context length and concurrency
+  common.py     scripted turns, scratch settings, single-request timing, the setup, report files
+
+Measurement helpers (peak meters, live tensors) live in telemetry.py. This module only builds the argument parsers (`register`); each command imports its benchmark
+when it runs, so nothing heavy happens at import.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import ConfigError
+
+BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity"]
+
+
+def register(sub) -> None:
+    """Add the `bench` and `capacity` commands to the CLI's subparsers."""
+    b = sub.add_parser("bench", help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity")
+    b.add_argument("which", nargs="?", default="all", choices=BENCHES)
+    b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
+    b.add_argument("--chunks", type=int, default=None,
+                   help="retrieval: corpus size in chunks (default 10000 for `bench retrieval`, 2000 in the suite)")
+    b.add_argument("--max-new-tokens", type=int, default=None,
+                   help="TTFT: reply length per turn (default 48 for `bench ttft`, 32 in the suite)")
+    b.add_argument("--replay-turns", type=int, default=200, help="suite: measured turns of the memory replay")
+    b.add_argument("--warmup-turns", type=int, default=10,
+                   help="suite: replay turns before memory is measured (at least until the first fold)")
+    b.add_argument("--replay-context", type=int, default=1024, help="suite: context limit of the memory replay")
+    b.add_argument("--replay-new-tokens", type=int, default=16, help="suite: reply length in the memory replay")
+    b.add_argument("--overhead-tokens", type=int, default=32, help="suite: new tokens per engine-overhead run")
+    b.add_argument("--repeats", type=int, default=3, help="suite: A/B repeats of the engine-overhead runs")
+    b.add_argument("--fillers", type=int, default=12, help="fidelity: filler turns before each checkpoint")
+    b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=bench_command)
+
+    c = sub.add_parser("capacity", help="predicted vs measured peak memory per context and concurrency")
+    c.add_argument("--context", default="512,1024,2048", help="tokens per session (prompt + reply), comma-separated")
+    c.add_argument("--concurrency", default="1,2,4", help="sessions submitted at once, comma-separated")
+    c.add_argument("--max-new-tokens", type=int, default=16, help="reply length per request")
+    c.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+    c.set_defaults(func=capacity_command)
+
+
+def parse_ints(text: str) -> list[int]:
+    """"512,1024" -> [512, 1024]; anything else is a ConfigError with the text."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"expected comma-separated integers, not {text!r}") from None
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _print(result: dict, as_json: bool, markdown) -> None:
+    print(json.dumps(result, indent=2) if as_json else markdown(result))
+
+
+def bench_command(args) -> int:
+    from ..config import Settings
+
+    if args.which == "all":
+        from . import suite
+        from .common import write_reports
+
+        settings = Settings.from_env()
+        result = suite.run(settings, turns=args.turns, ttft_new_tokens=args.max_new_tokens or 32,
+                           chunks=args.chunks or 2000, replay_turns=args.replay_turns, warmup_turns=args.warmup_turns,
+                           replay_context=args.replay_context, replay_new_tokens=args.replay_new_tokens,
+                           overhead_tokens=args.overhead_tokens, overhead_repeats=args.repeats, progress=_stderr)
+        md = suite.markdown(result)
+        paths = write_reports(result, md, settings.data_dir)
+        if args.json:
+            print(json.dumps({**result, "files": {k: str(p) for k, p in paths.items()}}, indent=2))
+        else:
+            print(md)
+            for kind, p in paths.items():
+                print(f"{kind}: {p}")
+        return 0
+    if args.which == "retrieval":
+        from . import retrieval
+
+        _print(retrieval.run(Settings.from_env(), n_chunks=args.chunks or 10_000), args.json, retrieval.markdown)
+        return 0
+    if args.which == "fidelity":
+        from . import fidelity
+
+        # a small context by default, so the planted facts leave the window within the run
+        settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 32)
+        if not settings.context_limit:
+            settings = settings.replace(context_limit=512)
+        result = fidelity.run(settings, fillers_between=args.fillers, checkpoints=args.checkpoints, progress=_stderr)
+        _print(result, args.json, fidelity.markdown)
+        return 0
+    if args.which == "quant":
+        from . import quant
+
+        _print(quant.run(Settings.from_env()), args.json, quant.markdown)
+        return 0
+    assert args.which == "ttft", f"unknown benchmark {args.which!r}"
+    from ..runtime import Runtime
+    from . import ttft
+
+    settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 48)
+    runtime = Runtime(settings).start(background=False)
+    try:
+        result = ttft.run(runtime, args.turns)
+    finally:
+        runtime.close()
+    _print(result, args.json, ttft.markdown)
+    return 0
+
+
+def capacity_command(args) -> int:
+    from ..config import Settings
+    from . import capacity
+
+    settings = Settings.from_env()
+    result = capacity.run(settings, parse_ints(args.context), parse_ints(args.concurrency),
+                          max_new_tokens=args.max_new_tokens)
+    paths = capacity.write_reports(result, settings.data_dir)
+    if args.json:
+        print(json.dumps({**result, "files": {k: str(p) for k, p in paths.items()}}, indent=2))
+        return 0
+    print(capacity.markdown(result))
+    for kind, p in paths.items():
+        print(f"{kind}: {p}")
+    return 0

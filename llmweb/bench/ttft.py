@@ -1,0 +1,76 @@
+"""`python -m llmweb bench ttft`: time-to-first-token over a growing chat, with and without KV reuse.
+
+The same scripted conversation runs twice on one runtime: once with session KV reuse, once
+with full prefill. For each mode, the median TTFT over the last 10 turns divided by the median
+over the first 5: flat (≈1) with reuse, growing with history without it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from .common import describe_setup, scripted_turns
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    ttft_s: list[float]
+    prompt_tokens: list[int]
+    reused_tokens: list[int]
+    replies: list[str]
+
+    def ratio(self, early: int = 5, late: int = 10) -> float:
+        return statistics.median(self.ttft_s[-late:]) / max(statistics.median(self.ttft_s[:early]), 1e-9)
+
+
+def run_mode(runtime, turns: list[str], reuse: bool) -> ModeResult:
+    from ..chat import Finished
+
+    chat = runtime.wait_ready()
+    runtime.engine.kv.clear()
+    runtime.engine.limits.kv_reuse = reuse
+    conv = runtime.store.create_conversation(f"bench ttft ({'reuse' if reuse else 'full prefill'})")
+    res = ModeResult("reuse" if reuse else "full", [], [], [], [])
+    try:
+        for text in turns:
+            for ev in chat.send(conv, text, use_docs=False, wait_summary=True):
+                if isinstance(ev, Finished):
+                    g = ev.stats.gen
+                    res.ttft_s.append(g.ttft_s)
+                    res.prompt_tokens.append(g.prompt_tokens)
+                    res.reused_tokens.append(g.reused_tokens)
+                    res.replies.append(ev.reply)
+    finally:
+        runtime.engine.limits.kv_reuse = runtime.settings.kv_reuse
+        chat.delete(conv)
+    return res
+
+
+def run(runtime, n_turns: int) -> dict:
+    turns = scripted_turns(n_turns)
+    results = [run_mode(runtime, turns, reuse=True), run_mode(runtime, turns, reuse=False)]
+    same = sum(a == b for a, b in zip(results[0].replies, results[1].replies))
+    return {
+        "bench": "ttft", "turns": n_turns, **describe_setup(runtime.settings, runtime.loaded, runtime.budget),
+        "modes": {r.mode: {"late_early_ratio": round(r.ratio(), 3),
+                           "median_first5_s": round(statistics.median(r.ttft_s[:5]), 4),
+                           "median_last10_s": round(statistics.median(r.ttft_s[-10:]), 4),
+                           "ttft_s": [round(x, 4) for x in r.ttft_s], "prompt_tokens": r.prompt_tokens,
+                           "reused_tokens": r.reused_tokens} for r in results},
+        "identical_replies": f"{same}/{n_turns}",
+    }
+
+
+def markdown(r: dict) -> str:
+    reuse, full = r["modes"]["reuse"], r["modes"]["full"]
+    rows = ["| turn | prompt tokens | reused | TTFT reuse (s) | TTFT full prefill (s) |", "|---:|---:|---:|---:|---:|"]
+    for i, (p, u, a, b) in enumerate(zip(reuse["prompt_tokens"], reuse["reused_tokens"], reuse["ttft_s"], full["ttft_s"]), 1):
+        rows.append(f"| {i} | {p} | {u} | {a:.3f} | {b:.3f} |")
+    return "\n".join([
+        f"## TTFT over {r['turns']} turns ({r['model']}, {r['quant']}, {r['device']})", "", *rows, "",
+        "| mode | median TTFT, first 5 (s) | median TTFT, last 10 (s) | late / early |", "|---|---:|---:|---:|",
+        f"| reuse | {reuse['median_first5_s']:.3f} | {reuse['median_last10_s']:.3f} | {reuse['late_early_ratio']:.2f} |",
+        f"| full prefill | {full['median_first5_s']:.3f} | {full['median_last10_s']:.3f} | {full['late_early_ratio']:.2f} |",
+        "", f"Replies identical in both modes: {r['identical_replies']}", ""])
