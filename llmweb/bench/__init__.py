@@ -12,7 +12,10 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
   capacity.py   `capacity`: measured peak memory vs prediction per context length and concurrency
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
 
-Measurement helpers (peak meters, live tensors) live in telemetry.py. This module only builds the argument parsers (`register`); each command imports its benchmark
+The contract: a benchmark changes engine settings only through public configuration (a Runtime
+built from `settings.replace(...)`, or an `Engine` of its own from `EngineLimits`); it never
+changes a running engine. Measurement helpers (peak meters, live tensors) live in telemetry.py.
+This module only builds the argument parsers (`register`); each command imports its benchmark
 when it runs, so nothing heavy happens at import.
 """
 
@@ -113,15 +116,16 @@ def bench_command(args) -> int:
         _print(quant.run(Settings.from_env()), args.json, quant.markdown)
         return 0
     assert args.which == "ttft", f"unknown benchmark {args.which!r}"
-    from ..runtime import Runtime
+    import tempfile
+
+    from .. import models
     from . import ttft
+    from .common import scratch_settings
 
     settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 48)
-    runtime = Runtime(settings).start(background=False)
-    try:
-        result = ttft.run(runtime, args.turns)
-    finally:
-        runtime.close()
+    loaded = models.load(settings, progress=_stderr)
+    with tempfile.TemporaryDirectory(prefix="llmweb-bench-") as tmp:  # the chats never touch the user's database
+        result = ttft.run(scratch_settings(settings, tmp), loaded, args.turns)
     _print(result, args.json, ttft.markdown)
     return 0
 

@@ -23,7 +23,9 @@ Per combination we record
 
 `run()` returns plain dicts; `markdown()`, `write_csv()` and `plot()` render them; the CLI
 writes CSV + PNG (+ the Markdown) under `settings.data_dir / "reports"` and prints the paths.
-Nothing heavy happens at import time.
+The engine is built here from `EngineLimits` (its public constructor) around a KV store of our
+own, which we clear between combinations; the engine itself is only read (resident bytes,
+evictions). Nothing heavy happens at import time.
 """
 
 from __future__ import annotations
@@ -150,10 +152,10 @@ def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int
                        for i in range(max(concurrencies))]
             for k in concurrencies:
                 progress(f"capacity: context {context}, {k} session(s)…")
-                row, method = _measure(engine, loaded, prompts[:k], context, max_new_tokens, limit, kv_budget)
+                row, method = _measure(engine, kv, loaded, prompts[:k], context, max_new_tokens, limit, kv_budget)
                 rows.append(row)
     finally:
-        engine.kv.clear()
+        kv.clear()
         engine.close()
     return {"bench": "capacity", "model": loaded.name, "quant": loaded.quant, "device": loaded.device,
             "weights_bytes": int(loaded.weights_bytes), "kv_bytes_per_token": loaded.kv_bytes_per_token,
@@ -164,13 +166,14 @@ def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int
             "rows": rows}
 
 
-def _measure(engine, loaded, prompts: list[list[int]], context: int, max_new_tokens: int,
+def _measure(engine, kv, loaded, prompts: list[list[int]], context: int, max_new_tokens: int,
              limit: int, kv_budget: int) -> tuple[dict, str]:
+    """One batch: `prompts` submitted at once to `engine`, whose KV store `kv` (ours) starts empty."""
     from ..engine import GenerationRequest
 
-    engine.kv.clear()
+    kv.clear()
     release_memory(loaded.device)
-    evictions = engine.kv.evictions
+    evictions = kv.evictions
     baseline = current_bytes(loaded.device)
     meter = PeakMeter(loaded.device).start()
     t0 = time.perf_counter()
@@ -193,18 +196,18 @@ def _measure(engine, loaded, prompts: list[list[int]], context: int, max_new_tok
     prompt_tokens = max(len(p) for p in prompts)
     pred = predict(loaded, prompt_tokens, max_new_tokens, len(prompts))
     growth = max(peak - baseline, 0)
-    evicted = engine.kv.evictions - evictions  # admission evicts idle caches when memory is short
+    evicted = kv.evictions - evictions  # admission evicts idle caches when memory is short
     device_peak_predicted = baseline + pred["predicted_growth_bytes"]
     row = {"context": context, "concurrency": len(prompts), "prompt_tokens": prompt_tokens,
            "kv_tokens_per_session": prompt_tokens + max_new_tokens, "completed": completed, "refused": refused,
            "evicted": evicted,
            **pred, "measured_baseline_bytes": int(baseline), "measured_peak_bytes": int(peak),
-           "measured_growth_bytes": int(growth), "resident_kv_bytes": int(engine.kv.total_bytes),
+           "measured_growth_bytes": int(growth), "resident_kv_bytes": int(kv.total_bytes),
            "limit_bytes": int(limit), "kv_budget_bytes": int(kv_budget),
            "fits": bool(refused == 0 and evicted == 0 and max(device_peak_predicted, peak) <= limit),
            "max_queue_wait_s": round(max((s.queue_wait_s for s in stats), default=0.0), 3),
            "batch_s": round(batch_s, 3)}
-    engine.kv.clear()
+    kv.clear()
     return row, meter.method
 
 

@@ -34,7 +34,6 @@ def run(settings, *, turns: int = 40, ttft_new_tokens: int = 32, chunks: int = 2
     """All benchmarks on one loaded model; chats run in a temporary data dir."""
     from .. import models
     from ..context import Budget
-    from ..runtime import Runtime
 
     t_all = time.perf_counter()
     loaded = loaded or models.load(settings, progress=progress)
@@ -50,11 +49,7 @@ def run(settings, *, turns: int = 40, ttft_new_tokens: int = 32, chunks: int = 2
 
         progress(f"bench: TTFT over {turns} turns, with and without KV reuse…")
         t0 = time.perf_counter()
-        runtime = Runtime(scratch.replace(max_new_tokens=ttft_new_tokens), loaded=loaded).start(background=False)
-        try:
-            out["ttft"] = ttft.run(runtime, turns)
-        finally:
-            runtime.close()
+        out["ttft"] = ttft.run(scratch.replace(max_new_tokens=ttft_new_tokens), loaded, turns)
         seconds["ttft"] = time.perf_counter() - t0
 
         progress(f"bench: memory over {warmup_turns} + {replay_turns} turns…")

@@ -1,8 +1,11 @@
 """`python -m llmweb bench ttft`: time-to-first-token over a growing chat, with and without KV reuse.
 
-The same scripted conversation runs twice on one runtime: once with session KV reuse, once
-with full prefill. For each mode, the median TTFT over the last 10 turns divided by the median
-over the first 5: flat (≈1) with reuse, growing with history without it.
+The same scripted conversation runs twice on one loaded model: once with session KV reuse, once
+with full prefill. Each mode gets a Runtime of its own, built from `settings.replace(kv_reuse=...)`
+(public configuration; a running engine is never changed). For each mode, the median TTFT over
+the last 10 turns divided by the median over the first 5: flat (≈1) with reuse, growing with
+history without it. Chats are stored in `settings.data_dir` and deleted afterwards; pass scratch
+settings (`common.scratch_settings`) to keep them out of the user's database.
 """
 
 from __future__ import annotations
@@ -25,35 +28,41 @@ class ModeResult:
         return statistics.median(self.ttft_s[-late:]) / max(statistics.median(self.ttft_s[:early]), 1e-9)
 
 
-def run_mode(runtime, turns: list[str], reuse: bool) -> ModeResult:
+def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
+    """One chat of `turns` on a Runtime of its own, with session KV reuse on or off."""
     from ..chat import Finished
+    from ..runtime import Runtime
 
-    chat = runtime.wait_ready()
-    runtime.engine.kv.clear()
-    runtime.engine.limits.kv_reuse = reuse
-    conv = runtime.store.create_conversation(f"bench ttft ({'reuse' if reuse else 'full prefill'})")
+    runtime = Runtime(settings.replace(kv_reuse=reuse), loaded=loaded).start(background=False)
     res = ModeResult("reuse" if reuse else "full", [], [], [], [])
     try:
-        for text in turns:
-            for ev in chat.send(conv, text, use_docs=False, wait_summary=True):
-                if isinstance(ev, Finished):
-                    g = ev.stats.gen
-                    res.ttft_s.append(g.ttft_s)
-                    res.prompt_tokens.append(g.prompt_tokens)
-                    res.reused_tokens.append(g.reused_tokens)
-                    res.replies.append(ev.reply)
+        chat = runtime.wait_ready()
+        conv = runtime.store.create_conversation(f"bench ttft ({'reuse' if reuse else 'full prefill'})")
+        try:
+            for text in turns:
+                for ev in chat.send(conv, text, use_docs=False, wait_summary=True):
+                    if isinstance(ev, Finished):
+                        g = ev.stats.gen
+                        res.ttft_s.append(g.ttft_s)
+                        res.prompt_tokens.append(g.prompt_tokens)
+                        res.reused_tokens.append(g.reused_tokens)
+                        res.replies.append(ev.reply)
+        finally:
+            chat.delete(conv)
     finally:
-        runtime.engine.limits.kv_reuse = runtime.settings.kv_reuse
-        chat.delete(conv)
+        runtime.close()
     return res
 
 
-def run(runtime, n_turns: int) -> dict:
+def run(settings, loaded, n_turns: int) -> dict:
+    from ..context import Budget
+
     turns = scripted_turns(n_turns)
-    results = [run_mode(runtime, turns, reuse=True), run_mode(runtime, turns, reuse=False)]
+    results = [run_mode(settings, loaded, turns, reuse=True), run_mode(settings, loaded, turns, reuse=False)]
     same = sum(a == b for a, b in zip(results[0].replies, results[1].replies))
+    budget = Budget.from_settings(settings, loaded.max_context, loaded.on_cpu)
     return {
-        "bench": "ttft", "turns": n_turns, **describe_setup(runtime.settings, runtime.loaded, runtime.budget),
+        "bench": "ttft", "turns": n_turns, **describe_setup(settings, loaded, budget),
         "modes": {r.mode: {"late_early_ratio": round(r.ratio(), 3),
                            "median_first5_s": round(statistics.median(r.ttft_s[:5]), 4),
                            "median_last10_s": round(statistics.median(r.ttft_s[-10:]), 4),
