@@ -1,7 +1,8 @@
 """The benchmark commands end to end at tiny sizes on CPU: `capacity`, `bench ttft`, the `bench` suite.
 
-They check that each command runs, reports what it promises (columns, keys, files) and that
-the numbers are sane. No timing assertions: these machines are noisy.
+They check that each command runs, reports what it promises (columns, keys, files), and that
+its verdicts (fits, meets target, leak suspected) follow from its own figures. No timing
+assertions: these machines are noisy.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import pytest
 
 from llmweb import bench
-from llmweb.bench import capacity, suite
+from llmweb.bench import capacity, memory, suite
 from llmweb.bench.common import write_reports
 from llmweb.cli import build_parser
 
@@ -60,7 +61,9 @@ def test_capacity_command_writes_table_csv_and_plot(tmp_path):
         context, k, prompt = int(r["context"]), int(r["concurrency"]), int(r["prompt_tokens"])
         assert context - 8 - 16 < prompt <= context - 8, "the prompt fills the context up to the reply"
         assert int(r["completed"]) == k and int(r["refused"]) == 0 and int(r["evicted"]) == 0
-        assert r["fits"] in ("True", "False")
+        baseline, peak, limit = (int(r[c]) for c in ("measured_baseline_bytes", "measured_peak_bytes", "limit_bytes"))
+        fits = max(baseline + int(r["predicted_growth_bytes"]), peak) <= limit  # nothing was refused or evicted
+        assert r["fits"] == str(fits), "fits: the larger of predicted and measured peak is under the limit"
         pred = {c: int(r[c]) for c in ("predicted_weights_bytes", "predicted_kv_bytes",
                                         "predicted_activation_bytes", "predicted_bytes")}
         assert min(pred.values()) > 0
@@ -109,13 +112,19 @@ def test_suite_reports_every_section(suite_result):
         assert env[key] not in (None, ""), key
     o = r["overhead"]
     assert o["engine_tok_s"] > 0 and o["bare_tok_s"] > 0 and o["ratio"] > 0
-    assert o["same_token_count"] and o["runs_per_side"] == 3 and isinstance(o["meets_target"], bool)
+    assert o["same_token_count"] and o["runs_per_side"] == 3
+    assert o["target"] == 0.9 and o["meets_target"] == (o["ratio"] >= 0.9), "the verdict matches the printed ratio"
     assert len(r["ttft"]["modes"]["reuse"]["ttft_s"]) == 6
     m = r["memory"]
     assert m["turns"] == 8 and m["warmup_turns"] >= 2
     assert m["start"]["mem_bytes"] > 0 and m["end"]["mem_bytes"] > 0 and m["start"]["tensors"] > 0
+    a, b = m["start"], m["end"]
+    assert m["mem_growth_bytes"] == b["mem_bytes"] - a["mem_bytes"]
+    assert m["kv_growth_bytes"] == b["kv_store_bytes"] - a["kv_store_bytes"]
     assert m["unexplained_growth_bytes"] == m["mem_growth_bytes"] - m["kv_growth_bytes"]
-    assert isinstance(m["leak_suspected"], bool)
+    assert m["tensor_growth"] == b["tensors_outside_kv"] - a["tensors_outside_kv"]
+    assert m["leak_suspected"] == (m["unexplained_growth_bytes"] > m["leak_threshold_bytes"]
+                                   or m["tensor_growth"] > memory.LEAK_TENSOR_SLACK)
     assert r["retrieval"]["chunks"] > 0 and r["retrieval"]["requested_chunks"] == 30
     assert not (settings.data_dir / "llmweb.sqlite3").exists(), "the suite's chats run in a scratch data dir"
 
