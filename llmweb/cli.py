@@ -1,7 +1,8 @@
 """Command line: `python -m llmweb serve | replay | ingest | search | bench | capacity`.
 
 Settings come from `LLMWEB_*` variables; flags override them. Domain errors end the command
-with their message and exit status 2, never a traceback.
+with their message and exit status 2, never a traceback; `replay` is the exception per turn: a
+refused turn is reported in its row, the script goes on, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from .config import Settings
 from .errors import LlmwebError
@@ -58,40 +60,57 @@ def read_script(path: Path) -> list[str]:
     return users
 
 
-def replay(runtime, users: list[str], *, prompt_text: bool = False, conv_id: str | None = None,
-           seed: int | None = None):
-    """Run a scripted conversation through the chat path; yield one dict per turn."""
+def replay(runtime, users: list, *, prompt_text: bool = False, conv_id: str | None = None,
+           seed: int | None = None) -> Iterator[dict]:
+    """Run a scripted conversation through the chat path; yield one dict per message of the script.
+
+    `turn` is the message's place in the script (1-based). A message the chat refuses (empty, too
+    long, not text, the model busy or out of memory: any LlmwebError) yields
+    `{"turn", "user", "error"}` with the user's message, and the script goes on with the next one.
+    """
     from .chat import Finished
 
     chat = runtime.wait_ready()
     conv_id = conv_id or runtime.store.create_conversation("replay")
-    for user in users:
-        for event in chat.send(conv_id, user, wait_summary=True, seed=seed):
-            if isinstance(event, Finished):
-                d = event.stats.to_dict()
-                d["reply"] = event.reply
-                d["sources"] = event.sources
-                if prompt_text:
-                    d["prompt_text"] = event.prompt_text()
-                yield d
+    for n, user in enumerate(users, 1):
+        try:
+            finished = [e for e in chat.send(conv_id, user, wait_summary=True, seed=seed) if isinstance(e, Finished)]
+        except LlmwebError as e:
+            yield {"turn": n, "user": user, "error": str(e)}
+            continue
+        assert len(finished) == 1, f"turn {n}: the chat ended without one Finished event"
+        event = finished[0]
+        d = {**event.stats.to_dict(), "turn": n, "reply": event.reply, "sources": event.sources}
+        if prompt_text:
+            d["prompt_text"] = event.prompt_text()
+        yield d
+
+
+def replay_line(d: dict) -> str:
+    """A replay row for people (without --json)."""
+    if "error" in d:
+        return f"[{d['turn']}] refused: {d['error']}\n"
+    return (f"[{d['turn']}] {d['prompt_tokens']} prompt tokens ({d['reused_tokens']} reused), "
+            f"{d['generated_tokens']} generated, TTFT {d['ttft_s']:.2f} s\n{d['reply']}\n")
 
 
 def cmd_replay(args) -> int:
+    """Exit status 0 when every turn ran, 1 when any turn was refused (each in its row)."""
     from .runtime import Runtime
 
     settings = Settings.from_env()
     users = read_script(Path(args.file))
     runtime = Runtime(settings).start(background=False)
+    refused = 0
     try:
         for d in replay(runtime, users, prompt_text=args.prompt_text, seed=args.seed):
-            if args.json:
-                print(json.dumps(d, ensure_ascii=False), flush=True)
-            else:
-                print(f"[{d['turn']}] {d['prompt_tokens']} prompt tokens ({d['reused_tokens']} reused), "
-                      f"{d['generated_tokens']} generated, TTFT {d['ttft_s']:.2f} s\n{d['reply']}\n", flush=True)
+            refused += "error" in d
+            print(json.dumps(d, ensure_ascii=False) if args.json else replay_line(d), flush=True)
     finally:
         runtime.close()
-    return 0
+    if refused:
+        print(f"llmweb: {refused} of {len(users)} turns were refused", file=sys.stderr)
+    return 1 if refused else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+from llmweb.cli import replay_line
 from tests.conftest import MODEL_CACHE, REPO
 
 KEYS = {"turn", "prompt_tokens", "generated_tokens", "ttft_s", "decode_tok_s", "total_s", "reply", "mem",
@@ -35,6 +36,30 @@ def test_replay_prints_one_json_object_per_turn(tmp_path):
         assert q in r["prompt_text"]
         assert sum(v for k, v in r["sections"].items() if k != "reserve") == r["prompt_tokens"]
     assert all(r["reused_tokens"] > 0 for r in rows[1:]), "later turns reuse the session's KV cache"
+
+
+def test_replay_reports_refused_turns_goes_on_and_exits_1(tmp_path):
+    script = tmp_path / "chat.jsonl"
+    users = ["Name a colour.", "   ", 42, "word " * 40, "Name a fruit."]
+    script.write_text("\n".join(json.dumps({"user": u}) for u in users) + "\n")
+    out = run_cli(tmp_path, "replay", str(script), "--json", LLMWEB_MAX_NEW_TOKENS="6", LLMWEB_USER_TOKENS="24")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "3 of 5 turns were refused" in out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["turn"] for r in rows] == [1, 2, 3, 4, 5], "one row per message of the script, in order"
+    assert rows[1] == {"turn": 2, "user": "   ", "error": rows[1]["error"]}
+    assert rows[1]["error"].startswith("Your message is empty")
+    assert rows[2] == {"turn": 3, "user": 42, "error": "A message must be text."}
+    assert rows[3]["user"] == "word " * 40 and "the limit is 24" in rows[3]["error"]
+    for r in (rows[0], rows[4]):
+        assert "error" not in r and r["generated_tokens"] >= 1 and KEYS <= set(r)
+    assert rows[4]["reused_tokens"] > 0, "the chat went on after the refused turns (its first turn is reused)"
+
+
+def test_replay_prints_a_refused_turn_for_people():
+    assert replay_line({"turn": 2, "user": " ", "error": "Your message is empty."}) == "[2] refused: Your message is empty.\n"
+    row = {"turn": 1, "prompt_tokens": 30, "reused_tokens": 0, "generated_tokens": 5, "ttft_s": 0.25, "reply": "Blue."}
+    assert replay_line(row) == "[1] 30 prompt tokens (0 reused), 5 generated, TTFT 0.25 s\nBlue.\n"
 
 
 def test_replay_rejects_a_malformed_script(tmp_path):
