@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test install install-dev clean-data
+.PHONY: run test test-fast install install-dev clean-data
 
 $(VENV)/.installed: requirements.txt requirements-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ run: install
 
 test: install-dev
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# the quick loop while you work: everything but the real-model (`slow`) and browser tests
+test-fast: install-dev
+	$(BIN)/python -m pytest -q -m "not slow and not browser" $(PYTEST_ARGS)
 
 clean-data:
 	rm -rf data/models data/index data/*.sqlite3* data/reports

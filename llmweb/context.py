@@ -7,6 +7,7 @@ returns a `ContextPlan` whose `ids` are exactly the prompt the engine will run.
 Prompt layout (one chat message per line):
 
     system     system prompt + "\\n\\nSummary of the conversation so far:\\n" + summary
+               + "\\n\\nFacts the user stated (verbatim):\\n- ..." (the user's facts)
     user       oldest kept turn            } history: whole turns, the newest ones,
     assistant  ...                         } contiguous up to the last turn
     user       [earlier passages] + [numbered sources] + the user's text
@@ -18,9 +19,12 @@ so the session's KV cache can reuse everything before it.
 
 Guarantees: len(ids) + max_new_tokens <= context_limit; the system prompt is first and whole;
 turns are never split; the user's message is never cut (too long -> `InputError` with the
-numbers). What does not fit is left out whole and reported: old turns, chunks, the tail of the
-summary. Priority when room is short: system + user + reply reserve, then the summary, then
-retrieved text, then history.
+numbers). Pinned facts are never left out (with the system prompt, the message and the reply
+reserve they are the fixed part; chat.py keeps them under their cap when they are pinned). What
+does not fit is left out whole and reported: old turns, chunks, unpinned facts (oldest first),
+the tail of the summary. Priority when room is short: system + pinned facts + user + reply
+reserve, then the newest two turns, then unpinned facts, then the summary, then retrieved text,
+then history.
 
 It must not call the model, touch the store, or decide when to summarise: summary.py does that,
 from `ContextPlan.history_room`.
@@ -33,6 +37,7 @@ from typing import Sequence
 
 from .config import CPU_CONTEXT_CAP, Settings
 from .errors import ConfigError, InputError
+from .facts import facts_block
 from .records import Chunk, Turn
 from .summary import cap_text
 from .tokens import ChatFormat
@@ -45,7 +50,7 @@ OVER_BUDGET = "over the retrieved-text budget"
 NO_ROOM = "no room left in the context"
 
 PROTECTED_TURNS = 2  # the newest turns, kept verbatim before the summary and retrieved text get room
-SECTIONS = ("system", "summary", "history", "recall", "retrieved", "user", "reserve")
+SECTIONS = ("system", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,7 @@ class Budget:
     summary_tokens: int
     retrieved_tokens: int
     user_tokens: int
+    facts_tokens: int = 0  # the user's facts; pinned ones are kept even past it (chat.py caps pinning)
 
     def __post_init__(self) -> None:
         if self.context_limit < 2:
@@ -64,8 +70,8 @@ class Budget:
         if not 1 <= self.max_new_tokens < self.context_limit:
             raise ConfigError(f"max_new_tokens ({self.max_new_tokens}) must be at least 1 and below "
                               f"the context limit ({self.context_limit})")
-        if self.summary_tokens < 0 or self.retrieved_tokens < 0 or self.user_tokens < 1:
-            raise ConfigError("summary and retrieved-text budgets must be >= 0 and the user budget >= 1")
+        if min(self.summary_tokens, self.retrieved_tokens, self.facts_tokens) < 0 or self.user_tokens < 1:
+            raise ConfigError("summary, facts and retrieved-text budgets must be >= 0 and the user budget >= 1")
 
     @classmethod
     def from_settings(cls, settings: Settings, model_max: int, on_cpu: bool) -> "Budget":
@@ -87,6 +93,7 @@ class Budget:
             summary_tokens=settings.summary_tokens,
             retrieved_tokens=settings.retrieved_tokens,
             user_tokens=settings.user_tokens,
+            facts_tokens=settings.facts_tokens,
         )
 
 
@@ -107,6 +114,8 @@ class ContextPlan:
     summary_tokens: int  # tokens of that summary text (fmt.count)
     summary_cut: int  # tokens cut from the end of the given summary (0 = whole)
     history_room: int  # tokens history could use this turn (for summary.turns_to_fold)
+    facts: tuple = ()  # the facts placed, oldest first (every pinned one)
+    dropped_facts: tuple = ()  # unpinned facts left out for lack of room, oldest first
 
     @property
     def max_new_tokens(self) -> int:
@@ -129,6 +138,8 @@ class ContextPlan:
             noun = "earlier passage" if chunk.kind == "recall" else "chunk"
             groups[(noun, reason)] = groups.get((noun, reason), 0) + 1
         parts += [f"{_n(n, noun)} ({reason})" for (noun, reason), n in groups.items()]
+        if self.dropped_facts:
+            parts.append(f"{_n(len(self.dropped_facts), 'older unpinned fact')} (over the facts budget)")
         if self.summary_cut:
             parts.append(f"the last {_n(self.summary_cut, 'token')} of the summary")
         return "left out: " + ", ".join(parts) if parts else ""
@@ -138,12 +149,10 @@ def _n(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
-def system_message(system: str, summary: str) -> str:
-    """The system message: the system prompt, then the running summary in a fixed form."""
-    if not summary:
-        return system
-    block = f"{SUMMARY_HEADER}\n{summary}"
-    return f"{system}\n\n{block}" if system else block
+def system_message(system: str, summary: str, facts: Sequence = ()) -> str:
+    """The system message: the system prompt, the running summary, then the user's facts."""
+    blocks = [system, f"{SUMMARY_HEADER}\n{summary}" if summary else "", facts_block(facts)]
+    return "\n\n".join(b for b in blocks if b)
 
 
 def compose_user_message(user_message: str, chunks: Sequence[Chunk] = (), recall: Sequence[Chunk] = ()) -> str:
@@ -168,14 +177,16 @@ def turn_tokens(fmt: ChatFormat, turn: Turn) -> int:
 
 
 def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chunk], user_message: str,
-         budget: Budget, fmt: ChatFormat, recall: Sequence[Chunk] = ()) -> ContextPlan:
+         budget: Budget, fmt: ChatFormat, recall: Sequence[Chunk] = (), facts: Sequence = ()) -> ContextPlan:
     """Plan this turn's prompt within `budget`; see the module docstring for layout and guarantees.
 
     `turns` are the turns in the window, oldest first (those folded into `summary` are not
     passed). `chunks` are retrieved document chunks and `recall` earlier passages of this
-    conversation; they share `retrieved_tokens` and are taken whole, best score first.
+    conversation; they share `retrieved_tokens` and are taken whole, best score first. `facts`
+    (objects with `.text` and `.pinned`, oldest first) are the user's facts: all pinned ones, then
+    the newest unpinned ones within `facts_tokens`.
     Raises InputError when the user's message is over `user_tokens`, or when the system prompt,
-    the message and the reply reserve alone do not fit in the context.
+    the pinned facts, the message and the reply reserve alone do not fit in the context.
     """
     limit, reserve = budget.context_limit, budget.max_new_tokens
 
@@ -185,12 +196,15 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
         raise InputError(f"Your message is {n_user:,} tokens; the limit is {budget.user_tokens:,}. "
                          "Shorten it or split it into parts.")
     n_system = len(fmt.system_ids(system))
+    pinned = [f for f in facts if f.pinned]
+    n_pinned = _facts_cost(fmt, system, pinned, n_system)
     gen = fmt.generation_prompt_ids()
     bare_user = len(fmt.message_ids("user", user_message))
-    fixed = n_system + bare_user + len(gen) + reserve
+    fixed = n_system + n_pinned + bare_user + len(gen) + reserve
     if fixed > limit:
-        raise InputError(f"Your message is {n_user:,} tokens; with the system prompt ({n_system:,}) and the "
-                         f"room kept for the reply ({reserve:,}) this turn needs {fixed:,} tokens, but the "
+        pins = f", your pinned facts ({n_pinned:,})" if n_pinned else ""
+        raise InputError(f"Your message is {n_user:,} tokens; with the system prompt ({n_system:,}){pins} and "
+                         f"the room kept for the reply ({reserve:,}) this turn needs {fixed:,} tokens, but the "
                          f"context limit is {limit:,}. Shorten your message.")
     left = limit - fixed
 
@@ -202,16 +216,30 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
             break
         protected += cost
 
-    # 2) the running summary: ours, so it is cut (at a sentence end) rather than refused
+    # 2) the user's facts: the newest unpinned ones that fit next to the pinned ones (whole facts)
+    kept_facts = set(map(id, pinned))
+    n_facts = n_pinned
+    room = min(budget.facts_tokens, n_pinned + left - protected)
+    for fact in reversed([f for f in facts if not f.pinned]):
+        trial = [f for f in facts if id(f) in kept_facts or f is fact]
+        cost = _facts_cost(fmt, system, trial, n_system)
+        if cost <= room:
+            kept_facts.add(id(fact))
+            n_facts = cost
+    used_facts = [f for f in facts if id(f) in kept_facts]
+    dropped_facts = tuple(f for f in facts if id(f) not in kept_facts)
+    left -= n_facts - n_pinned
+
+    # 3) the running summary: ours, so it is cut (at a sentence end) rather than refused
     given = summary.strip()
     used_summary = cap_text(given, budget.summary_tokens, fmt.count) if given else ""
-    n_summary = _summary_cost(fmt, system, used_summary, n_system)
+    n_summary = _summary_cost(fmt, system, used_summary, used_facts, n_system + n_facts)
     while used_summary and n_summary > left - protected:
         used_summary = cap_text(used_summary, fmt.count(used_summary) - (n_summary - (left - protected)), fmt.count)
-        n_summary = _summary_cost(fmt, system, used_summary, n_system)
+        n_summary = _summary_cost(fmt, system, used_summary, used_facts, n_system + n_facts)
     left -= n_summary
 
-    # 3) retrieved text: recalled passages and document chunks share one budget; whole, best first
+    # 4) retrieved text: recalled passages and document chunks share one budget; whole, best first
     cap = min(budget.retrieved_tokens, left - protected)
     pool = sorted([(c, True) for c in recall] + [(c, False) for c in chunks], key=lambda p: -p[0].score)
     docs: list[Chunk] = []
@@ -228,7 +256,7 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
             dropped.append((chunk, OVER_BUDGET if cost > budget.retrieved_tokens else NO_ROOM))
     left -= n_retrieved_all
 
-    # 4) history: the newest whole turns that fit in what is left
+    # 5) history: the newest whole turns that fit in what is left
     history_room = left
     kept: list[list[int]] = []  # per turn: its user + assistant ids, newest first
     n_history = 0
@@ -241,8 +269,8 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
     kept.reverse()
     kept_turns = turns[len(turns) - len(kept):] if kept else []
 
-    # 5) assemble, and check the sums against the ids
-    sys_text = system_message(system, used_summary)
+    # 6) assemble, and check the sums against the ids
+    sys_text = system_message(system, used_summary, used_facts)
     final_text = compose_user_message(user_message, docs, recs)
     messages = [("system", sys_text)]
     for turn in kept_turns:
@@ -258,6 +286,7 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
     sections = {
         "system": n_system,
         "summary": n_summary,
+        "facts": n_facts,
         "history": n_history,
         "recall": len(final_ids) - n_docs_only,
         "retrieved": n_docs_only - bare_user,
@@ -281,8 +310,15 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
         summary_tokens=n_used_summary,
         summary_cut=(fmt.count(given) - n_used_summary) if given else 0,
         history_room=history_room,
+        facts=tuple(used_facts),
+        dropped_facts=dropped_facts,
     )
 
 
-def _summary_cost(fmt: ChatFormat, system: str, summary: str, n_system: int) -> int:
-    return len(fmt.system_ids(system_message(system, summary))) - n_system if summary else 0
+def _facts_cost(fmt: ChatFormat, system: str, facts: Sequence, n_system: int) -> int:
+    return len(fmt.system_ids(system_message(system, "", facts))) - n_system if facts else 0
+
+
+def _summary_cost(fmt: ChatFormat, system: str, summary: str, facts: Sequence, n_without: int) -> int:
+    """What the summary adds to the system message that already holds the system prompt and facts."""
+    return len(fmt.system_ids(system_message(system, summary, facts))) - n_without if summary else 0

@@ -15,6 +15,14 @@ from llmweb.config import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = REPO / "data" / "models"
+MODEL_FIXTURES = {"fp32_model", "nf4_model", "fmt"}  # a test that uses one of these loads the chat model
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests on the real chat model are `slow`: `make test-fast` (-m "not slow and not browser") skips them."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 def make_settings(data_dir: Path, **kw) -> Settings:

@@ -19,6 +19,7 @@ from llmweb.context import (
     turn_tokens,
 )
 from llmweb.errors import ConfigError, InputError
+from llmweb.facts import FactLike
 from llmweb.records import Chunk, Turn
 from llmweb.tokens import render_prompt
 from tests.fakes import FakeFormat
@@ -44,7 +45,7 @@ def check_invariants(p, fmt, system, turns, user_message, b):
     # the system message is first and whole; the system prompt's own words are its uncut start
     sys_ids = fmt.system_ids(system)
     assert list(p.ids[:len(sys_ids) - 1]) == sys_ids[:-1]
-    assert p.messages[0] == ("system", system_message(system, p.summary))
+    assert p.messages[0] == ("system", system_message(system, p.summary, p.facts))
     # ids are exactly whole rendered messages: nothing split, nothing else
     assert list(p.ids) == render_prompt(fmt, p.messages[0][1], p.messages[1:])
     # history: the newest turns, whole and contiguous up to the last one
@@ -220,29 +221,37 @@ chunk_st = st.builds(Chunk, st.integers(1, 40).map(lambda n: words(n, "c")), st.
                      page=st.one_of(st.none(), st.integers(1, 9)), score=st.floats(0, 1))
 recall_st = st.builds(Chunk, st.integers(1, 30).map(lambda n: words(n, "r")), st.just("this conversation"),
                       score=st.floats(0, 1), kind=st.just("recall"))
+fact_st = st.builds(FactLike, st.integers(1, 12).map(lambda n: words(n, "f")), st.booleans())
 budget_st = st.builds(
-    lambda limit, new_frac, s, r, u: Budget(limit, max(1, int(limit * new_frac)), s, r, u),
-    st.integers(10, 600), st.floats(0.01, 0.4), st.integers(0, 60), st.integers(0, 200), st.integers(1, 100))
+    lambda limit, new_frac, s, r, u, f: Budget(limit, max(1, int(limit * new_frac)), s, r, u, f),
+    st.integers(10, 600), st.floats(0.01, 0.4), st.integers(0, 60), st.integers(0, 200), st.integers(1, 100),
+    st.integers(0, 60))
 
 
 @settings(max_examples=200, deadline=None)
 @given(system=st.integers(0, 20).map(lambda n: words(n, "s")), summary=st.integers(0, 80).map(lambda n: words(n, "m")),
        turns=st.lists(turn_st, max_size=12), chunks=st.lists(chunk_st, max_size=6),
        recall=st.lists(recall_st, max_size=3), user_len=st.one_of(st.integers(0, 15), st.integers(0, 120)),
-       b=budget_st)
-def test_plan_invariants(system, summary, turns, chunks, recall, user_len, b):
+       facts=st.lists(fact_st, max_size=6), b=budget_st)
+def test_plan_invariants(system, summary, turns, chunks, recall, user_len, facts, b):
     fmt = FakeFormat()
     user_message = words(user_len, "u")
-    fixed = (len(fmt.system_ids(system)) + len(fmt.message_ids("user", user_message))
+    pinned = [f for f in facts if f.pinned]
+    fixed = (len(fmt.system_ids(system_message(system, "", pinned))) + len(fmt.message_ids("user", user_message))
              + len(fmt.generation_prompt_ids()) + b.max_new_tokens)
     if user_len > b.user_tokens or fixed > b.context_limit:
         with pytest.raises(InputError) as e:
-            plan(system, summary, turns, chunks, user_message, b, fmt, recall=recall)
+            plan(system, summary, turns, chunks, user_message, b, fmt, recall=recall, facts=facts)
         assert f"{user_len:,}" in str(e.value)
         assert (f"{b.user_tokens:,}" if user_len > b.user_tokens else f"{b.context_limit:,}") in str(e.value)
         return
-    p = plan(system, summary, turns, chunks, user_message, b, fmt, recall=recall)
+    p = plan(system, summary, turns, chunks, user_message, b, fmt, recall=recall, facts=facts)
     check_invariants(p, fmt, system, turns, user_message, b)
+    # facts: every pinned one placed; the rest placed or reported, in their order; unpinned within the budget
+    assert all(f in p.facts for f in pinned)
+    assert sorted(map(id, p.facts + p.dropped_facts)) == sorted(map(id, facts))
+    if any(not f.pinned for f in p.facts):
+        assert p.sections["facts"] <= b.facts_tokens
     # chunks: every one used or dropped with a reason, whole
     used = list(p.chunks) + list(p.recall)
     assert sorted(map(id, used + [c for c, _ in p.dropped_chunks])) == sorted(map(id, chunks + recall))
@@ -267,3 +276,28 @@ def test_newest_two_turns_outrank_summary_and_retrieved_text():
     p = plan("sys", "summary " * 70, turns, chunks, "hello there", budget, fmt)
     assert p.kept_turns >= 2, p.sections
     assert len(p.ids) + budget.max_new_tokens <= 200
+
+
+def test_pinned_facts_survive_a_budget_squeeze_that_cuts_everything_else():
+    """The squeeze that used to cut the tail of "summary + facts" (the facts block, pinned ones too)."""
+    fmt = FakeFormat()
+    turns = [Turn(f"question {i} " + "q " * 10, f"answer {i} " + "a " * 10) for i in range(6)]
+    facts = [FactLike("my locker code is Zanzibar-7781", True), FactLike("old unpinned fact here", False),
+             FactLike("I live in Tromso", True), FactLike("newest unpinned fact", False)]
+    b = Budget(context_limit=120, max_new_tokens=20, summary_tokens=80, retrieved_tokens=50, user_tokens=50,
+               facts_tokens=20)
+    p = plan("sys", "summary " * 70, turns, [], "what is my locker code?", b, fmt, facts=facts)
+    system_text = p.messages[0][1]
+    assert "- my locker code is Zanzibar-7781" in system_text and "- I live in Tromso" in system_text
+    assert [f.text for f in p.dropped_facts] == ["old unpinned fact here"], "the oldest unpinned goes first"
+    assert p.summary_cut > 0, "the summary was squeezed, the pinned facts were not"
+    assert "1 older unpinned fact" in p.left_out
+    assert p.sections["facts"] > 0 and len(p.ids) + b.max_new_tokens <= b.context_limit
+
+
+def test_pinned_facts_that_cannot_fit_are_refused_with_the_numbers_not_cut():
+    fmt = FakeFormat()
+    facts = [FactLike(words(40, "p"), True)]
+    b = Budget(context_limit=60, max_new_tokens=10, summary_tokens=10, retrieved_tokens=10, user_tokens=20)
+    with pytest.raises(InputError, match="pinned facts"):
+        plan("sys", "", [], [], "hello", b, fmt, facts=facts)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from llmweb.engine import Engine, EngineLimits, GenerationRequest
+from llmweb.engine import local_engine, EngineLimits, GenerationRequest
 from llmweb.kvcache import KVStore
 from llmweb.tokens import TemplateFormat, render_prompt
 
@@ -62,7 +62,7 @@ def fmt4(nf4_model):
 
 @pytest.fixture
 def engine(nf4_model):
-    e = Engine(nf4_model.model, nf4_model.device, KVStore(256 * 2**20, ttl_s=600), EngineLimits(max_new_tokens=8),
+    e = local_engine(nf4_model.model, nf4_model.device, KVStore(256 * 2**20, ttl_s=600), EngineLimits(max_new_tokens=8),
                nf4_model.kv_bytes_per_token)
     yield e
     e.close()

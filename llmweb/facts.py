@@ -1,12 +1,12 @@
-"""Long-session memory that keeps facts: grounding a model-written summary, and the user's facts.
+"""The user's facts, kept word for word, and grounding a model-written summary in its turns.
 
-Pure text logic: no torch, no I/O. A small model's summary can invent names and numbers
+Pure text logic: no torch, no I/O. ("Memory" elsewhere in llmweb means RAM and VRAM.) A small model's summary can invent names and numbers
 ("Dana Okafor, a Maltese Terrier..."); `ground()` drops every summary sentence that carries a
 name, number or date found nowhere in the text it summarises. `extract_facts()` picks the
 user's own sentences that state facts (names, numbers, dates, preferences, "remember ...") so
 they can be kept verbatim next to the summary, whatever the model's size. `select_facts()`
-applies the token cap: pinned facts first, then the newest unpinned ones; the oldest unpinned go
-first.
+applies a token cap: every pinned fact, then the newest unpinned ones that fit; the oldest
+unpinned go first. The planner (context.py) places them as their own prompt section, "facts".
 """
 
 from __future__ import annotations
@@ -119,25 +119,33 @@ class FactLike:
     pinned: bool
 
 
-def select_facts(facts: Sequence, max_tokens: int, count: Callable[[str], int]) -> list:
-    """The facts that fit `max_tokens`: pinned ones first, then the newest unpinned (facts are oldest first)."""
-    chosen, used = set(), 0
-    order = [i for i, f in enumerate(facts) if f.pinned] + [i for i in reversed(range(len(facts))) if not facts[i].pinned]
-    for i in order:
-        cost = count(facts[i].text) + 2
-        if used + cost > max_tokens:
+def fact_cost(fact, count: Callable[[str], int]) -> int:
+    """Tokens one fact takes in the facts block ("- " + text + newline), as `select_facts` counts them."""
+    return count(fact.text) + 2
+
+
+def pinned_cost(facts: Sequence, count: Callable[[str], int]) -> int:
+    return sum(fact_cost(f, count) for f in facts if f.pinned)
+
+
+def select_facts(facts: Sequence, max_tokens: int, count: Callable[[str], int]) -> tuple[list, list]:
+    """(kept, dropped): every pinned fact, whatever it costs, then the newest unpinned facts that
+    fit in what `max_tokens` leaves. `facts` are oldest first; both lists keep that order."""
+    used = pinned_cost(facts, count)
+    chosen = {i for i, f in enumerate(facts) if f.pinned}
+    for i in reversed(range(len(facts))):
+        if facts[i].pinned:
             continue
-        chosen.add(i)
-        used += cost
-    return [f for i, f in enumerate(facts) if i in chosen]
+        cost = fact_cost(facts[i], count)
+        if used + cost <= max_tokens:
+            chosen.add(i)
+            used += cost
+    kept = [f for i, f in enumerate(facts) if i in chosen]
+    dropped = [f for i, f in enumerate(facts) if i not in chosen]
+    return kept, dropped
 
 
 def facts_block(facts: Sequence) -> str:
     if not facts:
         return ""
     return FACTS_HEADER + "\n" + "\n".join(f"- {f.text}" for f in facts)
-
-
-def memory_text(summary: str, facts: Sequence) -> str:
-    """What goes into the system message after the system prompt: the summary, then the facts."""
-    return "\n\n".join(part for part in (summary.strip(), facts_block(facts)) if part)

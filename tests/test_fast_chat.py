@@ -1,0 +1,107 @@
+"""The chat turn over the real Engine with a scripted FakeRunner and the word-level FakeFormat, on a
+real SQLite store: what is stored, stopped turns, refused input, folding, facts. No model."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmweb.chat import Chat, Delta, Finished
+from llmweb.context import Budget
+from llmweb.errors import InputError
+from llmweb.store import Store
+
+OWNER = "anon:visitor-a"
+from tests.conftest import make_settings
+from tests.fakes import FakeFormat, FakeRunner, fake_engine
+
+
+@pytest.fixture
+def rig(tmp_path):
+    settings = make_settings(tmp_path, recall=False)
+    engine, runner = fake_engine(FakeRunner())
+    fmt = FakeFormat()
+    store = Store(tmp_path / "chat.sqlite3")
+    budget = Budget(context_limit=200, max_new_tokens=20, summary_tokens=30, retrieved_tokens=40, user_tokens=60,
+                    facts_tokens=30)
+    chat = Chat(settings, engine, fmt, store, budget)
+    yield chat, runner, fmt, store
+    chat.wait_background(timeout=5)
+    engine.close()
+    store.close()
+
+
+def words(fmt, text):
+    return fmt._words(text)
+
+
+def test_a_turn_streams_and_is_stored_with_its_stats(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    runner.enqueue(words(fmt, "Paris is the capital") + [fmt.END])
+    events = list(chat.send(OWNER, conv, "What is the capital of France?"))
+    assert [e.text for e in events if isinstance(e, Delta)][-1] == "Paris is the capital"
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.reply == "Paris is the capital"
+    stored = store.get(OWNER, conv).turns
+    assert [(t.user, t.assistant) for t in stored] == [("What is the capital of France?", "Paris is the capital")]
+    assert stored[0].stats == fin.stats and fin.stats.gen.finish_reason == "eos"
+    assert fin.stats.gen.prompt_tokens == sum(v for k, v in fin.stats.sections.items() if k != "reserve")
+
+
+def test_the_next_turn_reuses_the_previous_prompt_and_reply(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    runner.enqueue(words(fmt, "first answer") + [fmt.END], words(fmt, "second answer") + [fmt.END])
+    first = chat.ask(OWNER, conv, "first question")
+    second = chat.ask(OWNER, conv, "second question")
+    assert first.stats.gen.reused_tokens == 0
+    # everything up to the end of turn 1's reply is reused (the planner keeps the prefix append-only)
+    assert second.stats.gen.reused_tokens >= first.stats.gen.prompt_tokens
+
+
+def test_closing_the_stream_stores_the_partial_reply_as_stopped(rig):
+    chat, runner, fmt, store = rig
+    runner.token_delay_s = 0.01
+    conv = store.create_conversation(OWNER)
+    runner.enqueue(words(fmt, " ".join(f"w{i}" for i in range(200))))
+    stream = chat.send(OWNER, conv, "tell me a long story")
+    for event in stream:
+        if isinstance(event, Delta) and len(event.text.split()) >= 3:
+            break
+    stream.close()
+    (turn,) = store.get(OWNER, conv).turns
+    assert turn.assistant.startswith("w0 w1 w2") and turn.stats.stopped
+
+
+def test_refused_messages_store_nothing(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    with pytest.raises(InputError, match="empty"):
+        chat.ask(OWNER, conv, "   \x00 ")
+    with pytest.raises(InputError, match="the limit is 60"):
+        chat.ask(OWNER, conv, " ".join(["word"] * 61))
+    assert store.get(OWNER, conv).turns == [] and runner.requests == []
+
+
+def test_old_turns_fold_into_a_summary_by_a_background_job(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    for i in range(12):
+        chat.ask(OWNER, conv, f"message {i} " + "x " * 12, wait_summary=True)
+    got = store.get(OWNER, conv)
+    assert got.summarized_upto > 0, "history passed its high-water mark"
+    background = [r for r in runner.requests if r.background]
+    assert background, "the summary was written by a low-priority engine job"
+    # the next prompt starts with the summary and keeps the newest turns verbatim
+    fin = chat.ask(OWNER, conv, "and now?")
+    assert fin.stats.summarized_turns == got.summarized_upto
+    assert fin.prompt[-2] == ("assistant", got.turns[-1].assistant)
+
+
+def test_pinned_facts_reach_the_prompt_as_their_own_section(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    chat.add_fact(OWNER, conv, "my locker code is Zanzibar-7781")
+    fin = chat.ask(OWNER, conv, "what is my locker code?")
+    assert "- my locker code is Zanzibar-7781" in fin.prompt[0][1]
+    assert fin.stats.sections["facts"] > 0 and fin.stats.sections["summary"] == 0
