@@ -1,8 +1,11 @@
 """The chat turn, UI-agnostic: retrieve → plan → generate → record → compress.
 
-`Chat.send(conv_id, text)` yields `Queued`, then `Delta` (the reply so far) as tokens stream,
-then one `Finished` with the reply, its `TurnStats` and its sources. The UI, the API endpoint,
-`replay` and the benchmarks all call this one path. Closing the generator early (stop button,
+`Chat.send(owner, conv_id, text)` yields `Started(conv_id)`, `Queued` while it waits, then
+`Delta` (the reply so far) as tokens stream, then one `Finished` with the reply, its `TurnStats`
+and its sources. Every call names the OWNER it acts for (store.py: every read is scoped to it);
+`conv_id=None` starts a new conversation, which the store creates with its first turn. The UI, the API endpoint,
+`replay` and the benchmarks all call this one path; `Chat.ask()` runs it to the end and returns
+the `Finished`. Closing the generator early (stop button,
 client gone) cancels the engine request; a partial reply is still stored, marked as stopped.
 
 Compression runs after the reply: when the window's history passes its high-water mark, the
@@ -19,18 +22,22 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from . import context, memory, summary
+from . import context, facts, summary
 from .config import Settings
 from .engine import Engine, GenerationRequest, Tokens, Waiting
 from .errors import ConfigError, InputError, LlmwebError
-from .records import Chunk, Turn
-from .store import Store
-from .telemetry import TurnStats
+from .records import Chunk, GenerationStats, Source, Turn, TurnStats
+from .store import DEFAULT_TITLE, Conversation, Store, new_id
 from .tokens import ChatFormat, render_prompt
 
 log = logging.getLogger(__name__)
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class Started:
+    conv_id: str  # the conversation this turn belongs to (new ones get their id here)
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,10 @@ class Delta:
 class Finished:
     reply: str
     stats: TurnStats
-    sources: list[dict] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     prompt: tuple[tuple[str, str], ...] = ()  # the planned messages (role, text), system first
+    conv_id: str = ""  # the conversation the turn was stored in
 
     def prompt_text(self) -> str:
         return "\n\n".join(f"### {role}\n{text}" for role, text in self.prompt)
@@ -76,14 +84,10 @@ def reduced_budget(b: context.Budget) -> context.Budget:
                    retrieved_tokens=b.retrieved_tokens // 2)
 
 
-def source_dicts(chunks, start: int = 1) -> list[dict]:
-    out = []
-    for i, c in enumerate(chunks, start):
-        snippet = " ".join(c.text.split())
-        out.append({"n": i, "source": c.source, "page": c.page, "heading": c.heading,
-                    "score": round(float(c.score), 3), "kind": c.kind,
-                    "snippet": snippet[:240] + ("…" if len(snippet) > 240 else "")})
-    return out
+def plan_sources(plan: context.ContextPlan) -> list[Source]:
+    """The numbered sources of a plan: document chunks [1..n] as the prompt tags them, then recall."""
+    used = list(plan.chunks) + list(plan.recall)
+    return [Source.from_chunk(c, n) for n, c in enumerate(used, 1)]
 
 
 class Chat:
@@ -100,31 +104,37 @@ class Chat:
         self._jobs_lock = threading.Lock()
 
     # ---- the turn
-    def send(self, conv_id: str, text: str, *, use_docs: bool = True, seed: int | None = None,
-             wait_summary: bool = False) -> Iterator[Queued | Delta | Finished]:
+    def send(self, owner: str, conv_id: str | None, text: str, *, new: bool = False, use_docs: bool = True,
+             seed: int | None = None, wait_summary: bool = False) -> Iterator[Started | Queued | Delta | Finished]:
+        """One turn. `conv_id=None` starts a conversation with an id made here; `new=True` starts one
+        with `conv_id`, which the caller must have made with `store.new_id()` (never a client's)."""
         s = self.settings
         text = clean_message(text, s.max_message_chars)
-        conv = self.store.get(conv_id)
+        new = new or conv_id is None
+        # read once: the whole turn plans from this snapshot (NotFound for another owner's id)
+        conv = (Conversation(conv_id or new_id(), DEFAULT_TITLE, "", 0, [], owner=owner) if new
+                else self.store.get(owner, conv_id))
+        conv_id = conv.id
         window = [t.as_turn() for t in conv.turns[conv.summarized_upto:]]
 
-        # 1) retrieve: documents, and earlier turns of this chat that left the window
+        # 1) retrieve: documents (shared + the owner's own), and earlier turns that left the window
         chunks: list[Chunk] = []
-        if use_docs and self.library is not None and len(self.library) > 0:
-            chunks = self.library.search(text, k=s.top_k, min_score=s.min_score)
+        if use_docs and self.library is not None and not self.library.is_empty(owner):
+            chunks = self.library.search(owner, text, k=s.top_k, min_score=s.min_score)
         recall: list[Chunk] = []
         if s.recall and conv.summarized_upto > 0 and self.library is not None:
             recall = self.recall_index(conv_id).search(text, k=s.recall_k, min_score=s.min_score)
-        mem = self.memory_text(conv)
 
         # 2) plan (raises InputError with the numbers when the message cannot fit)
-        plan = context.plan(s.system_prompt, mem, window, chunks, text, self.budget, self.fmt, recall=recall)
+        plan = context.plan(s.system_prompt, conv.summary, window, chunks, text, self.budget, self.fmt,
+                            recall=recall, facts=conv.facts)
 
         # 3) generate, with a smaller plan ready for an OOM retry
         def smaller() -> GenerationRequest | None:
             reduced = reduced_budget(self.budget)
             try:
-                p = context.plan(s.system_prompt, mem, window, chunks[: len(chunks) // 2], text, reduced,
-                                 self.fmt, recall=recall[: len(recall) // 2])
+                p = context.plan(s.system_prompt, conv.summary, window, chunks[: len(chunks) // 2], text, reduced,
+                                 self.fmt, recall=recall[: len(recall) // 2], facts=conv.facts)
             except (InputError, ConfigError):
                 return None
             return replace(request, prompt_ids=p.ids, max_new_tokens=reduced.max_new_tokens, fallback=None)
@@ -132,10 +142,11 @@ class Chat:
         request = GenerationRequest(
             prompt_ids=plan.ids, max_new_tokens=self.budget.max_new_tokens, temperature=s.temperature,
             top_p=s.top_p, repetition_penalty=s.repetition_penalty, seed=seed, stop_ids=self.fmt.stop_ids,
-            session_id=conv_id, timeout_s=s.request_timeout_s, fallback=smaller)
+            session_id=conv_id, timeout_s=s.request_timeout_s, fallback=smaller, owner=owner)
         handle = self.engine.submit(request)
+        yield Started(conv_id)
         reply, finished = "", False
-        sources = source_dicts(plan.chunks) + source_dicts(plan.recall, start=len(plan.chunks) + 1)
+        sources = plan_sources(plan)
         try:
             for event in handle.events():
                 if isinstance(event, Waiting):
@@ -152,13 +163,14 @@ class Chat:
                         break
                     time.sleep(0.05)
                 if handle.generated:  # keep what was shown; the worker stops within a token
-                    stats = self._stats(handle.stats, plan, conv) if handle.stats else None
-                    self._record(conv_id, text, self.fmt.decode(handle.generated).strip(), stats, plan, sources)
+                    stats = self._stats(handle.stats, plan, conv)
+                    self.store.add_turn(owner, conv_id, text, self.fmt.decode(handle.generated).strip(), stats,
+                                        sources, create=new)
         reply = self.fmt.decode(handle.generated).strip()
         stats = self._stats(handle.stats, plan, conv)
 
         # 4) record
-        self._record(conv_id, text, reply, stats, plan, sources)
+        self.store.add_turn(owner, conv_id, text, reply, stats, sources, create=new)
         notes = []
         if handle.stats.finish_reason == "cancelled":
             notes.append("Stopped.")
@@ -166,30 +178,34 @@ class Chat:
             notes.append(plan.left_out.capitalize() + ".")
 
         # 5) compress
-        self._maybe_compress(conv_id, plan)
+        self._maybe_compress(conv, Turn(text, reply), plan)
         if wait_summary:
             self.wait_background(conv_id)
-        yield Finished(reply, stats, sources, notes, plan.messages)
+        yield Finished(reply, stats, sources, notes, plan.messages, conv_id)
 
-    def _stats(self, gen, plan, conv) -> TurnStats:
+    def ask(self, owner: str, conv_id: str | None, text: str, **kw) -> Finished:
+        """Run one turn to the end (replay, benchmarks, tests): the `Finished` event of `send`."""
+        for event in self.send(owner, conv_id, text, **kw):
+            if isinstance(event, Finished):
+                return event
+        raise AssertionError("Chat.send ended without a Finished event")
+
+    def _stats(self, gen: GenerationStats | None, plan: context.ContextPlan, conv: Conversation) -> TurnStats:
+        if gen is None:  # stopped before the engine had figures: what the plan knows
+            gen = GenerationStats(prompt_tokens=len(plan.ids), finish_reason="cancelled")
         return TurnStats(turn=len(conv.turns) + 1, gen=gen, sections=dict(plan.sections),
                          context_limit=plan.context_limit, dropped_turns=plan.dropped_turns,
                          summarized_turns=conv.summarized_upto, summary_tokens=plan.summary_tokens,
-                         dropped_chunks=len(plan.dropped_chunks))
-
-    def _record(self, conv_id, text, reply, stats, plan, sources) -> None:
-        d = stats.to_dict() if stats is not None else {
-            "turn": len(self.store.get(conv_id).turns) + 1, "finish_reason": "cancelled",
-            "prompt_tokens": len(plan.ids), "sections": dict(plan.sections), "context_limit": plan.context_limit}
-        self.store.add_turn(conv_id, text, reply, d, sources)
+                         dropped_chunks=len(plan.dropped_chunks), dropped_facts=len(plan.dropped_facts))
 
     # ---- compression
-    def _maybe_compress(self, conv_id: str, plan) -> None:
+    def _maybe_compress(self, conv: Conversation, new: Turn, plan: context.ContextPlan) -> None:
+        """`conv` as it was before this turn, and the turn just stored: no second read of the store."""
         if not self.settings.summaries:
             return  # window only: old turns are left out (and reported), never folded
-        conv = self.store.get(conv_id)
-        window = conv.turns[conv.summarized_upto:]
-        counts = [context.turn_tokens(self.fmt, t.as_turn()) for t in window]
+        conv_id, owner = conv.id, conv.owner
+        window = [t.as_turn() for t in conv.turns[conv.summarized_upto:]] + [new]
+        counts = [context.turn_tokens(self.fmt, t) for t in window]
         # the room history has apart from this turn's retrieved text, which comes and goes: folding
         # against it keeps compressions rare (and the prompt prefix, so the KV cache, stable)
         room = plan.history_room + plan.sections["retrieved"] + plan.sections["recall"]
@@ -201,21 +217,25 @@ class Chat:
             if job is not None and job.is_alive():
                 return
             job = threading.Thread(target=self._fold, name=f"summary-{conv_id[:8]}",
-                                   args=(conv_id, conv.summary, window[:n], conv.summarized_upto + n), daemon=True)
+                                   args=(owner, conv_id, conv.summary, window[:n], conv.summarized_upto),
+                                   daemon=True)
             self._jobs[conv_id] = job
         job.start()
 
-    def _fold(self, conv_id: str, previous: str, folded, upto: int) -> None:
-        """Fold turns out of the window: index them for recall, keep the user's facts, summarise."""
+    def _fold(self, owner: str, conv_id: str, previous: str, turns: list[Turn], first: int) -> None:
+        """Fold turns out of the window (`turns` are turn indices first, first + 1, ...): index them for
+        recall, keep the user's facts, summarise."""
         try:
-            turns = [t.as_turn() for t in folded]
+            upto = first + len(turns)
+            if self.store.get(owner, conv_id).summarized_upto != first:
+                return  # an earlier fold finished after this turn read the chat; the next turn decides again
             if self.settings.recall and self.library is not None:
                 self.recall_index(conv_id).add_chunks([
-                    Chunk(text=f"User: {t.user}\nAssistant: {t.assistant}", source=f"turn {st.idx + 1}",
-                          doc_id=f"turn-{st.idx}", kind="recall") for st, t in zip(folded, turns)])
+                    Chunk(text=f"User: {t.user}\nAssistant: {t.assistant}", source=f"turn {i + 1}",
+                          doc_id=f"turn-{i}", kind="recall") for i, t in enumerate(turns, first)])
             source = previous + "\n" + "\n".join(f"{t.user}\n{t.assistant}" for t in turns)
             try:
-                grounded = memory.ground(self.write_summary(previous, turns), source)
+                grounded = facts.ground(self.write_summary(previous, turns), source)
                 if grounded.dropped:
                     log.info("summary for %s: dropped %d ungrounded sentences: %s", conv_id,
                              len(grounded.dropped), grounded.dropped)
@@ -223,19 +243,14 @@ class Chat:
             except LlmwebError as e:  # the window still moves on: facts and recall keep what matters
                 log.warning("summary for %s failed (%s); keeping the previous summary", conv_id, e)
                 new = previous
-            known = {" ".join(f.text.lower().split()) for f in self.store.facts(conv_id)}
-            for fact in memory.extract_facts(t.user for t in turns):
+            known = {" ".join(f.text.lower().split()) for f in self.store.facts(owner, conv_id)}
+            for fact in facts.extract_facts(t.user for t in turns):
                 if " ".join(fact.lower().split()) not in known:
-                    self.store.add_fact(conv_id, fact, pinned=False)
-            self.store.set_summary(conv_id, new, upto)
+                    self.store.add_fact(owner, conv_id, fact, pinned=False)
+            self.store.set_summary(owner, conv_id, new, upto)
             self.engine.drop_session(conv_id)  # the prefix changed: the old cache is no longer useful
         except Exception:  # the turn already streamed; a failed fold is tried again next turn
             log.exception("folding turns for %s failed", conv_id)
-
-    def memory_text(self, conv) -> str:
-        """The summary and the facts that fit their cap, as placed after the system prompt."""
-        facts = memory.select_facts(conv.facts, self.settings.facts_tokens, self.fmt.count)
-        return memory.memory_text(conv.summary, facts)
 
     def recall_index(self, conv_id: str):
         from .retrieval import Index
@@ -282,22 +297,53 @@ class Chat:
             j.join(timeout)
 
     # ---- conversations
-    def delete(self, conv_id: str) -> None:
+    def delete(self, owner: str, conv_id: str) -> bool:
+        """Delete one of the owner's conversations with its recall index and KV cache; False if it
+        is not theirs (or already gone), and then nothing else is touched either."""
+        if not self.store.delete(owner, conv_id):
+            return False
+        self._forget(conv_id)
+        return True
+
+    def delete_owner(self, owner: str) -> int:
+        """Everything the owner stored: conversations, facts, recall indexes, caches, private documents.
+        Returns the number of conversations deleted."""
+        ids = self.store.delete_owner(owner)
+        for conv_id in ids:
+            self._forget(conv_id)
+        if self.library is not None:
+            self.library.delete_owner(owner)
+        return len(ids)
+
+    def _forget(self, conv_id: str) -> None:
         from .retrieval import delete_namespace
 
         self.engine.drop_session(conv_id)
-        self.store.delete(conv_id)
         with self._jobs_lock:
             self._recall.pop(conv_id, None)
         delete_namespace(self.settings, f"recall-{conv_id}")
 
     # ---- memory panel
-    def add_fact(self, conv_id: str, text: str) -> None:
+    def add_fact(self, owner: str, conv_id: str, text: str) -> None:
         text = clean_message(text, 300)
-        self.store.add_fact(conv_id, text, pinned=True)
+        self._check_pins(self.store.facts(owner, conv_id), facts.FactLike(text, True))
+        self.store.add_fact(owner, conv_id, text, pinned=True)
 
-    def set_fact_pinned(self, fact_id: int, pinned: bool) -> None:
-        self.store.set_fact_pinned(fact_id, pinned)
+    def set_fact_pinned(self, owner: str, conv_id: str, fact_id: int, pinned: bool) -> None:
+        if pinned:
+            known = self.store.facts(owner, conv_id)
+            fact = next((f for f in known if f.id == fact_id), None)
+            if fact is not None and not fact.pinned:
+                self._check_pins(known, fact)
+        self.store.set_fact_pinned(owner, conv_id, fact_id, pinned)
 
-    def delete_fact(self, fact_id: int) -> None:
-        self.store.delete_fact(fact_id)
+    def _check_pins(self, known, new) -> None:
+        """Pinned facts are never left out of a prompt, so together they must stay within their budget."""
+        cap = self.budget.facts_tokens
+        cost = facts.pinned_cost(known, self.fmt.count) + facts.fact_cost(new, self.fmt.count)
+        if cost > cap:
+            raise InputError(f"Pinned facts would take {cost:,} tokens; their budget is {cap:,} "
+                             "(LLMWEB_FACTS_TOKENS). Unpin or delete a fact first, or keep this one shorter.")
+
+    def delete_fact(self, owner: str, conv_id: str, fact_id: int) -> None:
+        self.store.delete_fact(owner, conv_id, fact_id)

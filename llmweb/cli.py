@@ -17,6 +17,7 @@ from typing import Iterator
 
 from .config import Settings
 from .errors import LlmwebError
+from .store import LOCAL_OWNER as LOCAL
 
 log = logging.getLogger("llmweb")
 
@@ -68,19 +69,15 @@ def replay(runtime, users: list, *, prompt_text: bool = False, conv_id: str | No
     long, not text, the model busy or out of memory: any LlmwebError) yields
     `{"turn", "user", "error"}` with the user's message, and the script goes on with the next one.
     """
-    from .chat import Finished
-
     chat = runtime.wait_ready()
-    conv_id = conv_id or runtime.store.create_conversation("replay")
     for n, user in enumerate(users, 1):
         try:
-            finished = [e for e in chat.send(conv_id, user, wait_summary=True, seed=seed) if isinstance(e, Finished)]
+            event = chat.ask(LOCAL, conv_id, user, wait_summary=True, seed=seed)  # the first turn creates the chat
         except LlmwebError as e:
             yield {"turn": n, "user": user, "error": str(e)}
             continue
-        assert len(finished) == 1, f"turn {n}: the chat ended without one Finished event"
-        event = finished[0]
-        d = {**event.stats.to_dict(), "turn": n, "reply": event.reply, "sources": event.sources}
+        conv_id = event.conv_id
+        d = {**event.stats.to_dict(), "turn": n, "reply": event.reply, "sources": [s.to_dict() for s in event.sources]}
         if prompt_text:
             d["prompt_text"] = event.prompt_text()
         yield d
@@ -130,9 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None)
     r.set_defaults(func=cmd_replay)
 
-    from . import bench, docs_cli
+    from . import accounts, bench, docs_cli
 
     docs_cli.add_parsers(sub)
+    accounts.add_parser(sub)  # user add | remove | list
     bench.register(sub)  # bench, capacity
     return p
 

@@ -79,9 +79,17 @@ class Settings:
     # serving
     host: str = "127.0.0.1"
     port: int = 7860
-    auth: str = ""  # "user:password" turns on login
+    auth: str = ""  # "user:password[,user2:password2...]" turns on login
+    auth_file: Path | None = None  # users file with salted scrypt hashes (python -m llmweb user add ...)
     max_file_mb: int = 20
     max_message_chars: int = 100_000
+    # many visitors, one server
+    single_user: str = "auto"  # auto | 1 | 0: one owner ("local") for every browser; auto = loopback, no login
+    shared_uploads: str = "auto"  # auto | 1 | 0: UI uploads join the shared library; auto = single_user
+    user_docs_mb: int = 50  # each owner's private uploads, in total
+    queue_per_user: int = 2  # waiting requests per owner; more get the busy message
+    anon_retention_days: float = 30.0  # purge anonymous owners idle this long; 0 = keep forever
+    secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
 
     def __post_init__(self) -> None:
         check = _Checker()
@@ -97,8 +105,32 @@ class Settings:
         check(0 <= self.chunk_overlap < self.chunk_tokens, "need 0 <= LLMWEB_CHUNK_OVERLAP < LLMWEB_CHUNK_TOKENS")
         check(self.top_k <= self.max_top_k, "LLMWEB_TOP_K must be <= LLMWEB_MAX_TOP_K")
         check(self.request_timeout_s > 0 and self.kv_ttl_s > 0, "time limits must be > 0")
-        check(not self.auth or ":" in self.auth, "LLMWEB_AUTH must look like user:password")
+        check(not self.auth or all(":" in pair for pair in self.auth.split(",")),
+              "LLMWEB_AUTH must look like user:password (several: user1:pw1,user2:pw2)")
+        for name in ("single_user", "shared_uploads"):
+            check(getattr(self, name) in ("auto", "1", "0"), f"LLMWEB_{name.upper()} must be auto, 1 or 0")
+        check(self.user_docs_mb >= 1 and self.queue_per_user >= 1, "LLMWEB_USER_DOCS_MB and LLMWEB_QUEUE_PER_USER must be >= 1")
+        check(self.anon_retention_days >= 0, "LLMWEB_ANON_RETENTION_DAYS must be >= 0 (0 = keep forever)")
         check(self.temperature >= 0, "LLMWEB_TEMPERATURE must be >= 0")
+
+    @property
+    def login(self) -> bool:
+        return bool(self.auth or self.auth_file)
+
+    @property
+    def is_single_user(self) -> bool:
+        """One person's install: every browser is the same owner ("local"). Auto: bound to a loopback
+        address without login (a server others reach, or one with accounts, keeps visitors apart)."""
+        if self.single_user != "auto":
+            return self.single_user == "1"
+        return not self.login and self.host in ("127.0.0.1", "localhost", "::1")
+
+    @property
+    def uploads_shared(self) -> bool:
+        """Do UI uploads go to the shared library (today's single-user behaviour) or stay private?"""
+        if self.shared_uploads != "auto":
+            return self.shared_uploads == "1"
+        return self.is_single_user
 
     @property
     def models_dir(self) -> Path:

@@ -1,4 +1,8 @@
-"""CLI for documents: `python -m llmweb ingest PATH...` and `python -m llmweb search QUERY`."""
+"""CLI for documents: `python -m llmweb ingest PATH...` and `python -m llmweb search QUERY`.
+
+Both work on the SHARED library (what every visitor searches); visitors' private uploads are
+the UI's business and are not reachable from here.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,10 @@ from .config import Settings
 
 
 def add_parsers(sub) -> None:
-    i = sub.add_parser("ingest", help="add files or folders (recursively) to the document index")
+    i = sub.add_parser("ingest", help="add files or folders (recursively) to the shared document library")
     i.add_argument("paths", nargs="+")
     i.set_defaults(func=cmd_ingest)
-    s = sub.add_parser("search", help="search the document index")
+    s = sub.add_parser("search", help="search the shared document library")
     s.add_argument("query")
     s.add_argument("--k", type=int, default=None)
     s.add_argument("--min-score", type=float, default=None)
@@ -47,25 +51,26 @@ class _Bar:
 
 
 def cmd_ingest(args) -> int:
-    from .retrieval import Index
+    from .library import Library
 
-    index = Index(Settings.from_env())
+    library = Library(Settings.from_env())
     bar = _Bar()
     try:
-        reports = index.ingest(args.paths, progress=bar)
+        reports = library.ingest_shared(args.paths, progress=bar)
     finally:
         bar.close()
     for r in reports:
         print(("ok    " if r.ok else "error ") + r.describe())
     failed = sum(not r.ok for r in reports)
-    print(f"{len(reports) - failed} of {len(reports)} files indexed; {len(index)} chunks in the index.")
+    print(f"{len(reports) - failed} of {len(reports)} files indexed; "
+          f"{len(library.shared)} chunks in the shared library.")
     return 1 if failed and failed == len(reports) else 0
 
 
 def cmd_search(args) -> int:
-    from .retrieval import Index
+    from .library import Library
 
-    hits = Index(Settings.from_env()).search(args.query, k=args.k, min_score=args.min_score)
+    hits = Library(Settings.from_env()).shared.search(args.query, k=args.k, min_score=args.min_score)
     rows = [{"source": c.source, "page": c.page, "text": c.text, "score": round(float(c.score), 4)} for c in hits]
     if args.json:
         print(json.dumps(rows, ensure_ascii=False, indent=2))

@@ -1,8 +1,11 @@
 """The generation engine: ONE worker thread owns the model; everyone else submits requests.
 
-The engine speaks token ids. It knows nothing of text, chat templates, retrieval or the UI.
+The engine speaks token ids. It knows nothing of text, chat templates, retrieval or the UI, and
+it does not import torch: it schedules (queue, priorities, admission, cancel, time limits, OOM
+retry) and a `Runner` runs one request on the model (runner.py: `LocalRunner`; tests use a
+scripted `FakeRunner`). `local_engine(...)` wires the two for a loaded model.
 
-    submit(GenerationRequest) -> Handle       (bounded queue; BusyError when full)
+    submit(GenerationRequest) -> Handle       (bounded queue, and per owner; BusyError when full)
     for event in handle.events(): ...        Waiting(position) | Tokens(ids) | Restarted(reason);
                                               raises domain errors
     handle.generated                          the ids of the reply so far (reset by Restarted)
@@ -11,24 +14,22 @@ The engine speaks token ids. It knows nothing of text, chat templates, retrieval
                                               the worker; a queued request leaves the queue at once
 
 One request runs at a time, whoever submits it (UI, API, CLI, tests): Gradio's concurrency
-limits are per event group and do not guarantee that (DESIGN.md). Interactive requests are
-served first-in first-out; background jobs (summaries) run only when no interactive request
-waits.
+limits are per event group and do not guarantee that (DESIGN.md). Strangers share one server,
+so the interactive queue is fair between owners (`GenerationRequest.owner`; "" is one owner too):
+each owner may have `queue_per_user` requests waiting (the running one does not count), and the
+owners take turns, round-robin (`FairQueue`: the owner served least recently goes next; one
+owner's requests first-in first-out). `handle.position` counts what is really ahead in that
+order, so it can grow when a new owner arrives. Background jobs (summaries) run only when no
+interactive request waits; they have their own bound and no per-owner cap.
 
 For each request the worker
-  1) admits it: predicts its peak memory (KV for prompt + max_new_tokens, plus an activation
-     margin) and, if it does not fit, evicts idle session caches, waits, and finally refuses
-     with the numbers;
-  2) reuses the session's KV cache: crops it to the longest common prefix with the prompt and
-     prefills only the rest (in chunks, to bound activation memory);
-  3) decodes token by token under `torch.inference_mode()`, streaming ids to the handle and
-     checking cancel / time limit between steps;
-  4) stores the session's cache (prompt + generated[:-1]) for the next turn, or drops it.
-`torch.OutOfMemoryError` anywhere in 2-3 frees that request's cache, evicts idle caches,
-empties the allocator and retries once with the request's smaller `fallback` (the tokens already
-streamed are void: `Restarted` tells the consumer to start the reply over); the worker itself
-never dies. The retry runs only after the failed attempt's exception is gone, because its
-traceback would keep that attempt's frames, and with them its KV cache and activations, alive.
+  1) admits it: asks the runner for its predicted peak memory and for what is available; if it
+     does not fit, evicts idle session caches, waits, and finally refuses with the numbers;
+  2-4) has the runner generate it (KV reuse, prefill, decode, keep the session's cache).
+Running out of device memory in 2-3 (the runner returns None, its frames already freed) frees
+that request's cache, evicts idle caches, empties the allocator and retries once with the
+request's smaller `fallback` (the tokens already streamed are void: `Restarted` tells the
+consumer to start the reply over); the worker itself never dies.
 
 When idle, the worker expires old session caches and, on CUDA, empties the allocator cache once
 reserved − allocated passes `frag_release_bytes` (`release_fragmentation`, counted in
@@ -38,6 +39,7 @@ the allocator's fragmentation figures on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -46,11 +48,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 from .errors import AdmissionError, BusyError, Cancelled, LlmwebError, OutOfMemory, TimedOut
-from .kvcache import KVStore, cache_nbytes, reusable
-from .telemetry import GenerationStats, RssPeak, is_cuda, memory_snapshot, reset_peak, rss_bytes
+from .kvcache import KVStore
+from .records import GenerationStats, MemorySnapshot
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class GenerationRequest:
     seed: int | None = None
     stop_ids: frozenset[int] = frozenset()
     session_id: str | None = None  # KV-cache reuse key; None = no reuse
+    owner: str = ""  # who asked, for the fair queue; "" = nobody in particular (the CLI), one owner too
     background: bool = False  # low priority (summaries); never counted as "waiting" for users
     timeout_s: float | None = None  # from the start of processing
     fallback: Callable[[], "GenerationRequest | None"] | None = None  # smaller request for the OOM retry
@@ -121,7 +124,8 @@ class Handle:
 
     @property
     def position(self) -> int:
-        """1-based place among waiting interactive requests; 0 once running or done."""
+        """1-based place in the serving order of the waiting interactive requests (round-robin
+        between owners: a new owner can come in ahead); 0 once running or done."""
         return self._engine.position(self)
 
     def events(self, poll_s: float = 0.5) -> Iterator[Waiting | Tokens | Restarted]:
@@ -166,9 +170,90 @@ class Handle:
         self._events.put(_DONE)
 
 
+class FairQueue:
+    """Waiting interactive requests, served round-robin between owners (`request.owner`).
+
+    `pop` takes the first request of the owner served least recently (never served counts as
+    least; ties go to the owner whose first request arrived first); one owner's requests leave
+    first-in first-out. Only the last `remember` owners' turns are kept: an owner forgotten is
+    the one served longest ago, and as never served it still goes before all those remembered.
+    Not thread-safe: the engine holds its lock around every call.
+    """
+
+    remember = 1024
+
+    def __init__(self):
+        self._owners: dict[str, deque[tuple[int, Handle]]] = {}  # owner -> (arrival, handle), oldest first
+        self._served: dict[str, int] = {}  # owner -> turn of its last pop, oldest first
+        self._arrivals = itertools.count()
+        self._turns = itertools.count()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._owners.values())
+
+    def waiting(self, owner: str) -> int:
+        return len(self._owners.get(owner, ()))
+
+    def push(self, handle: Handle) -> None:
+        self._owners.setdefault(handle.request.owner, deque()).append((next(self._arrivals), handle))
+
+    def pop(self) -> Handle:
+        """The next request to serve (IndexError when empty)."""
+        owner = self._order()[0]
+        queue_ = self._owners[owner]
+        _, handle = queue_.popleft()
+        if not queue_:
+            del self._owners[owner]
+        self._served.pop(owner, None)
+        self._served[owner] = next(self._turns)
+        if len(self._served) > self.remember:
+            del self._served[next(iter(self._served))]
+        return handle
+
+    def remove(self, handle: Handle) -> bool:
+        """Take a request out (a cancel); False if it is not waiting here."""
+        owner = handle.request.owner
+        queue_ = self._owners.get(owner, ())
+        for item in queue_:
+            if item[1] is handle:
+                queue_.remove(item)
+                if not queue_:
+                    del self._owners[owner]
+                return True
+        return False
+
+    def position(self, handle: Handle) -> int:
+        """1 = served next, if nothing new arrives; 0 = not waiting here.
+
+        The owners take turns in `_order()`, one request each per round, so ahead of the request
+        at index i of its owner's queue are i requests (or all there are) of every owner, plus
+        the i-th of each owner whose turn comes earlier in the round.
+        """
+        owner = handle.request.owner
+        mine = [h for _, h in self._owners.get(owner, ())]
+        if handle not in mine:
+            return 0
+        i = mine.index(handle)
+        order = self._order()
+        earlier = order[:order.index(owner)]
+        return (sum(min(len(self._owners[o]), i) for o in order)
+                + sum(len(self._owners[o]) > i for o in earlier) + 1)
+
+    def drain(self) -> list[Handle]:
+        """Take every waiting request out (at shutdown)."""
+        handles = [h for q in self._owners.values() for _, h in q]
+        self._owners.clear()
+        return handles
+
+    def _order(self) -> list[str]:
+        """The owners with requests waiting, in the order of their next turns."""
+        return sorted(self._owners, key=lambda o: (self._served.get(o, -1), self._owners[o][0][0]))
+
+
 @dataclass
 class EngineLimits:
-    queue_size: int = 8
+    queue_size: int = 8  # interactive requests waiting, in all
+    queue_per_user: int = 2  # of those, per owner; more from that owner get BusyError
     max_new_tokens: int = 256
     request_timeout_s: float = 120.0
     admission_wait_s: float = 10.0
@@ -189,20 +274,42 @@ class _Counters:
     idle_released_bytes: int = 0  # reserved bytes those gave back to the device
 
 
+class Runner(Protocol):
+    """Runs one request on a model. `generate` returns None when the device ran out of memory."""
+
+    device: str
+
+    def predict(self, request: GenerationRequest) -> int: ...
+
+    def available(self) -> int: ...
+
+    def generate(self, handle: Handle, request: GenerationRequest, predicted: int,
+                 timeout: float) -> GenerationStats | None: ...
+
+    def empty_cache(self) -> None: ...
+
+    def snapshot(self) -> MemorySnapshot: ...
+
+
+def local_engine(model, device: str, kv: KVStore, limits: EngineLimits, kv_bytes_per_token: int,
+                 fault: Callable[[int], None] | None = None, gpu: Callable | None = None) -> "Engine":
+    """An engine over a loaded transformers model (imports torch, through runner.py)."""
+    from .runner import LocalRunner
+
+    runner = LocalRunner(model, device, kv, kv_bytes_per_token, mem_limit_bytes=limits.mem_limit_bytes,
+                         mem_margin_bytes=limits.mem_margin_bytes, fault=fault, gpu=gpu)
+    return Engine(runner, kv, limits)
+
+
 class Engine:
-    def __init__(self, model, device: str, kv: KVStore, limits: EngineLimits, kv_bytes_per_token: int,
-                 fault: Callable[[int], None] | None = None, gpu: Callable | None = None):
-        self.model = model
-        if gpu is not None:  # e.g. @spaces.GPU on ZeroGPU Spaces: the GPU entry point is one generation
-            self._generate = gpu(self._generate)
-        self.device = device
+    def __init__(self, runner: Runner, kv: KVStore, limits: EngineLimits):
+        self.runner = runner
+        self.device = runner.device
         self.kv = kv
         self.limits = limits
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.fault = fault  # test hook: called with the forward-pass index before each forward
         self.counters = _Counters()
         self._lock = threading.Condition()
-        self._waiting: deque[Handle] = deque()
+        self._waiting = FairQueue()  # interactive requests
         self._background: deque[Handle] = deque()
         self._current: Handle | None = None  # the request being served
         self._frag_floor = 0  # fragmentation left after the last idle release (it could not free more)
@@ -227,16 +334,21 @@ class Engine:
             if len(lane) >= bound:
                 self.counters.refused += 1
                 raise BusyError(f"The model is busy: {len(lane)} requests are waiting. Try again in a moment.")
-            lane.append(handle)
+            if request.background:
+                self._background.append(handle)
+            else:
+                mine = self._waiting.waiting(request.owner)
+                if mine >= self.limits.queue_per_user:
+                    self.counters.refused += 1
+                    raise BusyError(f"The model is busy: you already have {mine} request{'s' if mine != 1 else ''} "
+                                    "waiting; wait for them to finish or stop one.")
+                self._waiting.push(handle)
             self._lock.notify_all()
         return handle
 
     def position(self, handle: Handle) -> int:
         with self._lock:
-            try:
-                return self._waiting.index(handle) + 1
-            except ValueError:
-                return 0
+            return self._waiting.position(handle)
 
     @property
     def queue_depth(self) -> int:
@@ -250,8 +362,7 @@ class Engine:
         """Refuse new requests, cancel the queued ones and the running one, and stop the worker."""
         with self._lock:
             self._stopped = True
-            pending = list(self._waiting) + list(self._background)
-            self._waiting.clear()
+            pending = self._waiting.drain() + list(self._background)
             self._background.clear()
             current = self._current
             self._lock.notify_all()
@@ -264,14 +375,11 @@ class Engine:
     def _withdraw(self, handle: Handle) -> None:
         """Take a cancelled request out of its queue, so that it no longer holds a place there."""
         with self._lock:
-            for lane in (self._waiting, self._background):
+            if not self._waiting.remove(handle):
                 try:
-                    lane.remove(handle)
-                    break
+                    self._background.remove(handle)
                 except ValueError:
-                    continue
-            else:
-                return  # running, done, or never queued: the worker sees the flag
+                    return  # running, done, or never queued: the worker sees the flag
         handle._finish(None, Cancelled("Cancelled before it started."))
 
     # ---- the worker
@@ -286,7 +394,7 @@ class Engine:
                         self._lock.acquire()
             if self._stopped:
                 return None
-            self._current = (self._waiting or self._background).popleft()
+            self._current = self._waiting.pop() if self._waiting else self._background.popleft()
             return self._current
 
     def _loop(self) -> None:
@@ -306,8 +414,6 @@ class Engine:
         if handle.cancelled:
             handle._finish(None, Cancelled("Cancelled before it started."))
             return
-        import torch
-
         request = handle.request
         wait_s = time.perf_counter() - handle.submitted
         with self._lock:
@@ -350,46 +456,21 @@ class Engine:
             handle._finish(stats)
 
     def _attempt(self, handle: Handle, request: GenerationRequest, admit: bool) -> GenerationStats | None:
-        """Admit (or only predict) and generate once; None if it ran out of memory.
-
-        Returning instead of raising matters: while an OOM exception is alive, its traceback holds
-        the frames of the failed forward pass, with this request's KV cache and activations. Once
-        this handler returns they are freed, before `_recover` empties the allocator cache.
-        """
-        import torch
-
-        try:
-            predicted = self._admit(handle) if admit else self._predict(request)
-            return self._generate(handle, request, predicted)
-        except torch.OutOfMemoryError as e:
-            log.warning("engine: request %s ran out of memory: %s", handle.id, str(e).splitlines()[0][:200])
-            return None
+        """Admit (or only predict) and generate once; None if it ran out of memory (the runner
+        returns instead of raising, so the failed attempt's frames are already freed)."""
+        predicted = self._admit(handle) if admit else self.runner.predict(request)
+        if not self.limits.kv_reuse and request.session_id is not None:
+            request = dataclasses.replace(request, session_id=None)
+        return self.runner.generate(handle, request, predicted, self._timeout(request))
 
     # ---- 1) admission
-    def _predict(self, request: GenerationRequest) -> int:
-        heads = getattr(getattr(self.model, "config", None), "num_attention_heads", 0) or 0
-        kv, activation = predict_bytes(self.kv_bytes_per_token, heads, len(request.prompt_ids), request.max_new_tokens)
-        return kv + activation
-
-    def _available(self) -> int:
-        if is_cuda(self.device):
-            import torch
-
-            free, _total = torch.cuda.mem_get_info(self.device)
-            stats = torch.cuda.memory_stats(self.device)
-            cached = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
-            return free + cached - self.limits.mem_margin_bytes
-        if self.limits.mem_limit_bytes <= 0:
-            return 1 << 62
-        return self.limits.mem_limit_bytes - rss_bytes()
-
     def _admit(self, handle: Handle) -> int:
         request = handle.request
-        need = self._predict(request)
+        need = self.runner.predict(request)
         deadline = time.perf_counter() + self.limits.admission_wait_s
         evicted = False
         while True:
-            available = self._available()
+            available = self.runner.available()
             if need <= available:
                 return need
             if handle.cancelled:
@@ -399,7 +480,7 @@ class Engine:
                 freed = self.kv.evict(self.kv.budget_bytes)  # everything idle
                 evicted = True
                 gc.collect()
-                self._empty_cache()
+                self.runner.empty_cache()
                 log.info("engine: admission evicted %d bytes of idle KV caches", freed)
                 continue
             if time.perf_counter() >= deadline:
@@ -409,113 +490,6 @@ class Engine:
                     "try a shorter message or fewer documents.")
             time.sleep(0.25)
 
-    # ---- 2-4) one generation
-    def _generate(self, handle: Handle, request: GenerationRequest, predicted: int) -> GenerationStats:
-        import torch
-        from transformers import DynamicCache
-
-        model = self.model
-        stats = GenerationStats(prompt_tokens=len(request.prompt_ids), predicted_bytes=predicted)
-        t0 = time.perf_counter()
-        reset_peak(self.device)
-        rss = RssPeak()
-        prompt = list(request.prompt_ids)
-        timeout = self._timeout(request)
-        forward_index = 0
-
-        def forward(ids_2d, cache):
-            nonlocal forward_index
-            if self.fault is not None:
-                self.fault(forward_index)
-            forward_index += 1
-            return model(input_ids=ids_2d, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
-
-        cache = None
-        try:
-            with torch.inference_mode():
-                # 2) reuse the session's cache: crop to the common prefix, keep >= 1 token to prefill
-                entry = self.kv.take(request.session_id) if (request.session_id and self.limits.kv_reuse) else None
-                reused = 0
-                if entry is not None:
-                    reused = reusable(entry.ids, prompt)
-                    cache = entry.cache
-                    held = cache.get_seq_length()
-                    assert held == len(entry.ids), f"cache holds {held} tokens but records {len(entry.ids)} ids"
-                    if reused == 0:
-                        cache = None
-                    elif held > reused:
-                        cache.crop(-(held - reused))
-                    del entry
-                if cache is None:
-                    cache = DynamicCache(config=model.config)
-                    reused = 0
-                stats.reused_tokens, stats.prefilled_tokens = reused, len(prompt) - reused
-
-                # prefill the rest in chunks; a cancel or the time limit stops between chunks
-                n_rest = len(prompt) - reused
-                rest = torch.tensor([prompt[reused:]], device=self.device)  # (1, n_rest)
-                filled, stop = reused, None
-                for start in range(0, n_rest, PREFILL_CHUNK):
-                    if start and (stop := _stop_reason(handle, t0, timeout)):
-                        break
-                    logits = forward(rest[:, start:start + PREFILL_CHUNK], cache)  # (1, vocab)
-                    filled = reused + min(start + PREFILL_CHUNK, n_rest)
-                del rest
-                stats.prefilled_tokens = filled - reused
-
-                # 3) decode
-                finish = "length"
-                generated: list[int] = []
-                t_first = None
-                if stop is not None:
-                    finish = stop
-                    del logits
-                else:
-                    sampler = _Sampler(request, prompt, self.device)
-                    for step in range(request.max_new_tokens):
-                        next_id = sampler(logits)
-                        del logits
-                        if t_first is None:
-                            t_first = time.perf_counter()
-                            stats.ttft_s = t_first - t0
-                        if next_id in request.stop_ids:
-                            finish = "eos"
-                            break
-                        generated.append(next_id)
-                        handle._emit([next_id])
-                        rss.sample()
-                        if stop := _stop_reason(handle, t0, timeout):
-                            finish = stop
-                            break
-                        if step + 1 == request.max_new_tokens:
-                            break
-                        logits = forward(torch.tensor([[next_id]], device=self.device), cache)
-                t_end = time.perf_counter()
-                stats.finish_reason = finish
-                stats.generated_tokens = len(generated)
-                if t_first is not None and len(generated) > 1:
-                    stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_first, 1e-9)
-                stats.total_s = t_end - t0
-                # 4) keep the cache for the session's next turn. Every generated token but the
-                #    last was fed back; after a stop token, all kept ones were (it was not kept).
-                #    A prefill stopped early holds only the prompt's first `filled` tokens.
-                if filled < len(prompt):
-                    held_ids = prompt[:filled]
-                else:
-                    held_ids = prompt + (generated if finish == "eos" else generated[:-1])
-                assert cache.get_seq_length() == len(held_ids), \
-                    f"cache {cache.get_seq_length()} != ids {len(held_ids)} ({finish})"
-                stats.kv_session_bytes = cache_nbytes(cache)
-                if request.session_id and self.limits.kv_reuse:
-                    self.kv.put(request.session_id, held_ids, cache, stats.kv_session_bytes)
-                cache = None
-        except BaseException:
-            cache = None  # free this request's cache before anyone retries
-            raise
-        stats.kv_store_bytes = self.kv.total_bytes
-        stats.mem = memory_snapshot(self.device, peak_rss=rss.peak)
-        return stats
-
     def _timeout(self, request: GenerationRequest) -> float:
         return request.timeout_s if request.timeout_s is not None else self.limits.request_timeout_s
 
@@ -523,14 +497,8 @@ class Engine:
     def _recover(self) -> None:
         freed = self.kv.clear()
         gc.collect()
-        self._empty_cache()
+        self.runner.empty_cache()
         log.warning("engine: OOM recovery freed %d bytes of KV caches and emptied the allocator cache", freed)
-
-    def _empty_cache(self) -> None:
-        if is_cuda(self.device):
-            import torch
-
-            torch.cuda.empty_cache()
 
     def _idle(self) -> None:
         """Between requests: expire old session caches; release a fragmented allocator cache."""
@@ -545,14 +513,12 @@ class Engine:
         does not try again every second for nothing; serving a request resets that. Returns the
         reserved bytes given back to the device.
         """
-        if not is_cuda(self.device):
-            return 0
-        before = memory_snapshot(self.device)
-        frag = before.fragmentation_bytes or 0
-        if frag <= max(self.limits.frag_release_bytes, self._frag_floor):
-            return 0
-        self._empty_cache()
-        after = memory_snapshot(self.device)
+        before = self.runner.snapshot()
+        frag = before.fragmentation_bytes
+        if frag is None or frag <= max(self.limits.frag_release_bytes, self._frag_floor):
+            return 0  # not CUDA, or not fragmented enough to bother
+        self.runner.empty_cache()
+        after = self.runner.snapshot()
         self._frag_floor = after.fragmentation_bytes or 0
         released = max((before.cuda_reserved_bytes or 0) - (after.cuda_reserved_bytes or 0), 0)
         self.counters.idle_releases += 1
@@ -572,43 +538,7 @@ def predict_bytes(kv_bytes_per_token: int, heads: int, prompt_tokens: int, max_n
     return kv, int(kv * ACTIVATION_MARGIN + scores + ACTIVATION_FLOOR)
 
 
-class _Sampler:
-    """Greedy or temperature/top-p sampling with a repetition penalty over prompt + generated."""
-
-    def __init__(self, request: GenerationRequest, prompt: list[int], device: str):
-        import torch
-        from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-                                  TemperatureLogitsWarper, TopPLogitsWarper)
-
-        self.torch = torch
-        self.greedy = request.temperature <= 0
-        procs = []
-        if request.repetition_penalty and request.repetition_penalty != 1.0:
-            procs.append(RepetitionPenaltyLogitsProcessor(request.repetition_penalty))
-        if not self.greedy:
-            procs.append(TemperatureLogitsWarper(request.temperature))
-            if request.top_p < 1.0:
-                procs.append(TopPLogitsWarper(request.top_p))
-        self.procs = LogitsProcessorList(procs)
-        self.ids = torch.tensor([prompt], device=device)  # (1, n) grows by one per step
-        self.gen = None
-        if not self.greedy:
-            self.gen = torch.Generator(device=device)
-            self.gen.manual_seed(request.seed if request.seed is not None else int(time.time_ns() % 2**31))
-
-    def __call__(self, logits) -> int:
-        torch = self.torch
-        scores = self.procs(self.ids, logits.float()) if len(self.procs) else logits.float()
-        if self.greedy:
-            nxt = int(scores.argmax(dim=-1)[0])
-        else:
-            probs = torch.softmax(scores, dim=-1)
-            nxt = int(torch.multinomial(probs, 1, generator=self.gen)[0, 0])
-        self.ids = torch.cat([self.ids, torch.tensor([[nxt]], device=self.ids.device)], dim=1)
-        return nxt
-
-
-def _stop_reason(handle: Handle, t0: float, timeout: float) -> str | None:
+def stop_reason(handle: Handle, t0: float, timeout: float) -> str | None:
     if handle.cancelled:
         return "cancelled"
     if time.perf_counter() - t0 > timeout:
@@ -619,9 +549,7 @@ def _stop_reason(handle: Handle, t0: float, timeout: float) -> str | None:
 def _cap(request: GenerationRequest, cap: int) -> GenerationRequest:
     if request.max_new_tokens <= cap:
         return request
-    from dataclasses import replace
-
-    return replace(request, max_new_tokens=cap)
+    return dataclasses.replace(request, max_new_tokens=cap)
 
 
 def _gib(n: int) -> str:

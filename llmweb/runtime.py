@@ -8,10 +8,10 @@ chat is usable and re-raises a load failure as a user-facing error. The CLI's `r
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -22,7 +22,12 @@ from .errors import ConfigError, LlmwebError
 from .kvcache import KVStore
 from .store import Store
 
+if TYPE_CHECKING:
+    from .library import Library
+
 log = logging.getLogger(__name__)
+
+SAMPLE_MARKER = ".sample-seeded-shared"  # in data_dir/index: the bundled guide is in the shared library
 
 
 def gpu_entry(fn):
@@ -44,6 +49,33 @@ def kv_budget_bytes(settings: Settings, loaded) -> int:
         free, _total = torch.cuda.mem_get_info()
         return max(int(free * 0.25), 64 * 2**20)
     return min(psutil.virtual_memory().total // 16, 2**30)
+
+
+ANON_PREFIXES = ("anon:", "api:")  # owners the retention purge may delete (never "user:" or the local one)
+PURGE_EVERY_S = 3600.0
+
+
+def read_or_create_secret(path) -> str:
+    """A 256-bit hex secret kept in `path` (created once, atomically, mode 600)."""
+    import os
+    import secrets
+
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    try:
+        os.link(tmp, path)  # never replaces a secret another process wrote first
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return path.read_text().strip()
 
 
 def cpu_mem_limit_bytes(settings: Settings) -> int:
@@ -69,9 +101,12 @@ class Runtime:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
 
     # ---- start-up
     def start(self, background: bool = True) -> "Runtime":
+        if self.settings.anon_retention_days > 0:
+            threading.Thread(target=self._purge_loop, name="llmweb-purge", daemon=True).start()
         if background:
             self._thread = threading.Thread(target=self._load, name="llmweb-load", daemon=True)
             self._thread.start()
@@ -87,7 +122,7 @@ class Runtime:
 
     def _load(self) -> None:
         from .chat import Chat
-        from .engine import Engine, EngineLimits
+        from .engine import local_engine, EngineLimits
         from .tokens import TemplateFormat
 
         s = self.settings
@@ -96,8 +131,6 @@ class Runtime:
             loaded = self._preloaded or models.load(s, progress=self._progress)
             fmt = TemplateFormat(loaded.tokenizer)
             budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
-            # the summary section holds the summary and the user's facts (chat.memory_text)
-            budget = dataclasses.replace(budget, summary_tokens=s.summary_tokens + s.facts_tokens)
             if s.warmup:
                 self._progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
                 models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
@@ -107,8 +140,8 @@ class Runtime:
                 request_timeout_s=s.request_timeout_s, admission_wait_s=s.admission_wait_s,
                 mem_limit_bytes=cpu_mem_limit_bytes(s) if loaded.on_cpu else 0,
                 mem_margin_bytes=s.mem_margin_mb * 2**20, frag_release_bytes=s.frag_release_mb * 2**20,
-                kv_reuse=s.kv_reuse)
-            self.engine = Engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault,
+                kv_reuse=s.kv_reuse, queue_per_user=s.queue_per_user)
+            self.engine = local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault,
                                  gpu=gpu_entry)
             self.loaded, self.budget = loaded, budget
             self.chat = Chat(s, self.engine, fmt, self.store, budget, library=self.library)
@@ -139,28 +172,65 @@ class Runtime:
 
     # ---- documents
     def _seed_sample(self) -> None:
-        """Index the bundled user guide once per data dir, so a new user can ask about llmweb at once."""
-        marker = self.settings.data_dir / "index" / ".sample-seeded"
+        """Index the bundled user guide into the shared library once per data dir, so a new user
+        can ask about llmweb at once. (The previous version's marker, ".sample-seeded", marked the
+        guide in the old "docs" index, which `Library` moves to the local owner's private library.)"""
+        marker = self.settings.data_dir / "index" / SAMPLE_MARKER
         if marker.exists() or not SAMPLE_DIR.is_dir():
             return
         self._progress("Indexing the sample user guide…")
-        reports = self.library.ingest([SAMPLE_DIR])
+        reports = self.library.ingest_shared([SAMPLE_DIR])
         for r in reports:
             if not r.ok:
                 log.warning("sample corpus: %s", r.describe())
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text("indexed\n")
+        marker.write_text("indexed into the shared library\n")
 
     @property
-    def library(self):
+    def library(self) -> Library:
+        """The document library (shared + per-owner private), built on first use."""
         with self._library_lock:
             if self._library is None:
-                from .retrieval import Index
+                from .library import Library
 
-                self._library = Index(self.settings)
+                self._library = Library(self.settings)
             return self._library
 
+    # ---- many visitors
+    @property
+    def secret(self) -> str:
+        """The key that encrypts what browsers keep (owner token, open chat): LLMWEB_SECRET, else a
+        random one created once in the data dir (mode 600), so visitors keep their chats over a restart."""
+        if self.settings.secret:
+            return self.settings.secret
+        return read_or_create_secret(self.settings.data_dir / "secret")
+
+    def purge_idle(self, now: float | None = None) -> tuple[int, int]:
+        """Delete the data of anonymous owners (browsers, API conversations) idle longer than
+        LLMWEB_ANON_RETENTION_DAYS. Accounts and the single user are never purged. Returns
+        (owners, conversations) deleted; logs the counts."""
+        days = self.settings.anon_retention_days
+        if days <= 0 or not self.ready:
+            return 0, 0
+        owners = [o for prefix in ANON_PREFIXES for o in self.store.idle_owners(prefix, days * 86400, now)]
+        conversations = sum(self.chat.delete_owner(o) for o in owners)
+        if owners:
+            log.info("retention: purged %d anonymous owners idle over %g days (%d conversations)",
+                     len(owners), days, conversations)
+        return len(owners), conversations
+
+    def _purge_loop(self) -> None:
+        """Once the model is up, then every PURGE_EVERY_S until close."""
+        self._ready.wait()
+        while not self._closing.is_set():
+            try:
+                self.purge_idle()
+            except Exception:  # the next round tries again; serving is never affected
+                log.exception("retention purge failed")
+            self._closing.wait(PURGE_EVERY_S)
+
     def close(self) -> None:
+        self._closing.set()
         if self.chat is not None:
             self.chat.wait_background(timeout=30)  # summaries write to the store
         if self.engine is not None:

@@ -22,6 +22,15 @@ nothing measurable, while one connection per thread would bring SQLITE_BUSY retr
 our own threads and connections left behind by threads Gradio retires. Other processes (the
 CLI while the server runs) are covered by WAL and a busy timeout.
 
+Ownership: every conversation belongs to an OWNER (the login account "user:<name>", an
+anonymous browser "anon:<token>", or LOCAL_OWNER for a single-user install), and every public
+method takes the caller's owner first and scopes its query by it, here in SQL, not in the UI.
+Facts are reached only through a conversation of the same owner. Another owner's conversation
+behaves exactly like one that does not exist: the same `NotFound`, from the same single indexed
+query, so no answer tells them apart. Ids are 128 random bits (`new_id`): unguessable. A
+conversation is created with its first turn (`add_turn(..., create=True)`), so no empty chats
+pile up in the store. `owners` remembers when each owner was last seen, for the retention purge.
+
 Missing conversations raise `NotFound` (a `LookupError` and an `LlmwebError`, so the UI can
 show its message as it is). Deleting something already gone is not an error.
 
@@ -32,25 +41,26 @@ and llmweb's errors and records.
 from __future__ import annotations
 
 import json
+import secrets
 import sqlite3
 import threading
 import time
 import unicodedata
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from .errors import ConfigError, InputError, LlmwebError
-from .records import Turn
+from .records import Source, Turn, TurnStats
 
 DEFAULT_TITLE = "New chat"
 TITLE_CHARS = 40  # auto-titles are cut to about this many characters
 BUSY_TIMEOUT_S = 30.0  # wait this long for another process's write lock
 EXPORT_FORMAT = "llmweb.conversation"
 EXPORT_VERSION = 1
+LOCAL_OWNER = "local"  # the one owner of a single-user install, and of data from before owners existed
 
 # Each entry moves the schema up one version; applied in order, each in its own transaction.
 # Never edit an entry once released: append a new one.
@@ -84,6 +94,19 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX facts_by_conversation ON facts(conversation_id, id)",
         "CREATE INDEX conversations_by_updated ON conversations(updated)",
     ),
+    (  # 2: owners. What a single-user install wrote before goes to LOCAL_OWNER, which it keeps seeing
+        f"ALTER TABLE conversations ADD COLUMN owner TEXT NOT NULL DEFAULT '{LOCAL_OWNER}'",
+        "CREATE INDEX conversations_by_owner ON conversations(owner, updated)",
+        """CREATE TABLE owners (
+            owner           TEXT PRIMARY KEY,
+            created         REAL NOT NULL,
+            last_seen       REAL NOT NULL
+        )""",
+        """INSERT INTO owners (owner, created, last_seen)
+           SELECT owner, MIN(created), MAX(updated) FROM conversations GROUP BY owner""",
+        # round 1 created a conversation on every page load: drop the empty ones
+        "DELETE FROM conversations WHERE NOT EXISTS (SELECT 1 FROM turns t WHERE t.conversation_id = conversations.id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -107,8 +130,8 @@ class StoredTurn:
     idx: int  # 0-based position in the conversation
     user: str
     assistant: str
-    stats: dict[str, Any]
-    sources: list[dict[str, Any]]
+    stats: TurnStats | None  # None for a turn stored without figures
+    sources: list[Source]
     created: float = 0.0
 
     def as_turn(self) -> Turn:
@@ -133,6 +156,7 @@ class Conversation:
     facts: list[Fact] = field(default_factory=list)
     created: float = 0.0
     updated: float = 0.0
+    owner: str = ""
 
 
 class Store:
@@ -225,37 +249,41 @@ class Store:
 
     # -- conversations -----------------------------------------------------------------------
 
-    def create_conversation(self, title: str = DEFAULT_TITLE) -> str:
-        conv_id = uuid.uuid4().hex
+    def create_conversation(self, owner: str, title: str = DEFAULT_TITLE) -> str:
+        """An empty conversation (scripts, imports, tests; the chat creates one with its first turn)."""
+        conv_id = new_id()
         now = time.time()
         with self._write() as db:
-            db.execute(
-                "INSERT INTO conversations (id, title, created, updated) VALUES (?, ?, ?, ?)",
-                (conv_id, title, now, now),
-            )
+            _insert_conversation(db, owner, conv_id, title, now)
         return conv_id
 
-    def list_conversations(self) -> list[ConversationInfo]:
-        """All conversations, the most recently active first."""
+    def list_conversations(self, owner: str) -> list[ConversationInfo]:
+        """The owner's conversations, the most recently active first."""
         with self._read() as db:
             rows = db.execute(
                 """SELECT c.id, c.title, c.updated,
                           (SELECT COUNT(*) FROM turns t WHERE t.conversation_id = c.id)
-                   FROM conversations c ORDER BY c.updated DESC, c.rowid DESC"""
+                   FROM conversations c WHERE c.owner = ? ORDER BY c.updated DESC, c.rowid DESC""",
+                (owner,),
             ).fetchall()
         return [ConversationInfo(*row) for row in rows]
 
-    def get(self, conv_id: str) -> Conversation:
+    def exists(self, owner: str, conv_id: str) -> bool:
+        with self._read() as db:
+            return _owned(db, owner, conv_id)
+
+    def get(self, owner: str, conv_id: str) -> Conversation:
         with self._read() as db:
             row = db.execute(
-                "SELECT title, summary, summarized_upto, created, updated FROM conversations WHERE id = ?",
-                (conv_id,),
+                "SELECT title, summary, summarized_upto, created, updated FROM conversations "
+                "WHERE id = ? AND owner = ?",
+                (conv_id, owner),
             ).fetchone()
             if row is None:
                 raise _missing(conv_id)
             title, summary, upto, created, updated = row
             turns = [
-                StoredTurn(idx, user, assistant, json.loads(stats), json.loads(sources), t_created)
+                StoredTurn(idx, user, assistant, _stats(stats), _sources(sources), t_created)
                 for idx, user, assistant, stats, sources, t_created in db.execute(
                     "SELECT idx, user, assistant, stats, sources, created FROM turns "
                     "WHERE conversation_id = ? ORDER BY idx",
@@ -263,26 +291,34 @@ class Store:
                 )
             ]
             facts = _facts(db, conv_id)
-        return Conversation(conv_id, title, summary, upto, turns, facts, created, updated)
+        return Conversation(conv_id, title, summary, upto, turns, facts, created, updated, owner)
 
     def add_turn(
         self,
+        owner: str,
         conv_id: str,
         user: str,
         assistant: str,
-        stats: dict[str, Any] | None = None,
-        sources: list[dict[str, Any]] | None = None,
+        stats: TurnStats | None = None,
+        sources: Sequence[Source] = (),
+        *,
+        create: bool = False,
     ) -> int:
         """Append a finished turn and return its 0-based index. The first turn of a conversation
-        still titled DEFAULT_TITLE also gives it a title made from the user's message."""
+        still titled DEFAULT_TITLE also gives it a title made from the user's message. With
+        `create`, a conversation that does not exist yet is created by this turn (`conv_id` from
+        `new_id()`); one that belongs to another owner is still `NotFound`."""
         # Serialise before the transaction: a value JSON cannot hold fails here, changing nothing.
         # ensure_ascii=True keeps odd strings (e.g. surrogate-escaped file names) storable.
-        stats_json = json.dumps({} if stats is None else stats)
-        sources_json = json.dumps([] if sources is None else sources)
+        stats_json = json.dumps({} if stats is None else stats.to_dict())
+        sources_json = json.dumps([s.to_dict() for s in sources])
         now = time.time()
         with self._write() as db:
-            row = db.execute("SELECT title FROM conversations WHERE id = ?", (conv_id,)).fetchone()
-            if row is None:
+            row = db.execute("SELECT title, owner FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+            if row is None and create:
+                _insert_conversation(db, owner, conv_id, DEFAULT_TITLE, now)
+                row = (DEFAULT_TITLE, owner)
+            if row is None or row[1] != owner:
                 raise _missing(conv_id)
             (idx,) = db.execute(
                 "SELECT COALESCE(MAX(idx) + 1, 0) FROM turns WHERE conversation_id = ?", (conv_id,)
@@ -296,15 +332,17 @@ class Store:
             if idx == 0 and title == DEFAULT_TITLE:
                 title = auto_title(user) or DEFAULT_TITLE
             db.execute("UPDATE conversations SET updated = ?, title = ? WHERE id = ?", (now, title, conv_id))
+            _seen(db, owner, now)
         return idx
 
-    def set_summary(self, conv_id: str, summary: str, summarized_upto: int) -> None:
+    def set_summary(self, owner: str, conv_id: str, summary: str, summarized_upto: int) -> None:
         """Record the rolling summary covering the oldest `summarized_upto` turns.
         Does not touch `updated`: compression is not user activity and must not reorder the list."""
         with self._write() as db:
             row = db.execute(
-                "SELECT (SELECT COUNT(*) FROM turns WHERE conversation_id = ?) FROM conversations WHERE id = ?",
-                (conv_id, conv_id),
+                "SELECT (SELECT COUNT(*) FROM turns WHERE conversation_id = ?) FROM conversations "
+                "WHERE id = ? AND owner = ?",
+                (conv_id, conv_id, owner),
             ).fetchone()
             if row is None:
                 raise _missing(conv_id)
@@ -315,21 +353,47 @@ class Store:
                 (summary, summarized_upto, conv_id),
             )
 
-    def rename(self, conv_id: str, title: str) -> None:
+    def rename(self, owner: str, conv_id: str, title: str) -> None:
         with self._write() as db:
-            if db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id)).rowcount == 0:
+            cur = db.execute("UPDATE conversations SET title = ? WHERE id = ? AND owner = ?", (title, conv_id, owner))
+            if cur.rowcount == 0:
                 raise _missing(conv_id)
 
-    def delete(self, conv_id: str) -> bool:
-        """Delete a conversation with its turns and facts. False if it was already gone."""
+    def delete(self, owner: str, conv_id: str) -> bool:
+        """Delete a conversation with its turns and facts. False if it was already gone (or not the owner's)."""
         with self._write() as db:
-            return db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,)).rowcount > 0
+            return db.execute("DELETE FROM conversations WHERE id = ? AND owner = ?", (conv_id, owner)).rowcount > 0
 
-    # -- facts (pinned notes the context planner will carry; a later feature) -----------------
+    # -- owners ------------------------------------------------------------------------------
 
-    def add_fact(self, conv_id: str, text: str, pinned: bool = True) -> int:
+    def touch_owner(self, owner: str) -> None:
+        """Note that an owner is active now (a page load, a message): the retention purge counts from here."""
         with self._write() as db:
-            if db.execute("SELECT 1 FROM conversations WHERE id = ?", (conv_id,)).fetchone() is None:
+            _seen(db, owner, time.time())
+
+    def delete_owner(self, owner: str) -> list[str]:
+        """Delete everything the owner stored here (conversations, turns, facts); return the conversation ids."""
+        with self._write() as db:
+            ids = [r[0] for r in db.execute("SELECT id FROM conversations WHERE owner = ?", (owner,))]
+            db.execute("DELETE FROM conversations WHERE owner = ?", (owner,))
+            db.execute("DELETE FROM owners WHERE owner = ?", (owner,))
+        return ids
+
+    def idle_owners(self, prefix: str, idle_s: float, now: float | None = None) -> list[str]:
+        """Owners whose name starts with `prefix` (e.g. "anon:") and who were last seen `idle_s` ago or more."""
+        cutoff = (time.time() if now is None else now) - idle_s
+        with self._read() as db:
+            rows = db.execute(
+                "SELECT owner FROM owners WHERE substr(owner, 1, ?) = ? AND last_seen <= ? ORDER BY last_seen",
+                (len(prefix), prefix, cutoff),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    # -- facts: the user's own sentences, kept verbatim; reached only through the owner's conversation
+
+    def add_fact(self, owner: str, conv_id: str, text: str, pinned: bool = True) -> int:
+        with self._write() as db:
+            if not _owned(db, owner, conv_id):
                 raise _missing(conv_id)
             cur = db.execute(
                 "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, ?, ?)",
@@ -337,28 +401,30 @@ class Store:
             )
             return cur.lastrowid
 
-    def set_fact_pinned(self, fact_id: int, pinned: bool) -> None:
+    def set_fact_pinned(self, owner: str, conv_id: str, fact_id: int, pinned: bool) -> None:
         with self._write() as db:
-            cur = db.execute("UPDATE facts SET pinned = ? WHERE id = ?", (int(bool(pinned)), fact_id))
+            cur = db.execute(f"UPDATE facts SET pinned = ? WHERE id = ? AND {_FACT_OWNED}",
+                             (int(bool(pinned)), fact_id, conv_id, owner))
             if cur.rowcount == 0:
-                raise NotFound("That note no longer exists.")
+                raise NotFound("That fact no longer exists.")
 
-    def delete_fact(self, fact_id: int) -> bool:
-        """False if it was already gone."""
+    def delete_fact(self, owner: str, conv_id: str, fact_id: int) -> bool:
+        """False if it was already gone (or is not the owner's)."""
         with self._write() as db:
-            return db.execute("DELETE FROM facts WHERE id = ?", (fact_id,)).rowcount > 0
+            return db.execute(f"DELETE FROM facts WHERE id = ? AND {_FACT_OWNED}",
+                              (fact_id, conv_id, owner)).rowcount > 0
 
-    def facts(self, conv_id: str) -> list[Fact]:
+    def facts(self, owner: str, conv_id: str) -> list[Fact]:
         with self._read() as db:
-            if db.execute("SELECT 1 FROM conversations WHERE id = ?", (conv_id,)).fetchone() is None:
+            if not _owned(db, owner, conv_id):
                 raise _missing(conv_id)
             return _facts(db, conv_id)
 
     # -- export / import ---------------------------------------------------------------------
 
-    def export_json(self, conv_id: str) -> str:
+    def export_json(self, owner: str, conv_id: str) -> str:
         """The whole conversation as JSON; `import_json` reads it back."""
-        conv = self.get(conv_id)
+        conv = self.get(owner, conv_id)
         doc = {
             "format": EXPORT_FORMAT,
             "version": EXPORT_VERSION,
@@ -369,16 +435,17 @@ class Store:
             "summary": conv.summary,
             "summarized_upto": conv.summarized_upto,
             "turns": [
-                {"idx": t.idx, "user": t.user, "assistant": t.assistant, "stats": t.stats,
-                 "sources": t.sources, "created": t.created}
+                {"idx": t.idx, "user": t.user, "assistant": t.assistant,
+                 "stats": t.stats.to_dict() if t.stats else {},
+                 "sources": [s.to_dict() for s in t.sources], "created": t.created}
                 for t in conv.turns
             ],
             "facts": [{"text": f.text, "pinned": f.pinned, "created": f.created} for f in conv.facts],
         }
         return json.dumps(doc, ensure_ascii=False, indent=1)
 
-    def import_json(self, text: str) -> str:
-        """Create a new conversation (with a new id) from `export_json` output; return its id."""
+    def import_json(self, owner: str, text: str) -> str:
+        """Create a new conversation of `owner` (with a new id) from `export_json` output; return its id."""
         try:
             doc = json.loads(text)
             if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
@@ -391,21 +458,23 @@ class Store:
             upto = int(doc["summarized_upto"])
             if not 0 <= upto <= len(turns):
                 raise ValueError("summarized_upto out of range")
-            rows = [(t["user"], t["assistant"], json.dumps(t["stats"]), json.dumps(t["sources"]),
-                     float(t["created"])) for t in turns]
+            rows = [(t["user"], t["assistant"], _stats_json(t["stats"]),
+                     json.dumps([Source.from_dict(s).to_dict() for s in t["sources"]]), float(t["created"]))
+                    for t in turns]
             if not all(isinstance(v, str) for r in rows for v in r[:2]):
                 raise ValueError("turn text must be strings")
             facts = [(str(f["text"]), int(bool(f["pinned"])), float(f["created"])) for f in doc.get("facts", [])]
             head = (str(doc["title"]), float(doc["created"]), float(doc["updated"]), str(doc["summary"]), upto)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InputError(f"This file is not an llmweb conversation export ({e}).") from None
-        conv_id = uuid.uuid4().hex
+        conv_id = new_id()
         with self._write() as db:
             db.execute(
-                "INSERT INTO conversations (id, title, created, updated, summary, summarized_upto) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (conv_id, *head),
+                "INSERT INTO conversations (id, title, created, updated, summary, summarized_upto, owner) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conv_id, *head, owner),
             )
+            _seen(db, owner, time.time())
             db.executemany(
                 "INSERT INTO turns (conversation_id, idx, user, assistant, stats, sources, created) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -417,9 +486,9 @@ class Store:
             )
         return conv_id
 
-    def export_markdown(self, conv_id: str) -> str:
+    def export_markdown(self, owner: str, conv_id: str) -> str:
         """A readable transcript. Message text is included as written (it may contain Markdown)."""
-        conv = self.get(conv_id)
+        conv = self.get(owner, conv_id)
         out = [f"# {conv.title}", "", f"_Exported from llmweb; started {_iso(conv.created)}, "
                f"{len(conv.turns)} turns._", ""]
         if conv.summary:
@@ -430,7 +499,7 @@ class Store:
         for t in conv.turns:
             out += [f"## Turn {t.idx + 1}", "", "**You:**", "", t.user, "", "**Assistant:**", "", t.assistant, ""]
             if t.sources:
-                out += ["Sources:", ""] + [f"- {_source_label(s)}" for s in t.sources] + [""]
+                out += ["Sources:", ""] + [f"- {s.label()}" for s in t.sources] + [""]
         return "\n".join(out)
 
 
@@ -449,6 +518,30 @@ def auto_title(text: str, limit: int = TITLE_CHARS) -> str:
     if space >= limit // 2:
         cut = cut[:space]
     return cut.rstrip() + "…"
+
+
+def new_id() -> str:
+    """A conversation id: 128 random bits, hex. Unguessable, so an id can serve as a capability."""
+    return secrets.token_hex(16)
+
+
+# a fact is the caller's when its conversation is (parameters: conversation id, owner)
+_FACT_OWNED = "conversation_id = ? AND conversation_id IN (SELECT id FROM conversations WHERE owner = ?)"
+
+
+def _owned(db: sqlite3.Connection, owner: str, conv_id: str) -> bool:
+    return db.execute("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conv_id, owner)).fetchone() is not None
+
+
+def _insert_conversation(db: sqlite3.Connection, owner: str, conv_id: str, title: str, now: float) -> None:
+    db.execute("INSERT INTO conversations (id, title, created, updated, owner) VALUES (?, ?, ?, ?, ?)",
+               (conv_id, title, now, now, owner))
+    _seen(db, owner, now)
+
+
+def _seen(db: sqlite3.Connection, owner: str, now: float) -> None:
+    db.execute("INSERT INTO owners (owner, created, last_seen) VALUES (?, ?, ?) "
+               "ON CONFLICT(owner) DO UPDATE SET last_seen = excluded.last_seen", (owner, now, now))
 
 
 def _read_version(db: sqlite3.Connection) -> int:
@@ -473,7 +566,17 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def _source_label(source: dict[str, Any]) -> str:
-    name = str(source.get("source") or source.get("label") or "source")
-    where = f"p. {source['page']}" if source.get("page") else (source.get("heading") or "")
-    return f"{name}, {where}" if where else name
+def _stats(text: str) -> TurnStats | None:
+    d = json.loads(text)
+    return TurnStats.from_dict(d) if d else None
+
+
+def _stats_json(d: Any) -> str:
+    """Imported stats, checked by reading them as TurnStats; an empty object stays empty."""
+    if not isinstance(d, dict):
+        raise TypeError("stats must be an object")
+    return json.dumps(TurnStats.from_dict(d).to_dict() if d else {})
+
+
+def _sources(text: str) -> list[Source]:
+    return [Source.from_dict(d) for d in json.loads(text)]

@@ -10,6 +10,14 @@ What is shown (Markdown, HTML, messages, plot tables) is made by the pure functi
 ui_format.py. Policy lives elsewhere (chat, store, retrieval): this file must not decide what
 goes into a prompt or how anything is stored. The conversation id lives in the browser
 (`gr.BrowserState`), so a reload or an app restart resumes the same chat from the SQLite store.
+
+Owners (many visitors, one server): every handler acts for the caller's OWNER and passes it to
+every store and library call. With login, the owner is the account ("user:<name>"); without, each
+browser gets an unguessable token on its first visit ("anon:<token>", 192 bits, kept in an
+encrypted `gr.BrowserState`, never shown, never in a URL); a single-user install
+(`Settings.is_single_user`) has one owner, LOCAL_OWNER. API callers without login own each
+conversation they start through its id ("api:<id>": the id is the capability), so a browser's
+conversation is never reachable through the API, whoever knows its id.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import functools
 import html
 import inspect
 import json
+import re
+import secrets
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,9 +36,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import gradio as gr
 
-from .chat import Delta, Finished, Queued, clean_message
+from .accounts import gradio_auth
+from .chat import Delta, Finished, Queued, Started, clean_message
 from .errors import InputError, LlmwebError
-from .store import NotFound
+from .store import DEFAULT_TITLE, LOCAL_OWNER, Conversation, new_id
 from .ui_format import (SECTION_COLOURS, documents_markdown, fact_label, history_messages, ingest_markdown,
                         plot_frames, sections_html, stats_markdown, summary_markdown)
 
@@ -44,9 +55,15 @@ CSS = """
 """
 
 
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{32}$")  # secrets.token_urlsafe(24): 192 bits
+
+
+def new_owner_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
 def launch_kwargs(settings) -> dict:
-    auth = tuple(settings.auth.split(":", 1)) if settings.auth else None
-    return dict(server_name=settings.host, server_port=settings.port, auth=auth,
+    return dict(server_name=settings.host, server_port=settings.port, auth=gradio_auth(settings),
                 max_file_size=f"{settings.max_file_mb}mb", show_error=True, css=CSS,
                 allowed_paths=[], footer_links=["api"])
 
@@ -56,6 +73,7 @@ def launch_kwargs(settings) -> dict:
 
 @dataclass
 class Layout:
+    owner_state: gr.BrowserState
     conv_state: gr.BrowserState
     status: gr.Markdown
     timer: gr.Timer
@@ -65,6 +83,10 @@ class Layout:
     delete_btn: gr.Button
     export_md: gr.DownloadButton
     export_json: gr.DownloadButton
+    delete_all_btn: gr.Button
+    confirm_row: gr.Row
+    confirm_all_btn: gr.Button
+    cancel_all_btn: gr.Button
     # chat column
     chatbot: gr.Chatbot
     msg: gr.Textbox
@@ -93,9 +115,11 @@ class Layout:
         return [getattr(self, n) for n in names]
 
 
-def layout(status_text: Callable[[], str]) -> Layout:
-    """Build every component inside the current `gr.Blocks`: a sidebar, the chat, the stats panel."""
-    top = dict(conv_state=gr.BrowserState("", storage_key="llmweb_conversation"),
+def layout(status_text: Callable[[], str], secret: str) -> Layout:
+    """Build every component inside the current `gr.Blocks`: a sidebar, the chat, the stats panel.
+    `secret` encrypts what the browser keeps, with the same key after a restart."""
+    top = dict(owner_state=gr.BrowserState("", storage_key="llmweb_owner", secret=secret),
+               conv_state=gr.BrowserState("", storage_key="llmweb_conversation", secret=secret),
                status=gr.Markdown(status_text, elem_id="llmweb-status"),  # a callable: fresh on every page load
                timer=gr.Timer(1.0))
     with gr.Row():
@@ -116,8 +140,15 @@ def _sidebar() -> dict:
     with gr.Row():
         export_md = gr.DownloadButton("Export .md", size="sm")
         export_json = gr.DownloadButton("Export .json", size="sm")
+    delete_all_btn = gr.Button("Delete all my data", size="sm", variant="stop", elem_id="llmweb-delete-all")
+    with gr.Row(visible=False) as confirm_row:
+        gr.Markdown("Delete every chat, fact and uploaded document of yours? This cannot be undone.")
+        confirm_all_btn = gr.Button("Yes, delete everything", size="sm", variant="stop",
+                                    elem_id="llmweb-delete-all-confirm")
+        cancel_all_btn = gr.Button("Cancel", size="sm")
     return dict(new_btn=new_btn, conv_list=conv_list, delete_btn=delete_btn, export_md=export_md,
-                export_json=export_json)
+                export_json=export_json, delete_all_btn=delete_all_btn, confirm_row=confirm_row,
+                confirm_all_btn=confirm_all_btn, cancel_all_btn=cancel_all_btn)
 
 
 def _chat_column() -> dict:
@@ -210,38 +241,50 @@ class Panel(NamedTuple):
 
 
 class Handlers:
-    """The UI's events over a `Runtime`. No component is built here; every store read goes
-    through this class (the place a per-user owner will be passed from)."""
+    """The UI's events over a `Runtime`. No component is built here. Every handler takes the browser's
+    owner token and the request last, and every store and library call gets the caller's owner."""
 
     def __init__(self, runtime):
         self.runtime = runtime
         self.store = runtime.store
         self.settings = runtime.settings
 
+    # -- who is asking
+    def owner(self, token: str, request: gr.Request | None) -> str:
+        """The caller's owner: the single user, the login account, or the browser's token."""
+        if self.settings.is_single_user:
+            return LOCAL_OWNER
+        name = getattr(request, "username", None)
+        if name:
+            return f"user:{name}"
+        if not isinstance(token, str) or not _TOKEN.match(token):
+            raise InputError("This page has no session yet. Reload it, and allow this site to keep local storage.")
+        return f"anon:{token}"
+
+    def api_owner(self, conversation_id: str, request: gr.Request | None) -> str:
+        """API callers: the single user, the login account, or (anonymous) the conversation's own id."""
+        if self.settings.is_single_user:
+            return LOCAL_OWNER
+        name = getattr(request, "username", None)
+        return f"user:{name}" if name else f"api:{conversation_id}"
+
     # -- helpers
     def _chat(self):
         return self.runtime.wait_ready(WAIT_READY_S)
-
-    def _exists(self, conv_id: str) -> bool:
-        try:
-            self.store.get(conv_id)
-            return True
-        except NotFound:
-            return False
 
     def _mem_limit(self) -> int:
         engine = self.runtime.engine
         return engine.limits.mem_limit_bytes if engine is not None else 0
 
-    def panel(self, conv, notes: str = "") -> Panel:
+    def panel(self, owner: str, conv, notes: str = "") -> Panel:
         """Every component that shows a conversation, filled from the store."""
         stats = conv.turns[-1].stats if conv.turns else None
         tokens_df, memory_df = plot_frames(conv)
+        chats = [(f"{c.title} ({c.n_turns})", c.id) for c in self.store.list_conversations(owner)]
         return Panel(
             conv_state=conv.id,
             chatbot=history_messages(conv),
-            conv_list=gr.update(choices=[(f"{c.title} ({c.n_turns})", c.id) for c in self.store.list_conversations()],
-                                value=conv.id),
+            conv_list=gr.update(choices=chats, value=conv.id or None),
             stats_md=stats_markdown(stats, self._mem_limit()) + (f"\n\n{notes}" if notes else ""),
             bar=sections_html(stats),
             memory_md=summary_markdown(conv),
@@ -252,26 +295,39 @@ class Handlers:
             memory_plot=memory_df if len(memory_df) else None,
         )
 
-    def _open(self, conv_id: str) -> Panel:
-        """The conversation, or a new one when the id is empty or no longer exists."""
-        try:
-            conv = self.store.get(conv_id) if conv_id else None
-        except NotFound:
-            conv = None
-        return self.panel(conv or self.store.get(self.store.create_conversation()))
+    def _open(self, owner: str, conv_id: str) -> Panel:
+        """The owner's conversation, or a blank new chat (stored with its first message) when the id
+        is empty, gone, or not theirs."""
+        conv = self.store.get(owner, conv_id) if conv_id and self.store.exists(owner, conv_id) else None
+        return self.panel(owner, conv or _blank(owner))
+
+    def _current(self, owner: str, conv_id: str):
+        if not conv_id:
+            raise InputError("Send a message first: this chat is not saved yet.")
+        return self.store.get(owner, conv_id)
+
+    # -- page load
+    @user_errors
+    def visit(self, token, conv_id, request: gr.Request) -> tuple:
+        """First event of every page load: give a new browser its owner token, then show its chat."""
+        token = token if isinstance(token, str) and _TOKEN.match(token) else new_owner_token()
+        owner = self.owner(token, request)
+        self.store.touch_owner(owner)
+        return (token, *self._open(owner, conv_id or ""))
 
     # -- chat
     @user_errors
-    def respond(self, message, history, conv_id, use_docs) -> Iterator[tuple]:
+    def respond(self, message, history, conv_id, use_docs, token, request: gr.Request) -> Iterator[tuple]:
         """Send from the chat box: streams the reply into the chat, then fills the panel and clears the box."""
-        chat = self._chat()
-        clean_message(message, self.settings.max_message_chars)  # refuse before creating a conversation
-        if not conv_id or not self._exists(conv_id):
-            conv_id = self.store.create_conversation()
+        chat, owner = self._chat(), self.owner(token, request)
+        clean_message(message, self.settings.max_message_chars)
+        conv_id = conv_id if conv_id and self.store.exists(owner, conv_id) else None  # None: a new chat
         shown = list(history or []) + [{"role": "user", "content": message}, {"role": "assistant", "content": "…"}]
         notes = ""
-        for event in chat.send(conv_id, message, use_docs=bool(use_docs)):
-            if isinstance(event, Queued):
+        for event in chat.send(owner, conv_id, message, use_docs=bool(use_docs)):
+            if isinstance(event, Started):
+                conv_id = event.conv_id
+            elif isinstance(event, Queued):
                 shown[-1] = {"role": "assistant", "content": f"*Waiting: {event.position} ahead in the queue…*"}
                 yield (*Panel.streaming(conv_id, shown), "")
             elif isinstance(event, Delta):
@@ -279,140 +335,145 @@ class Handlers:
                 yield (*Panel.streaming(conv_id, shown), "")
             elif isinstance(event, Finished):
                 notes = " ".join(event.notes)
-        yield (*self.panel(self.store.get(conv_id), notes), "")
+        yield (*self.panel(owner, self.store.get(owner, conv_id), notes), "")
 
     @user_errors
-    def after_stop(self, conv_id, history):
+    def after_stop(self, conv_id, history, token, request: gr.Request):
         """After Stop: wait (briefly) for the partial turn to be stored, then show it as stopped."""
-        if not conv_id or not self._exists(conv_id):
+        owner = self.owner(token, request)
+        if not conv_id or not self.store.exists(owner, conv_id):
             return gr.skip()
         asked = sum(1 for m in history or [] if m.get("role") == "user")
         deadline = time.monotonic() + STOP_WAIT_S
-        conv = self.store.get(conv_id)
+        conv = self.store.get(owner, conv_id)
         while len(conv.turns) < asked and time.monotonic() < deadline:
             time.sleep(0.1)
-            conv = self.store.get(conv_id)
-        return self.panel(conv, "Stopped.")
+            conv = self.store.get(owner, conv_id)
+        return self.panel(owner, conv, "Stopped.")
 
     @user_errors
-    def new_chat(self) -> Panel:
-        return self._open("")
+    def new_chat(self, token, request: gr.Request) -> Panel:
+        return self._open(self.owner(token, request), "")
 
     @user_errors
-    def switch(self, conv_id) -> Panel:
-        return self._open(conv_id or "")
+    def switch(self, conv_id, token, request: gr.Request) -> Panel:
+        return self._open(self.owner(token, request), conv_id or "")
 
     @user_errors
-    def delete_chat(self, conv_id) -> Panel:
+    def delete_chat(self, conv_id, token, request: gr.Request) -> Panel:
+        owner = self.owner(token, request)
         if conv_id:
             if self.runtime.chat is not None:
-                self.runtime.chat.delete(conv_id)  # also drops its KV cache and background jobs
+                self.runtime.chat.delete(owner, conv_id)  # also its recall index and KV cache
             else:
-                self.store.delete(conv_id)
-        remaining = self.store.list_conversations()
-        return self._open(remaining[0].id if remaining else "")
+                self.store.delete(owner, conv_id)
+        remaining = self.store.list_conversations(owner)
+        return self._open(owner, remaining[0].id if remaining else "")
+
+    @user_errors
+    def delete_everything(self, token, request: gr.Request) -> tuple:
+        """"Delete all my data", confirmed: every chat, fact, recall index and private document."""
+        owner = self.owner(token, request)
+        n = self._chat().delete_owner(owner)
+        gr.Info(f"Deleted {n} chats and your uploaded documents.")
+        return (*self._open(owner, ""), *self.documents(token, request), gr.update(visible=False))
 
     # -- facts: each returns the panel and clears the new-fact textbox
     @user_errors
-    def add_fact(self, conv_id, text) -> tuple:
-        self._chat().add_fact(conv_id, text)
-        return (*self.panel(self.store.get(conv_id)), "")
+    def add_fact(self, conv_id, text, token, request: gr.Request) -> tuple:
+        owner = self.owner(token, request)
+        self._current(owner, conv_id)
+        self._chat().add_fact(owner, conv_id, text)
+        return (*self.panel(owner, self.store.get(owner, conv_id)), "")
 
     @user_errors
-    def pin_fact(self, conv_id, fact_id) -> tuple:
-        fact = _picked_fact(fact_id)
-        self._chat().set_fact_pinned(fact, True)
-        return (*self.panel(self.store.get(conv_id)), "")
+    def pin_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
+        return self._fact(conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, True))
 
     @user_errors
-    def unpin_fact(self, conv_id, fact_id) -> tuple:
-        fact = _picked_fact(fact_id)
-        self._chat().set_fact_pinned(fact, False)
-        return (*self.panel(self.store.get(conv_id)), "")
+    def unpin_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
+        return self._fact(conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, False))
 
     @user_errors
-    def delete_fact(self, conv_id, fact_id) -> tuple:
-        fact = _picked_fact(fact_id)
-        self._chat().delete_fact(fact)
-        return (*self.panel(self.store.get(conv_id)), "")
+    def delete_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
+        return self._fact(conv_id, fact_id, token, request, lambda chat, o, f: chat.delete_fact(o, conv_id, f))
+
+    def _fact(self, conv_id, fact_id, token, request, action) -> tuple:
+        owner = self.owner(token, request)
+        self._current(owner, conv_id)
+        action(self._chat(), owner, _picked_fact(fact_id))
+        return (*self.panel(owner, self.store.get(owner, conv_id)), "")
 
     # -- export: a file to download
     @user_errors
-    def export_md(self, conv_id) -> str:
-        return self._export(conv_id, "md")
+    def export_md(self, conv_id, token, request: gr.Request) -> str:
+        return self._export(self.owner(token, request), conv_id, "md")
 
     @user_errors
-    def export_json(self, conv_id) -> str:
-        return self._export(conv_id, "json")
+    def export_json(self, conv_id, token, request: gr.Request) -> str:
+        return self._export(self.owner(token, request), conv_id, "json")
 
-    def _export(self, conv_id: str, kind: str) -> str:
-        if not conv_id:
-            raise InputError("No conversation to export yet.")
-        text = self.store.export_markdown(conv_id) if kind == "md" else self.store.export_json(conv_id)
+    def _export(self, owner: str, conv_id: str, kind: str) -> str:
+        self._current(owner, conv_id)
+        text = self.store.export_markdown(owner, conv_id) if kind == "md" else self.store.export_json(owner, conv_id)
         path = Path(tempfile.mkdtemp(prefix="llmweb-export-")) / f"conversation-{conv_id[:8]}.{kind}"
         path.write_text(text, encoding="utf-8")
         return str(path)
 
     # -- documents
     @user_errors
-    def documents(self) -> tuple:
-        """The library table and the remove dropdown's choices."""
-        docs = self.runtime.library.documents()
-        return documents_markdown(docs), gr.update(choices=[(d.source, d.doc_id) for d in docs], value=None)
+    def documents(self, token, request: gr.Request) -> tuple:
+        """The documents this visitor's questions search (shared and theirs), and the ones they may remove."""
+        docs = self.runtime.library.documents(self.owner(token, request))
+        removable = [(d.source, d.doc_id) for d in docs if d.removable]
+        return documents_markdown(docs), gr.update(choices=removable, value=None)
 
     @user_errors
-    def upload(self, files, progress=gr.Progress()) -> tuple:
-        """Add files to the library; returns the table, the choices, a report, and clears the file box."""
+    def upload(self, files, token, request: gr.Request, progress=gr.Progress()) -> tuple:
+        """Add files to the visitor's library; returns the table, the choices, a report, and clears the file box."""
         if not files:
             return gr.skip(), gr.skip(), gr.skip(), None
+        owner = self.owner(token, request)
         paths = [f if isinstance(f, str) else f.name for f in files]
 
         def tell(done, total, what):
             progress((done, max(total, 1)), desc=what)
 
-        reports = self.runtime.library.ingest_uploads([(p, Path(p).name) for p in paths], progress=tell)
-        return *self.documents(), ingest_markdown(reports), None
+        reports = self.runtime.library.ingest_uploads(owner, [(p, Path(p).name) for p in paths], progress=tell)
+        return *self.documents(token, request), ingest_markdown(reports), None
 
     @user_errors
-    def remove_document(self, doc_id) -> tuple:
+    def remove_document(self, doc_id, token, request: gr.Request) -> tuple:
         if not doc_id:
             raise InputError("Pick a document to remove first.")
-        info = self.runtime.library.remove(doc_id)
-        return *self.documents(), f"Removed {html.escape(info.source)} ({info.chunks} chunks)."
+        info = self.runtime.library.remove(self.owner(token, request), doc_id)
+        return *self.documents(token, request), f"Removed {html.escape(info.source)} ({info.chunks} chunks)."
 
     # -- API endpoints (gr.api reads their type hints and docstrings)
     @user_errors
-    def api_chat(self, message: str, conversation_id: str = "") -> Iterator[str]:
-        """Send one message; streams the reply text. Pass the same conversation_id to continue a chat."""
+    def api_chat(self, message: str, conversation_id: str = "",
+                 request: gr.Request = None) -> Iterator[tuple[str, str]]:  # type: ignore[assignment]
+        """Send one message; streams (reply so far, conversation_id). Pass that conversation_id back to
+        continue the chat. Without login, the id is the key to the conversation: keep it private."""
         chat = self._chat()
-        clean_message(message, self.settings.max_message_chars)  # refuse before creating a conversation
-        created = ""
-        conv_id = conversation_id if conversation_id and self._exists(conversation_id) else ""
-        if not conv_id:
-            conv_id = created = self.store.create_conversation()
-        try:
-            for event in chat.send(conv_id, message):
-                if isinstance(event, Queued):
-                    yield ""  # nothing to show yet; lets Gradio notice a client that left while queued
-                elif isinstance(event, Delta):
-                    yield event.text
-                elif isinstance(event, Finished):
-                    yield event.reply
-        except LlmwebError:
-            self._drop_if_empty(created)
-            raise
+        clean_message(message, self.settings.max_message_chars)
+        new = not conversation_id
+        conv_id = new_id() if new else conversation_id
+        owner = self.api_owner(conv_id, request)
+        for event in chat.send(owner, conv_id, message, new=new):
+            if isinstance(event, (Started, Queued)):
+                yield "", conv_id  # lets Gradio notice a client that left while queued
+            elif isinstance(event, Delta):
+                yield event.text, conv_id
+            elif isinstance(event, Finished):
+                yield event.reply, conv_id
 
     @user_errors
-    def api_stats(self, conversation_id: str) -> str:
+    def api_stats(self, conversation_id: str, request: gr.Request = None) -> str:  # type: ignore[assignment]
         """The last turn's stats of a conversation, as JSON."""
-        conv = self.store.get(conversation_id)
+        conv = self.store.get(self.api_owner(conversation_id, request), conversation_id)
         stats = conv.turns[-1].stats if conv.turns else None
         return json.dumps(stats.to_dict() if stats else {})
-
-    def _drop_if_empty(self, conv_id: str) -> None:
-        """Delete a conversation this call created if the message was refused (no turn was stored)."""
-        if conv_id and self._exists(conv_id) and not self.store.get(conv_id).turns:
-            self.store.delete(conv_id)
 
     # -- status line
     def status_text(self) -> str:
@@ -421,6 +482,11 @@ class Handlers:
     def tick(self) -> tuple:
         """The timer: refresh the status line, and stop ticking once the model is ready."""
         return self.status_text(), gr.update(active=not self.runtime.ready)
+
+
+def _blank(owner: str) -> Conversation:
+    """A new chat before its first message: shown, not stored."""
+    return Conversation("", DEFAULT_TITLE, "", 0, [], owner=owner)
 
 
 def _picked_fact(fact_id) -> int:
@@ -435,32 +501,36 @@ def _picked_fact(fact_id) -> int:
 def build_app(runtime) -> gr.Blocks:
     h = Handlers(runtime)
     with gr.Blocks(title="llmweb") as demo:
-        ui = layout(h.status_text)
+        ui = layout(h.status_text, runtime.secret)
         shown = ui.outputs(*Panel._fields)
         private = dict(api_visibility="private")
+        me = [ui.owner_state]  # every handler's last input: who is asking (with the request)
 
-        inputs = ui.outputs("msg", "chatbot", "conv_state", "use_docs")
+        inputs = ui.outputs("msg", "chatbot", "conv_state", "use_docs") + me
         ev_submit = ui.msg.submit(h.respond, inputs, shown + [ui.msg], api_name="respond_enter", **private)
-        ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], api_name="respond")
+        ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], api_name="respond", **private)
         ui.stop.click(None, None, None, cancels=[ev_submit, ev_send]).then(
-            h.after_stop, [ui.conv_state, ui.chatbot], shown, **private)
-        ui.new_btn.click(h.new_chat, None, shown, **private)
-        ui.conv_list.input(h.switch, ui.conv_list, shown, **private)
-        ui.delete_btn.click(h.delete_chat, ui.conv_state, shown, **private)
-        ui.export_md.click(h.export_md, ui.conv_state, ui.export_md, **private)
-        ui.export_json.click(h.export_json, ui.conv_state, ui.export_json, **private)
+            h.after_stop, [ui.conv_state, ui.chatbot] + me, shown, **private)
+        ui.new_btn.click(h.new_chat, me, shown, **private)
+        ui.conv_list.input(h.switch, [ui.conv_list] + me, shown, **private)
+        ui.delete_btn.click(h.delete_chat, [ui.conv_state] + me, shown, **private)
+        ui.export_md.click(h.export_md, [ui.conv_state] + me, ui.export_md, **private)
+        ui.export_json.click(h.export_json, [ui.conv_state] + me, ui.export_json, **private)
+        ui.delete_all_btn.click(lambda: gr.update(visible=True), None, ui.confirm_row, **private)
+        ui.cancel_all_btn.click(lambda: gr.update(visible=False), None, ui.confirm_row, **private)
 
-        ui.add_fact_btn.click(h.add_fact, [ui.conv_state, ui.new_fact], shown + [ui.new_fact], **private)
+        ui.add_fact_btn.click(h.add_fact, [ui.conv_state, ui.new_fact] + me, shown + [ui.new_fact], **private)
         for button, handler in ((ui.pin_btn, h.pin_fact), (ui.unpin_btn, h.unpin_fact),
                                 (ui.del_fact_btn, h.delete_fact)):
-            button.click(handler, [ui.conv_state, ui.fact_dd], shown + [ui.new_fact], **private)
+            button.click(handler, [ui.conv_state, ui.fact_dd] + me, shown + [ui.new_fact], **private)
 
         ui.timer.tick(h.tick, None, [ui.status, ui.timer], show_progress="hidden", **private)
-        demo.load(h.switch, ui.conv_state, shown, **private)
-        demo.load(h.documents, None, [ui.docs_md, ui.remove_dd], **private)
-        library = [ui.docs_md, ui.remove_dd, ui.ingest_md]
-        ui.files.upload(h.upload, ui.files, library + [ui.files], **private)
-        ui.remove_btn.click(h.remove_document, ui.remove_dd, library, **private)
+        library = [ui.docs_md, ui.remove_dd]
+        demo.load(h.visit, [ui.owner_state, ui.conv_state], [ui.owner_state] + shown, **private).then(
+            h.documents, me, library, **private)
+        ui.confirm_all_btn.click(h.delete_everything, me, shown + library + [ui.confirm_row], **private)
+        ui.files.upload(h.upload, [ui.files] + me, library + [ui.ingest_md, ui.files], **private)
+        ui.remove_btn.click(h.remove_document, [ui.remove_dd] + me, library + [ui.ingest_md], **private)
 
         gr.api(h.api_chat, api_name="chat")
         gr.api(h.api_stats, api_name="stats")

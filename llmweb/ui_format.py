@@ -124,10 +124,12 @@ def summary_markdown(conv) -> str:
 
 
 def documents_markdown(docs) -> str:
-    """The document library as a Markdown table (`DocumentInfo`: source, chunks)."""
+    """The documents a visitor's questions search (`LibraryDocument`), saying which are theirs."""
     if not docs:
         return "*No documents yet. Add .txt, .md, .pdf, .html or .docx files above.*"
-    rows = ["| document | chunks |", "|---|---:|"] + [f"| {html.escape(d.source)} | {d.chunks} |" for d in docs]
+    rows = ["| document | chunks | whose |", "|---|---:|---|"] + [
+        f"| {html.escape(d.source)} | {d.chunks} | {'yours (private)' if d.scope == 'yours' else 'shared'} |"
+        for d in docs]
     return "\n".join(rows)
 
 

@@ -10,6 +10,7 @@ from gradio_client import Client
 from llmweb.runtime import Runtime
 from llmweb.ui import build_app
 from tests.conftest import make_settings
+from llmweb.store import LOCAL_OWNER as LOCAL
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_streamed_reply_names_paris(served):
     final = job.result()
     assert "Paris" in final
     assert len(partials) >= 2, "the reply streamed in pieces"
-    conv = runtime.store.list_conversations()[0]
+    conv = runtime.store.list_conversations(LOCAL)[0]
     stats = json.loads(client.predict(conv.id, api_name="/stats"))
     assert stats["generated_tokens"] >= 1 and stats["prompt_tokens"] > 0
     assert stats["mem"]["rss_bytes"] > 0

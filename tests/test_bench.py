@@ -41,6 +41,7 @@ def printed_paths(stdout: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow  # loads the real model in a subprocess
 def test_capacity_command_writes_table_csv_and_plot(tmp_path):
     done = run_cli(tmp_path, "capacity", "--context", "256,512", "--concurrency", "1,2", "--max-new-tokens", "8")
     out = done.stdout
@@ -77,6 +78,7 @@ def test_capacity_command_writes_table_csv_and_plot(tmp_path):
     assert kv[(512, 2)] > kv[(512, 1)] > kv[(256, 1)]
 
 
+@pytest.mark.slow  # loads the real model in a subprocess
 def test_bench_ttft_still_works(tmp_path):
     done = run_cli(tmp_path, "bench", "ttft", "--turns", "6", "--max-new-tokens", "8", "--json")
     r = json.loads(done.stdout)

@@ -7,13 +7,16 @@ import pytest
 
 from llmweb.chat import Delta, Finished, clean_message
 from llmweb.errors import InputError
+from llmweb.library import LOCAL_OWNER
+from llmweb.records import Source
 from llmweb.runtime import Runtime
 from tests.conftest import make_settings
+from llmweb.store import LOCAL_OWNER as LOCAL
 
 
 def run_turn(chat, conv, text, **kw):
     deltas, fin = [], None
-    for ev in chat.send(conv, text, use_docs=False, wait_summary=True, **kw):
+    for ev in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True, **kw):
         if isinstance(ev, Delta):
             deltas.append(ev.text)
         elif isinstance(ev, Finished):
@@ -40,7 +43,7 @@ def test_clean_message_rejects_empty_and_huge_and_strips_controls():
 def test_sixty_turns_stay_inside_a_small_context(small_runtime):
     rt = small_runtime
     chat = rt.chat
-    conv = rt.store.create_conversation()
+    conv = rt.store.create_conversation(LOCAL)
     topics = ["cats", "the moon", "rivers", "bread", "music", "trains", "snow", "maps", "tea", "bees"]
     for i in range(60):
         user = f"Turn {i}: tell me one short fact about {topics[i % len(topics)]}."
@@ -52,10 +55,10 @@ def test_sixty_turns_stay_inside_a_small_context(small_runtime):
         # the newest turns are verbatim in the prompt
         prompt = fin.prompt_text()
         assert user in prompt
-        stored = rt.store.get(conv)
+        stored = rt.store.get(LOCAL, conv)
         for t in stored.turns[-3:-1]:
             assert t.user in prompt and t.assistant in prompt
-    stored = rt.store.get(conv)
+    stored = rt.store.get(LOCAL, conv)
     assert stored.summarized_upto > 0, "at least one compression happened"
     assert stored.summary.strip()
     assert len(stored.turns) == 60
@@ -68,14 +71,14 @@ def test_reuse_gives_the_same_replies_over_15_turns_with_a_compression(tmp_path,
         rt = Runtime(make_settings(tmp_path / str(mode), context_limit=512, max_new_tokens=40, summary_tokens=64,
                                    kv_reuse=mode, quant="fp32"), loaded=fp32_model).start(background=False)
         try:
-            conv = rt.store.create_conversation()
+            conv = rt.store.create_conversation(LOCAL)
             out, reused = [], []
             for i in range(15):
                 _, fin = run_turn(rt.chat, conv, f"Question {i}: name a colour and a fruit of that colour.")
                 out.append(fin.reply)
                 reused.append(fin.stats.gen.reused_tokens)
             replies[mode] = out
-            summaries[mode] = rt.store.get(conv).summarized_upto
+            summaries[mode] = rt.store.get(LOCAL, conv).summarized_upto
             if mode:
                 assert sum(r > 0 for r in reused) >= 10, reused
             else:
@@ -87,16 +90,16 @@ def test_reuse_gives_the_same_replies_over_15_turns_with_a_compression(tmp_path,
 
 
 def test_oversized_message_is_refused_with_both_numbers(small_runtime):
-    conv = small_runtime.store.create_conversation()
+    conv = small_runtime.store.create_conversation(LOCAL)
     with pytest.raises(InputError, match=r"Your message is [\d,]+ tokens; the limit is"):
         run_turn(small_runtime.chat, conv, "word " * 3000)
-    assert small_runtime.store.get(conv).turns == []
+    assert small_runtime.store.get(LOCAL, conv).turns == []
 
 
 def test_closing_the_stream_cancels_and_keeps_the_partial_reply(small_runtime):
     chat = small_runtime.chat
-    conv = small_runtime.store.create_conversation()
-    gen = chat.send(conv, "Write a long story about a dragon and a knight.", use_docs=False)
+    conv = small_runtime.store.create_conversation(LOCAL)
+    gen = chat.send(LOCAL, conv, "Write a long story about a dragon and a knight.", use_docs=False)
     n = 0
     for ev in gen:
         if isinstance(ev, Delta):
@@ -104,8 +107,9 @@ def test_closing_the_stream_cancels_and_keeps_the_partial_reply(small_runtime):
             if n == 3:
                 break
     gen.close()
-    stored = small_runtime.store.get(conv)
-    assert len(stored.turns) == 1 and stored.turns[0].stats["finish_reason"] == "cancelled"
+    stored = small_runtime.store.get(LOCAL, conv)
+    assert len(stored.turns) == 1 and stored.turns[0].stats.gen.finish_reason == "cancelled"
+    assert stored.turns[0].stats.stopped and stored.turns[0].stats.turn == 1
     assert stored.turns[0].assistant
     _, fin = run_turn(chat, conv, "What is 2 + 2?")  # the worker is free
     assert fin.stats.gen.finish_reason in ("eos", "length")
@@ -115,16 +119,20 @@ def test_question_about_the_sample_guide_cites_it(tmp_path, fp32_model):
     rt = Runtime(make_settings(tmp_path, sample_docs=True, max_new_tokens=32, quant="fp32"),
                  loaded=fp32_model).start(background=False)
     try:
-        assert [d.source for d in rt.library.documents()] == ["sample/llmweb-guide.md"] or \
-            [d.source for d in rt.library.documents()] == ["llmweb-guide.md"]
-        conv = rt.store.create_conversation()
-        fin = [e for e in rt.chat.send(conv, "How do I change the model?") if isinstance(e, Finished)][0]
+        # data/sample is ingested as a folder: its files are named "<folder>/<relative path>"
+        assert [d.source for d in rt.library.documents(LOCAL_OWNER)] == ["sample/llmweb-guide.md"]
+        conv = rt.store.create_conversation(LOCAL)
+        fin = rt.chat.ask(LOCAL, conv, "How do I change the model?")
         assert fin.sources, "the answer cites sources"
         top = fin.sources[0]
-        assert top["source"].endswith("llmweb-guide.md") and top["heading"] == "How do I change the model?"
+        assert all(isinstance(s, Source) for s in fin.sources)
+        assert [s.n for s in fin.sources] == list(range(1, len(fin.sources) + 1))
+        assert (top.source, top.heading, top.kind) == ("sample/llmweb-guide.md", "How do I change the model?",
+                                                       "document")
+        assert top.label() == "sample/llmweb-guide.md, How do I change the model?"
         assert fin.stats.sections["retrieved"] > 0
         assert "LLMWEB_MODEL" in fin.prompt_text()
         # the sources are stored with the turn, for the UI after a reload
-        assert rt.store.get(conv).turns[0].sources == fin.sources
+        assert rt.store.get(LOCAL, conv).turns[0].sources == fin.sources
     finally:
         rt.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -22,6 +24,7 @@ def run_cli(tmp_path, *args, **env):
                           text=True, timeout=900)
 
 
+@pytest.mark.slow  # loads the real model in a subprocess
 def test_replay_prints_one_json_object_per_turn(tmp_path):
     script = tmp_path / "chat.jsonl"
     questions = [f"Question {i}: name a country in Europe." for i in range(10)]
@@ -38,6 +41,7 @@ def test_replay_prints_one_json_object_per_turn(tmp_path):
     assert all(r["reused_tokens"] > 0 for r in rows[1:]), "later turns reuse the session's KV cache"
 
 
+@pytest.mark.slow  # loads the real model in a subprocess
 def test_replay_reports_refused_turns_goes_on_and_exits_1(tmp_path):
     script = tmp_path / "chat.jsonl"
     users = ["Name a colour.", "   ", 42, "word " * 40, "Name a fruit."]
@@ -69,6 +73,7 @@ def test_replay_rejects_a_malformed_script(tmp_path):
     assert out.returncode == 2 and "bad.jsonl:2: expected a JSON object" in out.stderr
 
 
+@pytest.mark.slow  # two subprocesses load torch and the embedder (~30 s)
 def test_ingest_then_search_json(tmp_path):
     docs = tmp_path / "docs"
     (docs / "sub").mkdir(parents=True)

@@ -4,12 +4,11 @@ OOM recovery by fault injection, admission refusal, and KV reuse that never chan
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
-from llmweb.engine import Engine, EngineLimits, GenerationRequest, Tokens
+from llmweb.engine import Engine, local_engine, EngineLimits, GenerationRequest, Tokens
 from llmweb.errors import AdmissionError, BusyError, OutOfMemory, TimedOut
 from llmweb.kvcache import KVStore, cache_nbytes
 from llmweb.tokens import render_prompt
@@ -17,9 +16,9 @@ from llmweb.tokens import render_prompt
 SYSTEM = "You are a helpful assistant."
 
 
-def make_engine(model, budget_mb=256, fault=None, **limits) -> Engine:
+def make_engine(model, budget_mb=256, fault=None, **limits) -> "Engine":
     kv = KVStore(budget_mb * 2**20, ttl_s=600)
-    return Engine(model.model, model.device, kv, EngineLimits(**limits), model.kv_bytes_per_token, fault=fault)
+    return local_engine(model.model, model.device, kv, EngineLimits(**limits), model.kv_bytes_per_token, fault=fault)
 
 
 @pytest.fixture
@@ -87,7 +86,7 @@ def test_five_threads_are_served_one_at_a_time(engine, fmt):
 
     def worker(i):
         try:
-            h = engine.submit(req(fmt, prompt(fmt, ("user", f"Count from {i} to {i + 5}.")), n=12))
+            h = engine.submit(req(fmt, prompt(fmt, ("user", f"Count from {i} to {i + 5}.")), n=6, owner=f"visitor-{i}"))
             results[i] = h.result()
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
@@ -105,8 +104,8 @@ def test_full_queue_is_a_clear_busy_error(fp32_model, fmt):
     e = make_engine(fp32_model, queue_size=2)
     try:
         ids = prompt(fmt, ("user", "Write a long story."))
-        first = e.submit(req(fmt, ids, n=60))  # running (or about to)
-        time.sleep(0.3)
+        first = e.submit(req(fmt, ids, n=60))
+        next(ev for ev in first.events() if isinstance(ev, Tokens))  # it runs: it holds no place in the queue
         queued = [e.submit(req(fmt, ids, n=4)) for _ in range(2)]
         with pytest.raises(BusyError, match="busy: 2 requests are waiting"):
             e.submit(req(fmt, ids, n=4))

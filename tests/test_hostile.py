@@ -18,9 +18,11 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
+from llmweb.library import LOCAL_OWNER
 from llmweb.runtime import Runtime
 from llmweb.ui import build_app, launch_kwargs
 from tests.conftest import make_settings
+from llmweb.store import LOCAL_OWNER as LOCAL
 
 WAIT_S = 300  # generous: the CI machine has 2 cores and other suites may run at the same time
 
@@ -88,50 +90,51 @@ def long_app(tmp_path_factory, nf4_model):
 @pytest.mark.parametrize("text", ["", "   ", " \n\t \r\n ", "\x00\x07\x1b"])
 def test_empty_message_is_refused_clearly(short_app, text):
     runtime, url = short_app
-    conv = runtime.store.create_conversation()
+    conv = runtime.store.create_conversation(LOCAL)
     client = Client(url, verbose=False)
     with pytest.raises(AppError, match="Your message is empty"):
         client.predict(text, conv, api_name="/chat")
-    assert runtime.store.get(conv).turns == [], "nothing is recorded for a refused message"
+    assert runtime.store.get(LOCAL, conv).turns == [], "nothing is recorded for a refused message"
 
 
 def test_a_1_mb_paste_is_refused_with_the_numbers(short_app):
     runtime, url = short_app
-    conv = runtime.store.create_conversation()
+    conv = runtime.store.create_conversation(LOCAL)
     client = Client(url, verbose=False)
     with pytest.raises(AppError, match=r"1,000,000 characters; the limit is 100,000"):
         client.predict("x" * 1_000_000, conv, api_name="/chat")
     # under the character limit but over the token cap: refused with both token counts, not cut
     with pytest.raises(AppError, match=r"Your message is [\d,]+ tokens; the limit is 1,024"):
         client.predict("word " * 5000, conv, api_name="/chat")
-    assert runtime.store.get(conv).turns == []
+    assert runtime.store.get(LOCAL, conv).turns == []
 
 
 def test_control_characters_emoji_and_rtl_get_a_normal_reply_and_round_trip(short_app):
     runtime, url = short_app
-    conv = runtime.store.create_conversation()
+    conv = runtime.store.create_conversation(LOCAL)
     client = Client(url, verbose=False)
     emoji, hebrew, arabic = "👋🏽 🇫🇷 👩‍👩‍👧", "שלום עולם", "مرحبا بالعالم"
     text = f"\x00Hello\x07 {emoji}\x1b[0m {hebrew} \u202e{arabic}\u202c\x7f what is 2+2?\x0b"
     reply = client.predict(text, conv, api_name="/chat")
     assert isinstance(reply, str) and reply.strip(), "a normal reply"
-    turn = runtime.store.get(conv).turns[-1]
+    turn = runtime.store.get(LOCAL, conv).turns[-1]
     # control characters are removed; emoji, RTL text and bidi marks pass through unchanged
     expected = f"Hello {emoji}[0m {hebrew} \u202e{arabic}\u202c what is 2+2?"
     assert turn.user == expected
     assert turn.assistant == reply.strip()
-    assert turn.stats["finish_reason"] in ("eos", "length")
+    assert turn.stats.gen.finish_reason in ("eos", "length")
     stats = json.loads(client.predict(conv, api_name="/stats"))
     assert stats["generated_tokens"] >= 1
+    assert stats == turn.stats.to_dict(), "the API gives the stored figures"
 
 
 def test_lone_surrogates_are_replaced_not_fatal(short_app):
     """JSON over HTTP cannot carry a lone surrogate, so this one goes through the chat path directly."""
     runtime, _url = short_app
-    conv = runtime.store.create_conversation()
-    *_, finished = runtime.chat.send(conv, "abc\ud800def \U0001F600")
+    conv = runtime.store.create_conversation(LOCAL)
+    finished = runtime.chat.ask(LOCAL, conv, "abc\ud800def \U0001F600")
     assert finished.reply
-    assert runtime.store.get(conv).turns[-1].user == "abc?def \U0001F600"
+    assert runtime.store.get(LOCAL, conv).turns[-1].user == "abc?def \U0001F600"
 
 
 # ---- a flood of callers
@@ -186,13 +189,13 @@ def _streams_then_is_cancelled(runtime, handles, conv, leave):
     assert h.stats.finish_reason == "cancelled"
     assert leave_after <= h.stats.generated_tokens < 400, "stopped soon after the client left"
     wait_for(lambda: engine.counters.active == 0, what="the worker to be free")
-    turn = wait_for(lambda: (runtime.store.get(conv).turns or [None])[-1], what="the partial turn to be stored")
-    assert turn.stats["finish_reason"] == "cancelled"
+    turn = wait_for(lambda: (runtime.store.get(LOCAL, conv).turns or [None])[-1], what="the partial turn to be stored")
+    assert turn.stats.gen.finish_reason == "cancelled"
     assert turn.assistant.strip(), "the partial reply is kept"
     # the worker serves the next request at once: nothing is ahead of it
     n = len(handles)
-    conv2 = runtime.store.create_conversation()
-    *_, finished = runtime.chat.send(conv2, "Say hi.")
+    conv2 = runtime.store.create_conversation(LOCAL)
+    finished = runtime.chat.ask(LOCAL, conv2, "Say hi.")
     assert finished.stats.gen.finish_reason in ("eos", "length")
     assert len(handles) == n + 1
 
@@ -200,7 +203,7 @@ def _streams_then_is_cancelled(runtime, handles, conv, leave):
 def test_client_cancel_mid_stream_stops_the_engine_request(long_app, monkeypatch):
     runtime, url = long_app
     handles = spy_handles(monkeypatch, runtime.engine)
-    conv = runtime.store.create_conversation()
+    conv = runtime.store.create_conversation(LOCAL)
     client = Client(url, verbose=False)
 
     def leave():
@@ -215,7 +218,7 @@ def test_dropped_http_connection_mid_stream_stops_the_engine_request(long_app, m
     """A raw SSE client (like a closed browser tab): read three pieces, then drop the connection."""
     runtime, url = long_app
     handles = spy_handles(monkeypatch, runtime.engine)
-    conv = runtime.store.create_conversation()
+    conv = runtime.store.create_conversation(LOCAL)
 
     def leave():
         with httpx.Client(base_url=url, timeout=WAIT_S) as http:
@@ -241,10 +244,10 @@ def test_a_caller_that_leaves_while_queued_never_runs(long_app, monkeypatch):
 
     runtime, _url = long_app
     handles = spy_handles(monkeypatch, runtime.engine)
-    busy = runtime.chat.send(runtime.store.create_conversation(), "Write a very long story about a dragon.")
+    busy = runtime.chat.send(LOCAL, runtime.store.create_conversation(LOCAL), "Write a very long story about a dragon.")
     next(ev for ev in busy if isinstance(ev, Delta))  # it runs
-    waiting_conv = runtime.store.create_conversation()
-    waiting = runtime.chat.send(waiting_conv, "Write a long poem about the sea.")
+    waiting_conv = runtime.store.create_conversation(LOCAL)
+    waiting = runtime.chat.send(LOCAL, waiting_conv, "Write a long poem about the sea.")
     queued = [next(waiting), next(waiting)]
     assert all(isinstance(ev, Queued) and ev.position == 1 for ev in queued), "repeated while it waits"
     waiting.close()  # its client left
@@ -252,7 +255,7 @@ def test_a_caller_that_leaves_while_queued_never_runs(long_app, monkeypatch):
     busy.close()
     wait_for(lambda: runtime.engine.counters.active == 0, what="the worker to be free")
     assert handles[1].stats is None, "it never ran: no prefill, no token"
-    assert runtime.store.get(waiting_conv).turns == [], "nothing was generated, nothing is stored"
+    assert runtime.store.get(LOCAL, waiting_conv).turns == [], "nothing was generated, nothing is stored"
 
 
 # ---- bad uploads
@@ -290,7 +293,7 @@ def test_bad_uploads_get_a_message_each_and_nothing_lands_outside_the_data_dir(t
         (upload("exe", b"MZ\x90\x00"), "tool.exe"),
     ]
     before = _tree(tmp_path)
-    reports = runtime.library.ingest_uploads(files)
+    reports = runtime.library.ingest_uploads(LOCAL_OWNER, files)
     after = _tree(tmp_path)
 
     assert len(reports) == len(files), "one report per file"
@@ -311,8 +314,8 @@ def test_bad_uploads_get_a_message_each_and_nothing_lands_outside_the_data_dir(t
         r = by_given[given]
         assert r.ok and r.name == safe and "/" not in r.name, r
         assert given in r.describe(), "the message says what the file was given as"
-    assert {d.source for d in runtime.library.documents()} == {"passwd.txt", "evil.md"}
-    assert runtime.library.search("Where does the llama sleep?", k=1)[0].source == "passwd.txt"
+    assert {d.source for d in runtime.library.documents(LOCAL_OWNER)} == {"passwd.txt", "evil.md"}
+    assert runtime.library.search(LOCAL_OWNER, "Where does the llama sleep?", k=1)[0].source == "passwd.txt"
 
     # nothing was written outside the data dir: not beside it, not above it, not at the absolute path
     changed = {p for p in after if before.get(p) != after[p]} | (before.keys() - after.keys())

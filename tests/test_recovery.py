@@ -24,16 +24,19 @@ import torch
 from gradio_client import Client
 
 from llmweb import engine as engine_mod
+from llmweb import runner as runner_mod
 from llmweb import models
-from llmweb.engine import Engine, EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb.engine import local_engine, EngineLimits, GenerationRequest, Restarted, Tokens
 from llmweb.kvcache import KVStore
 from llmweb.runtime import Runtime
 from llmweb.store import Store
 from llmweb.telemetry import MemorySnapshot
 from llmweb.tokens import render_prompt
-from llmweb.ui import launch_kwargs, stats_markdown
+from llmweb.ui import launch_kwargs
+from llmweb.ui_format import stats_markdown
 from tests.conftest import MODEL_CACHE, REPO, make_settings
 from tests.test_hostile import WAIT_S, serve
+from llmweb.store import LOCAL_OWNER as LOCAL
 
 MiB = 2**20
 
@@ -52,19 +55,19 @@ def ui_handler(demo, trigger: str, name: str):
 def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, nf4_model):
     settings = make_settings(tmp_path / "data", max_new_tokens=24)
     first = Runtime(settings, loaded=nf4_model).start(background=False)
-    conv = first.store.create_conversation()
+    conv = first.store.create_conversation(LOCAL)
     sent = ["My name is Ada. What is the capital of France?", "And what is the capital of Italy?"]
     replies = []
     for text in sent:
-        *_, finished = first.chat.send(conv, text)
-        replies.append(finished.reply)
+        replies.append(first.chat.ask(LOCAL, conv, text).reply)
     first.close()
 
     again = Runtime(settings, loaded=nf4_model).start(background=False)
     try:
-        stored = again.store.get(conv)
+        stored = again.store.get(LOCAL, conv)
         assert [(t.user, t.assistant) for t in stored.turns] == list(zip(sent, replies))
-        assert all(t.stats["finish_reason"] in ("eos", "length") for t in stored.turns)
+        assert all(t.stats.gen.finish_reason in ("eos", "length") for t in stored.turns)
+        assert [t.stats.turn for t in stored.turns] == [1, 2]
         with serve(again) as (demo, url):
             # what the browser gets on load, with the chat id it kept in its storage
             opened = ui_handler(demo, "load", "switch")(conv)
@@ -80,7 +83,7 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, nf4_mod
             assert client.predict("Thanks. Say goodbye.", conv, api_name="/chat").strip()
             stats = json.loads(client.predict(conv, api_name="/stats"))
             assert stats["turn"] == 3 and stats["sections"]["history"] > 0
-            assert len(again.store.get(conv).turns) == 3
+            assert len(again.store.get(LOCAL, conv).turns) == 3
     finally:
         again.close()
 
@@ -88,6 +91,7 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, nf4_mod
 # ---- kill -9 mid-turn
 
 
+@pytest.mark.slow  # a replay subprocess loads the model
 def test_kill_9_during_turn_3_keeps_turns_1_and_2_whole(tmp_path):
     script = tmp_path / "chat.jsonl"
     topics = ["a dragon", "a lighthouse", "a clockmaker", "the sea", "a robot", "a forest", "a city",
@@ -127,14 +131,16 @@ def test_kill_9_during_turn_3_keeps_turns_1_and_2_whole(tmp_path):
     with sqlite3.connect(db) as raw:
         assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     with Store(db) as store:
-        (info,) = store.list_conversations()
-        turns = store.get(info.id).turns
+        (info,) = store.list_conversations(LOCAL)
+        turns = store.get(LOCAL, info.id).turns
     assert [t.idx for t in turns] == [0, 1], "turns 1 and 2, and no part of turn 3"
     for turn, out, topic in zip(turns, printed, topics):
         assert turn.user == f"Write a long, detailed story about {topic}."
         assert turn.assistant == out["reply"] and turn.assistant.strip()
-        assert turn.stats["finish_reason"] == out["finish_reason"] in ("eos", "length")
-        assert turn.stats["generated_tokens"] == out["generated_tokens"]
+        assert turn.stats.gen.finish_reason == out["finish_reason"] in ("eos", "length")
+        assert turn.stats.gen.generated_tokens == out["generated_tokens"]
+        figures = turn.stats.to_dict()
+        assert {k: out[k] for k in figures} == figures, "replay --json prints the stored figures"
 
 
 # ---- out of memory in the chat path
@@ -157,19 +163,20 @@ def oom_runtime(tmp_path, nf4_model):
 
 def test_oom_on_the_first_forward_is_retried_smaller_and_the_next_turn_is_normal(oom_runtime):
     rt, plan = oom_runtime
-    conv = rt.store.create_conversation()
+    conv = rt.store.create_conversation(LOCAL)
     plan.update(at=0, left=1)
-    *_, finished = rt.chat.send(conv, "What is the capital of France?")
+    finished = rt.chat.ask(LOCAL, conv, "What is the capital of France?")
     assert finished.reply.strip(), "the reply still comes"
     assert finished.stats.gen.oom_retry
     assert rt.engine.counters.ooms == 1
-    stored = rt.store.get(conv).turns[-1].stats
-    assert stored["oom_retry"] is True and stored["finish_reason"] in ("eos", "length")
+    stored = rt.store.get(LOCAL, conv).turns[-1].stats
+    assert stored == finished.stats
+    assert stored.gen.oom_retry is True and stored.gen.finish_reason in ("eos", "length")
     assert "ran out of memory once" in stats_markdown(stored)
     # the smaller plan: its reply cap is half of the configured one
-    assert stored["generated_tokens"] <= 24 // 2
+    assert stored.gen.generated_tokens <= 24 // 2
 
-    *_, finished = rt.chat.send(conv, "And of Germany?")
+    finished = rt.chat.ask(LOCAL, conv, "And of Germany?")
     assert finished.reply.strip() and not finished.stats.gen.oom_retry
     assert rt.engine.counters.ooms == 1
 
@@ -179,14 +186,13 @@ def test_oom_after_tokens_streamed_restarts_the_reply_cleanly(oom_runtime):
     rt, plan = oom_runtime
     question = "What is the capital of France?"
     plan.update(at=0, left=1)
-    *_, clean = rt.chat.send(rt.store.create_conversation(), question)
+    clean = rt.chat.ask(LOCAL, rt.store.create_conversation(LOCAL), question)
     plan.update(at=4, left=1)  # prefill, then 3 decode steps: three tokens were streamed already
-    conv = rt.store.create_conversation()
-    events = list(rt.chat.send(conv, question))
-    finished = events[-1]
+    conv = rt.store.create_conversation(LOCAL)
+    finished = rt.chat.ask(LOCAL, conv, question)
     assert finished.stats.gen.oom_retry and rt.engine.counters.ooms == 2
     assert finished.reply == clean.reply, "the same reply as a retry that had streamed nothing"
-    assert rt.store.get(conv).turns[-1].assistant == clean.reply
+    assert rt.store.get(LOCAL, conv).turns[-1].assistant == clean.reply
 
 
 class _Wrapped:
@@ -212,7 +218,7 @@ class _Wrapped:
 
 def test_the_failed_attempts_memory_is_freed_before_the_retry(fp32_model, fmt):
     wrapped = _Wrapped(fp32_model.model)
-    e = Engine(wrapped, "cpu", KVStore(64 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token)
+    e = local_engine(wrapped, "cpu", KVStore(64 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token)
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "Hello")])
         req = GenerationRequest(prompt_ids=ids, max_new_tokens=4, stop_ids=fmt.stop_ids)
@@ -229,7 +235,7 @@ def test_the_failed_attempts_memory_is_freed_before_the_retry(fp32_model, fmt):
 
 
 def test_cancel_while_queued_frees_the_place_at_once(fp32_model, fmt):
-    e = Engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(queue_size=1),
+    e = local_engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(queue_size=1),
                fp32_model.kv_bytes_per_token)
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "Write a long story.")])
@@ -258,7 +264,7 @@ def test_cancel_during_a_long_prefill_stops_between_chunks_and_keeps_what_was_co
         if index == 0:
             held["h"].cancel()
 
-    e = Engine(fp32_model.model, "cpu", KVStore(256 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token,
+    e = local_engine(fp32_model.model, "cpu", KVStore(256 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token,
                fault=fault)
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "lorem ipsum " * 25)])
@@ -279,7 +285,7 @@ def test_cancel_during_a_long_prefill_stops_between_chunks_and_keeps_what_was_co
 
 
 def test_close_stops_the_running_request(fp32_model, fmt):
-    e = Engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token)
+    e = local_engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token)
     ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "Write a very long story.")])
     h = e.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=400, repetition_penalty=1.0))
     next(ev for ev in h.events() if isinstance(ev, Tokens))
@@ -311,12 +317,12 @@ class _FakeAllocator:
 @pytest.fixture
 def idle_engine(fp32_model, monkeypatch):
     """An engine whose worker has stopped (so only the test calls _idle), on a pretend CUDA device."""
-    e = Engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(frag_release_bytes=256 * MiB),
+    e = local_engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(frag_release_bytes=256 * MiB),
                fp32_model.kv_bytes_per_token)
     e.close()
     alloc = _FakeAllocator(allocated=1000 * MiB, reserved=1100 * MiB)
-    monkeypatch.setattr(engine_mod, "is_cuda", lambda device: True)
-    monkeypatch.setattr(engine_mod, "memory_snapshot", alloc.snapshot)
+    monkeypatch.setattr(runner_mod, "is_cuda", lambda device: True)
+    monkeypatch.setattr(runner_mod, "memory_snapshot", alloc.snapshot)
     monkeypatch.setattr(torch.cuda, "empty_cache", alloc.empty_cache)
     return e, alloc
 
@@ -348,8 +354,8 @@ def test_idle_release_does_not_repeat_for_memory_it_cannot_free(idle_engine):
 
 def test_stats_report_the_fragmentation_figures(fp32_model, fmt, monkeypatch):
     alloc = _FakeAllocator(allocated=700 * MiB, reserved=900 * MiB, stuck=50 * MiB)
-    monkeypatch.setattr(engine_mod, "memory_snapshot", alloc.snapshot)  # the device stays "cpu"
-    e = Engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token)
+    monkeypatch.setattr(runner_mod, "memory_snapshot", alloc.snapshot)  # the device stays "cpu"
+    e = local_engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token)
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "Hello")])
         h = e.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=2))
@@ -415,6 +421,6 @@ def test_auth_refuses_anonymous_callers_and_admits_the_user(tmp_path, nf4_model)
             r = httpx.post(url + "gradio_api/call/chat", json={"data": ["Hello", ""]})
             assert r.status_code == 401
             assert Client(url, auth=("u", "p"), verbose=False).predict("Say hi.", "", api_name="/chat").strip()
-        assert len(rt.store.list_conversations()) == 1, "only the logged-in call reached the chat"
+        assert len(rt.store.list_conversations(LOCAL)) == 1, "only the logged-in call reached the chat"
     finally:
         rt.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from llmweb.errors import ConfigError, InputError, LlmwebError
-from llmweb.records import Turn
+from llmweb.records import GenerationStats, MemorySnapshot, Source, Turn, TurnStats
 from llmweb.store import (
     DEFAULT_TITLE,
     SCHEMA_VERSION,
@@ -27,9 +27,12 @@ from llmweb.store import (
     Store,
     StoredTurn,
     auto_title,
+    new_id,
 )
 
 REPO = Path(__file__).resolve().parent.parent
+A = "anon:alice-token"  # the owner of everything in these tests, unless a test says otherwise
+B = "user:bob"
 
 HOSTILE = [
     "emoji 😀👩‍👩‍👧‍👦🏳️‍🌈 and a flag 🇺🇦",
@@ -70,7 +73,7 @@ def test_reopen_does_not_remigrate_and_newer_schema_is_refused(db_path: Path):
     Store(db_path).close()
     with Store(db_path) as s:
         assert s.schema_version() == SCHEMA_VERSION
-        cid = s.create_conversation()
+        cid = s.create_conversation(A)
     raw = sqlite3.connect(db_path)
     assert raw.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
     raw.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
@@ -84,54 +87,59 @@ def test_reopen_does_not_remigrate_and_newer_schema_is_refused(db_path: Path):
 
 
 def test_create_list_get(store: Store):
-    a = store.create_conversation()
+    a = store.create_conversation(A)
     time.sleep(0.01)
-    b = store.create_conversation("Second")
+    b = store.create_conversation(A, "Second")
     assert len(a) == 32 and int(a, 16) >= 0 and a != b
-    listed = store.list_conversations()
+    listed = store.list_conversations(A)
     assert all(isinstance(c, ConversationInfo) for c in listed)
     assert [c.id for c in listed] == [b, a]  # newest first
     assert [(c.title, c.n_turns) for c in listed] == [("Second", 0), (DEFAULT_TITLE, 0)]
-    conv = store.get(a)
+    conv = store.get(A, a)
     assert isinstance(conv, Conversation)
     assert (conv.id, conv.title, conv.summary, conv.summarized_upto, conv.turns, conv.facts) == (
         a, DEFAULT_TITLE, "", 0, [], [])
 
 
 def test_add_turn_orders_and_bumps_list(store: Store):
-    a = store.create_conversation()
-    b = store.create_conversation()
-    stats = {"prompt_tokens": 120, "ttft_ms": 12.5, "sections": {"history": 40}, "reused": True}
-    sources = [{"source": "notes.md", "page": None, "heading": "Intro", "score": 0.71}]
-    assert store.add_turn(a, "hi", "hello", stats, sources) == 0
-    assert store.add_turn(a, "second", "answer 2", {}, []) == 1
-    conv = store.get(a)
+    a = store.create_conversation(A)
+    b = store.create_conversation(A)
+    stats = TurnStats(turn=1, gen=GenerationStats(prompt_tokens=120, ttft_s=0.0125, reused_tokens=80,
+                                                  finish_reason="eos", oom_retry=True),
+                      sections={"history": 40}, context_limit=4096, dropped_facts=1)
+    sources = (Source(1, "notes.md", None, "Intro", 0.71, "document", "the intro"),
+               Source(2, "turn 3", kind="recall"))
+    assert store.add_turn(A, a, "hi", "hello", stats, sources) == 0
+    assert store.add_turn(A, a, "second", "answer 2") == 1  # no figures, no sources
+    conv = store.get(A, a)
     assert conv.turns == [
-        StoredTurn(0, "hi", "hello", stats, sources, conv.turns[0].created),
-        StoredTurn(1, "second", "answer 2", {}, [], conv.turns[1].created),
+        StoredTurn(0, "hi", "hello", stats, list(sources), conv.turns[0].created),
+        StoredTurn(1, "second", "answer 2", None, [], conv.turns[1].created),
     ]
+    assert isinstance(conv.turns[0].stats, TurnStats) and conv.turns[0].stats.gen.ttft_s == 0.0125
+    assert all(isinstance(x, Source) for x in conv.turns[0].sources)
     assert conv.turns[0].as_turn() == Turn("hi", "hello")
-    assert [c.id for c in store.list_conversations()] == [a, b]  # activity moves a to the top
-    assert {c.id: c.n_turns for c in store.list_conversations()} == {a: 2, b: 0}
-    assert store.get(b).turns == []
+    assert [c.id for c in store.list_conversations(A)] == [a, b]  # activity moves a to the top
+    assert {c.id: c.n_turns for c in store.list_conversations(A)} == {a: 2, b: 0}
+    assert store.get(A, b).turns == []
 
 
 def test_auto_title(store: Store):
-    a = store.create_conversation()
-    store.add_turn(a, "  How do I\n\tbake   bread at home without a stand mixer or a bread machine?", "...", {}, [])
-    title = store.get(a).title
+    a = store.create_conversation(A)
+    store.add_turn(A, a, "  How do I\n\tbake   bread at home without a stand mixer or a bread machine?", "...", None, ())
+    title = store.get(A, a).title
     assert title.startswith("How do I bake bread at home") and title.endswith("…")
     assert len(title) <= 41 and "\n" not in title
-    store.add_turn(a, "another", "x", {}, [])
-    assert store.get(a).title == title  # only the first message titles
+    store.add_turn(A, a, "another", "x", None, ())
+    assert store.get(A, a).title == title  # only the first message titles
 
-    named = store.create_conversation("My title")
-    store.add_turn(named, "something else", "x", {}, [])
-    assert store.get(named).title == "My title"
+    named = store.create_conversation(A, "My title")
+    store.add_turn(A, named, "something else", "x", None, ())
+    assert store.get(A, named).title == "My title"
 
-    blank = store.create_conversation()
-    store.add_turn(blank, " \x00\n ", "x", {}, [])
-    assert store.get(blank).title == DEFAULT_TITLE
+    blank = store.create_conversation(A)
+    store.add_turn(A, blank, " \x00\n ", "x", None, ())
+    assert store.get(A, blank).title == DEFAULT_TITLE
 
     assert auto_title("short one") == "short one"
     assert auto_title("a\x00b\x1bc") == "a b c"
@@ -139,40 +147,40 @@ def test_auto_title(store: Store):
 
 
 def test_summary(store: Store):
-    a = store.create_conversation()
+    a = store.create_conversation(A)
     for i in range(4):
-        store.add_turn(a, f"u{i}", f"a{i}", {}, [])
-    before = store.list_conversations()[0].updated
-    store.set_summary(a, "They talked about u0..u2.", 3)
-    conv = store.get(a)
+        store.add_turn(A, a, f"u{i}", f"a{i}", None, ())
+    before = store.list_conversations(A)[0].updated
+    store.set_summary(A, a, "They talked about u0..u2.", 3)
+    conv = store.get(A, a)
     assert (conv.summary, conv.summarized_upto, len(conv.turns)) == ("They talked about u0..u2.", 3, 4)
-    assert store.list_conversations()[0].updated == before  # compression is not activity
+    assert store.list_conversations(A)[0].updated == before  # compression is not activity
     with pytest.raises(ValueError):
-        store.set_summary(a, "too far", 5)
+        store.set_summary(A, a, "too far", 5)
     with pytest.raises(ValueError):
-        store.set_summary(a, "negative", -1)
-    assert store.get(a).summarized_upto == 3
+        store.set_summary(A, a, "negative", -1)
+    assert store.get(A, a).summarized_upto == 3
 
 
 def test_rename_delete_and_missing(store: Store):
-    a = store.create_conversation()
-    b = store.create_conversation()
-    store.add_turn(a, "u", "a", {}, [])
-    fid = store.add_fact(a, "likes tea")
-    store.rename(a, "Renamed ✓")
-    assert store.get(a).title == "Renamed ✓"
-    assert store.delete(a) is True
-    assert store.delete(a) is False
-    assert [c.id for c in store.list_conversations()] == [b]
+    a = store.create_conversation(A)
+    b = store.create_conversation(A)
+    store.add_turn(A, a, "u", "a", None, ())
+    fid = store.add_fact(A, a, "likes tea")
+    store.rename(A, a, "Renamed ✓")
+    assert store.get(A, a).title == "Renamed ✓"
+    assert store.delete(A, a) is True
+    assert store.delete(A, a) is False
+    assert [c.id for c in store.list_conversations(A)] == [b]
     # cascade: no orphan rows left behind
     assert store._db.execute("SELECT COUNT(*) FROM turns").fetchone()[0] == 0
     assert store._db.execute("SELECT COUNT(*) FROM facts").fetchone()[0] == 0
-    assert store.delete_fact(fid) is False
-    for call in (lambda: store.get(a), lambda: store.add_turn(a, "u", "a", {}, []),
-                 lambda: store.rename(a, "x"), lambda: store.set_summary(a, "s", 0),
-                 lambda: store.add_fact(a, "f"), lambda: store.facts(a),
-                 lambda: store.export_json(a), lambda: store.export_markdown(a),
-                 lambda: store.set_fact_pinned(fid, False)):
+    assert store.delete_fact(A, a, fid) is False
+    for call in (lambda: store.get(A, a), lambda: store.add_turn(A, a, "u", "a", None, ()),
+                 lambda: store.rename(A, a, "x"), lambda: store.set_summary(A, a, "s", 0),
+                 lambda: store.add_fact(A, a, "f"), lambda: store.facts(A, a),
+                 lambda: store.export_json(A, a), lambda: store.export_markdown(A, a),
+                 lambda: store.set_fact_pinned(A, a, fid, False)):
         with pytest.raises(NotFound) as info:
             call()
         assert isinstance(info.value, LookupError) and isinstance(info.value, LlmwebError)
@@ -180,95 +188,116 @@ def test_rename_delete_and_missing(store: Store):
 
 
 def test_facts_crud(store: Store):
-    a = store.create_conversation()
-    b = store.create_conversation()
-    f1 = store.add_fact(a, "name is Ada")
-    f2 = store.add_fact(a, "prefers metric", pinned=False)
-    f3 = store.add_fact(b, "other conversation")
-    assert [(f.id, f.text, f.pinned) for f in store.facts(a)] == [(f1, "name is Ada", True), (f2, "prefers metric", False)]
-    assert all(isinstance(f, Fact) for f in store.facts(a))
-    store.set_fact_pinned(f1, False)
-    store.set_fact_pinned(f2, True)
-    assert [(f.id, f.pinned) for f in store.facts(a)] == [(f1, False), (f2, True)]
-    assert store.delete_fact(f1) is True
-    assert [f.id for f in store.facts(a)] == [f2]
-    assert [f.id for f in store.get(a).facts] == [f2]
-    assert [f.id for f in store.facts(b)] == [f3]
+    a = store.create_conversation(A)
+    b = store.create_conversation(A)
+    f1 = store.add_fact(A, a, "name is Ada")
+    f2 = store.add_fact(A, a, "prefers metric", pinned=False)
+    f3 = store.add_fact(A, b, "other conversation")
+    assert [(f.id, f.text, f.pinned) for f in store.facts(A, a)] == [(f1, "name is Ada", True), (f2, "prefers metric", False)]
+    assert all(isinstance(f, Fact) for f in store.facts(A, a))
+    store.set_fact_pinned(A, a, f1, False)
+    store.set_fact_pinned(A, a, f2, True)
+    assert [(f.id, f.pinned) for f in store.facts(A, a)] == [(f1, False), (f2, True)]
+    assert store.delete_fact(A, a, f1) is True
+    assert [f.id for f in store.facts(A, a)] == [f2]
+    assert [f.id for f in store.get(A, a).facts] == [f2]
+    assert [f.id for f in store.facts(A, b)] == [f3]
     with pytest.raises(NotFound):
-        store.set_fact_pinned(f1, True)
+        store.set_fact_pinned(A, a, f1, True)
 
 
 def test_reopen_shows_everything(db_path: Path):
     with Store(db_path) as s:
-        a = s.create_conversation()
-        b = s.create_conversation("kept")
+        a = s.create_conversation(A)
+        b = s.create_conversation(A, "kept")
         for i in range(3):
-            s.add_turn(a, f"user {i}", f"assistant {i}", {"i": i}, [{"source": f"f{i}.txt"}])
-        s.set_summary(a, "summary", 2)
-        fid = s.add_fact(a, "fact")
-        s.set_fact_pinned(fid, False)
-        s.rename(b, "kept too")
-        expected = (s.list_conversations(), s.get(a), s.get(b))
+            s.add_turn(A, a, f"user {i}", f"assistant {i}", TurnStats(turn=i + 1, gen=GenerationStats(generated_tokens=i)),
+                       [Source(1, f"f{i}.txt")])
+        s.set_summary(A, a, "summary", 2)
+        fid = s.add_fact(A, a, "fact")
+        s.set_fact_pinned(A, a, fid, False)
+        s.rename(A, b, "kept too")
+        expected = (s.list_conversations(A), s.get(A, a), s.get(A, b))
     with Store(db_path) as s2:
-        assert (s2.list_conversations(), s2.get(a), s2.get(b)) == expected
-        assert s2.get(a).turns[2].stats == {"i": 2}
-        assert s2.get(a).facts[0].pinned is False
+        assert (s2.list_conversations(A), s2.get(A, a), s2.get(A, b)) == expected
+        assert s2.get(A, a).turns[2].stats == TurnStats(turn=3, gen=GenerationStats(generated_tokens=2))
+        assert s2.get(A, a).turns[2].sources == [Source(1, "f2.txt")]
+        assert s2.get(A, a).facts[0].pinned is False
+
+
+def _echo_stats(t: str) -> TurnStats:
+    """Figures carrying `t` in every string the stats hold: the finish reason and a section name."""
+    return TurnStats(turn=1, gen=GenerationStats(finish_reason=t), sections={t: len(t)})
 
 
 def test_hostile_text_round_trips_exactly(db_path: Path):
     big = ("0123456789abcdef" * 65536)[: 1 << 20] + "😀\x00end"  # > 1 MB, NUL near the end
     texts = HOSTILE + [big]
     with Store(db_path) as s:
-        cid = s.create_conversation(title=HOSTILE[2])
+        cid = s.create_conversation(A, title=HOSTILE[2])
         for t in texts:
-            s.add_turn(cid, t, t[::-1], {"echo": t}, [{"source": t, "heading": t}])
-        s.set_summary(cid, HOSTILE[1] + HOSTILE[2], 1)
-        s.add_fact(cid, HOSTILE[3] + HOSTILE[0])
+            s.add_turn(A, cid, t, t[::-1], _echo_stats(t), [Source(1, t, heading=t, snippet=t)])
+        s.set_summary(A, cid, HOSTILE[1] + HOSTILE[2], 1)
+        s.add_fact(A, cid, HOSTILE[3] + HOSTILE[0])
     with Store(db_path) as s:
-        conv = s.get(cid)
+        conv = s.get(A, cid)
         assert conv.title == HOSTILE[2]
         assert conv.summary == HOSTILE[1] + HOSTILE[2]
         assert conv.facts[0].text == HOSTILE[3] + HOSTILE[0]
         assert len(conv.turns) == len(texts)
         for t, got in zip(texts, conv.turns):
             assert got.user == t and got.assistant == t[::-1]
-            assert got.stats == {"echo": t} and got.sources == [{"source": t, "heading": t}]
+            assert got.stats == _echo_stats(t) and got.sources == [Source(1, t, heading=t, snippet=t)]
         assert len(conv.turns[-1].user) == len(big)
         # and through the JSON export too
-        doc = json.loads(s.export_json(cid))
+        doc = json.loads(s.export_json(A, cid))
         assert [t["user"] for t in doc["turns"]] == texts
+        assert [t["sources"] for t in doc["turns"]] == [[Source(1, t, heading=t, snippet=t).to_dict()] for t in texts]
+        assert [t["stats"] for t in doc["turns"]] == [_echo_stats(t).to_dict() for t in texts]
 
 
 def test_unstorable_text_is_a_clear_error_and_changes_nothing(store: Store):
-    cid = store.create_conversation()
+    cid = store.create_conversation(A)
     with pytest.raises(InputError):
-        store.add_turn(cid, "lone surrogate \ud800", "a", {}, [])
-    assert store.get(cid).turns == []
-    assert store.get(cid).title == DEFAULT_TITLE
+        store.add_turn(A, cid, "lone surrogate \ud800", "a", None, ())
+    assert store.get(A, cid).turns == []
+    assert store.get(A, cid).title == DEFAULT_TITLE
     # a surrogate-escaped file name inside sources is still storable (JSON escapes it)
-    store.add_turn(cid, "u", "a", {}, [{"source": "bad\udcffname.txt"}])
-    assert store.get(cid).turns[0].sources == [{"source": "bad\udcffname.txt"}]
-    with pytest.raises(TypeError):  # not JSON: refused before anything is written
-        store.add_turn(cid, "u", "a", {"path": Path("x")}, [])
-    assert len(store.get(cid).turns) == 1
+    bad = Source(1, "bad\udcffname.txt", heading="h\udc80", snippet="s\udcfe")
+    store.add_turn(A, cid, "u", "a", None, [bad])
+    assert store.get(A, cid).turns[0].sources == [bad]
+    # not JSON: refused before anything is written
+    with pytest.raises(TypeError):
+        store.add_turn(A, cid, "u", "a", TurnStats(turn=2, gen=GenerationStats(), sections={Path("x"): 1}), ())
+    with pytest.raises(TypeError):
+        store.add_turn(A, cid, "u", "a", None, [Source(1, Path("x"))])
+    assert len(store.get(A, cid).turns) == 1
 
 
 def _sample(store: Store) -> str:
-    cid = store.create_conversation()
-    store.add_turn(cid, "What is **WAL**?", "Write-ahead logging.\n\n- point one",
-                   {"prompt_tokens": 10, "tok_s": 31.5}, [{"source": "sqlite.md", "heading": "WAL", "score": 0.9}])
-    store.add_turn(cid, "And 🐍 in עברית?", "שלום 🐍", {"prompt_tokens": 22}, [])
-    store.add_turn(cid, "third question", "third answer", {}, [{"source": "doc.pdf", "page": 3}])
-    store.set_summary(cid, "Asked about WAL.", 1)
-    store.add_fact(cid, "user writes Hebrew")
-    store.add_fact(cid, "unpinned note", pinned=False)
+    cid = store.create_conversation(A)
+    mem = MemorySnapshot(rss_bytes=5 << 20, peak_rss_bytes=6 << 20, cuda_allocated_bytes=700, cuda_reserved_bytes=900,
+                         cuda_peak_bytes=800, cuda_inactive_split_bytes=50, cuda_alloc_retries=0, cuda_ooms=0)
+    store.add_turn(A, cid, "What is **WAL**?", "Write-ahead logging.\n\n- point one",
+                   TurnStats(turn=1, gen=GenerationStats(prompt_tokens=10, generated_tokens=7, decode_tok_s=31.5,
+                                                         finish_reason="eos", mem=mem),
+                             sections={"system": 4, "retrieved": 6}, context_limit=4096),
+                   [Source(1, "sqlite.md", heading="WAL", score=0.9, snippet="WAL is …")])
+    store.add_turn(A, cid, "And 🐍 in עברית?", "שלום 🐍",
+                   TurnStats(turn=2, gen=GenerationStats(prompt_tokens=22, finish_reason="cancelled"),
+                             summarized_turns=1, summary_tokens=5, dropped_turns=1, dropped_chunks=2), ())
+    store.add_turn(A, cid, "third question", "third answer", None,
+                   [Source(1, "doc.pdf", page=3), Source(2, "turn 1", kind="recall", score=0.25)])
+    store.set_summary(A, cid, "Asked about WAL.", 1)
+    store.add_fact(A, cid, "user writes Hebrew")
+    store.add_fact(A, cid, "unpinned note", pinned=False)
     return cid
 
 
 def test_export_markdown_contains_every_turn(store: Store):
     cid = _sample(store)
-    md = store.export_markdown(cid)
-    conv = store.get(cid)
+    md = store.export_markdown(A, cid)
+    conv = store.get(A, cid)
     assert md.startswith(f"# {conv.title}\n")
     pos = -1
     for t in conv.turns:  # every turn, in order
@@ -284,20 +313,24 @@ def test_export_markdown_contains_every_turn(store: Store):
 def test_export_json_round_trips(db_path: Path, tmp_path: Path):
     with Store(db_path) as s:
         cid = _sample(s)
-        text = s.export_json(cid)
-        conv = s.get(cid)
+        text = s.export_json(A, cid)
+        conv = s.get(A, cid)
     doc = json.loads(text)
     assert doc["summary"] == "Asked about WAL." and doc["summarized_upto"] == 1
     assert [(t["user"], t["assistant"], t["stats"], t["sources"]) for t in doc["turns"]] == [
-        (t.user, t.assistant, t.stats, t.sources) for t in conv.turns]
+        (t.user, t.assistant, t.stats.to_dict() if t.stats else {}, [s.to_dict() for s in t.sources])
+        for t in conv.turns]
+    assert doc["turns"][0]["stats"]["mem"]["cuda_fragmentation_bytes"] == 200
+    assert doc["turns"][2]["stats"] == {}  # stored without figures
     with Store(tmp_path / "other.sqlite3") as other:
-        new_id = other.import_json(text)
+        new_id = other.import_json(A, text)
         assert new_id != cid
-        back = other.get(new_id)
+        back = other.get(A, new_id)
         assert (back.title, back.summary, back.summarized_upto, back.turns, back.created, back.updated) == (
             conv.title, conv.summary, conv.summarized_upto, conv.turns, conv.created, conv.updated)
+        assert back.turns[2].stats is None and back.turns[0].stats.gen.mem.cuda_inactive_split_bytes == 50
         assert [(f.text, f.pinned) for f in back.facts] == [(f.text, f.pinned) for f in conv.facts]
-        again = json.loads(other.export_json(new_id))
+        again = json.loads(other.export_json(A, new_id))
     doc.pop("id"), again.pop("id")
     assert again == doc
 
@@ -306,13 +339,36 @@ def test_export_json_round_trips(db_path: Path, tmp_path: Path):
                                  '{"format": "llmweb.conversation", "version": 1}'])
 def test_import_rejects_garbage(store: Store, bad: str):
     with pytest.raises(InputError):
-        store.import_json(bad)
-    assert store.list_conversations() == []
+        store.import_json(A, bad)
+    assert store.list_conversations(A) == []
+
+
+@pytest.mark.parametrize("field,value", [("sources", [{"source": "no number.md"}]),  # a source needs n and source
+                                         ("sources", [{"n": 1}]), ("sources", ["notes.md"]),
+                                         ("stats", []), ("stats", "eos")])
+def test_import_rejects_malformed_sources_and_stats(store: Store, field: str, value):
+    doc = json.loads(store.export_json(A, _sample(store)))
+    before = store.list_conversations(A)
+    doc["turns"][0][field] = value
+    with pytest.raises(InputError):
+        store.import_json(A, json.dumps(doc))
+    assert store.list_conversations(A) == before
+
+
+def test_import_reads_older_stats_with_defaults(store: Store):
+    """Rows written before TurnStats had every field (or by hand) still load: missing figures take
+    their defaults and unknown keys are ignored."""
+    doc = json.loads(store.export_json(A, _sample(store)))
+    doc["turns"][0]["stats"] = {"turn": 1, "finish_reason": "eos", "prompt_tokens": 12, "ttft_ms": 5,
+                                "sections": {"history": 3}}
+    back = store.get(A, store.import_json(A, json.dumps(doc)))
+    assert back.turns[0].stats == TurnStats(turn=1, gen=GenerationStats(prompt_tokens=12, finish_reason="eos"),
+                                            sections={"history": 3})
 
 
 def test_concurrent_add_turn_loses_nothing(store: Store):
-    shared = store.create_conversation()
-    own = [store.create_conversation() for _ in range(8)]
+    shared = store.create_conversation(A)
+    own = [store.create_conversation(A) for _ in range(8)]
     n = 25
     errors: list[BaseException] = []
     start = threading.Barrier(8)
@@ -321,10 +377,10 @@ def test_concurrent_add_turn_loses_nothing(store: Store):
         try:
             start.wait()
             for i in range(n):
-                store.add_turn(shared, f"t{k}-{i}", f"a{k}-{i}", {"k": k, "i": i}, [])
-                store.add_turn(own[k], f"t{k}-{i}", f"a{k}-{i}", {}, [])
-                store.list_conversations()  # readers interleaved with writers
-                store.get(shared)
+                store.add_turn(A, shared, f"t{k}-{i}", f"a{k}-{i}", TurnStats(turn=i, gen=GenerationStats(prompt_tokens=k)))
+                store.add_turn(A, own[k], f"t{k}-{i}", f"a{k}-{i}", None, ())
+                store.list_conversations(A)  # readers interleaved with writers
+                store.get(A, shared)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -334,32 +390,36 @@ def test_concurrent_add_turn_loses_nothing(store: Store):
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    turns = store.get(shared).turns
+    turns = store.get(A, shared).turns
     assert [t.idx for t in turns] == list(range(8 * n))
     assert sorted(t.user for t in turns) == sorted(f"t{k}-{i}" for k in range(8) for i in range(n))
     for k in range(8):  # each thread's own turns kept its order
-        mine = [t.stats["i"] for t in turns if t.stats["k"] == k]
+        mine = [t.stats.turn for t in turns if t.stats.gen.prompt_tokens == k]
         assert mine == list(range(n))
-        assert [t.user for t in store.get(own[k]).turns] == [f"t{k}-{i}" for i in range(n)]
+        assert [t.user for t in store.get(A, own[k]).turns] == [f"t{k}-{i}" for i in range(n)]
 
 
 _CHILD = r"""
 import sys
 from pathlib import Path
+from llmweb.records import GenerationStats, Source, TurnStats
 from llmweb.store import Store
+
+A = "anon:alice-token"
 
 def turn(i):
     pad = ("%06d" % i) * 20000  # ~120 KB per message, so kills often land mid-write
-    return ("user %d " % i) + pad, ("assistant %d " % i) + pad, {"i": i, "len": len(pad)}, [{"source": "f%d" % i}]
+    stats = TurnStats(turn=i + 1, gen=GenerationStats(prompt_tokens=len(pad), generated_tokens=i))
+    return ("user %d " % i) + pad, ("assistant %d " % i) + pad, stats, [Source(1, "f%d" % i)]
 
 store = Store(Path(sys.argv[1]))
-cid = store.create_conversation("kill test")
+cid = store.create_conversation(A, "kill test")
 for i in range(5):
-    assert store.add_turn(cid, *turn(i)) == i
+    assert store.add_turn(A, cid, *turn(i)) == i
 print("ready", cid, flush=True)
 i = 5
 while True:
-    assert store.add_turn(cid, *turn(i)) == i
+    assert store.add_turn(A, cid, *turn(i)) == i
     print("wrote", i, flush=True)  # printed only after the commit returned
     i += 1
 """
@@ -400,12 +460,114 @@ def test_kill_9_loses_at_most_the_unfinished_turn(db_path: Path, round_: int):
 
     turn = _turn_recipe()
     with Store(db_path) as s:
-        conv = s.get(cid)
+        conv = s.get(A, cid)
         assert [t.idx for t in conv.turns] == list(range(len(conv.turns)))
         # every turn the child saw committed is there; at most the one in flight beyond it
         assert reported + 1 <= len(conv.turns) <= reported + 2
         for t in conv.turns:  # and every row is complete
             user, assistant, stats, sources = turn(t.idx)
             assert (t.user, t.assistant, t.stats, t.sources) == (user, assistant, stats, sources), t.idx
-        assert s.list_conversations()[0].n_turns == len(conv.turns)
-        assert s.add_turn(cid, "after", "restart", {}, []) == len(conv.turns)  # still writable
+        assert s.list_conversations(A)[0].n_turns == len(conv.turns)
+        assert s.add_turn(A, cid, "after", "restart", None, ()) == len(conv.turns)  # still writable
+
+
+# ---- owners: every read is scoped to the caller --------------------------------------------
+
+
+def _public_methods():
+    import inspect
+
+    skip = {"close", "schema_version", "idle_owners"}  # no owner data in, or operator-only (the purge)
+    return [n for n, f in inspect.getmembers(Store, inspect.isfunction) if not n.startswith("_") and n not in skip]
+
+
+def test_every_public_method_takes_the_owner_first():
+    import inspect
+
+    for name in _public_methods():
+        params = list(inspect.signature(getattr(Store, name)).parameters)
+        assert params[:2] == ["self", "owner"], f"Store.{name} must take the caller's owner first"
+
+
+def test_another_owners_conversation_is_exactly_like_an_unknown_one(store: Store):
+    a = new_id()
+    store.add_turn(A, a, "my locker code is Zanzibar-7781", "noted", None, (), create=True)
+    fid = store.add_fact(A, a, "my locker code is Zanzibar-7781")
+    unknown = new_id()
+    calls = {
+        "get": lambda c: store.get(B, c),
+        "add_turn": lambda c: store.add_turn(B, c, "u", "a", None, ()),
+        "set_summary": lambda c: store.set_summary(B, c, "s", 0),
+        "rename": lambda c: store.rename(B, c, "x"),
+        "add_fact": lambda c: store.add_fact(B, c, "f"),
+        "facts": lambda c: store.facts(B, c),
+        "set_fact_pinned": lambda c: store.set_fact_pinned(B, c, fid, False),
+        "export_json": lambda c: store.export_json(B, c),
+        "export_markdown": lambda c: store.export_markdown(B, c),
+    }
+    for what, call in calls.items():
+        errors = []
+        for conv in (a, unknown):
+            with pytest.raises(NotFound) as info:
+                call(conv)
+            errors.append(str(info.value).replace(conv[:8], "<id>"))
+        assert errors[0] == errors[1], f"{what}: another owner's id must read like an unknown one"
+    assert store.delete(B, a) is False and store.delete_fact(B, a, fid) is False
+    assert store.exists(B, a) is False and store.exists(A, a) is True
+    assert store.list_conversations(B) == []
+    # and nothing of A's changed
+    conv = store.get(A, a)
+    assert [t.user for t in conv.turns] == ["my locker code is Zanzibar-7781"] and conv.facts[0].pinned
+    with pytest.raises(NotFound):  # create=True cannot take over an id that exists for another owner
+        store.add_turn(B, a, "u", "a", None, (), create=True)
+
+
+def test_a_conversation_is_created_with_its_first_turn(store: Store):
+    conv = new_id()
+    assert store.list_conversations(A) == []
+    assert store.add_turn(A, conv, "hello there", "hi", None, (), create=True) == 0
+    assert [(c.id, c.title, c.n_turns) for c in store.list_conversations(A)] == [(conv, "hello there", 1)]
+    assert len(conv) == 32 and conv != new_id()  # 128 random bits
+
+
+def test_delete_owner_removes_everything_of_that_owner_only(store: Store):
+    mine = [store.create_conversation(A) for _ in range(2)]
+    theirs = store.create_conversation(B)
+    store.add_fact(A, mine[0], "fact")
+    assert sorted(store.delete_owner(A)) == sorted(mine)
+    assert store.list_conversations(A) == [] and [c.id for c in store.list_conversations(B)] == [theirs]
+    assert store._db.execute("SELECT COUNT(*) FROM facts").fetchone()[0] == 0
+
+
+def test_idle_owners_lists_anonymous_owners_past_the_retention(store: Store):
+    store.create_conversation("anon:old")
+    store.create_conversation("anon:new")
+    store.create_conversation("user:old-account")
+    now = time.time()
+    store._db.execute("UPDATE owners SET last_seen = ? WHERE owner IN ('anon:old', 'user:old-account')",
+                      (now - 40 * 86400,))
+    assert store.idle_owners("anon:", 30 * 86400) == ["anon:old"], "accounts are never purged; recent visitors stay"
+    store.touch_owner("anon:old")
+    assert store.idle_owners("anon:", 30 * 86400) == []
+
+
+def test_a_database_from_before_owners_opens_without_loss_for_the_local_owner(tmp_path: Path):
+    """tests/fixtures/schema1.sqlite3 was written by the previous release's store (schema 1)."""
+    import shutil
+
+    from llmweb.store import LOCAL_OWNER
+
+    path = tmp_path / "old.sqlite3"
+    shutil.copy(REPO / "tests" / "fixtures" / "schema1.sqlite3", path)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        (info,) = s.list_conversations(LOCAL_OWNER)  # the empty "New chat" of round 1 is gone
+        conv = s.get(LOCAL_OWNER, info.id)
+        assert [(t.user, t.assistant) for t in conv.turns] == [
+            ("My locker code is Zanzibar-7781. Please remember it.", "I will remember it."),
+            ("What is my locker code?", "Zanzibar-7781.")]
+        assert conv.turns[0].stats.gen.prompt_tokens == 60 and conv.turns[0].stats.sections["user"] == 30
+        assert conv.turns[0].sources[0].label() == "llmweb-guide.md, Models"
+        assert (conv.summary, conv.summarized_upto) == ("The user shared a locker code.", 1)
+        assert [(f.text, f.pinned) for f in conv.facts] == [("My locker code is Zanzibar-7781.", True)]
+        assert s.list_conversations("anon:someone-else") == []

@@ -11,11 +11,11 @@ import gradio as gr
 import pytest
 
 from llmweb import context
-from llmweb.chat import Delta, Finished, Queued
+from llmweb.chat import Delta, Finished, Queued, Started
 from llmweb.errors import BusyError, InputError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
-from llmweb.store import Store
-from llmweb.ui import Handlers, Panel, build_app, user_errors
+from llmweb.store import Store, new_id
+from llmweb.ui import Handlers, Panel, build_app, new_owner_token, user_errors
 from llmweb.ui_format import (SECTION_COLOURS, history_messages, plot_frames, sections_html, sources_message,
                               stats_markdown)
 from tests.conftest import make_settings
@@ -124,12 +124,17 @@ def test_user_errors_turns_domain_errors_into_toasts_for_functions_and_generator
 
 
 class FakeChat:
-    """Stores one turn per send, like Chat, after streaming two deltas (or raising `error`)."""
+    """Like Chat: starts a conversation with its first turn, streams two deltas (or raises `error`),
+    stores one turn per send, every store call scoped to the owner."""
 
     def __init__(self, store):
         self.store, self.error = store, None
 
-    def send(self, conv_id, text, use_docs=True):
+    def send(self, owner, conv_id, text, use_docs=True, new=False):
+        new = new or conv_id is None
+        conv_id = conv_id or new_id()
+        n = 0 if new else len(self.store.get(owner, conv_id).turns)
+        yield Started(conv_id)
         yield Queued(1)
         if self.error:
             raise self.error
@@ -137,23 +142,26 @@ class FakeChat:
             yield Delta("Par")
             yield Delta("Paris")
         except GeneratorExit:  # Stop: the partial reply is stored, marked as stopped
-            self.store.add_turn(conv_id, text, "Par", turn_stats(reason="cancelled"))
+            self.store.add_turn(owner, conv_id, text, "Par", turn_stats(reason="cancelled"), create=new)
             raise
-        n = len(self.store.get(conv_id).turns)
         stats = turn_stats(n + 1)
         sources = [Source(1, "atlas.md", heading="France", snippet="Paris is the capital")]
-        self.store.add_turn(conv_id, text, "Paris", stats, sources)
-        yield Finished("Paris", stats, sources, ["A note."])
+        self.store.add_turn(owner, conv_id, text, "Paris", stats, sources, create=new)
+        yield Finished("Paris", stats, sources, ["A note."], conv_id=conv_id)
 
-    def delete(self, conv_id):
-        self.store.delete(conv_id)
+    def delete(self, owner, conv_id):
+        return self.store.delete(owner, conv_id)
+
+
+A_TOKEN, B_TOKEN = new_owner_token(), new_owner_token()
+NOBODY = SimpleNamespace(username=None)  # a gr.Request without login
 
 
 @pytest.fixture
 def runtime(tmp_path):
     store = Store(tmp_path / "llmweb.sqlite3")
-    rt = SimpleNamespace(store=store, settings=make_settings(tmp_path), status="Ready", ready=True, engine=None,
-                         library=SimpleNamespace(documents=lambda *owner: []))
+    rt = SimpleNamespace(store=store, settings=make_settings(tmp_path, single_user="0"), status="Ready", ready=True,
+                         engine=None, library=SimpleNamespace(documents=lambda *owner: []), secret="s" * 64)
     rt.chat = FakeChat(store)
     rt.wait_ready = lambda timeout=None: rt.chat
     yield rt
@@ -163,7 +171,8 @@ def runtime(tmp_path):
 def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime):
     h = Handlers(runtime)
     shown = []  # the chat list is reused between yields: read each as it comes
-    *streaming, final = [shown.append(out[1][-1]["content"]) or out for out in h.respond("Capital?", [], "", True)]
+    outs = [shown.append(out[1][-1]["content"]) or out for out in h.respond("Capital?", [], "", True, A_TOKEN, NOBODY)]
+    *streaming, final = outs
     assert shown[:-1] == ["*Waiting: 1 ahead in the queue…*", "Par", "Paris"]
     assert all(isinstance(v, dict) and v.get("__type__") == "update" for v in streaming[-1][2:-1]), "others skipped"
     panel = Panel(*final[:-1])
@@ -172,16 +181,15 @@ def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime):
     assert panel.chatbot[-1]["metadata"]["title"] == "Sources (1)"
     assert "atlas.md, France" in panel.chatbot[-1]["content"]
     assert list(panel.tokens_plot["turn"].unique()) == [1]
-    assert json.loads(h.api_stats(panel.conv_state))["turn"] == 1
 
 
 def test_stop_closes_the_chat_stream_through_the_decorator_and_shows_the_stopped_turn(runtime):
     h = Handlers(runtime)
-    stream = h.respond("Capital?", [], "", True)
+    stream = h.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
     next(stream), next(stream)  # queued, then "Par"
     conv_id = next(stream)[0]
     stream.close()  # what Gradio does when Stop cancels the event
-    panel = h.after_stop(conv_id, [{"role": "user", "content": "Capital?"}])
+    panel = h.after_stop(conv_id, [{"role": "user", "content": "Capital?"}], A_TOKEN, NOBODY)
     assert panel.chatbot[-1]["content"] == "Par\n\n*(stopped)*"
     assert panel.stats_md.endswith("Stopped.")
 
@@ -189,34 +197,84 @@ def test_stop_closes_the_chat_stream_through_the_decorator_and_shows_the_stopped
 def test_refused_messages_are_toasts_and_leave_no_empty_chat(runtime):
     h = Handlers(runtime)
     with pytest.raises(gr.Error, match="empty"):
-        list(h.respond("   ", [], "", True))
+        list(h.respond("   ", [], "", True, A_TOKEN, NOBODY))
     runtime.chat.error = BusyError("The queue is full.")
     with pytest.raises(gr.Error, match="The queue is full."):
-        list(h.api_chat("Hello"))
-    assert runtime.store.list_conversations() == []
+        list(h.api_chat("Hello", request=NOBODY))
+    assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == []
     with pytest.raises(gr.Error, match="no longer exists"):
-        h.api_stats("nope")
+        h.api_stats("nope", request=NOBODY)
+    runtime.chat.error = None
+    conv = _one_chat(h)
     with pytest.raises(gr.Error, match="Pick a fact first."):
-        h.pin_fact("", None)
+        h.pin_fact(conv, None, A_TOKEN, NOBODY)
 
 
-def test_a_stale_browser_id_opens_a_fresh_chat_and_delete_moves_on(runtime):
+def _one_chat(h) -> str:
+    *_, final = h.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
+    return final[0]
+
+
+def test_a_new_chat_is_not_stored_until_its_first_message_and_delete_moves_on(runtime):
     h = Handlers(runtime)
-    first = h.switch("gone")
-    assert first.conv_state and "No turns yet" in first.stats_md and first.tokens_plot is None
-    second = h.new_chat()
-    after = h.delete_chat(second.conv_state)
-    assert after.conv_state == first.conv_state
+    blank = h.new_chat(A_TOKEN, NOBODY)
+    assert blank.conv_state == "" and "No turns yet" in blank.stats_md and blank.tokens_plot is None
+    assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == [], "no empty chats in the store"
+    first, second = _one_chat(h), _one_chat(h)
+    assert h.switch("gone", A_TOKEN, NOBODY).conv_state == ""
+    after = h.delete_chat(second, A_TOKEN, NOBODY)
+    assert after.conv_state == first
+
+
+def test_a_first_visit_gets_an_unguessable_token_and_a_reload_keeps_it(runtime):
+    h = Handlers(runtime)
+    token, *panel = h.visit("", "", NOBODY)
+    assert len(token) == 32 and token != new_owner_token()
+    again, *_ = h.visit(token, "", NOBODY)
+    assert again == token
+    forged, *_ = h.visit("not a token", "", NOBODY)
+    assert forged != "not a token" and len(forged) == 32
+
+
+def test_two_visitors_never_see_each_others_chats_through_any_handler(runtime):
+    h = Handlers(runtime)
+    a_conv = _one_chat(h)
+    # B's own view
+    b = h.visit(B_TOKEN, a_conv, NOBODY)  # even with A's id in B's browser state
+    assert b[1] == "" and b[2] == [] and b[3]["choices"] == []
+    assert h.switch(a_conv, B_TOKEN, NOBODY).chatbot == []
+    for call in (lambda: h.export_json(a_conv, B_TOKEN, NOBODY), lambda: h.export_md(a_conv, B_TOKEN, NOBODY),
+                 lambda: h.add_fact(a_conv, "mine now", B_TOKEN, NOBODY),
+                 lambda: h.delete_fact(a_conv, 1, B_TOKEN, NOBODY),
+                 lambda: h.api_stats(a_conv, request=NOBODY)):
+        with pytest.raises(gr.Error, match="no longer exists"):
+            call()
+    with pytest.raises(gr.Error, match="no longer exists"):
+        list(h.api_chat("continue theirs", a_conv, request=NOBODY))
+    h.delete_chat(a_conv, B_TOKEN, NOBODY)
+    assert [c.id for c in runtime.store.list_conversations(f"anon:{A_TOKEN}")] == [a_conv], "A's chat is intact"
+    # a login is the owner, whatever the browser token says
+    bob = SimpleNamespace(username="bob")
+    assert h.owner(A_TOKEN, bob) == "user:bob"
+
+
+def test_api_conversations_continue_with_their_id_and_only_with_it(runtime):
+    h = Handlers(runtime)
+    *_, (reply, conv_id) = h.api_chat("Capital?", request=NOBODY)
+    assert reply == "Paris" and len(conv_id) == 32
+    *_, (reply2, same) = h.api_chat("Again?", conv_id, request=NOBODY)
+    assert same == conv_id and json.loads(h.api_stats(conv_id, request=NOBODY))["turn"] == 2
+    assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == [], "not in any browser's list"
 
 
 def test_build_app_keeps_the_endpoints_and_element_ids(runtime):
     config = build_app(runtime).config
     api = {d["api_name"]: d.get("api_visibility", "public") for d in config["dependencies"] if d.get("api_name")}
     assert {name for name, visibility in api.items() if visibility == "public"} == {
-        "chat", "stats", "respond", "status_text"}, "the public API is unchanged"
-    assert api["respond_enter"] == "private"
+        "chat", "stats", "status_text"}, "the public API: chat and stats (the page's own events need its token)"
+    assert api["respond_enter"] == "private" and api["respond"] == "private"
     ids = {c["props"].get("elem_id") for c in config["components"]}
     assert {"llmweb-chat", "llmweb-send", "llmweb-stop", "llmweb-stats", "llmweb-sections", "llmweb-memory",
             "llmweb-status", "llmweb-upload", "llmweb-doclist", "llmweb-tokens-plot"} <= ids
     keys = {c["props"].get("storage_key") for c in config["components"]}
-    assert "llmweb_conversation" in keys
+    assert {"llmweb_conversation", "llmweb_owner"} <= keys

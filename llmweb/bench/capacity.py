@@ -114,7 +114,7 @@ def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int
         loaded=None, progress: Callable[[str], None] = log.info) -> dict:
     """Measure every (context, concurrency) combination on one engine; return rows and the setup."""
     from .. import models
-    from ..engine import Engine, EngineLimits, GenerationRequest
+    from ..engine import EngineLimits, GenerationRequest, local_engine
     from ..kvcache import KVStore
     from ..runtime import kv_budget_bytes
     from ..tokens import TemplateFormat
@@ -140,7 +140,7 @@ def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int
                           request_timeout_s=max(settings.request_timeout_s, 600.0), admission_wait_s=2.0,
                           mem_limit_bytes=limit if loaded.on_cpu else 0,
                           mem_margin_bytes=settings.mem_margin_mb * 2**20, kv_reuse=True)
-    engine = Engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token)
+    engine = local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token)
     rows: list[dict] = []
     method = ""
     t_all = time.perf_counter()

@@ -47,11 +47,11 @@ def prompt_ids(loaded, text: str) -> list[int]:
 
 def timing_engine(loaded, new_tokens: int):
     """An Engine of its own (public constructor) for timing one request at a time: no KV reuse."""
-    from ..engine import Engine, EngineLimits
+    from ..engine import EngineLimits, local_engine
     from ..kvcache import KVStore
 
-    return Engine(loaded.model, loaded.device, KVStore(0, 1), EngineLimits(max_new_tokens=new_tokens, kv_reuse=False),
-                  loaded.kv_bytes_per_token)
+    return local_engine(loaded.model, loaded.device, KVStore(0, 1),
+                        EngineLimits(max_new_tokens=new_tokens, kv_reuse=False), loaded.kv_bytes_per_token)
 
 
 def engine_decode(engine, ids: list[int], new_tokens: int) -> tuple[float, float, int]:

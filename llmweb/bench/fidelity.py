@@ -5,14 +5,18 @@ is asked about at later checkpoints. For every fact and checkpoint it records wh
 fact's words are in the prompt (what memory can control, whatever the model's size) and
 whether the reply contains the answer (what a 135M model then makes of it). Three modes run in
 one process on one loaded model: window only, window + summary (with the user's facts), and
-window + summary + recall of earlier turns.
+window + summary + recall of earlier turns. Each mode is a Runtime of its own, built from
+`settings.replace(summaries=..., recall=...)` in a temporary data dir that is removed afterwards.
 """
 
 from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Sequence
+
+from .common import scratch_settings
+from ..store import LOCAL_OWNER as LOCAL
 
 FACTS = [
     ("My dog is called Pixel, a border collie.", "What is my dog called?", "Pixel"),
@@ -33,53 +37,58 @@ MODES = {"window": dict(summaries=False, recall=False),
 class Check:
     mode: str
     checkpoint: int  # the turn number at which the question was asked
-    fact: int
+    fact: int  # index into the run's facts
     in_prompt: bool
     answered: bool
 
 
-def script(fillers_between: int, checkpoints: int) -> list[tuple[str, int | None]]:
-    """(user message, index of the fact asked about or None)."""
-    turns: list[tuple[str, int | None]] = [(statement, None) for statement, _, _ in FACTS]
+def script(fillers_between: int, checkpoints: int, facts: Sequence[tuple[str, str, str]] = FACTS,
+           ) -> list[tuple[str, int | None]]:
+    """(user message, index of the fact asked about or None): the facts, then per checkpoint fillers and questions."""
+    turns: list[tuple[str, int | None]] = [(statement, None) for statement, _, _ in facts]
     k = 0
     for _ in range(checkpoints):
         for _ in range(fillers_between):
             turns.append((f"Tell me one short fact about {FILLERS[k % len(FILLERS)]}.", None))
             k += 1
-        turns += [(question, i) for i, (_, question, _) in enumerate(FACTS)]
+        turns += [(question, i) for i, (_, question, _) in enumerate(facts)]
     return turns
 
 
-def run(settings, loaded=None, fillers_between: int = 12, checkpoints: int = 3, progress=print) -> dict:
+def run(settings, loaded=None, fillers_between: int = 12, checkpoints: int = 3, progress=print,
+        facts: Sequence[tuple[str, str, str]] = FACTS) -> dict:
+    """Plant `facts` (statement, question, answer), then ask about each at every checkpoint, in every mode."""
     from ..chat import Finished
     from ..runtime import Runtime
 
-    turns = script(fillers_between, checkpoints)
+    turns = script(fillers_between, checkpoints, facts)
     checks: list[Check] = []
-    root = Path(tempfile.mkdtemp(prefix="llmweb-fidelity-", dir=settings.data_dir if settings.data_dir.exists() else None))
-    for mode, switches in MODES.items():
-        rt = Runtime(settings.replace(data_dir=root / mode.replace("+", "-"), sample_docs=False, **switches),
-                     loaded=loaded).start(background=False)
-        loaded = rt.loaded
-        try:
-            conv = rt.store.create_conversation(f"fidelity {mode}")
-            for n, (text, fact) in enumerate(turns, 1):
-                fin = [e for e in rt.chat.send(conv, text, use_docs=False, wait_summary=True, seed=0)
-                       if isinstance(e, Finished)][0]
-                if fact is None:
-                    continue
-                statement, _, answer = FACTS[fact]
-                prompt = fin.prompt_text()
-                prompt_without_question = prompt[: prompt.rfind(text)] if text in prompt else prompt
-                checks.append(Check(mode, n, fact, answer.lower() in prompt_without_question.lower(),
-                                    answer.lower() in fin.reply.lower()))
-            progress(f"fidelity: {mode} done ({len(turns)} turns)")
-        finally:
-            rt.close()
-    return summarise(checks, settings, loaded, len(turns))
+    with tempfile.TemporaryDirectory(prefix="llmweb-fidelity-") as root:
+        for mode, switches in MODES.items():
+            scratch = scratch_settings(settings, f"{root}/{mode.replace('+', '-')}")
+            rt = Runtime(scratch.replace(**switches), loaded=loaded).start(background=False)
+            loaded = rt.loaded
+            try:
+                conv = rt.store.create_conversation(LOCAL, f"fidelity {mode}")
+                for n, (text, fact) in enumerate(turns, 1):
+                    fin = [e for e in rt.chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True, seed=0)
+                           if isinstance(e, Finished)][0]
+                    if fact is None:
+                        continue
+                    answer = facts[fact][2]
+                    prompt = fin.prompt_text()
+                    prompt_without_question = prompt[: prompt.rfind(text)] if text in prompt else prompt
+                    checks.append(Check(mode, n, fact, answer.lower() in prompt_without_question.lower(),
+                                        answer.lower() in fin.reply.lower()))
+                progress(f"fidelity: {mode} done ({len(turns)} turns)")
+            finally:
+                rt.close()
+    return summarise(checks, settings, loaded, len(turns), facts)
 
 
-def summarise(checks: list[Check], settings, loaded, n_turns: int) -> dict:
+def summarise(checks: list[Check], settings, loaded, n_turns: int,
+              facts: Sequence[tuple[str, str, str]] = FACTS) -> dict:
+    """Per mode: the share of checks with the answer in the prompt and in the reply, overall and per checkpoint."""
     out = {"bench": "fidelity", "turns_per_mode": n_turns, "context_limit": settings.context_limit,
            "model": loaded.name if loaded else "", "quant": loaded.quant if loaded else "", "modes": {}}
     for mode in MODES:
@@ -93,7 +102,7 @@ def summarise(checks: list[Check], settings, loaded, n_turns: int) -> dict:
             "checkpoints": [{"turn": start,
                              "fact_in_prompt_rate": round(sum(c.in_prompt for c in cs) / len(cs), 3),
                              "answer_accuracy": round(sum(c.answered for c in cs) / len(cs), 3),
-                             "facts": [{"fact": FACTS[c.fact][2], "in_prompt": c.in_prompt, "answered": c.answered}
+                             "facts": [{"fact": facts[c.fact][2], "in_prompt": c.in_prompt, "answered": c.answered}
                                        for c in cs]}
                             for start, cs in sorted(by_cp.items())],
         }

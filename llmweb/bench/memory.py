@@ -16,6 +16,7 @@ from typing import Callable
 
 from ..telemetry import live_tensors, private_bytes, release_memory
 from .common import scripted_turns
+from ..store import LOCAL_OWNER as LOCAL
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def run(settings, loaded, turns: int = 200, warmup: int = 10, context: int = 102
     t0 = time.perf_counter()
     try:
         chat = runtime.wait_ready()
-        conv = runtime.store.create_conversation("bench memory replay")
+        conv = runtime.store.create_conversation(LOCAL, "bench memory replay")
 
         def endpoint() -> dict:
             release_memory(device)
@@ -65,7 +66,7 @@ def run(settings, loaded, turns: int = 200, warmup: int = 10, context: int = 102
                 ends["start"], start_turn = endpoint(), i
             if start_turn is not None and i - start_turn >= turns:
                 break
-            for ev in chat.send(conv, text, use_docs=False, wait_summary=True):
+            for ev in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True):
                 if isinstance(ev, Finished):
                     folded = folded or ev.stats.summarized_turns > 0
                     series.append({"turn": i + 1, "mem_bytes": private_bytes(device)[0],
@@ -77,7 +78,7 @@ def run(settings, loaded, turns: int = 200, warmup: int = 10, context: int = 102
         if start_turn is None:
             ends["start"], start_turn = endpoint(), len(series)
         ends["end"] = endpoint()
-        chat.delete(conv)
+        chat.delete(LOCAL, conv)
     finally:
         runtime.close()
     a, b = ends["start"], ends["end"]

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 from .common import describe_setup, scripted_turns
+from ..store import LOCAL_OWNER as LOCAL
 
 
 @dataclass
@@ -37,10 +38,10 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
     res = ModeResult("reuse" if reuse else "full", [], [], [], [])
     try:
         chat = runtime.wait_ready()
-        conv = runtime.store.create_conversation(f"bench ttft ({'reuse' if reuse else 'full prefill'})")
+        conv = runtime.store.create_conversation(LOCAL, f"bench ttft ({'reuse' if reuse else 'full prefill'})")
         try:
             for text in turns:
-                for ev in chat.send(conv, text, use_docs=False, wait_summary=True):
+                for ev in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True):
                     if isinstance(ev, Finished):
                         g = ev.stats.gen
                         res.ttft_s.append(g.ttft_s)
@@ -48,7 +49,7 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
                         res.reused_tokens.append(g.reused_tokens)
                         res.replies.append(ev.reply)
         finally:
-            chat.delete(conv)
+            chat.delete(LOCAL, conv)
     finally:
         runtime.close()
     return res
