@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test test-fast install install-dev clean-data
+.PHONY: run test test-fast lint install install-dev clean-data
 
 $(VENV)/.installed: requirements.txt requirements-models.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: install-dev
 # the quick loop while you work: everything but the real-model (`slow`) and browser tests
 test-fast: install-dev
 	$(BIN)/python -m pytest -q -m "not slow and not browser" $(PYTEST_ARGS)
+
+# style and type checks (configured in pyproject.toml); CI runs them before the tests
+lint: install-dev
+	$(BIN)/ruff check llmweb tests
+	$(BIN)/ruff format --check llmweb tests
+	$(BIN)/mypy llmweb
 
 clean-data:
 	rm -rf data/models data/index data/*.sqlite3* data/reports

@@ -3,4 +3,4 @@
 Importing the package loads nothing heavy; see README.md for the module map.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"  # the same as pyproject.toml (tests/test_packaging.py)

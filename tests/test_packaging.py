@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import re
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,3 +50,14 @@ def test_readme_shows_the_same_install_lines():
     make = install_block(REPO / "Makefile", r"^\$\(BIN\)/")
     readme = install_block(REPO / "README.md", r"^\.venv/bin/")
     assert readme == make
+
+
+def test_pyproject_describes_this_package():
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    project, setuptools = meta["project"], meta["tool"]["setuptools"]
+    assert project["version"] == importlib.import_module("llmweb").__version__
+    assert setuptools["dynamic"]["dependencies"] == {"file": ["requirements.txt"]}
+    on_disk = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "llmweb").rglob("__init__.py")}
+    assert set(setuptools["packages"]) == on_disk, "every package (folder with __init__.py) ships"
+    module, func = project["scripts"]["llmweb"].split(":")
+    assert callable(getattr(importlib.import_module(module), func))
