@@ -36,9 +36,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
 
 from .errors import ConfigError, InputError
 
@@ -66,15 +66,28 @@ class Scrypt:
     dklen: int = 32
 
     def __post_init__(self) -> None:
-        ok = (all(type(v) is int for v in (self.n, self.r, self.p, self.dklen))
-              and self.n >= 2 and self.n & (self.n - 1) == 0 and self.r >= 1 and 1 <= self.p <= 16
-              and 16 <= self.dklen <= 64 and 128 * self.r * (self.n + self.p + 2) <= SCRYPT_MAXMEM)
+        ok = (
+            all(type(v) is int for v in (self.n, self.r, self.p, self.dklen))
+            and self.n >= 2
+            and self.n & (self.n - 1) == 0
+            and self.r >= 1
+            and 1 <= self.p <= 16
+            and 16 <= self.dklen <= 64
+            and 128 * self.r * (self.n + self.p + 2) <= SCRYPT_MAXMEM
+        )
         if not ok:
             raise ValueError("unusable scrypt parameters")
 
     def hash(self, password: str, salt: bytes) -> bytes:
-        return hashlib.scrypt(password.encode("utf-8"), salt=salt, n=self.n, r=self.r, p=self.p,
-                              dklen=self.dklen, maxmem=SCRYPT_MAXMEM + 1024 * 1024)
+        return hashlib.scrypt(
+            password.encode("utf-8"),
+            salt=salt,
+            n=self.n,
+            r=self.r,
+            p=self.p,
+            dklen=self.dklen,
+            maxmem=SCRYPT_MAXMEM + 1024 * 1024,
+        )
 
 
 DEFAULT_SCRYPT = Scrypt()  # tests may lower this for speed; read at call time, never bound as a default
@@ -97,11 +110,17 @@ class UserRecord:
         return hmac.compare_digest(self.params.hash(password, self.salt), self.hash)
 
     def to_json(self) -> dict:
-        return {"salt": self.salt.hex(), "hash": self.hash.hex(), "n": self.params.n, "r": self.params.r,
-                "p": self.params.p, "created": self.created}
+        return {
+            "salt": self.salt.hex(),
+            "hash": self.hash.hex(),
+            "n": self.params.n,
+            "r": self.params.r,
+            "p": self.params.p,
+            "created": self.created,
+        }
 
     @classmethod
-    def from_json(cls, name: str, d) -> "UserRecord":
+    def from_json(cls, name: str, d) -> UserRecord:
         """Raises ValueError (without echoing any value) if `d` is not a well-formed entry."""
         if not isinstance(d, dict):
             raise ValueError("not an object")
@@ -117,8 +136,7 @@ class UserRecord:
 def check_username(name: str) -> str:
     if not isinstance(name, str) or not USERNAME_RE.fullmatch(name):
         shown = name[:MAX_USERNAME_CHARS] + "..." if isinstance(name, str) and len(name) > MAX_USERNAME_CHARS else name
-        raise InputError(f"user name {shown!r} is not valid: use 1-{MAX_USERNAME_CHARS} letters, digits "
-                         "or . _ - @")
+        raise InputError(f"user name {shown!r} is not valid: use 1-{MAX_USERNAME_CHARS} letters, digits or . _ - @")
     return name
 
 
@@ -139,6 +157,7 @@ def new_record(name: str, password: str, *, params: Scrypt | None = None, now: f
 
 
 # -- the users file ---------------------------------------------------------------------------
+
 
 def load_users(path: Path) -> dict[str, UserRecord]:
     """The users in `path` ({} when the file does not exist). A malformed file raises ConfigError."""
@@ -181,8 +200,11 @@ def save_users(path: Path, users: dict[str, UserRecord]) -> None:
     """Write atomically: a 0o600 temp file in the same folder, fsync, os.replace, fsync the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"format": FILE_FORMAT, "version": FILE_VERSION,
-           "users": {name: users[name].to_json() for name in sorted(users)}}
+    doc = {
+        "format": FILE_FORMAT,
+        "version": FILE_VERSION,
+        "users": {name: users[name].to_json() for name in sorted(users)},
+    }
     data = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0o600
     try:
@@ -242,6 +264,7 @@ class UsersFile:
 
 # -- logging in --------------------------------------------------------------------------------
 
+
 def parse_auth_pairs(auth: str) -> dict[str, str]:
     """`LLMWEB_AUTH` ("user:password,user2:password2") as {name: password}. Messages show names only."""
     pairs: dict[str, str] = {}
@@ -285,11 +308,10 @@ class Accounts:
             log.warning("user %r is both in LLMWEB_AUTH and in %s; LLMWEB_AUTH wins", name, self._file.path)
         if not self._env and not file_users:
             where = self._file.path if self._file else "LLMWEB_AUTH"
-            log.warning("login is on but no users exist yet in %s; add one with: python -m llmweb user add NAME",
-                        where)
+            log.warning("login is on but no users exist yet in %s; add one with: python -m llmweb user add NAME", where)
 
     @classmethod
-    def from_settings(cls, settings) -> "Accounts":
+    def from_settings(cls, settings) -> Accounts:
         return cls(parse_auth_pairs(settings.auth), settings.auth_file)
 
     def _lookup(self, name: str) -> UserRecord | None:
@@ -334,11 +356,16 @@ def gradio_auth(settings) -> Callable[[str, str], Awaitable[bool]] | None:
 
 # -- the CLI: python -m llmweb user add | remove | list ----------------------------------------
 
+
 def add_parser(sub) -> None:
     """Register `user add NAME | remove NAME | list` on cli.py's subparsers."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--file", type=Path, default=None,
-                        help=f"the users file (default: LLMWEB_AUTH_FILE, else <data dir>/{DEFAULT_FILE_NAME})")
+    common.add_argument(
+        "--file",
+        type=Path,
+        default=None,
+        help=f"the users file (default: LLMWEB_AUTH_FILE, else <data dir>/{DEFAULT_FILE_NAME})",
+    )
     u = sub.add_parser("user", help="manage login accounts in the users file")
     users = u.add_subparsers(dest="user_command", metavar="{add,remove,list}")
     users.required = True

@@ -12,8 +12,8 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from .config import Settings
 from .errors import LlmwebError
@@ -57,12 +57,13 @@ def read_script(path: Path) -> list[str]:
         try:
             users.append(json.loads(line)["user"])
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise LlmwebError(f"{path}:{n}: expected a JSON object like {{\"user\": \"...\"}}") from None
+            raise LlmwebError(f'{path}:{n}: expected a JSON object like {{"user": "..."}}') from None
     return users
 
 
-def replay(runtime, users: list, *, prompt_text: bool = False, conv_id: str | None = None,
-           seed: int | None = None) -> Iterator[dict]:
+def replay(
+    runtime, users: list, *, prompt_text: bool = False, conv_id: str | None = None, seed: int | None = None
+) -> Iterator[dict]:
     """Run a scripted conversation through the chat path; yield one dict per message of the script.
 
     `turn` is the message's place in the script (1-based). A message the chat refuses (empty, too
@@ -87,8 +88,10 @@ def replay_line(d: dict) -> str:
     """A replay row for people (without --json)."""
     if "error" in d:
         return f"[{d['turn']}] refused: {d['error']}\n"
-    return (f"[{d['turn']}] {d['prompt_tokens']} prompt tokens ({d['reused_tokens']} reused), "
-            f"{d['generated_tokens']} generated, TTFT {d['ttft_s']:.2f} s\n{d['reply']}\n")
+    return (
+        f"[{d['turn']}] {d['prompt_tokens']} prompt tokens ({d['reused_tokens']} reused), "
+        f"{d['generated_tokens']} generated, TTFT {d['ttft_s']:.2f} s\n{d['reply']}\n"
+    )
 
 
 def cmd_replay(args) -> int:
@@ -120,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=None)
     s.set_defaults(func=cmd_serve)
 
-    r = sub.add_parser("replay", help="run a scripted conversation (JSON lines of {\"user\": ...})")
+    r = sub.add_parser("replay", help='run a scripted conversation (JSON lines of {"user": ...})')
     r.add_argument("file")
     r.add_argument("--json", action="store_true", help="one JSON object per turn")
     r.add_argument("--prompt-text", action="store_true", help="include each turn's full prompt text")
@@ -143,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(argv + ["serve"])
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from .models import configure_allocator
 
     configure_allocator()

@@ -97,19 +97,35 @@ class Settings:
         check(self.device in DEVICES, f"LLMWEB_DEVICE must be one of {', '.join(DEVICES)}, not {self.device!r}")
         check(self.context_limit >= 0, "LLMWEB_CONTEXT_LIMIT must be >= 0 (0 = the model's maximum)")
         check(self.max_new_tokens >= 1, "LLMWEB_MAX_NEW_TOKENS must be >= 1")
-        for name in ("summary_tokens", "facts_tokens", "recall_k", "retrieved_tokens", "user_tokens", "queue_size", "top_k", "max_top_k",
-                     "chunk_tokens", "port", "max_file_mb", "max_message_chars"):
+        for name in (
+            "summary_tokens",
+            "facts_tokens",
+            "recall_k",
+            "retrieved_tokens",
+            "user_tokens",
+            "queue_size",
+            "top_k",
+            "max_top_k",
+            "chunk_tokens",
+            "port",
+            "max_file_mb",
+            "max_message_chars",
+        ):
             check(getattr(self, name) >= 1, f"LLMWEB_{name.upper()} must be >= 1")
-        check(0 < self.history_low < self.history_high <= 1,
-              "need 0 < LLMWEB_HISTORY_LOW < LLMWEB_HISTORY_HIGH <= 1")
+        check(0 < self.history_low < self.history_high <= 1, "need 0 < LLMWEB_HISTORY_LOW < LLMWEB_HISTORY_HIGH <= 1")
         check(0 <= self.chunk_overlap < self.chunk_tokens, "need 0 <= LLMWEB_CHUNK_OVERLAP < LLMWEB_CHUNK_TOKENS")
         check(self.top_k <= self.max_top_k, "LLMWEB_TOP_K must be <= LLMWEB_MAX_TOP_K")
         check(self.request_timeout_s > 0 and self.kv_ttl_s > 0, "time limits must be > 0")
-        check(not self.auth or all(":" in pair for pair in self.auth.split(",")),
-              "LLMWEB_AUTH must look like user:password (several: user1:pw1,user2:pw2)")
+        check(
+            not self.auth or all(":" in pair for pair in self.auth.split(",")),
+            "LLMWEB_AUTH must look like user:password (several: user1:pw1,user2:pw2)",
+        )
         for name in ("single_user", "shared_uploads"):
             check(getattr(self, name) in ("auto", "1", "0"), f"LLMWEB_{name.upper()} must be auto, 1 or 0")
-        check(self.user_docs_mb >= 1 and self.queue_per_user >= 1, "LLMWEB_USER_DOCS_MB and LLMWEB_QUEUE_PER_USER must be >= 1")
+        check(
+            self.user_docs_mb >= 1 and self.queue_per_user >= 1,
+            "LLMWEB_USER_DOCS_MB and LLMWEB_QUEUE_PER_USER must be >= 1",
+        )
         check(self.anon_retention_days >= 0, "LLMWEB_ANON_RETENTION_DAYS must be >= 0 (0 = keep forever)")
         check(self.temperature >= 0, "LLMWEB_TEMPERATURE must be >= 0")
 
@@ -136,11 +152,11 @@ class Settings:
     def models_dir(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else self.data_dir / "models"
 
-    def replace(self, **changes) -> "Settings":
+    def replace(self, **changes) -> Settings:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> "Settings":
+    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> Settings:
         """Read every field from `LLMWEB_<FIELD>`; keyword overrides win (the CLI's flags)."""
         env = os.environ if env is None else env
         values = {}
@@ -181,4 +197,3 @@ def _parse(f: dataclasses.Field, raw: str):
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from None
     return raw
-

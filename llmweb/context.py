@@ -32,8 +32,8 @@ from `ContextPlan.history_room`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .config import CPU_CONTEXT_CAP, Settings
 from .errors import ConfigError, InputError
@@ -68,13 +68,15 @@ class Budget:
         if self.context_limit < 2:
             raise ConfigError(f"the context limit must be at least 2 tokens, not {self.context_limit}")
         if not 1 <= self.max_new_tokens < self.context_limit:
-            raise ConfigError(f"max_new_tokens ({self.max_new_tokens}) must be at least 1 and below "
-                              f"the context limit ({self.context_limit})")
+            raise ConfigError(
+                f"max_new_tokens ({self.max_new_tokens}) must be at least 1 and below "
+                f"the context limit ({self.context_limit})"
+            )
         if min(self.summary_tokens, self.retrieved_tokens, self.facts_tokens) < 0 or self.user_tokens < 1:
             raise ConfigError("summary, facts and retrieved-text budgets must be >= 0 and the user budget >= 1")
 
     @classmethod
-    def from_settings(cls, settings: Settings, model_max: int, on_cpu: bool) -> "Budget":
+    def from_settings(cls, settings: Settings, model_max: int, on_cpu: bool) -> Budget:
         """Resolve the settings against the loaded model.
 
         context_limit 0 means the model's maximum, capped at CPU_CONTEXT_CAP on CPU; an explicit
@@ -166,8 +168,11 @@ def compose_user_message(user_message: str, chunks: Sequence[Chunk] = (), recall
     if recall:
         parts.append(RECALL_HEADER + "\n" + "\n\n".join(f"({c.label()}) {c.text.strip()}" for c in recall))
     if chunks:
-        parts.append(SOURCES_HEADER + "\n" + "\n\n".join(
-            f"[{i}] {c.label()}:\n{c.text.strip()}" for i, c in enumerate(chunks, 1)))
+        parts.append(
+            SOURCES_HEADER
+            + "\n"
+            + "\n\n".join(f"[{i}] {c.label()}:\n{c.text.strip()}" for i, c in enumerate(chunks, 1))
+        )
     return "\n\n".join(parts)
 
 
@@ -176,8 +181,17 @@ def turn_tokens(fmt: ChatFormat, turn: Turn) -> int:
     return len(fmt.message_ids("user", turn.user)) + len(fmt.message_ids("assistant", turn.assistant))
 
 
-def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chunk], user_message: str,
-         budget: Budget, fmt: ChatFormat, recall: Sequence[Chunk] = (), facts: Sequence = ()) -> ContextPlan:
+def plan(
+    system: str,
+    summary: str,
+    turns: Sequence[Turn],
+    chunks: Sequence[Chunk],
+    user_message: str,
+    budget: Budget,
+    fmt: ChatFormat,
+    recall: Sequence[Chunk] = (),
+    facts: Sequence = (),
+) -> ContextPlan:
     """Plan this turn's prompt within `budget`; see the module docstring for layout and guarantees.
 
     `turns` are the turns in the window, oldest first (those folded into `summary` are not
@@ -193,8 +207,10 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
     # 1) the user's message and the system prompt: refused if too long, never cut
     n_user = fmt.count(user_message)
     if n_user > budget.user_tokens:
-        raise InputError(f"Your message is {n_user:,} tokens; the limit is {budget.user_tokens:,}. "
-                         "Shorten it or split it into parts.")
+        raise InputError(
+            f"Your message is {n_user:,} tokens; the limit is {budget.user_tokens:,}. "
+            "Shorten it or split it into parts."
+        )
     n_system = len(fmt.system_ids(system))
     pinned = [f for f in facts if f.pinned]
     n_pinned = _facts_cost(fmt, system, pinned, n_system)
@@ -203,9 +219,11 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
     fixed = n_system + n_pinned + bare_user + len(gen) + reserve
     if fixed > limit:
         pins = f", your pinned facts ({n_pinned:,})" if n_pinned else ""
-        raise InputError(f"Your message is {n_user:,} tokens; with the system prompt ({n_system:,}){pins} and "
-                         f"the room kept for the reply ({reserve:,}) this turn needs {fixed:,} tokens, but the "
-                         f"context limit is {limit:,}. Shorten your message.")
+        raise InputError(
+            f"Your message is {n_user:,} tokens; with the system prompt ({n_system:,}){pins} and "
+            f"the room kept for the reply ({reserve:,}) this turn needs {fixed:,} tokens, but the "
+            f"context limit is {limit:,}. Shorten your message."
+        )
     left = limit - fixed
 
     # the newest turns outrank the summary and retrieved text: keep room for them first
@@ -267,7 +285,7 @@ def plan(system: str, summary: str, turns: Sequence[Turn], chunks: Sequence[Chun
         kept.append(seg)
         n_history += len(seg)
     kept.reverse()
-    kept_turns = turns[len(turns) - len(kept):] if kept else []
+    kept_turns = turns[len(turns) - len(kept) :] if kept else []
 
     # 6) assemble, and check the sums against the ids
     sys_text = system_message(system, used_summary, used_facts)

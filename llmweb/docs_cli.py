@@ -37,8 +37,9 @@ class _Bar:
         if phase != self.phase:
             self.close()
             self.phase = phase
-            self.bar = self.tqdm(total=total, desc=phase, unit="chunk" if phase == "embedding" else "file",
-                                 file=sys.stderr)
+            self.bar = self.tqdm(
+                total=total, desc=phase, unit="chunk" if phase == "embedding" else "file", file=sys.stderr
+            )
         self.bar.total = total
         self.bar.n = done
         if phase == "reading":
@@ -62,8 +63,9 @@ def cmd_ingest(args) -> int:
     for r in reports:
         print(("ok    " if r.ok else "error ") + r.describe())
     failed = sum(not r.ok for r in reports)
-    print(f"{len(reports) - failed} of {len(reports)} files indexed; "
-          f"{len(library.shared)} chunks in the shared library.")
+    print(
+        f"{len(reports) - failed} of {len(reports)} files indexed; {len(library.shared)} chunks in the shared library."
+    )
     return 1 if failed and failed == len(reports) else 0
 
 

@@ -21,9 +21,10 @@ import codecs
 import hashlib
 import io
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .errors import InputError
 from .records import Chunk
@@ -77,8 +78,11 @@ def safe_name(name: str) -> str:
 
 def display_name(name: str) -> str:
     """Like `safe_name`, but keeps a relative path ("notes/2024/a.md") minus "..", "." and roots."""
-    parts = [p for p in re.split(r"[\\/]", str(name)) if p.strip() not in ("", ".", "..")
-             and not re.fullmatch(r"[A-Za-z]:", p)]
+    parts = [
+        p
+        for p in re.split(r"[\\/]", str(name))
+        if p.strip() not in ("", ".", "..") and not re.fullmatch(r"[A-Za-z]:", p)
+    ]
     if not parts:
         raise InputError(f"The file name {name!r} has no usable name part; rename the file and try again.")
     return "/".join(safe_name(p) for p in parts)
@@ -138,8 +142,13 @@ def parse_document(data: bytes, name: str, *, suffix: str | None = None) -> Docu
         sections = [Section(0, len(text))]
     if not text.strip():
         raise InputError(f"{name} contains no text.")
-    return Document(name=name, text=text, sections=tuple(s for s in sections if s.end > s.start),
-                    doc_id=hash_bytes(data), size=len(data))
+    return Document(
+        name=name,
+        text=text,
+        sections=tuple(s for s in sections if s.end > s.start),
+        doc_id=hash_bytes(data),
+        size=len(data),
+    )
 
 
 def _check_suffix(name: str, suffix: str) -> None:
@@ -153,8 +162,11 @@ def _normalise(text: str) -> str:
 
 
 def _decode_text(data: bytes, name: str) -> str:
-    for bom, codec in ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"),
-                       (codecs.BOM_UTF16_BE, "utf-16")):
+    for bom, codec in (
+        (codecs.BOM_UTF8, "utf-8-sig"),
+        (codecs.BOM_UTF16_LE, "utf-16"),
+        (codecs.BOM_UTF16_BE, "utf-16"),
+    ):
         if data.startswith(bom):
             try:
                 return data.decode(codec)
@@ -197,7 +209,9 @@ def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
     except InputError:
         raise
     except FileNotDecryptedError:
-        raise InputError(f"{name} is password-protected (encrypted); remove the password and upload it again.") from None
+        raise InputError(
+            f"{name} is password-protected (encrypted); remove the password and upload it again."
+        ) from None
     except Exception as e:  # pypdf raises many types (PdfReadError, KeyError, ValueError...) on damaged files
         raise InputError(f"{name} could not be read as a PDF (damaged or malformed: {type(e).__name__}).") from None
     parts: list[str] = []
@@ -248,9 +262,37 @@ def _parse_docx(data: bytes, name: str) -> tuple[str, list[Section]]:
 
 _HEADINGS = {"h1", "h2", "h3", "h4", "h5", "h6"}
 _BLOCKS = _HEADINGS | {
-    "p", "div", "section", "article", "main", "header", "footer", "nav", "aside", "li", "ul", "ol", "dl",
-    "dt", "dd", "table", "tr", "td", "th", "pre", "blockquote", "figure", "figcaption", "form", "hr",
-    "body", "html", "caption", "details", "summary", "address",
+    "p",
+    "div",
+    "section",
+    "article",
+    "main",
+    "header",
+    "footer",
+    "nav",
+    "aside",
+    "li",
+    "ul",
+    "ol",
+    "dl",
+    "dt",
+    "dd",
+    "table",
+    "tr",
+    "td",
+    "th",
+    "pre",
+    "blockquote",
+    "figure",
+    "figcaption",
+    "form",
+    "hr",
+    "body",
+    "html",
+    "caption",
+    "details",
+    "summary",
+    "address",
 }
 _SKIP = {"script", "style", "noscript", "template", "head", "svg", "iframe", "object"}
 
@@ -342,7 +384,9 @@ def _markdown_sections(text: str) -> list[Section]:
             nxt = lines[i + 1] if i + 1 < len(lines) else ""
             if m:
                 starts.append((pos, m.group(2)))
-            elif line.strip() and _SETEXT.match(nxt) and not _SETEXT.match(line) and (i == 0 or not lines[i - 1].strip()):
+            elif (
+                line.strip() and _SETEXT.match(nxt) and not _SETEXT.match(line) and (i == 0 or not lines[i - 1].strip())
+            ):
                 starts.append((pos, line.strip()))
         pos += len(line) + 1
     sections: list[Section] = []
@@ -390,8 +434,17 @@ def chunk_document(doc: Document, tokenizer, *, max_tokens: int, overlap: int) -
     for section in doc.sections:
         units = _units(doc.text, section, tokenizer, max_tokens)
         for start, end in _pack(doc.text, units, tokenizer, max_tokens, overlap):
-            chunks.append(Chunk(text=doc.text[start:end], source=doc.name, page=section.page,
-                                heading=section.heading, start=start, end=end, doc_id=doc.doc_id))
+            chunks.append(
+                Chunk(
+                    text=doc.text[start:end],
+                    source=doc.name,
+                    page=section.page,
+                    heading=section.heading,
+                    start=start,
+                    end=end,
+                    doc_id=doc.doc_id,
+                )
+            )
     return chunks
 
 
@@ -488,8 +541,11 @@ def _pack(text: str, units: list[_Unit], tokenizer, limit: int, overlap: int) ->
             break
         # Start the next chunk with trailing units of this one (the overlap), leaving room for units[j].
         k, carried = j, 0
-        while k - 1 > i and carried + units[k - 1].tokens <= overlap \
-                and carried + units[k - 1].tokens + units[j].tokens <= limit:
+        while (
+            k - 1 > i
+            and carried + units[k - 1].tokens <= overlap
+            and carried + units[k - 1].tokens + units[j].tokens <= limit
+        ):
             k -= 1
             carried += units[k].tokens
         i = k

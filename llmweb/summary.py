@@ -19,7 +19,7 @@ it is the summary's cutter; the planner (context.py) uses it too.
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from .records import Turn
 from .tokens import ChatFormat
@@ -46,24 +46,23 @@ def cap_text(text: str, max_tokens: int, count: Callable[[str], int]) -> str:
     lo, hi = 0, len(ends)  # binary search: the most whole words whose prefix fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if count(text[:ends[mid - 1]]) <= max_tokens:
+        if count(text[: ends[mid - 1]]) <= max_tokens:
             lo = mid
         else:
             hi = mid - 1
     if lo == 0:
         return ""
-    cut = text[:ends[lo - 1]]
+    cut = text[: ends[lo - 1]]
     sentence_ends = [m.end() for m in _SENTENCE_END.finditer(cut)]
     if sentence_ends:
-        sentence = cut[:sentence_ends[-1]]
+        sentence = cut[: sentence_ends[-1]]
         n = count(sentence)
         if 2 * n >= max_tokens and n <= max_tokens:
             return sentence
     return cut
 
 
-def turns_to_fold(turn_token_counts: Sequence[int], room: int, high: float, low: float,
-                  keep: int = KEEP_NEWEST) -> int:
+def turns_to_fold(turn_token_counts: Sequence[int], room: int, high: float, low: float, keep: int = KEEP_NEWEST) -> int:
     """How many of the oldest turns to fold into the summary now (0 = leave the window alone).
 
     `turn_token_counts` are the rendered sizes of the turns still in the window, oldest first;

@@ -16,8 +16,17 @@ import psutil
 
 from .records import GenerationStats, MemorySnapshot, TurnStats
 
-__all__ = ["GenerationStats", "MemorySnapshot", "TurnStats", "is_cuda", "memory_snapshot", "mib", "reset_peak",
-           "rss_bytes", "RssPeak"]
+__all__ = [
+    "GenerationStats",
+    "MemorySnapshot",
+    "TurnStats",
+    "is_cuda",
+    "memory_snapshot",
+    "mib",
+    "reset_peak",
+    "rss_bytes",
+    "RssPeak",
+]
 
 _PROC = psutil.Process(os.getpid())
 
@@ -75,6 +84,7 @@ class RssPeak:
 
 # ---- measurement helpers for the benchmarks (llmweb/bench/): peaks, leaks, freed memory
 # Standard-library imports are local so this block only appends to the module.
+
 
 def release_memory(device: str = "cpu") -> None:
     """Collect garbage and hand freed memory back (glibc malloc_trim; CUDA allocator cache)."""
@@ -162,7 +172,7 @@ class PeakMeter:
         self._thread: threading.Thread | None = None
         self._sampled = 0
 
-    def start(self) -> "PeakMeter":
+    def start(self) -> PeakMeter:
         import threading
 
         if is_cuda(self.device):

@@ -14,8 +14,9 @@ rendering with and without the message and taking the difference. No torch here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from .errors import ConfigError
 
@@ -48,7 +49,7 @@ class TemplateFormat:
         if not with_gen.startswith(probe):
             raise ConfigError("this model's chat template does not render a prompt as a sequence of messages")
         self._probe = probe
-        self._gen_text = with_gen[len(probe):]
+        self._gen_text = with_gen[len(probe) :]
         self._gen_ids = self._encode(self._gen_text)
         self.system_ids = lru_cache(maxsize=256)(self._system_ids)  # type: ignore[method-assign]
         self.message_ids = lru_cache(maxsize=cache_size)(self._message_ids)  # type: ignore[method-assign]
@@ -62,7 +63,8 @@ class TemplateFormat:
     def _render(self, messages, add_generation_prompt=False) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         except Exception as e:  # jinja's TemplateError for templates without a system role, etc.
             raise ConfigError(f"this model's chat template cannot render a system prompt: {e}") from e
 
@@ -75,7 +77,7 @@ class TemplateFormat:
     def _message_ids(self, role: str, text: str) -> list[int]:
         full = self._render([{"role": "system", "content": _PROBE_SYSTEM}, {"role": role, "content": text}])
         assert full.startswith(self._probe), "chat template is not prefix-stable"
-        return self._encode(full[len(self._probe):])
+        return self._encode(full[len(self._probe) :])
 
     def generation_prompt_ids(self) -> list[int]:
         return list(self._gen_ids)

@@ -30,9 +30,10 @@ import re
 import secrets
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import gradio as gr
 
@@ -40,8 +41,17 @@ from .accounts import gradio_auth
 from .chat import Delta, Finished, Queued, Started, clean_message
 from .errors import InputError, LlmwebError
 from .store import DEFAULT_TITLE, LOCAL_OWNER, Conversation, new_id
-from .ui_format import (SECTION_COLOURS, documents_markdown, fact_label, history_messages, ingest_markdown,
-                        plot_frames, sections_html, stats_markdown, summary_markdown)
+from .ui_format import (
+    SECTION_COLOURS,
+    documents_markdown,
+    fact_label,
+    history_messages,
+    ingest_markdown,
+    plot_frames,
+    sections_html,
+    stats_markdown,
+    summary_markdown,
+)
 
 DOC_TYPES = [".txt", ".md", ".pdf", ".html", ".htm", ".docx"]
 WAIT_READY_S = 600.0
@@ -63,9 +73,16 @@ def new_owner_token() -> str:
 
 
 def launch_kwargs(settings) -> dict:
-    return dict(server_name=settings.host, server_port=settings.port, auth=gradio_auth(settings),
-                max_file_size=f"{settings.max_file_mb}mb", show_error=True, css=CSS,
-                allowed_paths=[], footer_links=["api"])
+    return dict(
+        server_name=settings.host,
+        server_port=settings.port,
+        auth=gradio_auth(settings),
+        max_file_size=f"{settings.max_file_mb}mb",
+        show_error=True,
+        css=CSS,
+        allowed_paths=[],
+        footer_links=["api"],
+    )
 
 
 # ---- layout: components only, no behaviour
@@ -118,10 +135,12 @@ class Layout:
 def layout(status_text: Callable[[], str], secret: str) -> Layout:
     """Build every component inside the current `gr.Blocks`: a sidebar, the chat, the stats panel.
     `secret` encrypts what the browser keeps, with the same key after a restart."""
-    top = dict(owner_state=gr.BrowserState("", storage_key="llmweb_owner", secret=secret),
-               conv_state=gr.BrowserState("", storage_key="llmweb_conversation", secret=secret),
-               status=gr.Markdown(status_text, elem_id="llmweb-status"),  # a callable: fresh on every page load
-               timer=gr.Timer(1.0))
+    top = dict(
+        owner_state=gr.BrowserState("", storage_key="llmweb_owner", secret=secret),
+        conv_state=gr.BrowserState("", storage_key="llmweb_conversation", secret=secret),
+        status=gr.Markdown(status_text, elem_id="llmweb-status"),  # a callable: fresh on every page load
+        timer=gr.Timer(1.0),
+    )
     with gr.Row():
         with gr.Column(scale=1, min_width=220):
             sidebar = _sidebar()
@@ -143,32 +162,51 @@ def _sidebar() -> dict:
     delete_all_btn = gr.Button("Delete all my data", size="sm", variant="stop", elem_id="llmweb-delete-all")
     with gr.Row(visible=False) as confirm_row:
         gr.Markdown("Delete every chat, fact and uploaded document of yours? This cannot be undone.")
-        confirm_all_btn = gr.Button("Yes, delete everything", size="sm", variant="stop",
-                                    elem_id="llmweb-delete-all-confirm")
+        confirm_all_btn = gr.Button(
+            "Yes, delete everything", size="sm", variant="stop", elem_id="llmweb-delete-all-confirm"
+        )
         cancel_all_btn = gr.Button("Cancel", size="sm")
-    return dict(new_btn=new_btn, conv_list=conv_list, delete_btn=delete_btn, export_md=export_md,
-                export_json=export_json, delete_all_btn=delete_all_btn, confirm_row=confirm_row,
-                confirm_all_btn=confirm_all_btn, cancel_all_btn=cancel_all_btn)
+    return dict(
+        new_btn=new_btn,
+        conv_list=conv_list,
+        delete_btn=delete_btn,
+        export_md=export_md,
+        export_json=export_json,
+        delete_all_btn=delete_all_btn,
+        confirm_row=confirm_row,
+        confirm_all_btn=confirm_all_btn,
+        cancel_all_btn=cancel_all_btn,
+    )
 
 
 def _chat_column() -> dict:
     chatbot = gr.Chatbot(label="Chat", height=560, elem_id="llmweb-chat", buttons=["copy"])
     with gr.Row():
-        msg = gr.Textbox(placeholder="Ask anything (Enter to send)", show_label=False, scale=8,
-                         lines=1, max_lines=8, autofocus=True)
+        msg = gr.Textbox(
+            placeholder="Ask anything (Enter to send)", show_label=False, scale=8, lines=1, max_lines=8, autofocus=True
+        )
         send = gr.Button("Send", variant="primary", scale=0, min_width=90, elem_id="llmweb-send")
         stop = gr.Button("Stop", variant="stop", scale=0, min_width=90, elem_id="llmweb-stop")
     use_docs = gr.Checkbox(value=True, label="Answer from my documents when relevant")
     with gr.Accordion("Documents", open=False, elem_id="llmweb-documents"):
-        files = gr.File(label="Add documents", file_count="multiple", file_types=DOC_TYPES,
-                        elem_id="llmweb-upload")
+        files = gr.File(label="Add documents", file_count="multiple", file_types=DOC_TYPES, elem_id="llmweb-upload")
         ingest_md = gr.Markdown(elem_id="llmweb-ingest")
         docs_md = gr.Markdown(elem_id="llmweb-doclist")
         with gr.Row():
             remove_dd = gr.Dropdown(label="Remove a document", choices=[], scale=3)
             remove_btn = gr.Button("Remove", size="sm", scale=1)
-    return dict(chatbot=chatbot, msg=msg, send=send, stop=stop, use_docs=use_docs, files=files,
-                ingest_md=ingest_md, docs_md=docs_md, remove_dd=remove_dd, remove_btn=remove_btn)
+    return dict(
+        chatbot=chatbot,
+        msg=msg,
+        send=send,
+        stop=stop,
+        use_docs=use_docs,
+        files=files,
+        ingest_md=ingest_md,
+        docs_md=docs_md,
+        remove_dd=remove_dd,
+        remove_btn=remove_btn,
+    )
 
 
 def _panel_column() -> dict:
@@ -187,14 +225,32 @@ def _panel_column() -> dict:
             add_fact_btn = gr.Button("Remember", size="sm", scale=1)
     gr.Markdown("### This chat, turn by turn")
     # "~g": turn 1 reads "1", not "1.000000"; the sections keep the colours of the bar above
-    tokens_plot = gr.LinePlot(x="turn", y="tokens", color="section", height=220, x_axis_format="~g",
-                              color_map=SECTION_COLOURS, title="Prompt tokens by section",
-                              elem_id="llmweb-tokens-plot")
-    memory_plot = gr.LinePlot(x="turn", y="MiB", color="measure", height=220, x_axis_format="~g",
-                              title="Memory", elem_id="llmweb-memory-plot")
-    return dict(stats_md=stats_md, bar=bar, memory_md=memory_md, fact_dd=fact_dd, pin_btn=pin_btn,
-                unpin_btn=unpin_btn, del_fact_btn=del_fact_btn, new_fact=new_fact, add_fact_btn=add_fact_btn,
-                tokens_plot=tokens_plot, memory_plot=memory_plot)
+    tokens_plot = gr.LinePlot(
+        x="turn",
+        y="tokens",
+        color="section",
+        height=220,
+        x_axis_format="~g",
+        color_map=SECTION_COLOURS,
+        title="Prompt tokens by section",
+        elem_id="llmweb-tokens-plot",
+    )
+    memory_plot = gr.LinePlot(
+        x="turn", y="MiB", color="measure", height=220, x_axis_format="~g", title="Memory", elem_id="llmweb-memory-plot"
+    )
+    return dict(
+        stats_md=stats_md,
+        bar=bar,
+        memory_md=memory_md,
+        fact_dd=fact_dd,
+        pin_btn=pin_btn,
+        unpin_btn=unpin_btn,
+        del_fact_btn=del_fact_btn,
+        new_fact=new_fact,
+        add_fact_btn=add_fact_btn,
+        tokens_plot=tokens_plot,
+        memory_plot=memory_plot,
+    )
 
 
 # ---- handlers: one method per event, values and updates out, domain errors to toasts
@@ -204,12 +260,14 @@ def user_errors(fn):
     """Show a domain error's sentence as a `gr.Error` toast. Works for plain and generator functions
     (a generator must stay one, or Gradio would not stream it)."""
     if inspect.isgeneratorfunction(fn):
+
         @functools.wraps(fn)
         def stream(*args, **kwargs):
             try:
                 yield from fn(*args, **kwargs)
             except LlmwebError as e:
                 raise gr.Error(str(e)) from None
+
         return stream
 
     @functools.wraps(fn)
@@ -218,6 +276,7 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except LlmwebError as e:
             raise gr.Error(str(e)) from None
+
     return call
 
 
@@ -235,7 +294,7 @@ class Panel(NamedTuple):
     memory_plot: Any
 
     @classmethod
-    def streaming(cls, conv_id: str, messages: list[dict]) -> "Panel":
+    def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
         """While a reply streams, only the chat changes."""
         return cls(conv_id, messages, *[gr.skip()] * (len(cls._fields) - 2))
 
@@ -372,7 +431,7 @@ class Handlers:
 
     @user_errors
     def delete_everything(self, token, request: gr.Request) -> tuple:
-        """"Delete all my data", confirmed: every chat, fact, recall index and private document."""
+        """ "Delete all my data", confirmed: every chat, fact, recall index and private document."""
         owner = self.owner(token, request)
         n = self._chat().delete_owner(owner)
         gr.Info(f"Deleted {n} chats and your uploaded documents.")
@@ -388,11 +447,15 @@ class Handlers:
 
     @user_errors
     def pin_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
-        return self._fact(conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, True))
+        return self._fact(
+            conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, True)
+        )
 
     @user_errors
     def unpin_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
-        return self._fact(conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, False))
+        return self._fact(
+            conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, False)
+        )
 
     @user_errors
     def delete_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
@@ -451,8 +514,9 @@ class Handlers:
 
     # -- API endpoints (gr.api reads their type hints and docstrings)
     @user_errors
-    def api_chat(self, message: str, conversation_id: str = "",
-                 request: gr.Request = None) -> Iterator[tuple[str, str]]:  # type: ignore[assignment]
+    def api_chat(
+        self, message: str, conversation_id: str = "", request: gr.Request = None
+    ) -> Iterator[tuple[str, str]]:  # type: ignore[assignment]
         """Send one message; streams (reply so far, conversation_id). Pass that conversation_id back to
         continue the chat. Without login, the id is the key to the conversation: keep it private."""
         chat = self._chat()
@@ -510,7 +574,8 @@ def build_app(runtime) -> gr.Blocks:
         ev_submit = ui.msg.submit(h.respond, inputs, shown + [ui.msg], api_name="respond_enter", **private)
         ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], api_name="respond", **private)
         ui.stop.click(None, None, None, cancels=[ev_submit, ev_send]).then(
-            h.after_stop, [ui.conv_state, ui.chatbot] + me, shown, **private)
+            h.after_stop, [ui.conv_state, ui.chatbot] + me, shown, **private
+        )
         ui.new_btn.click(h.new_chat, me, shown, **private)
         ui.conv_list.input(h.switch, [ui.conv_list] + me, shown, **private)
         ui.delete_btn.click(h.delete_chat, [ui.conv_state] + me, shown, **private)
@@ -520,14 +585,18 @@ def build_app(runtime) -> gr.Blocks:
         ui.cancel_all_btn.click(lambda: gr.update(visible=False), None, ui.confirm_row, **private)
 
         ui.add_fact_btn.click(h.add_fact, [ui.conv_state, ui.new_fact] + me, shown + [ui.new_fact], **private)
-        for button, handler in ((ui.pin_btn, h.pin_fact), (ui.unpin_btn, h.unpin_fact),
-                                (ui.del_fact_btn, h.delete_fact)):
+        for button, handler in (
+            (ui.pin_btn, h.pin_fact),
+            (ui.unpin_btn, h.unpin_fact),
+            (ui.del_fact_btn, h.delete_fact),
+        ):
             button.click(handler, [ui.conv_state, ui.fact_dd] + me, shown + [ui.new_fact], **private)
 
         ui.timer.tick(h.tick, None, [ui.status, ui.timer], show_progress="hidden", **private)
         library = [ui.docs_md, ui.remove_dd]
         demo.load(h.visit, [ui.owner_state, ui.conv_state], [ui.owner_state] + shown, **private).then(
-            h.documents, me, library, **private)
+            h.documents, me, library, **private
+        )
         ui.confirm_all_btn.click(h.delete_everything, me, shown + library + [ui.confirm_row], **private)
         ui.files.upload(h.upload, [ui.files] + me, library + [ui.ingest_md, ui.files], **private)
         ui.remove_btn.click(h.remove_document, [ui.remove_dd] + me, library + [ui.ingest_md], **private)

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import html
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from .records import Source, TurnStats
 from .telemetry import mib
 
-SECTION_COLOURS = {"system": "#6b7280", "summary": "#8b5cf6", "facts": "#ec4899", "history": "#3b82f6",
-                   "recall": "#06b6d4", "retrieved": "#f59e0b", "user": "#10b981", "reserve": "#e5e7eb"}
+SECTION_COLOURS = {
+    "system": "#6b7280",
+    "summary": "#8b5cf6",
+    "facts": "#ec4899",
+    "history": "#3b82f6",
+    "recall": "#06b6d4",
+    "retrieved": "#f59e0b",
+    "user": "#10b981",
+    "reserve": "#e5e7eb",
+}
 NEAR = 0.9  # warn when a turn uses this share of the context or of the memory limit
 NO_TURNS = "*No turns yet. Ask something.*"
 STOPPED = "\n\n*(stopped)*"
@@ -28,8 +36,10 @@ def warnings(s: TurnStats, mem_limit_bytes: int = 0) -> list[str]:
     out = []
     used = s.gen.prompt_tokens + s.sections.get("reserve", 0)
     if s.context_limit and used >= NEAR * s.context_limit:
-        out.append(f"⚠️ This turn used {used:,} of {s.context_limit:,} context tokens; older turns will be "
-                   "summarised or left out.")
+        out.append(
+            f"⚠️ This turn used {used:,} of {s.context_limit:,} context tokens; older turns will be "
+            "summarised or left out."
+        )
     if s.dropped_turns:
         out.append(f"⚠️ {s.dropped_turns} older turns did not fit and were left out.")
     peak = s.mem.peak_rss_bytes or s.mem.rss_bytes
@@ -51,8 +61,10 @@ def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
         f"- first token after {g.ttft_s:.2f} s (queued {g.queue_wait_s:.2f} s); total {g.total_s:.1f} s",
     ]
     if mem.on_cuda:
-        lines.append(f"- GPU: allocated {mib(mem.cuda_allocated_bytes)}, reserved {mib(mem.cuda_reserved_bytes)}, "
-                     f"peak {mib(mem.cuda_peak_bytes)}")
+        lines.append(
+            f"- GPU: allocated {mib(mem.cuda_allocated_bytes)}, reserved {mib(mem.cuda_reserved_bytes)}, "
+            f"peak {mib(mem.cuda_peak_bytes)}"
+        )
     lines.append(f"- RSS {mib(mem.rss_bytes)} (peak this turn {mib(mem.peak_rss_bytes)})")
     lines.append(f"- KV cache: this chat {mib(g.kv_session_bytes)}, all chats {mib(g.kv_store_bytes)}")
     if s.dropped_turns or s.summarized_turns:
@@ -77,8 +89,7 @@ def sections_html(s: TurnStats | None) -> str:
         legend.append(f'<span><i style="background:{colour}"></i>{name} {n:,} ({pct:.0f}%)</span>')
     free = max(limit - sum(s.sections.values()), 0)
     legend.append(f"<span>free {free:,} of {limit:,}</span>")
-    return (f'<div class="llmweb-bar">{"".join(bars)}</div>'
-            f'<div class="llmweb-legend">{"".join(legend)}</div>')
+    return f'<div class="llmweb-bar">{"".join(bars)}</div><div class="llmweb-legend">{"".join(legend)}</div>'
 
 
 def sources_message(sources: Sequence[Source]) -> dict | None:
@@ -89,8 +100,11 @@ def sources_message(sources: Sequence[Source]) -> dict | None:
     for s in sources:
         snippet = _MD_LEAD.sub("", s.snippet)  # a chunk may start with "# Heading": not a heading here
         lines.append(f"**[{s.n}] {html.escape(s.label())}** · score {s.score:.2f}\n> {html.escape(snippet)}")
-    return {"role": "assistant", "content": "\n\n".join(lines),
-            "metadata": {"title": f"Sources ({len(sources)})", "status": "done"}}
+    return {
+        "role": "assistant",
+        "content": "\n\n".join(lines),
+        "metadata": {"title": f"Sources ({len(sources)})", "status": "done"},
+    }
 
 
 def history_messages(conv) -> list[dict]:
@@ -99,8 +113,9 @@ def history_messages(conv) -> list[dict]:
     for t in conv.turns:
         stopped = t.stats is not None and t.stats.stopped
         out.append({"role": "user", "content": t.user})
-        out.append({"role": "assistant", "content": (t.assistant or "") + (STOPPED if stopped else "")
-                    or "*(no reply)*"})
+        out.append(
+            {"role": "assistant", "content": (t.assistant or "") + (STOPPED if stopped else "") or "*(no reply)*"}
+        )
         src = sources_message(t.sources)
         if src:
             out.append(src)
@@ -112,14 +127,19 @@ def fact_label(f) -> str:
 
 
 def summary_markdown(conv) -> str:
-    parts = [f"**Summary of the first {conv.summarized_upto} turns:** {html.escape(conv.summary)}" if conv.summary
-             else "*No summary yet: the whole conversation still fits in the window.*"]
+    parts = [
+        f"**Summary of the first {conv.summarized_upto} turns:** {html.escape(conv.summary)}"
+        if conv.summary
+        else "*No summary yet: the whole conversation still fits in the window.*"
+    ]
     if conv.facts:
         parts.append("**Facts you stated** (kept word for word; 📌 = pinned, never dropped):")
         parts += [f"- {'📌 ' if f.pinned else ''}{html.escape(f.text)}" for f in conv.facts]
     else:
-        parts.append("*No facts kept yet. Facts you state are kept when their turn leaves the window; "
-                     "add one below to keep it now.*")
+        parts.append(
+            "*No facts kept yet. Facts you state are kept when their turn leaves the window; "
+            "add one below to keep it now.*"
+        )
     return "\n".join(parts)
 
 
@@ -129,7 +149,8 @@ def documents_markdown(docs) -> str:
         return "*No documents yet. Add .txt, .md, .pdf, .html or .docx files above.*"
     rows = ["| document | chunks | whose |", "|---|---:|---|"] + [
         f"| {html.escape(d.source)} | {d.chunks} | {'yours (private)' if d.scope == 'yours' else 'shared'} |"
-        for d in docs]
+        for d in docs
+    ]
     return "\n".join(rows)
 
 
@@ -138,8 +159,12 @@ def ingest_markdown(reports) -> str:
     return "\n\n".join(("✅ " if r.ok else "⚠️ ") + html.escape(r.describe()) for r in reports)
 
 
-_MEMORY_MEASURES = (("rss_bytes", "RSS"), ("cuda_allocated_bytes", "GPU allocated"),
-                    ("cuda_reserved_bytes", "GPU reserved"), ("cuda_peak_bytes", "GPU peak"))
+_MEMORY_MEASURES = (
+    ("rss_bytes", "RSS"),
+    ("cuda_allocated_bytes", "GPU allocated"),
+    ("cuda_reserved_bytes", "GPU reserved"),
+    ("cuda_peak_bytes", "GPU peak"),
+)
 _KV_MEASURES = (("kv_session_bytes", "KV this chat"), ("kv_store_bytes", "KV all chats"))
 
 
@@ -154,9 +179,14 @@ def plot_frames(conv):
             continue
         tokens += [{"turn": turn, "section": name, "tokens": n} for name, n in s.sections.items() if name != "reserve"]
         if s.gen.mem is not None:
-            memory += [{"turn": turn, "measure": label, "MiB": getattr(s.mem, key) / 2**20}
-                       for key, label in _MEMORY_MEASURES if getattr(s.mem, key) is not None]
+            memory += [
+                {"turn": turn, "measure": label, "MiB": getattr(s.mem, key) / 2**20}
+                for key, label in _MEMORY_MEASURES
+                if getattr(s.mem, key) is not None
+            ]
         memory += [{"turn": turn, "measure": label, "MiB": getattr(s.gen, key) / 2**20} for key, label in _KV_MEASURES]
     # numeric dtypes even when empty: an empty frame of objects would make the plot's axes categorical
-    return (pd.DataFrame(tokens, columns=["turn", "section", "tokens"]).astype({"turn": "int64", "tokens": "float64"}),
-            pd.DataFrame(memory, columns=["turn", "measure", "MiB"]).astype({"turn": "int64", "MiB": "float64"}))
+    return (
+        pd.DataFrame(tokens, columns=["turn", "section", "tokens"]).astype({"turn": "int64", "tokens": "float64"}),
+        pd.DataFrame(memory, columns=["turn", "measure", "MiB"]).astype({"turn": "int64", "MiB": "float64"}),
+    )

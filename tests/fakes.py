@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class FakeFormat:
@@ -76,11 +76,11 @@ class FakeRunner:
         self.empties = 0
 
     # scripting
-    def enqueue(self, *replies: Sequence[int]) -> "FakeRunner":
+    def enqueue(self, *replies: Sequence[int]) -> FakeRunner:
         self._replies.extend(list(r) for r in replies)
         return self
 
-    def fail_next(self, exc: Exception | None = None, *, oom: bool = False) -> "FakeRunner":
+    def fail_next(self, exc: Exception | None = None, *, oom: bool = False) -> FakeRunner:
         assert oom or exc is not None, "give an exception, or oom=True"
         self._failures.append(None if oom else exc)
         return self
@@ -114,16 +114,21 @@ class FakeRunner:
                 return None
             raise failure
         prompt = list(request.prompt_ids)
-        reply = self._replies.pop(0) if self._replies else prompt[-self.default_len:]
+        reply = self._replies.pop(0) if self._replies else prompt[-self.default_len :]
         held = self._sessions.get(request.session_id or "", [])
         reused = reusable(held, prompt) if request.session_id else 0
-        stats = GenerationStats(prompt_tokens=len(prompt), reused_tokens=reused, prefilled_tokens=len(prompt) - reused,
-                                predicted_bytes=predicted, mem=MemorySnapshot(rss_bytes=1))
+        stats = GenerationStats(
+            prompt_tokens=len(prompt),
+            reused_tokens=reused,
+            prefilled_tokens=len(prompt) - reused,
+            predicted_bytes=predicted,
+            mem=MemorySnapshot(rss_bytes=1),
+        )
         t0 = time.perf_counter()
         self.running.set()
         try:
             finish, out = "length", []
-            for i, tok in enumerate(reply[:request.max_new_tokens]):
+            for i, tok in enumerate(reply[: request.max_new_tokens]):
                 if self.token_delay_s:
                     time.sleep(self.token_delay_s)
                 if i == 0:

@@ -100,8 +100,14 @@ def test_unknown_and_invalid_names_cost_one_hash_like_real_users(users_path, mon
     calls = []
     real = Scrypt.hash
     monkeypatch.setattr(Scrypt, "hash", lambda self, pw, salt: calls.append(1) or real(self, pw, salt))
-    for name, pw in [("alice", SECRET), ("alice", OTHER), ("carol", "pw"), ("mallory", SECRET),
-                     ("bad name", SECRET), ("x" * 500, SECRET)]:
+    for name, pw in [
+        ("alice", SECRET),
+        ("alice", OTHER),
+        ("carol", "pw"),
+        ("mallory", SECRET),
+        ("bad name", SECRET),
+        ("x" * 500, SECRET),
+    ]:
         calls.clear()
         acc.verify(name, pw)
         assert len(calls) == 1, name[:20]
@@ -150,18 +156,22 @@ def test_a_users_file_that_does_not_exist_yet_is_empty_until_a_user_is_added(use
     assert acc.verify("alice", SECRET)
 
 
-@pytest.mark.parametrize("content", [
-    b"not json at all",
-    b"\x80\x04\x95pickle\x94.",
-    b"[]",
-    b'{"format": "something.else", "version": 1, "users": {}}',
-    b'{"format": "llmweb.users", "version": 2, "users": {}}',
-    b'{"format": "llmweb.users", "version": 1, "users": []}',
-    b'{"format": "llmweb.users", "version": 1, "users": {"a b": {}}}',
-    b'{"format": "llmweb.users", "version": 1, "users": {"alice": {"salt": "zz", "hash": "00", "n": 16, "r": 1, "p": 1}}}',
-    b'{"format": "llmweb.users", "version": 1, "users": {"alice": {"salt": "00", "hash": "' + b"00" * 32
-    + b'", "n": 1099511627776, "r": 8, "p": 1}}}',
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"not json at all",
+        b"\x80\x04\x95pickle\x94.",
+        b"[]",
+        b'{"format": "something.else", "version": 1, "users": {}}',
+        b'{"format": "llmweb.users", "version": 2, "users": {}}',
+        b'{"format": "llmweb.users", "version": 1, "users": []}',
+        b'{"format": "llmweb.users", "version": 1, "users": {"a b": {}}}',
+        b'{"format": "llmweb.users", "version": 1, "users": {"alice": {"salt": "zz", "hash": "00", "n": 16, "r": 1, "p": 1}}}',
+        b'{"format": "llmweb.users", "version": 1, "users": {"alice": {"salt": "00", "hash": "'
+        + b"00" * 32
+        + b'", "n": 1099511627776, "r": 8, "p": 1}}}',
+    ],
+)
 def test_a_malformed_users_file_is_a_config_error_naming_the_file(users_path, content):
     users_path.parent.mkdir(parents=True)
     users_path.write_bytes(content)
@@ -203,11 +213,14 @@ def test_env_pairs_win_over_the_file_for_the_same_name(tmp_path, users_path):
     assert acc.verify("bob", OTHER)
 
 
-@pytest.mark.parametrize("auth, message", [
-    ("bad name:pw", "LLMWEB_AUTH: user name 'bad name' is not valid"),
-    ("alice:", "empty password"),
-    ("alice:a,alice:b", "appears twice"),
-])
+@pytest.mark.parametrize(
+    "auth, message",
+    [
+        ("bad name:pw", "LLMWEB_AUTH: user name 'bad name' is not valid"),
+        ("alice:", "empty password"),
+        ("alice:a,alice:b", "appears twice"),
+    ],
+)
 def test_bad_env_pairs_are_config_errors_that_show_names_not_passwords(tmp_path, auth, message):
     with pytest.raises(ConfigError, match=message) as info:
         Accounts.from_settings(Settings(data_dir=tmp_path, auth=auth))
@@ -319,8 +332,10 @@ def test_no_password_or_hash_reaches_the_log(users_path, settings, monkeypatch, 
         assert not acc.verify("alice", OTHER)
         assert not acc.verify(SECRET, SECRET), "a password typed into the name field"
         assert not acc.verify("carol", SECRET)
-        for argv, pw in [(["add", "alice", "--password-stdin", *f], OTHER),
-                         (["add", "dave", "--password-stdin", *f], SECRET[:5])]:
+        for argv, pw in [
+            (["add", "alice", "--password-stdin", *f], OTHER),
+            (["add", "dave", "--password-stdin", *f], SECRET[:5]),
+        ]:
             with pytest.raises(LlmwebError) as info:
                 user_cli(argv, settings, monkeypatch, pw)
             errors.append(str(info.value))

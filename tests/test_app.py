@@ -8,9 +8,9 @@ import pytest
 from gradio_client import Client
 
 from llmweb.runtime import Runtime
+from llmweb.store import LOCAL_OWNER as LOCAL
 from llmweb.ui import build_app
 from tests.conftest import make_settings
-from llmweb.store import LOCAL_OWNER as LOCAL
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def test_ui_panel_and_plots_update_after_each_turn(served):
     history, conv = [], ""
     for turn, question in enumerate(["What is the capital of France?", "And of Italy?"], 1):
         conv, history, _lst, stats_md, bar, _memory, _facts, tokens, memory, _msg = client.predict(
-            question, history, conv, True, api_name="/respond")
+            question, history, conv, True, api_name="/respond"
+        )
         assert f"**Turn {turn}**" in stats_md and "prompt **" in stats_md
         assert "llmweb-bar" in bar and "system" in bar
         token_turns = {row[0] for row in tokens["data"]}

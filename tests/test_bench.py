@@ -19,15 +19,20 @@ from llmweb import bench
 from llmweb.bench import capacity, memory, suite
 from llmweb.bench.common import write_reports
 from llmweb.cli import build_parser
-
 from tests.conftest import MODEL_CACHE, REPO, make_settings
 
 
 def run_cli(tmp_path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, LLMWEB_DATA_DIR=str(tmp_path / "data"), LLMWEB_CACHE_DIR=str(MODEL_CACHE),
-               LLMWEB_SAMPLE_DOCS="0", LLMWEB_DEVICE="cpu")
-    done = subprocess.run([sys.executable, "-m", "llmweb", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env = dict(
+        os.environ,
+        LLMWEB_DATA_DIR=str(tmp_path / "data"),
+        LLMWEB_CACHE_DIR=str(MODEL_CACHE),
+        LLMWEB_SAMPLE_DOCS="0",
+        LLMWEB_DEVICE="cpu",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "llmweb", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
 
@@ -65,11 +70,14 @@ def test_capacity_command_writes_table_csv_and_plot(tmp_path):
         baseline, peak, limit = (int(r[c]) for c in ("measured_baseline_bytes", "measured_peak_bytes", "limit_bytes"))
         fits = max(baseline + int(r["predicted_growth_bytes"]), peak) <= limit  # nothing was refused or evicted
         assert r["fits"] == str(fits), "fits: the larger of predicted and measured peak is under the limit"
-        pred = {c: int(r[c]) for c in ("predicted_weights_bytes", "predicted_kv_bytes",
-                                        "predicted_activation_bytes", "predicted_bytes")}
+        pred = {
+            c: int(r[c])
+            for c in ("predicted_weights_bytes", "predicted_kv_bytes", "predicted_activation_bytes", "predicted_bytes")
+        }
         assert min(pred.values()) > 0
-        assert pred["predicted_bytes"] == (pred["predicted_weights_bytes"] + pred["predicted_kv_bytes"]
-                                           + pred["predicted_activation_bytes"])
+        assert pred["predicted_bytes"] == (
+            pred["predicted_weights_bytes"] + pred["predicted_kv_bytes"] + pred["predicted_activation_bytes"]
+        )
         assert int(r["measured_peak_bytes"]) >= int(r["measured_baseline_bytes"]) > 0
         # every session's cache stays resident: prompt + reply - 1 tokens each, in bf16 (23,040 B/token)
         assert 0 < int(r["resident_kv_bytes"]) <= k * (prompt + 8) * 23_040
@@ -101,9 +109,19 @@ def test_bench_without_a_subcommand_is_the_suite():
 @pytest.fixture(scope="module")
 def suite_result(nf4_model, tmp_path_factory):
     settings = make_settings(tmp_path_factory.mktemp("suite"), device="cpu")
-    return settings, suite.run(settings, turns=6, ttft_new_tokens=8, chunks=30, replay_turns=8, warmup_turns=2,
-                               replay_context=512, replay_new_tokens=8, overhead_tokens=6, overhead_repeats=1,
-                               loaded=nf4_model)
+    return settings, suite.run(
+        settings,
+        turns=6,
+        ttft_new_tokens=8,
+        chunks=30,
+        replay_turns=8,
+        warmup_turns=2,
+        replay_context=512,
+        replay_new_tokens=8,
+        overhead_tokens=6,
+        overhead_repeats=1,
+        loaded=nf4_model,
+    )
 
 
 def test_suite_reports_every_section(suite_result):
@@ -125,8 +143,9 @@ def test_suite_reports_every_section(suite_result):
     assert m["kv_growth_bytes"] == b["kv_store_bytes"] - a["kv_store_bytes"]
     assert m["unexplained_growth_bytes"] == m["mem_growth_bytes"] - m["kv_growth_bytes"]
     assert m["tensor_growth"] == b["tensors_outside_kv"] - a["tensors_outside_kv"]
-    assert m["leak_suspected"] == (m["unexplained_growth_bytes"] > m["leak_threshold_bytes"]
-                                   or m["tensor_growth"] > memory.LEAK_TENSOR_SLACK)
+    assert m["leak_suspected"] == (
+        m["unexplained_growth_bytes"] > m["leak_threshold_bytes"] or m["tensor_growth"] > memory.LEAK_TENSOR_SLACK
+    )
     assert r["retrieval"]["chunks"] > 0 and r["retrieval"]["requested_chunks"] == 30
     assert not (settings.data_dir / "llmweb.sqlite3").exists(), "the suite's chats run in a scratch data dir"
 
@@ -134,8 +153,13 @@ def test_suite_reports_every_section(suite_result):
 def test_suite_writes_markdown_and_json(suite_result):
     settings, r = suite_result
     md = suite.markdown(r)
-    for heading in ("## Environment", "## Engine overhead", "## TTFT over 6 turns", "## Memory over a 8-turn replay",
-                    "## Retrieval (30 chunks"):
+    for heading in (
+        "## Environment",
+        "## Engine overhead",
+        "## TTFT over 6 turns",
+        "## Memory over a 8-turn replay",
+        "## Retrieval (30 chunks",
+    ):
         assert heading in md
     assert "Ratio ours / bare:" in md and "growth the KV store does not explain" in md
     paths = write_reports(r, md, settings.data_dir)

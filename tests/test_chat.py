@@ -10,8 +10,8 @@ from llmweb.errors import InputError
 from llmweb.library import LOCAL_OWNER
 from llmweb.records import Source
 from llmweb.runtime import Runtime
-from tests.conftest import make_settings
 from llmweb.store import LOCAL_OWNER as LOCAL
+from tests.conftest import make_settings
 
 
 def run_turn(chat, conv, text, **kw):
@@ -26,8 +26,10 @@ def run_turn(chat, conv, text, **kw):
 
 @pytest.fixture
 def small_runtime(tmp_path, fp32_model):
-    rt = Runtime(make_settings(tmp_path, context_limit=512, max_new_tokens=40, summary_tokens=64,
-                               quant="fp32"), loaded=fp32_model).start(background=False)
+    rt = Runtime(
+        make_settings(tmp_path, context_limit=512, max_new_tokens=40, summary_tokens=64, quant="fp32"),
+        loaded=fp32_model,
+    ).start(background=False)
     yield rt
     rt.close()
 
@@ -68,8 +70,17 @@ def test_reuse_gives_the_same_replies_over_15_turns_with_a_compression(tmp_path,
     replies = {}
     summaries = {}
     for mode in (True, False):
-        rt = Runtime(make_settings(tmp_path / str(mode), context_limit=512, max_new_tokens=40, summary_tokens=64,
-                                   kv_reuse=mode, quant="fp32"), loaded=fp32_model).start(background=False)
+        rt = Runtime(
+            make_settings(
+                tmp_path / str(mode),
+                context_limit=512,
+                max_new_tokens=40,
+                summary_tokens=64,
+                kv_reuse=mode,
+                quant="fp32",
+            ),
+            loaded=fp32_model,
+        ).start(background=False)
         try:
             conv = rt.store.create_conversation(LOCAL)
             out, reused = [], []
@@ -116,8 +127,9 @@ def test_closing_the_stream_cancels_and_keeps_the_partial_reply(small_runtime):
 
 
 def test_question_about_the_sample_guide_cites_it(tmp_path, fp32_model):
-    rt = Runtime(make_settings(tmp_path, sample_docs=True, max_new_tokens=32, quant="fp32"),
-                 loaded=fp32_model).start(background=False)
+    rt = Runtime(make_settings(tmp_path, sample_docs=True, max_new_tokens=32, quant="fp32"), loaded=fp32_model).start(
+        background=False
+    )
     try:
         # data/sample is ingested as a folder: its files are named "<folder>/<relative path>"
         assert [d.source for d in rt.library.documents(LOCAL_OWNER)] == ["sample/llmweb-guide.md"]
@@ -127,8 +139,11 @@ def test_question_about_the_sample_guide_cites_it(tmp_path, fp32_model):
         top = fin.sources[0]
         assert all(isinstance(s, Source) for s in fin.sources)
         assert [s.n for s in fin.sources] == list(range(1, len(fin.sources) + 1))
-        assert (top.source, top.heading, top.kind) == ("sample/llmweb-guide.md", "How do I change the model?",
-                                                       "document")
+        assert (top.source, top.heading, top.kind) == (
+            "sample/llmweb-guide.md",
+            "How do I change the model?",
+            "document",
+        )
         assert top.label() == "sample/llmweb-guide.md, How do I change the model?"
         assert fin.stats.sections["retrieved"] > 0
         assert "LLMWEB_MODEL" in fin.prompt_text()

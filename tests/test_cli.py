@@ -2,26 +2,47 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 from llmweb.cli import replay_line
 from tests.conftest import MODEL_CACHE, REPO
 
-KEYS = {"turn", "prompt_tokens", "generated_tokens", "ttft_s", "decode_tok_s", "total_s", "reply", "mem",
-        "sections", "dropped_turns", "summarized_turns", "summary_tokens", "reused_tokens", "prefilled_tokens",
-        "kv_session_bytes", "kv_store_bytes"}
+KEYS = {
+    "turn",
+    "prompt_tokens",
+    "generated_tokens",
+    "ttft_s",
+    "decode_tok_s",
+    "total_s",
+    "reply",
+    "mem",
+    "sections",
+    "dropped_turns",
+    "summarized_turns",
+    "summary_tokens",
+    "reused_tokens",
+    "prefilled_tokens",
+    "kv_session_bytes",
+    "kv_store_bytes",
+}
 
 
 def run_cli(tmp_path, *args, **env):
-    full_env = {**os.environ, "LLMWEB_DATA_DIR": str(tmp_path / "data"), "LLMWEB_CACHE_DIR": str(MODEL_CACHE),
-                "LLMWEB_SAMPLE_DOCS": "0", **env}
-    return subprocess.run([sys.executable, "-m", "llmweb", *args], cwd=REPO, env=full_env, capture_output=True,
-                          text=True, timeout=900)
+    full_env = {
+        **os.environ,
+        "LLMWEB_DATA_DIR": str(tmp_path / "data"),
+        "LLMWEB_CACHE_DIR": str(MODEL_CACHE),
+        "LLMWEB_SAMPLE_DOCS": "0",
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "llmweb", *args], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.mark.slow  # loads the real model in a subprocess
@@ -61,7 +82,10 @@ def test_replay_reports_refused_turns_goes_on_and_exits_1(tmp_path):
 
 
 def test_replay_prints_a_refused_turn_for_people():
-    assert replay_line({"turn": 2, "user": " ", "error": "Your message is empty."}) == "[2] refused: Your message is empty.\n"
+    assert (
+        replay_line({"turn": 2, "user": " ", "error": "Your message is empty."})
+        == "[2] refused: Your message is empty.\n"
+    )
     row = {"turn": 1, "prompt_tokens": 30, "reused_tokens": 0, "generated_tokens": 5, "ttft_s": 0.25, "reply": "Blue."}
     assert replay_line(row) == "[1] 30 prompt tokens (0 reused), 5 generated, TTFT 0.25 s\nBlue.\n"
 

@@ -14,8 +14,15 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_env_values_are_parsed_and_checked():
-    s = Settings.from_env({"LLMWEB_QUANT": "fp32", "LLMWEB_KV_REUSE": "0", "LLMWEB_TOP_K": "3",
-                           "LLMWEB_HISTORY_HIGH": "0.9", "LLMWEB_DATA_DIR": "/tmp/x"})
+    s = Settings.from_env(
+        {
+            "LLMWEB_QUANT": "fp32",
+            "LLMWEB_KV_REUSE": "0",
+            "LLMWEB_TOP_K": "3",
+            "LLMWEB_HISTORY_HIGH": "0.9",
+            "LLMWEB_DATA_DIR": "/tmp/x",
+        }
+    )
     assert (s.quant, s.kv_reuse, s.top_k, s.history_high, str(s.data_dir)) == ("fp32", False, 3, 0.9, "/tmp/x")
     with pytest.raises(ConfigError, match="LLMWEB_QUANT must be one of"):
         Settings.from_env({"LLMWEB_QUANT": "3bit"})

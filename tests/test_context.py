@@ -32,8 +32,9 @@ def words(n: int, w: str = "w") -> str:
 
 
 def budget(limit=1000, new=100, summary=50, retrieved=200, user=300) -> Budget:
-    return Budget(context_limit=limit, max_new_tokens=new, summary_tokens=summary,
-                  retrieved_tokens=retrieved, user_tokens=user)
+    return Budget(
+        context_limit=limit, max_new_tokens=new, summary_tokens=summary, retrieved_tokens=retrieved, user_tokens=user
+    )
 
 
 def check_invariants(p, fmt, system, turns, user_message, b):
@@ -44,13 +45,13 @@ def check_invariants(p, fmt, system, turns, user_message, b):
     assert p.free >= 0
     # the system message is first and whole; the system prompt's own words are its uncut start
     sys_ids = fmt.system_ids(system)
-    assert list(p.ids[:len(sys_ids) - 1]) == sys_ids[:-1]
+    assert list(p.ids[: len(sys_ids) - 1]) == sys_ids[:-1]
     assert p.messages[0] == ("system", system_message(system, p.summary, p.facts))
     # ids are exactly whole rendered messages: nothing split, nothing else
     assert list(p.ids) == render_prompt(fmt, p.messages[0][1], p.messages[1:])
     # history: the newest turns, whole and contiguous up to the last one
     assert p.kept_turns + p.dropped_turns == len(turns)
-    newest = turns[len(turns) - p.kept_turns:] if p.kept_turns else []
+    newest = turns[len(turns) - p.kept_turns :] if p.kept_turns else []
     expected = [m for t in newest for m in (("user", t.user), ("assistant", t.assistant))]
     assert list(p.messages[1:-1]) == expected
     assert p.sections["history"] == sum(turn_tokens(fmt, t) for t in newest)
@@ -66,12 +67,15 @@ def check_invariants(p, fmt, system, turns, user_message, b):
 def test_layout_sections_and_numbering():
     fmt = FakeFormat()
     turns = [Turn("hi there", "hello"), Turn("what is x", "x is y")]
-    chunks = [Chunk("low text", "notes.txt", score=0.3),
-              Chunk("guide text here", "guide.md", page=2, score=0.9)]
+    chunks = [Chunk("low text", "notes.txt", score=0.3), Chunk("guide text here", "guide.md", page=2, score=0.9)]
     p = plan(SYSTEM, "The user likes x.", turns, chunks, "and z?", budget(), fmt)
     assert p.messages[0] == ("system", f"{SYSTEM}\n\n{SUMMARY_HEADER}\nThe user likes x.")
-    assert p.messages[1:5] == (("user", "hi there"), ("assistant", "hello"),
-                               ("user", "what is x"), ("assistant", "x is y"))
+    assert p.messages[1:5] == (
+        ("user", "hi there"),
+        ("assistant", "hello"),
+        ("user", "what is x"),
+        ("assistant", "x is y"),
+    )
     assert [c.source for c in p.chunks] == ["guide.md", "notes.txt"]  # best score first, tagged [1], [2]
     last = p.messages[-1][1]
     assert last == "and z?\n\nSources:\n[1] guide.md, p. 2:\nguide text here\n\n[2] notes.txt:\nlow text"
@@ -90,7 +94,7 @@ def test_no_summary_means_plain_system_prompt_prefix():
     fmt = FakeFormat()
     p = plan(SYSTEM, "  ", [], [], "hi", budget(), fmt)
     assert p.messages[0] == ("system", SYSTEM)
-    assert list(p.ids[:len(fmt.system_ids(SYSTEM))]) == fmt.system_ids(SYSTEM)
+    assert list(p.ids[: len(fmt.system_ids(SYSTEM))]) == fmt.system_ids(SYSTEM)
     assert p.sections["summary"] == 0 and p.summary == "" and p.summary_cut == 0
 
 
@@ -217,28 +221,53 @@ def test_compose_user_message_plain():
 
 text = st.integers(0, 25).map(lambda n: words(n, "t"))
 turn_st = st.builds(Turn, text, text)
-chunk_st = st.builds(Chunk, st.integers(1, 40).map(lambda n: words(n, "c")), st.sampled_from(["a.md", "b.pdf"]),
-                     page=st.one_of(st.none(), st.integers(1, 9)), score=st.floats(0, 1))
-recall_st = st.builds(Chunk, st.integers(1, 30).map(lambda n: words(n, "r")), st.just("this conversation"),
-                      score=st.floats(0, 1), kind=st.just("recall"))
+chunk_st = st.builds(
+    Chunk,
+    st.integers(1, 40).map(lambda n: words(n, "c")),
+    st.sampled_from(["a.md", "b.pdf"]),
+    page=st.one_of(st.none(), st.integers(1, 9)),
+    score=st.floats(0, 1),
+)
+recall_st = st.builds(
+    Chunk,
+    st.integers(1, 30).map(lambda n: words(n, "r")),
+    st.just("this conversation"),
+    score=st.floats(0, 1),
+    kind=st.just("recall"),
+)
 fact_st = st.builds(FactLike, st.integers(1, 12).map(lambda n: words(n, "f")), st.booleans())
 budget_st = st.builds(
     lambda limit, new_frac, s, r, u, f: Budget(limit, max(1, int(limit * new_frac)), s, r, u, f),
-    st.integers(10, 600), st.floats(0.01, 0.4), st.integers(0, 60), st.integers(0, 200), st.integers(1, 100),
-    st.integers(0, 60))
+    st.integers(10, 600),
+    st.floats(0.01, 0.4),
+    st.integers(0, 60),
+    st.integers(0, 200),
+    st.integers(1, 100),
+    st.integers(0, 60),
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(system=st.integers(0, 20).map(lambda n: words(n, "s")), summary=st.integers(0, 80).map(lambda n: words(n, "m")),
-       turns=st.lists(turn_st, max_size=12), chunks=st.lists(chunk_st, max_size=6),
-       recall=st.lists(recall_st, max_size=3), user_len=st.one_of(st.integers(0, 15), st.integers(0, 120)),
-       facts=st.lists(fact_st, max_size=6), b=budget_st)
+@given(
+    system=st.integers(0, 20).map(lambda n: words(n, "s")),
+    summary=st.integers(0, 80).map(lambda n: words(n, "m")),
+    turns=st.lists(turn_st, max_size=12),
+    chunks=st.lists(chunk_st, max_size=6),
+    recall=st.lists(recall_st, max_size=3),
+    user_len=st.one_of(st.integers(0, 15), st.integers(0, 120)),
+    facts=st.lists(fact_st, max_size=6),
+    b=budget_st,
+)
 def test_plan_invariants(system, summary, turns, chunks, recall, user_len, facts, b):
     fmt = FakeFormat()
     user_message = words(user_len, "u")
     pinned = [f for f in facts if f.pinned]
-    fixed = (len(fmt.system_ids(system_message(system, "", pinned))) + len(fmt.message_ids("user", user_message))
-             + len(fmt.generation_prompt_ids()) + b.max_new_tokens)
+    fixed = (
+        len(fmt.system_ids(system_message(system, "", pinned)))
+        + len(fmt.message_ids("user", user_message))
+        + len(fmt.generation_prompt_ids())
+        + b.max_new_tokens
+    )
     if user_len > b.user_tokens or fixed > b.context_limit:
         with pytest.raises(InputError) as e:
             plan(system, summary, turns, chunks, user_message, b, fmt, recall=recall, facts=facts)
@@ -282,10 +311,15 @@ def test_pinned_facts_survive_a_budget_squeeze_that_cuts_everything_else():
     """The squeeze that used to cut the tail of "summary + facts" (the facts block, pinned ones too)."""
     fmt = FakeFormat()
     turns = [Turn(f"question {i} " + "q " * 10, f"answer {i} " + "a " * 10) for i in range(6)]
-    facts = [FactLike("my locker code is Zanzibar-7781", True), FactLike("old unpinned fact here", False),
-             FactLike("I live in Tromso", True), FactLike("newest unpinned fact", False)]
-    b = Budget(context_limit=120, max_new_tokens=20, summary_tokens=80, retrieved_tokens=50, user_tokens=50,
-               facts_tokens=20)
+    facts = [
+        FactLike("my locker code is Zanzibar-7781", True),
+        FactLike("old unpinned fact here", False),
+        FactLike("I live in Tromso", True),
+        FactLike("newest unpinned fact", False),
+    ]
+    b = Budget(
+        context_limit=120, max_new_tokens=20, summary_tokens=80, retrieved_tokens=50, user_tokens=50, facts_tokens=20
+    )
     p = plan("sys", "summary " * 70, turns, [], "what is my locker code?", b, fmt, facts=facts)
     system_text = p.messages[0][1]
     assert "- my locker code is Zanzibar-7781" in system_text and "- I live in Tromso" in system_text

@@ -11,7 +11,13 @@ import io
 import pytest
 
 from llmweb.documents import (
-    SUPPORTED_SUFFIXES, chunk_document, count_tokens, display_name, load_document, parse_document, safe_name,
+    SUPPORTED_SUFFIXES,
+    chunk_document,
+    count_tokens,
+    display_name,
+    load_document,
+    parse_document,
+    safe_name,
 )
 from llmweb.errors import InputError
 
@@ -38,13 +44,19 @@ def make_pdf(pages: list[str]) -> bytes:
     """A minimal valid PDF with one Helvetica text line per "\\n"-separated line, one page each."""
     n = len(pages)
     kids = " ".join(f"{4 + 2 * i} 0 R" for i in range(n))
-    objs = [b"<< /Type /Catalog /Pages 2 0 R >>",
-            f"<< /Type /Pages /Kids [{kids}] /Count {n} >>".encode(),
-            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    objs = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        f"<< /Type /Pages /Kids [{kids}] /Count {n} >>".encode(),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
     for i, text in enumerate(pages):
-        stream = "BT /F1 12 Tf 14 TL 72 720 Td " + " ".join(f"({_esc(line)}) Tj T*" for line in text.split("\n")) + " ET"
-        objs.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
-                    f"/Contents {5 + 2 * i} 0 R >>".encode())
+        stream = (
+            "BT /F1 12 Tf 14 TL 72 720 Td " + " ".join(f"({_esc(line)}) Tj T*" for line in text.split("\n")) + " ET"
+        )
+        objs.append(
+            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
+            f"/Contents {5 + 2 * i} 0 R >>".encode()
+        )
         objs.append(f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream".encode())
     out = b"%PDF-1.4\n"
     offsets = []
@@ -104,7 +116,7 @@ def prose(n_sentences: int, seed: int = 0) -> str:
 def check_chunks(doc, chunks, tokenizer, limit):
     assert chunks, "no chunks"
     for c in chunks:
-        assert doc.text[c.start:c.end] == c.text, (c.start, c.end)
+        assert doc.text[c.start : c.end] == c.text, (c.start, c.end)
         assert c.text.strip() == c.text and c.text
         assert count_tokens(tokenizer, [c.text])[0] <= limit
         assert c.doc_id == doc.doc_id and c.source == doc.name
@@ -136,8 +148,16 @@ def test_chunks_prefer_paragraph_breaks(tokenizer):
 
 
 def test_pathological_text_never_exceeds_model_limit(tokenizer):
-    text = ("x" * 3000 + " " + "supercalifragilistic" * 200 + " " + "word " * 900 + "日本語のテキスト" * 300
-            + "\n" + "a,b;c:" * 800)
+    text = (
+        "x" * 3000
+        + " "
+        + "supercalifragilistic" * 200
+        + " "
+        + "word " * 900
+        + "日本語のテキスト" * 300
+        + "\n"
+        + "a,b;c:" * 800
+    )
     doc = parse_document(text.encode(), "weird.txt")
     chunks = chunk_document(doc, tokenizer, max_tokens=MAX, overlap=40)
     check_chunks(doc, chunks, tokenizer, MAX)
@@ -146,8 +166,10 @@ def test_pathological_text_never_exceeds_model_limit(tokenizer):
 
 
 def test_markdown_headings(tokenizer):
-    md = ("Intro line.\n\n# Guide\n\nSome text.\n\n## How do I change the model?\n\nSet LLMWEB_MODEL.\n\n"
-          "```\n# not a heading, code\n```\n\nSetext title\n------------\n\nBody under setext.\n")
+    md = (
+        "Intro line.\n\n# Guide\n\nSome text.\n\n## How do I change the model?\n\nSet LLMWEB_MODEL.\n\n"
+        "```\n# not a heading, code\n```\n\nSetext title\n------------\n\nBody under setext.\n"
+    )
     doc = parse_document(md.encode(), "guide.md")
     chunks = chunk_document(doc, tokenizer, max_tokens=200, overlap=20)
     check_chunks(doc, chunks, tokenizer, 200)
@@ -159,10 +181,12 @@ def test_markdown_headings(tokenizer):
 
 
 def test_html_text_headings_and_no_scripts(tokenizer):
-    html = (b"<html><head><title>Widget manual</title><style>p{color:red}</style></head><body>"
-            b"<p>Welcome to the <b>widget</b> manual.</p><script>alert('x')</script>"
-            b"<h2>Safety</h2><p>Do not drop<br>the widget.</p><ul><li>Keep dry</li><li>Keep cool</li></ul>"
-            b"<!-- a comment --></body></html>")
+    html = (
+        b"<html><head><title>Widget manual</title><style>p{color:red}</style></head><body>"
+        b"<p>Welcome to the <b>widget</b> manual.</p><script>alert('x')</script>"
+        b"<h2>Safety</h2><p>Do not drop<br>the widget.</p><ul><li>Keep dry</li><li>Keep cool</li></ul>"
+        b"<!-- a comment --></body></html>"
+    )
     doc = parse_document(html, "manual.html")
     assert "alert" not in doc.text and "color" not in doc.text and "comment" not in doc.text
     chunks = chunk_document(doc, tokenizer, max_tokens=200, overlap=0)
@@ -192,7 +216,9 @@ def test_pdf_pages(tokenizer, tmp_path):
     chunks = chunk_document(doc, tokenizer, max_tokens=200, overlap=0)
     check_chunks(doc, chunks, tokenizer, 200)
     assert [(c.page, c.text) for c in chunks] == [
-        (1, "Quarterly report.\nSales went up (a lot)."), (2, "Page two is about cats.")]
+        (1, "Quarterly report.\nSales went up (a lot)."),
+        (2, "Page two is about cats."),
+    ]
     assert chunks[1].label() == "report.pdf, p. 2"
 
 
@@ -217,20 +243,23 @@ def test_same_bytes_same_doc_id():
 # --------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("name, data, expected", [
-    ("empty.txt", b"", "empty.txt is empty"),
-    ("blank.md", b"  \n\n \t", "blank.md contains no text"),
-    ("photo.txt", bytes(range(256)) * 4, "photo.txt looks like a binary file"),
-    ("noise.txt", bytes([0x81, 0x8d, 0x8f, 0x90, 0x9d]) * 50, "noise.txt looks like a binary file"),
-    ("bad.pdf", b"%PDF-1.4\n garbage \n%%EOF", "bad.pdf could not be read as a PDF"),
-    ("half.pdf", make_pdf(["some text"])[:150], "half.pdf could not be read as a PDF"),
-    ("fake.pdf", b"hello, I am text", "fake.pdf is not a valid PDF"),
-    ("locked.pdf", encrypt_pdf(make_pdf(["secret text"])), "locked.pdf is password-protected"),
-    ("blank.pdf", make_pdf([""]), "blank.pdf has no extractable text"),
-    ("bad.docx", b"PK\x03\x04 not really a zip", "bad.docx could not be read as a Word .docx"),
-    ("sheet.xlsx", b"whatever", "sheet.xlsx: '.xlsx' files are not supported; use one of .txt, .md"),
-    ("README", b"whatever", "README: files without an extension are not supported"),
-])
+@pytest.mark.parametrize(
+    "name, data, expected",
+    [
+        ("empty.txt", b"", "empty.txt is empty"),
+        ("blank.md", b"  \n\n \t", "blank.md contains no text"),
+        ("photo.txt", bytes(range(256)) * 4, "photo.txt looks like a binary file"),
+        ("noise.txt", bytes([0x81, 0x8D, 0x8F, 0x90, 0x9D]) * 50, "noise.txt looks like a binary file"),
+        ("bad.pdf", b"%PDF-1.4\n garbage \n%%EOF", "bad.pdf could not be read as a PDF"),
+        ("half.pdf", make_pdf(["some text"])[:150], "half.pdf could not be read as a PDF"),
+        ("fake.pdf", b"hello, I am text", "fake.pdf is not a valid PDF"),
+        ("locked.pdf", encrypt_pdf(make_pdf(["secret text"])), "locked.pdf is password-protected"),
+        ("blank.pdf", make_pdf([""]), "blank.pdf has no extractable text"),
+        ("bad.docx", b"PK\x03\x04 not really a zip", "bad.docx could not be read as a Word .docx"),
+        ("sheet.xlsx", b"whatever", "sheet.xlsx: '.xlsx' files are not supported; use one of .txt, .md"),
+        ("README", b"whatever", "README: files without an extension are not supported"),
+    ],
+)
 def test_bad_input_messages(name, data, expected):
     with pytest.raises(InputError) as err:
         parse_document(data, name)
@@ -257,14 +286,17 @@ def test_missing_file(tmp_path):
         load_document(tmp_path / "gone.txt")
 
 
-@pytest.mark.parametrize("given, expected", [
-    ("../../etc/passwd.txt", "passwd.txt"),
-    ("/etc/hosts.md", "hosts.md"),
-    ("C:\\Users\\me\\notes.txt", "notes.txt"),
-    ("..\\..\\win.ini.txt", "win.ini.txt"),
-    ("bad\x00name\n.txt", "badname.txt"),
-    ("ok name (1).pdf", "ok name (1).pdf"),
-])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("../../etc/passwd.txt", "passwd.txt"),
+        ("/etc/hosts.md", "hosts.md"),
+        ("C:\\Users\\me\\notes.txt", "notes.txt"),
+        ("..\\..\\win.ini.txt", "win.ini.txt"),
+        ("bad\x00name\n.txt", "badname.txt"),
+        ("ok name (1).pdf", "ok name (1).pdf"),
+    ],
+)
 def test_safe_name(given, expected):
     assert safe_name(given) == expected
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from llmweb.engine import Engine, local_engine, EngineLimits, GenerationRequest, Tokens
+from llmweb.engine import Engine, EngineLimits, GenerationRequest, Tokens, local_engine
 from llmweb.errors import AdmissionError, BusyError, OutOfMemory, TimedOut
 from llmweb.kvcache import KVStore, cache_nbytes
 from llmweb.tokens import render_prompt
@@ -16,7 +16,7 @@ from llmweb.tokens import render_prompt
 SYSTEM = "You are a helpful assistant."
 
 
-def make_engine(model, budget_mb=256, fault=None, **limits) -> "Engine":
+def make_engine(model, budget_mb=256, fault=None, **limits) -> Engine:
     kv = KVStore(budget_mb * 2**20, ttl_s=600)
     return local_engine(model.model, model.device, kv, EngineLimits(**limits), model.kv_bytes_per_token, fault=fault)
 
@@ -73,8 +73,15 @@ def test_cancel_stops_within_a_token_and_frees_the_worker(engine, fmt):
 
 
 def test_time_limit(engine, fmt):
-    h = engine.submit(req(fmt, prompt(fmt, ("user", "Write a very long story about a dragon.")), n=400,
-                          timeout_s=0.3, repetition_penalty=1.0))
+    h = engine.submit(
+        req(
+            fmt,
+            prompt(fmt, ("user", "Write a very long story about a dragon.")),
+            n=400,
+            timeout_s=0.3,
+            repetition_penalty=1.0,
+        )
+    )
     with pytest.raises(TimedOut, match="time limit"):
         h.result()
     assert h.stats.finish_reason == "timeout"
@@ -127,12 +134,17 @@ def test_injected_oom_retries_smaller_and_worker_survives(fp32_model, fmt):
 
     e = make_engine(fp32_model, fault=fault)
     try:
-        long_ids = prompt(fmt, ("user", "Tell me about France."), ("assistant", "France is a country."),
-                          ("user", "What is its capital?"))
+        long_ids = prompt(
+            fmt,
+            ("user", "Tell me about France."),
+            ("assistant", "France is a country."),
+            ("user", "What is its capital?"),
+        )
         small_ids = prompt(fmt, ("user", "What is the capital of France?"))
         e.kv.put("other", [1, 2, 3], _tiny_cache(fp32_model))
-        h = e.submit(req(fmt, long_ids, n=20, session_id="s1",
-                         fallback=lambda: req(fmt, small_ids, n=10, session_id="s1")))
+        h = e.submit(
+            req(fmt, long_ids, n=20, session_id="s1", fallback=lambda: req(fmt, small_ids, n=10, session_id="s1"))
+        )
         out = fmt.decode(h.result())
         assert h.stats.oom_retry and h.stats.prompt_tokens == len(small_ids)
         assert "Paris" in out
@@ -193,8 +205,13 @@ def test_kv_reuse_gives_the_same_text_as_a_full_prefill(fp32_model, fmt):
     e = make_engine(fp32_model)
     try:
         history, replies_reuse, reused = [], [], []
-        questions = ["What is the capital of France?", "And of Germany?", "Name a river in that country.",
-                     "What language do they speak there?", "Thanks! Say goodbye."]
+        questions = [
+            "What is the capital of France?",
+            "And of Germany?",
+            "Name a river in that country.",
+            "What language do they speak there?",
+            "Thanks! Say goodbye.",
+        ]
         for q in questions:
             history.append(("user", q))
             h = e.submit(req(fmt, prompt(fmt, *history), n=30, session_id="A"))

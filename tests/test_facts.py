@@ -5,17 +5,20 @@ from __future__ import annotations
 from llmweb import facts as facts_mod
 from llmweb.chat import Finished
 from llmweb.runtime import Runtime
+from llmweb.store import LOCAL_OWNER as LOCAL
 from llmweb.store import Fact
 from tests.conftest import make_settings
 from tests.fakes import FakeFormat
-from llmweb.store import LOCAL_OWNER as LOCAL
 
 SOURCE = "User: my dog is called Pixel, a border collie. She was born on 3 May 2019.\nAssistant: Lovely!"
 
 
 def test_summary_sentence_with_an_invented_name_is_removed():
-    g = facts_mod.ground("Dana Okafor, a Maltese Terrier, is a popular pet. The user has a border collie called Pixel. "
-                      "Pixel was born in 2019. Pixel is 11 years old.", SOURCE)
+    g = facts_mod.ground(
+        "Dana Okafor, a Maltese Terrier, is a popular pet. The user has a border collie called Pixel. "
+        "Pixel was born in 2019. Pixel is 11 years old.",
+        SOURCE,
+    )
     assert g.text == "The user has a border collie called Pixel. Pixel was born in 2019."
     assert g.dropped == ("Dana Okafor, a Maltese Terrier, is a popular pet.", "Pixel is 11 years old.")
 
@@ -26,21 +29,29 @@ def test_plain_sentences_without_names_are_kept():
 
 
 def test_extract_facts_keeps_the_users_own_sentences_verbatim():
-    facts = facts_mod.extract_facts([
-        "Hi! My dog is called Pixel, a border collie. What should I feed her?",
-        "Tell me a joke.",
+    facts = facts_mod.extract_facts(
+        [
+            "Hi! My dog is called Pixel, a border collie. What should I feed her?",
+            "Tell me a joke.",
+            "Remember that my flight leaves at 07:40 on Friday.",
+            "I prefer short answers.",
+            "My dog is called Pixel, a border collie.",  # a repeat
+        ]
+    )
+    assert facts == [
+        "My dog is called Pixel, a border collie.",
         "Remember that my flight leaves at 07:40 on Friday.",
         "I prefer short answers.",
-        "My dog is called Pixel, a border collie.",  # a repeat
-    ])
-    assert facts == ["My dog is called Pixel, a border collie.", "Remember that my flight leaves at 07:40 on Friday.",
-                     "I prefer short answers."]
+    ]
 
 
 def test_select_facts_keeps_pinned_then_newest_within_the_cap():
     fmt = FakeFormat()
-    facts = [Fact(1, "old fact one two", False, 1), Fact(2, "pinned fact one two", True, 2),
-             Fact(3, "new fact one two", False, 3)]
+    facts = [
+        Fact(1, "old fact one two", False, 1),
+        Fact(2, "pinned fact one two", True, 2),
+        Fact(3, "new fact one two", False, 3),
+    ]
     chosen, dropped = facts_mod.select_facts(facts, max_tokens=12, count=fmt.count)  # two facts of 4+2 tokens
     assert [f.id for f in chosen] == [2, 3], "the oldest unpinned goes first"
     assert [f.id for f in dropped] == [1]
@@ -49,8 +60,11 @@ def test_select_facts_keeps_pinned_then_newest_within_the_cap():
 
 def test_select_facts_keeps_every_pinned_fact_even_past_the_cap():
     fmt = FakeFormat()
-    facts = [Fact(1, "pinned one two three", True, 1), Fact(2, "pinned four five six", True, 2),
-             Fact(3, "new fact", False, 3)]
+    facts = [
+        Fact(1, "pinned one two three", True, 1),
+        Fact(2, "pinned four five six", True, 2),
+        Fact(3, "new fact", False, 3),
+    ]
     chosen, dropped = facts_mod.select_facts(facts, max_tokens=6, count=fmt.count)
     assert [f.id for f in chosen] == [1, 2] and [f.id for f in dropped] == [3]
 
@@ -60,8 +74,10 @@ def run(chat, conv, text):
 
 
 def test_fact_from_turn_1_is_in_the_prompt_sixty_turns_later(tmp_path, fp32_model):
-    rt = Runtime(make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64, quant="fp32"),
-                 loaded=fp32_model).start(background=False)
+    rt = Runtime(
+        make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64, quant="fp32"),
+        loaded=fp32_model,
+    ).start(background=False)
     try:
         chat, conv = rt.chat, rt.store.create_conversation(LOCAL)
         run(chat, conv, "My dog is called Pixel, a border collie.")
@@ -120,8 +136,10 @@ def test_pinning_past_the_facts_budget_is_refused_with_the_numbers(tmp_path, fp3
 def test_deleting_a_conversation_deletes_its_recall_index(tmp_path, fp32_model):
     from llmweb.retrieval import list_namespaces
 
-    rt = Runtime(make_settings(tmp_path, context_limit=384, max_new_tokens=16, summary_tokens=48, quant="fp32"),
-                 loaded=fp32_model).start(background=False)
+    rt = Runtime(
+        make_settings(tmp_path, context_limit=384, max_new_tokens=16, summary_tokens=48, quant="fp32"),
+        loaded=fp32_model,
+    ).start(background=False)
     try:
         conv = rt.store.create_conversation(LOCAL)
         for i in range(14):

@@ -16,25 +16,30 @@ def test_script_plants_facts_then_asks_at_each_checkpoint():
 
 def test_summarise_gives_exact_rates_per_mode_and_checkpoint(tmp_path):
     facts = bf.FACTS[:2]
-    checks = [bf.Check("window", 8, 0, in_prompt=False, answered=False),
-              bf.Check("window", 9, 1, in_prompt=True, answered=False),
-              bf.Check("window+summary", 8, 0, in_prompt=True, answered=True),
-              bf.Check("window+summary", 9, 1, in_prompt=True, answered=False)]
+    checks = [
+        bf.Check("window", 8, 0, in_prompt=False, answered=False),
+        bf.Check("window", 9, 1, in_prompt=True, answered=False),
+        bf.Check("window+summary", 8, 0, in_prompt=True, answered=True),
+        bf.Check("window+summary", 9, 1, in_prompt=True, answered=False),
+    ]
     r = bf.summarise(checks, make_settings(tmp_path, context_limit=320), None, 9, facts)
     w, s, rc = (r["modes"][m] for m in bf.MODES)
     assert (w["fact_in_prompt_rate"], w["answer_accuracy"]) == (0.5, 0.0)
     assert (s["fact_in_prompt_rate"], s["answer_accuracy"]) == (1.0, 0.5)
     assert (rc["fact_in_prompt_rate"], rc["checkpoints"]) == (0.0, []), "a mode without checks reports none"
     (cp,) = w["checkpoints"]  # the two questions of one checkpoint started at turn 8
-    assert cp["turn"] == 8 and cp["facts"] == [{"fact": "Pixel", "in_prompt": False, "answered": False},
-                                               {"fact": "Tromsø", "in_prompt": True, "answered": False}]
+    assert cp["turn"] == 8 and cp["facts"] == [
+        {"fact": "Pixel", "in_prompt": False, "answered": False},
+        {"fact": "Tromsø", "in_prompt": True, "answered": False},
+    ]
 
 
 def test_a_fact_that_left_the_window_is_kept_by_the_summary_modes(tmp_path, fp32_model):
     # one fact, then 8 fillers: at the question (turn 10) the fact's turn is out of a 320-token window
     settings = make_settings(tmp_path, context_limit=320, max_new_tokens=16, summary_tokens=48, quant="fp32")
-    r = bf.run(settings, loaded=fp32_model, fillers_between=8, checkpoints=1, facts=bf.FACTS[:1],
-               progress=lambda *_: None)
+    r = bf.run(
+        settings, loaded=fp32_model, fillers_between=8, checkpoints=1, facts=bf.FACTS[:1], progress=lambda *_: None
+    )
     assert r["turns_per_mode"] == 10 and set(r["modes"]) == set(bf.MODES)
     window, summary, recall = (r["modes"][m] for m in bf.MODES)
     assert window["fact_in_prompt_rate"] == 0.0, "the window alone has lost the fact"

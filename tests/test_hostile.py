@@ -20,9 +20,9 @@ from gradio_client.exceptions import AppError
 
 from llmweb.library import LOCAL_OWNER
 from llmweb.runtime import Runtime
+from llmweb.store import LOCAL_OWNER as LOCAL
 from llmweb.ui import build_app, launch_kwargs
 from tests.conftest import make_settings
-from llmweb.store import LOCAL_OWNER as LOCAL
 
 WAIT_S = 300  # generous: the CI machine has 2 cores and other suites may run at the same time
 
@@ -132,9 +132,9 @@ def test_lone_surrogates_are_replaced_not_fatal(short_app):
     """JSON over HTTP cannot carry a lone surrogate, so this one goes through the chat path directly."""
     runtime, _url = short_app
     conv = runtime.store.create_conversation(LOCAL)
-    finished = runtime.chat.ask(LOCAL, conv, "abc\ud800def \U0001F600")
+    finished = runtime.chat.ask(LOCAL, conv, "abc\ud800def \U0001f600")
     assert finished.reply
-    assert runtime.store.get(LOCAL, conv).turns[-1].user == "abc?def \U0001F600"
+    assert runtime.store.get(LOCAL, conv).turns[-1].user == "abc?def \U0001f600"
 
 
 # ---- a flood of callers
@@ -222,7 +222,9 @@ def test_dropped_http_connection_mid_stream_stops_the_engine_request(long_app, m
 
     def leave():
         with httpx.Client(base_url=url, timeout=WAIT_S) as http:
-            r = http.post("gradio_api/call/chat", json={"data": ["Write a very long story about a brave knight.", conv]})
+            r = http.post(
+                "gradio_api/call/chat", json={"data": ["Write a very long story about a brave knight.", conv]}
+            )
             r.raise_for_status()
             event_id = r.json()["event_id"]
             pieces = 0
@@ -320,8 +322,11 @@ def test_bad_uploads_get_a_message_each_and_nothing_lands_outside_the_data_dir(t
     # nothing was written outside the data dir: not beside it, not above it, not at the absolute path
     changed = {p for p in after if before.get(p) != after[p]} | (before.keys() - after.keys())
     data_rel = str(data_dir.relative_to(tmp_path))
-    outside = sorted(p for p in changed if p != data_rel and not p.startswith(data_rel + os.sep)
-                     and not data_rel.startswith(p + os.sep))  # the data dir's own parents were created
+    outside = sorted(
+        p
+        for p in changed
+        if p != data_rel and not p.startswith(data_rel + os.sep) and not data_rel.startswith(p + os.sep)
+    )  # the data dir's own parents were created
     assert not outside, outside
     assert not Path("/abs").exists() and not Path("/etc/passwd.txt").exists()
     assert not (tmp_path / "srv" / "etc").exists() and not (tmp_path / "srv" / "a" / "etc").exists()

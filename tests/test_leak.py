@@ -19,14 +19,18 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from llmweb.engine import local_engine, EngineLimits, GenerationRequest
+from llmweb.engine import EngineLimits, GenerationRequest, local_engine
 from llmweb.kvcache import KVStore
 from llmweb.tokens import TemplateFormat, render_prompt
 
 SYSTEM = "You are a helpful assistant."
-QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.",
-             "Explain in one sentence why the sky is blue, and mention sunlight.",
-             "Count from one to five.", "Write a short greeting for a friend who just moved to a new city."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Explain in one sentence why the sky is blue, and mention sunlight.",
+    "Count from one to five.",
+    "Write a short greeting for a friend who just moved to a new city.",
+]
 REQUESTS = 50
 TENSOR_SLACK = 5  # a per-request leak adds >= 50
 
@@ -62,8 +66,13 @@ def fmt4(nf4_model):
 
 @pytest.fixture
 def engine(nf4_model):
-    e = local_engine(nf4_model.model, nf4_model.device, KVStore(256 * 2**20, ttl_s=600), EngineLimits(max_new_tokens=8),
-               nf4_model.kv_bytes_per_token)
+    e = local_engine(
+        nf4_model.model,
+        nf4_model.device,
+        KVStore(256 * 2**20, ttl_s=600),
+        EngineLimits(max_new_tokens=8),
+        nf4_model.kv_bytes_per_token,
+    )
     yield e
     e.close()
 
@@ -84,8 +93,7 @@ def test_fifty_requests_without_sessions_leave_no_tensors_and_no_caches(engine, 
         if (i + 1) % 25 == 0:
             counts.append(live_tensors())
     assert len(created_caches) == len(QUESTIONS) + REQUESTS, "every request makes its own cache"
-    assert counts[-1] - before <= TENSOR_SLACK, \
-        f"live tensors grew from {before} to {counts} over {REQUESTS} requests"
+    assert counts[-1] - before <= TENSOR_SLACK, f"live tensors grew from {before} to {counts} over {REQUESTS} requests"
     left = alive(created_caches)
     assert not left, f"{len(left)} caches of finished requests are still referenced"
     assert engine.kv.total_bytes == 0 and engine.kv.sessions() == []

@@ -56,8 +56,7 @@ def padded_html(text: str, kib: int) -> bytes:
 
 
 def tree(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in root.rglob("*") if p.is_file()}
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
 
 def doc_ids(docs) -> set[str]:
@@ -71,7 +70,9 @@ def test_an_upload_is_found_and_listed_only_by_its_owner(tmp_path, library):
     hits = library.search(ALICE, "Where does the llama sleep?", k=3)
     assert hits and hits[0].source == "llama.txt"
     # not even with no score floor at all
-    assert all(c.doc_id != report.doc_id for c in library.search(BOB, "Where does the llama sleep?", k=16, min_score=-1))
+    assert all(
+        c.doc_id != report.doc_id for c in library.search(BOB, "Where does the llama sleep?", k=16, min_score=-1)
+    )
     assert [(d.source, d.scope, d.removable) for d in library.documents(ALICE)] == [("llama.txt", "yours", True)]
     assert library.documents(BOB) == []
     assert library.is_empty(BOB) and not library.is_empty(ALICE)
@@ -174,10 +175,14 @@ def test_the_per_owner_cap_refuses_an_upload_with_both_numbers_and_writes_nothin
     assert library.ingest_uploads(ALICE, [first])[0].status == "duplicate"
     assert library.ingest_uploads(BOB, [second])[0].status == "added"
     # a new version of the same file replaces the old one and is measured as the difference
-    assert library.ingest_uploads(ALICE, [upload(tmp_path, "first.html", padded_html("Cats purr.", 720))])[0].status == "updated"
+    assert (
+        library.ingest_uploads(ALICE, [upload(tmp_path, "first.html", padded_html("Cats purr.", 720))])[0].status
+        == "updated"
+    )
     # files the index refuses anyway keep their own message rather than the cap's
     [too_big] = Library(make_settings(tmp_path, user_docs_mb=1, max_file_mb=1), embedder).ingest_uploads(
-        ALICE, [upload(tmp_path, "huge.html", padded_html("Huge.", 1100))])
+        ALICE, [upload(tmp_path, "huge.html", padded_html("Huge.", 1100))]
+    )
     assert too_big.status == "error" and "LLMWEB_MAX_FILE_MB" in too_big.message
 
 
@@ -248,7 +253,9 @@ def test_a_legacy_docs_index_moves_to_the_local_owners_library_once(tmp_path, em
 
     library = Library(settings, embedder)
     assert list_namespaces(settings) == [private_namespace(LOCAL_OWNER)]
-    assert [(d.doc_id, d.source, d.scope) for d in library.documents(LOCAL_OWNER)] == [(old.doc_id, "llama.txt", "yours")]
+    assert [(d.doc_id, d.source, d.scope) for d in library.documents(LOCAL_OWNER)] == [
+        (old.doc_id, "llama.txt", "yours")
+    ]
     assert library.search(LOCAL_OWNER, "Where does the llama sleep?", k=1)[0].doc_id == old.doc_id
     assert library.documents(ALICE) == [], "a stranger on a server does not see the old uploads"
 
@@ -279,7 +286,9 @@ def test_the_sample_guide_is_seeded_into_the_shared_library_despite_the_old_mark
         rt._seed_sample()
         assert [(d.source, d.scope) for d in rt.library.documents(ALICE)] == [("sample/llmweb-guide.md", "shared")]
         assert [(d.source, d.scope) for d in rt.library.documents(LOCAL_OWNER)] == [
-            ("llama.txt", "yours"), ("sample/llmweb-guide.md", "shared")]
+            ("llama.txt", "yours"),
+            ("sample/llmweb-guide.md", "shared"),
+        ]
         rt.library.remove(LOCAL_OWNER, rt.library.documents(ALICE)[0].doc_id)  # single-user: uploads are shared
         rt._seed_sample()
         assert rt.library.documents(ALICE) == [], "seeded once: a removed guide does not come back"

@@ -28,7 +28,9 @@ def test_requirements_pin_every_dependency():
         for line in (REPO / name).read_text().splitlines():
             line = line.split("#", 1)[0].strip()
             if line:
-                assert re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.+\-]*", line), f"{name}: {line} is not pinned"
+                assert re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.+\-]*", line), (
+                    f"{name}: {line} is not pinned"
+                )
 
 
 def test_space_front_matter_matches_requirements():

@@ -24,11 +24,12 @@ import torch
 from gradio_client import Client
 
 from llmweb import engine as engine_mod
-from llmweb import runner as runner_mod
 from llmweb import models
-from llmweb.engine import local_engine, EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb import runner as runner_mod
+from llmweb.engine import EngineLimits, GenerationRequest, Restarted, Tokens, local_engine
 from llmweb.kvcache import KVStore
 from llmweb.runtime import Runtime
+from llmweb.store import LOCAL_OWNER as LOCAL
 from llmweb.store import Store
 from llmweb.telemetry import MemorySnapshot
 from llmweb.tokens import render_prompt
@@ -36,7 +37,6 @@ from llmweb.ui import launch_kwargs
 from llmweb.ui_format import stats_markdown
 from tests.conftest import MODEL_CACHE, REPO, make_settings
 from tests.test_hostile import WAIT_S, serve
-from llmweb.store import LOCAL_OWNER as LOCAL
 
 MiB = 2**20
 
@@ -94,17 +94,41 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, nf4_mod
 @pytest.mark.slow  # a replay subprocess loads the model
 def test_kill_9_during_turn_3_keeps_turns_1_and_2_whole(tmp_path):
     script = tmp_path / "chat.jsonl"
-    topics = ["a dragon", "a lighthouse", "a clockmaker", "the sea", "a robot", "a forest", "a city",
-              "a river", "a mountain", "a library"]
-    script.write_text("".join(json.dumps({"user": f"Write a long, detailed story about {t}."}) + "\n"
-                              for t in topics), encoding="utf-8")
+    topics = [
+        "a dragon",
+        "a lighthouse",
+        "a clockmaker",
+        "the sea",
+        "a robot",
+        "a forest",
+        "a city",
+        "a river",
+        "a mountain",
+        "a library",
+    ]
+    script.write_text(
+        "".join(json.dumps({"user": f"Write a long, detailed story about {t}."}) + "\n" for t in topics),
+        encoding="utf-8",
+    )
     data = tmp_path / "data"
-    env = {**os.environ, "LLMWEB_DATA_DIR": str(data), "LLMWEB_CACHE_DIR": str(MODEL_CACHE),
-           "LLMWEB_MAX_NEW_TOKENS": "200", "LLMWEB_SAMPLE_DOCS": "0", "LLMWEB_DEVICE": "cpu",
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "LLMWEB_DATA_DIR": str(data),
+        "LLMWEB_CACHE_DIR": str(MODEL_CACHE),
+        "LLMWEB_MAX_NEW_TOKENS": "200",
+        "LLMWEB_SAMPLE_DOCS": "0",
+        "LLMWEB_DEVICE": "cpu",
+        "PYTHONPATH": str(REPO),
+    }
     stderr = open(tmp_path / "stderr.txt", "w")
-    child = subprocess.Popen([sys.executable, "-m", "llmweb", "replay", str(script), "--json"], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=stderr, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "llmweb", "replay", str(script), "--json"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in child.stdout], daemon=True).start()
     printed = []
@@ -114,8 +138,9 @@ def test_kill_9_during_turn_3_keeps_turns_1_and_2_whole(tmp_path):
             try:
                 printed.append(json.loads(lines.get(timeout=max(deadline - time.monotonic(), 0.1))))
             except queue.Empty:
-                raise AssertionError("replay printed fewer than 2 turns: "
-                                     + (tmp_path / "stderr.txt").read_text()[-2000:]) from None
+                raise AssertionError(
+                    "replay printed fewer than 2 turns: " + (tmp_path / "stderr.txt").read_text()[-2000:]
+                ) from None
         # turn 3 starts at once (turn 2 was printed after it was stored); 200 tokens take seconds
         time.sleep(1.0)
         child.send_signal(signal.SIGKILL)
@@ -222,21 +247,22 @@ def test_the_failed_attempts_memory_is_freed_before_the_retry(fp32_model, fmt):
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "Hello")])
         req = GenerationRequest(prompt_ids=ids, max_new_tokens=4, stop_ids=fmt.stop_ids)
-        h = e.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=4, stop_ids=fmt.stop_ids,
-                                       fallback=lambda: req))
+        h = e.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=4, stop_ids=fmt.stop_ids, fallback=lambda: req))
         events = list(h.events())
         assert h.stats.oom_retry
         assert isinstance(events[0], Restarted) and events[0].reason == "oom"
         assert all(isinstance(ev, Tokens) for ev in events[1:])
-        assert wrapped.alive_at_retry == [False, False], \
+        assert wrapped.alive_at_retry == [False, False], (
             "the failed attempt's KV cache and activations must be gone before the retry runs"
+        )
     finally:
         e.close()
 
 
 def test_cancel_while_queued_frees_the_place_at_once(fp32_model, fmt):
-    e = local_engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(queue_size=1),
-               fp32_model.kv_bytes_per_token)
+    e = local_engine(
+        fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(queue_size=1), fp32_model.kv_bytes_per_token
+    )
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "Write a long story.")])
         running = e.submit(GenerationRequest(prompt_ids=ids, max_new_tokens=200))
@@ -255,8 +281,7 @@ def test_cancel_while_queued_frees_the_place_at_once(fp32_model, fmt):
         e.close()
 
 
-def test_cancel_during_a_long_prefill_stops_between_chunks_and_keeps_what_was_computed(fp32_model, fmt,
-                                                                                      monkeypatch):
+def test_cancel_during_a_long_prefill_stops_between_chunks_and_keeps_what_was_computed(fp32_model, fmt, monkeypatch):
     monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 64)  # small chunks keep the test cheap on CPU
     held = {}
 
@@ -264,8 +289,9 @@ def test_cancel_during_a_long_prefill_stops_between_chunks_and_keeps_what_was_co
         if index == 0:
             held["h"].cancel()
 
-    e = local_engine(fp32_model.model, "cpu", KVStore(256 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token,
-               fault=fault)
+    e = local_engine(
+        fp32_model.model, "cpu", KVStore(256 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token, fault=fault
+    )
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "lorem ipsum " * 25)])
         assert len(ids) > 2 * engine_mod.PREFILL_CHUNK  # three chunks; only the first is computed
@@ -306,8 +332,13 @@ class _FakeAllocator:
         self.allocated, self.reserved, self.stuck, self.empties = allocated, reserved, stuck, 0
 
     def snapshot(self, device="cuda", peak_rss=0):
-        return MemorySnapshot(rss_bytes=1, cuda_allocated_bytes=self.allocated, cuda_reserved_bytes=self.reserved,
-                              cuda_peak_bytes=self.allocated, cuda_inactive_split_bytes=self.stuck)
+        return MemorySnapshot(
+            rss_bytes=1,
+            cuda_allocated_bytes=self.allocated,
+            cuda_reserved_bytes=self.reserved,
+            cuda_peak_bytes=self.allocated,
+            cuda_inactive_split_bytes=self.stuck,
+        )
 
     def empty_cache(self):
         self.empties += 1
@@ -317,8 +348,13 @@ class _FakeAllocator:
 @pytest.fixture
 def idle_engine(fp32_model, monkeypatch):
     """An engine whose worker has stopped (so only the test calls _idle), on a pretend CUDA device."""
-    e = local_engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(frag_release_bytes=256 * MiB),
-               fp32_model.kv_bytes_per_token)
+    e = local_engine(
+        fp32_model.model,
+        "cpu",
+        KVStore(64 * MiB, 600),
+        EngineLimits(frag_release_bytes=256 * MiB),
+        fp32_model.kv_bytes_per_token,
+    )
     e.close()
     alloc = _FakeAllocator(allocated=1000 * MiB, reserved=1100 * MiB)
     monkeypatch.setattr(runner_mod, "is_cuda", lambda device: True)
@@ -383,8 +419,9 @@ def test_offload_kwargs_cap_the_gpu_and_use_a_folder_in_the_data_dir(tmp_path, m
     # transformers accepts a 4-bit device map that puts some layers on the CPU and the disk
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    Bnb4BitHfQuantizer(qc).validate_environment(device_map={"model.embed_tokens": 0, "model.layers": "cpu",
-                                                            "lm_head": "disk"})
+    Bnb4BitHfQuantizer(qc).validate_environment(
+        device_map={"model.embed_tokens": 0, "model.layers": "cpu", "lm_head": "disk"}
+    )
     # the float fallback offloads too, rather than loading the whole model onto the GPU
     kw16 = models.load_kwargs(settings, "fp16", "cuda")
     assert kw16["device_map"] == "auto" and kw16["dtype"] == torch.float16 and "offload_folder" in kw16

@@ -18,11 +18,15 @@ from tests.test_documents import encrypt_pdf, make_docx, make_pdf
 
 GUIDE = Path(__file__).resolve().parent.parent / "data" / "sample" / "llmweb-guide.md"
 
-CATS = "# Cats\n\nCats purr when they are content. A cat sleeps up to sixteen hours a day.\n\n" \
-       "# Feeding\n\nAdult cats eat twice a day; kittens need more frequent meals.\n"
+CATS = (
+    "# Cats\n\nCats purr when they are content. A cat sleeps up to sixteen hours a day.\n\n"
+    "# Feeding\n\nAdult cats eat twice a day; kittens need more frequent meals.\n"
+)
 DOGS = "Dogs bark at the mailman. A dog needs a walk every day, rain or shine.\n"
-TRAINS = "<h1>Trains</h1><p>The night train leaves the central station at eleven.</p>" \
-         "<h2>Tickets</h2><p>Buy tickets at the machine on platform two.</p>"
+TRAINS = (
+    "<h1>Trains</h1><p>The night train leaves the central station at eleven.</p>"
+    "<h2>Tickets</h2><p>Buy tickets at the machine on platform two.</p>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +49,11 @@ def corpus(tmp_path) -> Path:
     (folder / "sub" / "dogs.txt").write_text(DOGS)
     (folder / "trains.html").write_text(TRAINS)
     (folder / "widget.docx").write_bytes(make_docx())
-    (folder / "report.pdf").write_bytes(make_pdf(["Quarterly sales of umbrellas rose in the rainy spring.",
-                                                  "The cafeteria menu now includes lentil soup."]))
+    (folder / "report.pdf").write_bytes(
+        make_pdf(
+            ["Quarterly sales of umbrellas rose in the rainy spring.", "The cafeteria menu now includes lentil soup."]
+        )
+    )
     (folder / ".hidden.txt").write_text("hidden file, must be skipped")
     (folder / "image.png").write_bytes(b"\x89PNG\r\n")
     return folder
@@ -56,8 +63,13 @@ def results(hits: list[Chunk]) -> list[tuple]:
     return [(c.source, c.start, c.end, c.text, c.page, c.heading, round(c.score, 5)) for c in hits]
 
 
-QUERIES = ["how long do cats sleep", "when does the night train leave", "what soup is on the menu",
-           "clean the widget", "walking the dog"]
+QUERIES = [
+    "how long do cats sleep",
+    "when does the night train leave",
+    "what soup is on the menu",
+    "clean the widget",
+    "walking the dog",
+]
 
 
 def snapshot(index: Index) -> list[list[tuple]]:
@@ -71,10 +83,15 @@ def test_ingest_search_and_reload_after_restart(settings, embedder, corpus):
     index = Index(settings, embedder=embedder)
     reports = index.ingest([corpus])
     assert [(r.name, r.status) for r in reports] == [
-        ("corpus/cats.md", "added"), ("corpus/report.pdf", "added"), ("corpus/trains.html", "added"),
-        ("corpus/widget.docx", "added"), ("corpus/sub/dogs.txt", "added")]
-    assert all(r.chunks >= 1 and r.message == f"added {r.chunks} chunk" + ("s" if r.chunks > 1 else "")
-               for r in reports)
+        ("corpus/cats.md", "added"),
+        ("corpus/report.pdf", "added"),
+        ("corpus/trains.html", "added"),
+        ("corpus/widget.docx", "added"),
+        ("corpus/sub/dogs.txt", "added"),
+    ]
+    assert all(
+        r.chunks >= 1 and r.message == f"added {r.chunks} chunk" + ("s" if r.chunks > 1 else "") for r in reports
+    )
 
     top = {q: index.search(q, k=1)[0] for q in QUERIES}
     assert top["how long do cats sleep"].heading == "Cats"
@@ -133,7 +150,9 @@ def test_dedupe_by_content(settings, embedder, corpus, tmp_path):
     index.ingest([corpus])
     n, files = len(index), sorted(os.listdir(index.dir))
     again = index.ingest([corpus / "cats.md"])
-    assert [(r.status, r.chunks, r.message) for r in again] == [("duplicate", 0, "already indexed (same content as corpus/cats.md)")]
+    assert [(r.status, r.chunks, r.message) for r in again] == [
+        ("duplicate", 0, "already indexed (same content as corpus/cats.md)")
+    ]
     assert len(index) == n and sorted(os.listdir(index.dir)) == files  # nothing was written
     copy = tmp_path / "copy-of-dogs.txt"
     copy.write_text(DOGS)
@@ -158,7 +177,8 @@ def test_changed_file_replaces_earlier_version(settings, embedder, tmp_path):
     assert (second.status, second.message) == ("updated", "updated: replaced the earlier version with 1 chunk")
     assert [d.doc_id for d in index.documents()] == [second.doc_id] != [first.doc_id]
     assert [h.text for h in index.search("when is the meeting", k=5, min_score=0)] == [
-        "The meeting moved to Thursday afternoon."]
+        "The meeting moved to Thursday afternoon."
+    ]
 
 
 def test_remove_document(settings, embedder, corpus):
@@ -172,7 +192,10 @@ def test_remove_document(settings, embedder, corpus):
     index.remove(trains.doc_id)  # by id works too
     reloaded = Index(settings, embedder=embedder)
     assert sorted(d.source for d in reloaded.documents()) == [
-        "corpus/report.pdf", "corpus/sub/dogs.txt", "corpus/widget.docx"]
+        "corpus/report.pdf",
+        "corpus/sub/dogs.txt",
+        "corpus/widget.docx",
+    ]
     assert len(reloaded) == total - removed.chunks - trains.chunks
     with pytest.raises(InputError, match="no document named 'nope.md'"):
         index.remove("nope.md")
@@ -218,9 +241,13 @@ def test_failed_write_leaves_previous_index(settings, embedder, corpus, monkeypa
     # the next write succeeds and cleans up
     assert [r.status for r in reloaded.ingest([corpus / "report.pdf"])] == ["added"]
     manifest = json.loads((index.dir / MANIFEST).read_text())
-    assert set(os.listdir(index.dir)) <= {MANIFEST, manifest["vectors"], manifest["meta"],
-                                           f"vectors-{manifest['generation'] - 1:08d}.faiss",
-                                           f"meta-{manifest['generation'] - 1:08d}.json"}
+    assert set(os.listdir(index.dir)) <= {
+        MANIFEST,
+        manifest["vectors"],
+        manifest["meta"],
+        f"vectors-{manifest['generation'] - 1:08d}.faiss",
+        f"meta-{manifest['generation'] - 1:08d}.json",
+    }
     assert len(Index(settings, embedder=embedder).documents()) == 3
 
 
@@ -286,19 +313,26 @@ def test_uploads_sanitise_names_and_write_only_under_data_dir(tmp_path, embedder
     settings = Settings(data_dir=data, max_file_mb=1)
     uploads = tmp_path / "uploads"
     uploads.mkdir()
-    for i, text in enumerate(["Penguins live in the southern hemisphere.", "Koalas eat eucalyptus leaves.",
-                              "nothing", "Big " * 300_000]):
+    for i, text in enumerate(
+        ["Penguins live in the southern hemisphere.", "Koalas eat eucalyptus leaves.", "nothing", "Big " * 300_000]
+    ):
         (uploads / f"tmp{i}").write_text(text)
     before = {p for p in tmp_path.rglob("*")}
     index = Index(settings, embedder=embedder)
-    reports = index.ingest_uploads([
-        (uploads / "tmp0", "../../../evil.txt"),
-        (uploads / "tmp1", "/etc/cron.d/koala.md"),
-        (uploads / "tmp2", ".."),
-        (uploads / "tmp3", "../big.txt"),
-    ])
+    reports = index.ingest_uploads(
+        [
+            (uploads / "tmp0", "../../../evil.txt"),
+            (uploads / "tmp1", "/etc/cron.d/koala.md"),
+            (uploads / "tmp2", ".."),
+            (uploads / "tmp3", "../big.txt"),
+        ]
+    )
     assert [(r.name, r.status) for r in reports] == [
-        ("evil.txt", "added"), ("koala.md", "added"), ("..", "error"), ("big.txt", "error")]
+        ("evil.txt", "added"),
+        ("koala.md", "added"),
+        ("..", "error"),
+        ("big.txt", "error"),
+    ]
     assert reports[0].message == "added 1 chunk (given as '../../../evil.txt')"
     assert "no usable name" in reports[2].message
     assert reports[3].message == "big.txt is 1.1 MB; the limit is 1 MB (LLMWEB_MAX_FILE_MB)."
@@ -328,8 +362,9 @@ def test_sample_guide_answers_how_to_change_the_model(settings, embedder):
 def test_chunks_fit_the_embedder_and_offsets_are_exact(tmp_path, embedder, corpus, chunk_tokens, overlap):
     settings = Settings(data_dir=tmp_path / "data", chunk_tokens=chunk_tokens, chunk_overlap=overlap)
     index = Index(settings, embedder=embedder)
-    (corpus / "long.txt").write_text(" ".join(f"Sentence number {i} talks about topic {i % 17}." for i in range(250))
-                                     + " " + "x" * 1500)
+    (corpus / "long.txt").write_text(
+        " ".join(f"Sentence number {i} talks about topic {i % 17}." for i in range(250)) + " " + "x" * 1500
+    )
     index.ingest([corpus, GUIDE])
     limit = min(chunk_tokens, embedder.max_tokens)
     assert embedder.max_tokens == 254 and embedder.model.max_seq_length == 256
@@ -338,7 +373,7 @@ def test_chunks_fit_the_embedder_and_offsets_are_exact(tmp_path, embedder, corpu
         path = GUIDE if info.source == GUIDE.name else corpus.parent / info.source
         doc = load_document(path, info.source)
         for c in index.chunks(info.doc_id):
-            assert doc.text[c.start:c.end] == c.text
+            assert doc.text[c.start : c.end] == c.text
             assert count_tokens(embedder.tokenizer, [c.text])[0] <= limit
             assert len(embedder.tokenizer(c.text)["input_ids"]) <= embedder.model.max_seq_length
             checked += 1
@@ -352,9 +387,15 @@ def test_namespaces_are_separate_and_deletable(settings, embedder, corpus):
     docs = Index(settings, embedder=embedder)
     docs.ingest([corpus / "cats.md"])
     recall = Index(settings, namespace="recall-42", embedder=embedder)
-    turns = [Chunk(text="User asked about the train to Vienna; I said it leaves at nine.", source="turn 1",
-                   doc_id="turn-1", kind="recall"),
-             Chunk(text="User's favourite colour is green.", source="turn 2", doc_id="turn-2", kind="recall")]
+    turns = [
+        Chunk(
+            text="User asked about the train to Vienna; I said it leaves at nine.",
+            source="turn 1",
+            doc_id="turn-1",
+            kind="recall",
+        ),
+        Chunk(text="User's favourite colour is green.", source="turn 2", doc_id="turn-2", kind="recall"),
+    ]
     assert recall.add_chunks(turns) == 2
     assert recall.add_chunks(turns[:1]) == 0  # already there
     hit = recall.search("what time is the Vienna train", k=1)[0]

@@ -45,6 +45,7 @@ def test_gpu_entry_uses_spaces_gpu_when_present(monkeypatch):
         def wrapped(*a, **kw):
             calls.append(fn.__name__)
             return fn(*a, **kw)
+
         return wrapped
 
     fake.GPU = GPU
@@ -57,7 +58,7 @@ def test_gpu_entry_uses_spaces_gpu_when_present(monkeypatch):
 
 
 def test_the_engine_runs_generations_through_the_gpu_entry(fp32_model, fmt):
-    from llmweb.engine import local_engine, EngineLimits, GenerationRequest
+    from llmweb.engine import EngineLimits, GenerationRequest, local_engine
     from llmweb.kvcache import KVStore
     from llmweb.tokens import render_prompt
 
@@ -67,9 +68,12 @@ def test_the_engine_runs_generations_through_the_gpu_entry(fp32_model, fmt):
         def wrapped(*a, **kw):
             calls.append(1)
             return fn(*a, **kw)
+
         return wrapped
 
-    e = local_engine(fp32_model.model, "cpu", KVStore(2**20, 60), EngineLimits(), fp32_model.kv_bytes_per_token, gpu=gpu)
+    e = local_engine(
+        fp32_model.model, "cpu", KVStore(2**20, 60), EngineLimits(), fp32_model.kv_bytes_per_token, gpu=gpu
+    )
     try:
         ids = render_prompt(fmt, "Be brief.", [("user", "Hi")])
         e.submit(GenerationRequest(ids, 4, stop_ids=fmt.stop_ids)).result()

@@ -63,7 +63,11 @@ def test_fresh_store_has_pragmas_and_schema(store: Store, db_path: Path):
     raw = sqlite3.connect(db_path)
     assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type='table'")} >= {
-        "conversations", "turns", "facts", "schema_version"}
+        "conversations",
+        "turns",
+        "facts",
+        "schema_version",
+    }
     raw.close()
     assert store._db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
     assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
@@ -98,17 +102,26 @@ def test_create_list_get(store: Store):
     conv = store.get(A, a)
     assert isinstance(conv, Conversation)
     assert (conv.id, conv.title, conv.summary, conv.summarized_upto, conv.turns, conv.facts) == (
-        a, DEFAULT_TITLE, "", 0, [], [])
+        a,
+        DEFAULT_TITLE,
+        "",
+        0,
+        [],
+        [],
+    )
 
 
 def test_add_turn_orders_and_bumps_list(store: Store):
     a = store.create_conversation(A)
     b = store.create_conversation(A)
-    stats = TurnStats(turn=1, gen=GenerationStats(prompt_tokens=120, ttft_s=0.0125, reused_tokens=80,
-                                                  finish_reason="eos", oom_retry=True),
-                      sections={"history": 40}, context_limit=4096, dropped_facts=1)
-    sources = (Source(1, "notes.md", None, "Intro", 0.71, "document", "the intro"),
-               Source(2, "turn 3", kind="recall"))
+    stats = TurnStats(
+        turn=1,
+        gen=GenerationStats(prompt_tokens=120, ttft_s=0.0125, reused_tokens=80, finish_reason="eos", oom_retry=True),
+        sections={"history": 40},
+        context_limit=4096,
+        dropped_facts=1,
+    )
+    sources = (Source(1, "notes.md", None, "Intro", 0.71, "document", "the intro"), Source(2, "turn 3", kind="recall"))
     assert store.add_turn(A, a, "hi", "hello", stats, sources) == 0
     assert store.add_turn(A, a, "second", "answer 2") == 1  # no figures, no sources
     conv = store.get(A, a)
@@ -126,7 +139,9 @@ def test_add_turn_orders_and_bumps_list(store: Store):
 
 def test_auto_title(store: Store):
     a = store.create_conversation(A)
-    store.add_turn(A, a, "  How do I\n\tbake   bread at home without a stand mixer or a bread machine?", "...", None, ())
+    store.add_turn(
+        A, a, "  How do I\n\tbake   bread at home without a stand mixer or a bread machine?", "...", None, ()
+    )
     title = store.get(A, a).title
     assert title.startswith("How do I bake bread at home") and title.endswith("…")
     assert len(title) <= 41 and "\n" not in title
@@ -176,11 +191,17 @@ def test_rename_delete_and_missing(store: Store):
     assert store._db.execute("SELECT COUNT(*) FROM turns").fetchone()[0] == 0
     assert store._db.execute("SELECT COUNT(*) FROM facts").fetchone()[0] == 0
     assert store.delete_fact(A, a, fid) is False
-    for call in (lambda: store.get(A, a), lambda: store.add_turn(A, a, "u", "a", None, ()),
-                 lambda: store.rename(A, a, "x"), lambda: store.set_summary(A, a, "s", 0),
-                 lambda: store.add_fact(A, a, "f"), lambda: store.facts(A, a),
-                 lambda: store.export_json(A, a), lambda: store.export_markdown(A, a),
-                 lambda: store.set_fact_pinned(A, a, fid, False)):
+    for call in (
+        lambda: store.get(A, a),
+        lambda: store.add_turn(A, a, "u", "a", None, ()),
+        lambda: store.rename(A, a, "x"),
+        lambda: store.set_summary(A, a, "s", 0),
+        lambda: store.add_fact(A, a, "f"),
+        lambda: store.facts(A, a),
+        lambda: store.export_json(A, a),
+        lambda: store.export_markdown(A, a),
+        lambda: store.set_fact_pinned(A, a, fid, False),
+    ):
         with pytest.raises(NotFound) as info:
             call()
         assert isinstance(info.value, LookupError) and isinstance(info.value, LlmwebError)
@@ -193,7 +214,10 @@ def test_facts_crud(store: Store):
     f1 = store.add_fact(A, a, "name is Ada")
     f2 = store.add_fact(A, a, "prefers metric", pinned=False)
     f3 = store.add_fact(A, b, "other conversation")
-    assert [(f.id, f.text, f.pinned) for f in store.facts(A, a)] == [(f1, "name is Ada", True), (f2, "prefers metric", False)]
+    assert [(f.id, f.text, f.pinned) for f in store.facts(A, a)] == [
+        (f1, "name is Ada", True),
+        (f2, "prefers metric", False),
+    ]
     assert all(isinstance(f, Fact) for f in store.facts(A, a))
     store.set_fact_pinned(A, a, f1, False)
     store.set_fact_pinned(A, a, f2, True)
@@ -211,8 +235,14 @@ def test_reopen_shows_everything(db_path: Path):
         a = s.create_conversation(A)
         b = s.create_conversation(A, "kept")
         for i in range(3):
-            s.add_turn(A, a, f"user {i}", f"assistant {i}", TurnStats(turn=i + 1, gen=GenerationStats(generated_tokens=i)),
-                       [Source(1, f"f{i}.txt")])
+            s.add_turn(
+                A,
+                a,
+                f"user {i}",
+                f"assistant {i}",
+                TurnStats(turn=i + 1, gen=GenerationStats(generated_tokens=i)),
+                [Source(1, f"f{i}.txt")],
+            )
         s.set_summary(A, a, "summary", 2)
         fid = s.add_fact(A, a, "fact")
         s.set_fact_pinned(A, a, fid, False)
@@ -276,18 +306,52 @@ def test_unstorable_text_is_a_clear_error_and_changes_nothing(store: Store):
 
 def _sample(store: Store) -> str:
     cid = store.create_conversation(A)
-    mem = MemorySnapshot(rss_bytes=5 << 20, peak_rss_bytes=6 << 20, cuda_allocated_bytes=700, cuda_reserved_bytes=900,
-                         cuda_peak_bytes=800, cuda_inactive_split_bytes=50, cuda_alloc_retries=0, cuda_ooms=0)
-    store.add_turn(A, cid, "What is **WAL**?", "Write-ahead logging.\n\n- point one",
-                   TurnStats(turn=1, gen=GenerationStats(prompt_tokens=10, generated_tokens=7, decode_tok_s=31.5,
-                                                         finish_reason="eos", mem=mem),
-                             sections={"system": 4, "retrieved": 6}, context_limit=4096),
-                   [Source(1, "sqlite.md", heading="WAL", score=0.9, snippet="WAL is …")])
-    store.add_turn(A, cid, "And 🐍 in עברית?", "שלום 🐍",
-                   TurnStats(turn=2, gen=GenerationStats(prompt_tokens=22, finish_reason="cancelled"),
-                             summarized_turns=1, summary_tokens=5, dropped_turns=1, dropped_chunks=2), ())
-    store.add_turn(A, cid, "third question", "third answer", None,
-                   [Source(1, "doc.pdf", page=3), Source(2, "turn 1", kind="recall", score=0.25)])
+    mem = MemorySnapshot(
+        rss_bytes=5 << 20,
+        peak_rss_bytes=6 << 20,
+        cuda_allocated_bytes=700,
+        cuda_reserved_bytes=900,
+        cuda_peak_bytes=800,
+        cuda_inactive_split_bytes=50,
+        cuda_alloc_retries=0,
+        cuda_ooms=0,
+    )
+    store.add_turn(
+        A,
+        cid,
+        "What is **WAL**?",
+        "Write-ahead logging.\n\n- point one",
+        TurnStats(
+            turn=1,
+            gen=GenerationStats(prompt_tokens=10, generated_tokens=7, decode_tok_s=31.5, finish_reason="eos", mem=mem),
+            sections={"system": 4, "retrieved": 6},
+            context_limit=4096,
+        ),
+        [Source(1, "sqlite.md", heading="WAL", score=0.9, snippet="WAL is …")],
+    )
+    store.add_turn(
+        A,
+        cid,
+        "And 🐍 in עברית?",
+        "שלום 🐍",
+        TurnStats(
+            turn=2,
+            gen=GenerationStats(prompt_tokens=22, finish_reason="cancelled"),
+            summarized_turns=1,
+            summary_tokens=5,
+            dropped_turns=1,
+            dropped_chunks=2,
+        ),
+        (),
+    )
+    store.add_turn(
+        A,
+        cid,
+        "third question",
+        "third answer",
+        None,
+        [Source(1, "doc.pdf", page=3), Source(2, "turn 1", kind="recall", score=0.25)],
+    )
     store.set_summary(A, cid, "Asked about WAL.", 1)
     store.add_fact(A, cid, "user writes Hebrew")
     store.add_fact(A, cid, "unpinned note", pinned=False)
@@ -319,7 +383,8 @@ def test_export_json_round_trips(db_path: Path, tmp_path: Path):
     assert doc["summary"] == "Asked about WAL." and doc["summarized_upto"] == 1
     assert [(t["user"], t["assistant"], t["stats"], t["sources"]) for t in doc["turns"]] == [
         (t.user, t.assistant, t.stats.to_dict() if t.stats else {}, [s.to_dict() for s in t.sources])
-        for t in conv.turns]
+        for t in conv.turns
+    ]
     assert doc["turns"][0]["stats"]["mem"]["cuda_fragmentation_bytes"] == 200
     assert doc["turns"][2]["stats"] == {}  # stored without figures
     with Store(tmp_path / "other.sqlite3") as other:
@@ -327,7 +392,13 @@ def test_export_json_round_trips(db_path: Path, tmp_path: Path):
         assert new_id != cid
         back = other.get(A, new_id)
         assert (back.title, back.summary, back.summarized_upto, back.turns, back.created, back.updated) == (
-            conv.title, conv.summary, conv.summarized_upto, conv.turns, conv.created, conv.updated)
+            conv.title,
+            conv.summary,
+            conv.summarized_upto,
+            conv.turns,
+            conv.created,
+            conv.updated,
+        )
         assert back.turns[2].stats is None and back.turns[0].stats.gen.mem.cuda_inactive_split_bytes == 50
         assert [(f.text, f.pinned) for f in back.facts] == [(f.text, f.pinned) for f in conv.facts]
         again = json.loads(other.export_json(A, new_id))
@@ -335,17 +406,25 @@ def test_export_json_round_trips(db_path: Path, tmp_path: Path):
     assert again == doc
 
 
-@pytest.mark.parametrize("bad", ["not json", "[]", '{"format": "other"}',
-                                 '{"format": "llmweb.conversation", "version": 1}'])
+@pytest.mark.parametrize(
+    "bad", ["not json", "[]", '{"format": "other"}', '{"format": "llmweb.conversation", "version": 1}']
+)
 def test_import_rejects_garbage(store: Store, bad: str):
     with pytest.raises(InputError):
         store.import_json(A, bad)
     assert store.list_conversations(A) == []
 
 
-@pytest.mark.parametrize("field,value", [("sources", [{"source": "no number.md"}]),  # a source needs n and source
-                                         ("sources", [{"n": 1}]), ("sources", ["notes.md"]),
-                                         ("stats", []), ("stats", "eos")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("sources", [{"source": "no number.md"}]),  # a source needs n and source
+        ("sources", [{"n": 1}]),
+        ("sources", ["notes.md"]),
+        ("stats", []),
+        ("stats", "eos"),
+    ],
+)
 def test_import_rejects_malformed_sources_and_stats(store: Store, field: str, value):
     doc = json.loads(store.export_json(A, _sample(store)))
     before = store.list_conversations(A)
@@ -359,11 +438,17 @@ def test_import_reads_older_stats_with_defaults(store: Store):
     """Rows written before TurnStats had every field (or by hand) still load: missing figures take
     their defaults and unknown keys are ignored."""
     doc = json.loads(store.export_json(A, _sample(store)))
-    doc["turns"][0]["stats"] = {"turn": 1, "finish_reason": "eos", "prompt_tokens": 12, "ttft_ms": 5,
-                                "sections": {"history": 3}}
+    doc["turns"][0]["stats"] = {
+        "turn": 1,
+        "finish_reason": "eos",
+        "prompt_tokens": 12,
+        "ttft_ms": 5,
+        "sections": {"history": 3},
+    }
     back = store.get(A, store.import_json(A, json.dumps(doc)))
-    assert back.turns[0].stats == TurnStats(turn=1, gen=GenerationStats(prompt_tokens=12, finish_reason="eos"),
-                                            sections={"history": 3})
+    assert back.turns[0].stats == TurnStats(
+        turn=1, gen=GenerationStats(prompt_tokens=12, finish_reason="eos"), sections={"history": 3}
+    )
 
 
 def test_concurrent_add_turn_loses_nothing(store: Store):
@@ -377,7 +462,9 @@ def test_concurrent_add_turn_loses_nothing(store: Store):
         try:
             start.wait()
             for i in range(n):
-                store.add_turn(A, shared, f"t{k}-{i}", f"a{k}-{i}", TurnStats(turn=i, gen=GenerationStats(prompt_tokens=k)))
+                store.add_turn(
+                    A, shared, f"t{k}-{i}", f"a{k}-{i}", TurnStats(turn=i, gen=GenerationStats(prompt_tokens=k))
+                )
                 store.add_turn(A, own[k], f"t{k}-{i}", f"a{k}-{i}", None, ())
                 store.list_conversations(A)  # readers interleaved with writers
                 store.get(A, shared)
@@ -434,8 +521,9 @@ def _turn_recipe():
 @pytest.mark.parametrize("round_", range(3))  # each kill lands at a different moment
 def test_kill_9_loses_at_most_the_unfinished_turn(db_path: Path, round_: int):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(db_path)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(db_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         line = child.stdout.readline()
         assert line.startswith("ready"), (line, child.stderr.read() if child.poll() is not None else "")
@@ -544,8 +632,9 @@ def test_idle_owners_lists_anonymous_owners_past_the_retention(store: Store):
     store.create_conversation("anon:new")
     store.create_conversation("user:old-account")
     now = time.time()
-    store._db.execute("UPDATE owners SET last_seen = ? WHERE owner IN ('anon:old', 'user:old-account')",
-                      (now - 40 * 86400,))
+    store._db.execute(
+        "UPDATE owners SET last_seen = ? WHERE owner IN ('anon:old', 'user:old-account')", (now - 40 * 86400,)
+    )
     assert store.idle_owners("anon:", 30 * 86400) == ["anon:old"], "accounts are never purged; recent visitors stay"
     store.touch_owner("anon:old")
     assert store.idle_owners("anon:", 30 * 86400) == []
@@ -565,7 +654,8 @@ def test_a_database_from_before_owners_opens_without_loss_for_the_local_owner(tm
         conv = s.get(LOCAL_OWNER, info.id)
         assert [(t.user, t.assistant) for t in conv.turns] == [
             ("My locker code is Zanzibar-7781. Please remember it.", "I will remember it."),
-            ("What is my locker code?", "Zanzibar-7781.")]
+            ("What is my locker code?", "Zanzibar-7781."),
+        ]
         assert conv.turns[0].stats.gen.prompt_tokens == 60 and conv.turns[0].stats.sections["user"] == 30
         assert conv.turns[0].sources[0].label() == "llmweb-guide.md, Models"
         assert (conv.summary, conv.summarized_upto) == ("The user shared a locker code.", 1)

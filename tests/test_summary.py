@@ -22,6 +22,7 @@ def count(text: str) -> int:
 
 # --- cap_text --------------------------------------------------------------------------------
 
+
 def test_cap_text_keeps_text_that_fits():
     assert cap_text("  One two. Three  ", 3, count) == "One two. Three"
 
@@ -46,6 +47,7 @@ def test_cap_text_is_a_prefix_within_the_cap(ws, cap):
 
 
 # --- turns_to_fold ---------------------------------------------------------------------------
+
 
 def test_no_fold_at_or_below_high_water():
     assert turns_to_fold([100] * 8, 1000, HIGH, LOW) == 0
@@ -72,8 +74,7 @@ def test_bad_marks_raise():
         turns_to_fold([1], 10, 0.5, 0.6)
 
 
-@given(st.lists(st.integers(0, 400), max_size=30), st.integers(0, 3000),
-       st.floats(0.05, 0.9), st.floats(0.01, 0.5))
+@given(st.lists(st.integers(0, 400), max_size=30), st.integers(0, 3000), st.floats(0.05, 0.9), st.floats(0.01, 0.5))
 def test_turns_to_fold_properties(counts, room, low, gap):
     high = min(low + gap, 1.0)
     n = turns_to_fold(counts, room, high, low)
@@ -85,7 +86,7 @@ def test_turns_to_fold_properties(counts, room, low, gap):
     assert len(rest) >= min(2, len(counts))  # the newest two are never folded
     assert sum(rest) <= low * room or len(rest) <= 2  # down to low water, but for the newest two
     if n:  # and no more is folded than that needs
-        one_less = counts[n - 1:]
+        one_less = counts[n - 1 :]
         assert sum(one_less) > low * room and len(one_less) > 2
 
 
@@ -141,9 +142,12 @@ def test_planner_and_folding_together_keep_every_turn_and_a_stable_prefix():
 
 # --- the request and the reply ---------------------------------------------------------------
 
+
 def test_summary_request_messages():
-    turns = [Turn("My name is Ana and I need 3 tickets.", "Booked 3 tickets for Ana."),
-             Turn("Can we move it to Friday?", "I will check Friday.")]
+    turns = [
+        Turn("My name is Ana and I need 3 tickets.", "Booked 3 tickets for Ana."),
+        Turn("Can we move it to Friday?", "I will check Friday."),
+    ]
     system, user = summary_request_messages("Ana is planning a trip.", turns, 120)
     for word in ("name", "number", "decision", "open question", "120 tokens", "plain sentences"):
         assert word in system
@@ -155,11 +159,13 @@ def test_summary_request_messages():
 
 
 def test_clean_summary_strips_chatter_and_markup():
-    reply = ("Sure! Here is the updated summary:\n\n"
-             "## Summary\n"
-             "- Ana needs **3 tickets** for Friday\n"
-             "- Open question: is Friday possible?\n\n"
-             "Let me know if you need anything else!")
+    reply = (
+        "Sure! Here is the updated summary:\n\n"
+        "## Summary\n"
+        "- Ana needs **3 tickets** for Friday\n"
+        "- Open question: is Friday possible?\n\n"
+        "Let me know if you need anything else!"
+    )
     expected = "Ana needs 3 tickets for Friday. Open question: is Friday possible?"
     assert clean_summary(reply, 100, FakeFormat()) == expected
 

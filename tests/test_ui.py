@@ -16,18 +16,36 @@ from llmweb.errors import BusyError, InputError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
 from llmweb.store import Store, new_id
 from llmweb.ui import Handlers, Panel, build_app, new_owner_token, user_errors
-from llmweb.ui_format import (SECTION_COLOURS, history_messages, plot_frames, sections_html, sources_message,
-                              stats_markdown)
+from llmweb.ui_format import (
+    SECTION_COLOURS,
+    history_messages,
+    plot_frames,
+    sections_html,
+    sources_message,
+    stats_markdown,
+)
 from tests.conftest import make_settings
 
 MIB = 2**20
 
 
 def turn_stats(turn=1, *, prompt=100, limit=1000, reason="eos", cuda=False, rss=50 * MIB, **kw) -> TurnStats:
-    mem = MemorySnapshot(rss_bytes=rss, cuda_allocated_bytes=10 * MIB if cuda else None,
-                         cuda_reserved_bytes=12 * MIB if cuda else None, cuda_peak_bytes=11 * MIB if cuda else None)
-    gen = GenerationStats(prompt_tokens=prompt, generated_tokens=7, reused_tokens=40, prefilled_tokens=60,
-                          finish_reason=reason, kv_session_bytes=3 * MIB, kv_store_bytes=5 * MIB, mem=mem)
+    mem = MemorySnapshot(
+        rss_bytes=rss,
+        cuda_allocated_bytes=10 * MIB if cuda else None,
+        cuda_reserved_bytes=12 * MIB if cuda else None,
+        cuda_peak_bytes=11 * MIB if cuda else None,
+    )
+    gen = GenerationStats(
+        prompt_tokens=prompt,
+        generated_tokens=7,
+        reused_tokens=40,
+        prefilled_tokens=60,
+        finish_reason=reason,
+        kv_session_bytes=3 * MIB,
+        kv_store_bytes=5 * MIB,
+        mem=mem,
+    )
     sections = {"system": 20, "facts": 10, "user": prompt - 30, "reserve": 50}
     return TurnStats(turn, gen, sections=sections, context_limit=limit, **kw)
 
@@ -59,8 +77,12 @@ def test_near_limit_turns_warn_in_plain_words():
 
 
 def test_sources_are_labelled_by_source_label_and_snippets_are_not_headings():
-    msg = sources_message([Source(1, "guide.pdf", page=3, score=0.5, snippet="# Install <now>"),
-                           Source(2, "notes.md", heading="Setup", snippet="plain")])
+    msg = sources_message(
+        [
+            Source(1, "guide.pdf", page=3, score=0.5, snippet="# Install <now>"),
+            Source(2, "notes.md", heading="Setup", snippet="plain"),
+        ]
+    )
     assert msg["metadata"]["title"] == "Sources (2)"
     assert "**[1] guide.pdf, p. 3** · score 0.50\n> Install &lt;now&gt;" in msg["content"]
     assert "**[2] notes.md, Setup**" in msg["content"]
@@ -69,8 +91,12 @@ def test_sources_are_labelled_by_source_label_and_snippets_are_not_headings():
 
 def stored(*turns):
     """A Conversation-like object with StoredTurn-like turns (user, assistant, stats, sources, idx)."""
-    return SimpleNamespace(turns=[SimpleNamespace(idx=i, user=f"q{i}", assistant=a, stats=s, sources=src)
-                                  for i, (a, s, src) in enumerate(turns)])
+    return SimpleNamespace(
+        turns=[
+            SimpleNamespace(idx=i, user=f"q{i}", assistant=a, stats=s, sources=src)
+            for i, (a, s, src) in enumerate(turns)
+        ]
+    )
 
 
 def test_history_marks_stopped_replies_and_keeps_turns_without_stats():
@@ -160,8 +186,15 @@ NOBODY = SimpleNamespace(username=None)  # a gr.Request without login
 @pytest.fixture
 def runtime(tmp_path):
     store = Store(tmp_path / "llmweb.sqlite3")
-    rt = SimpleNamespace(store=store, settings=make_settings(tmp_path, single_user="0"), status="Ready", ready=True,
-                         engine=None, library=SimpleNamespace(documents=lambda *owner: []), secret="s" * 64)
+    rt = SimpleNamespace(
+        store=store,
+        settings=make_settings(tmp_path, single_user="0"),
+        status="Ready",
+        ready=True,
+        engine=None,
+        library=SimpleNamespace(documents=lambda *owner: []),
+        secret="s" * 64,
+    )
     rt.chat = FakeChat(store)
     rt.wait_ready = lambda timeout=None: rt.chat
     yield rt
@@ -243,10 +276,13 @@ def test_two_visitors_never_see_each_others_chats_through_any_handler(runtime):
     b = h.visit(B_TOKEN, a_conv, NOBODY)  # even with A's id in B's browser state
     assert b[1] == "" and b[2] == [] and b[3]["choices"] == []
     assert h.switch(a_conv, B_TOKEN, NOBODY).chatbot == []
-    for call in (lambda: h.export_json(a_conv, B_TOKEN, NOBODY), lambda: h.export_md(a_conv, B_TOKEN, NOBODY),
-                 lambda: h.add_fact(a_conv, "mine now", B_TOKEN, NOBODY),
-                 lambda: h.delete_fact(a_conv, 1, B_TOKEN, NOBODY),
-                 lambda: h.api_stats(a_conv, request=NOBODY)):
+    for call in (
+        lambda: h.export_json(a_conv, B_TOKEN, NOBODY),
+        lambda: h.export_md(a_conv, B_TOKEN, NOBODY),
+        lambda: h.add_fact(a_conv, "mine now", B_TOKEN, NOBODY),
+        lambda: h.delete_fact(a_conv, 1, B_TOKEN, NOBODY),
+        lambda: h.api_stats(a_conv, request=NOBODY),
+    ):
         with pytest.raises(gr.Error, match="no longer exists"):
             call()
     with pytest.raises(gr.Error, match="no longer exists"):
@@ -270,11 +306,22 @@ def test_api_conversations_continue_with_their_id_and_only_with_it(runtime):
 def test_build_app_keeps_the_endpoints_and_element_ids(runtime):
     config = build_app(runtime).config
     api = {d["api_name"]: d.get("api_visibility", "public") for d in config["dependencies"] if d.get("api_name")}
-    assert {name for name, visibility in api.items() if visibility == "public"} == {
-        "chat", "stats", "status_text"}, "the public API: chat and stats (the page's own events need its token)"
+    assert {name for name, visibility in api.items() if visibility == "public"} == {"chat", "stats", "status_text"}, (
+        "the public API: chat and stats (the page's own events need its token)"
+    )
     assert api["respond_enter"] == "private" and api["respond"] == "private"
     ids = {c["props"].get("elem_id") for c in config["components"]}
-    assert {"llmweb-chat", "llmweb-send", "llmweb-stop", "llmweb-stats", "llmweb-sections", "llmweb-memory",
-            "llmweb-status", "llmweb-upload", "llmweb-doclist", "llmweb-tokens-plot"} <= ids
+    assert {
+        "llmweb-chat",
+        "llmweb-send",
+        "llmweb-stop",
+        "llmweb-stats",
+        "llmweb-sections",
+        "llmweb-memory",
+        "llmweb-status",
+        "llmweb-upload",
+        "llmweb-doclist",
+        "llmweb-tokens-plot",
+    } <= ids
     keys = {c["props"].get("storage_key") for c in config["components"]}
     assert {"llmweb_conversation", "llmweb_owner"} <= keys

@@ -34,13 +34,25 @@ def register(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity")
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
-    b.add_argument("--chunks", type=int, default=None,
-                   help="retrieval: corpus size in chunks (default 10000 for `bench retrieval`, 2000 in the suite)")
-    b.add_argument("--max-new-tokens", type=int, default=None,
-                   help="TTFT: reply length per turn (default 48 for `bench ttft`, 32 in the suite)")
+    b.add_argument(
+        "--chunks",
+        type=int,
+        default=None,
+        help="retrieval: corpus size in chunks (default 10000 for `bench retrieval`, 2000 in the suite)",
+    )
+    b.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="TTFT: reply length per turn (default 48 for `bench ttft`, 32 in the suite)",
+    )
     b.add_argument("--replay-turns", type=int, default=200, help="suite: measured turns of the memory replay")
-    b.add_argument("--warmup-turns", type=int, default=10,
-                   help="suite: replay turns before memory is measured (at least until the first fold)")
+    b.add_argument(
+        "--warmup-turns",
+        type=int,
+        default=10,
+        help="suite: replay turns before memory is measured (at least until the first fold)",
+    )
     b.add_argument("--replay-context", type=int, default=1024, help="suite: context limit of the memory replay")
     b.add_argument("--replay-new-tokens", type=int, default=16, help="suite: reply length in the memory replay")
     b.add_argument("--overhead-tokens", type=int, default=32, help="suite: new tokens per engine-overhead run")
@@ -59,7 +71,7 @@ def register(sub) -> None:
 
 
 def parse_ints(text: str) -> list[int]:
-    """"512,1024" -> [512, 1024]; anything else is a ConfigError with the text."""
+    """ "512,1024" -> [512, 1024]; anything else is a ConfigError with the text."""
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -82,10 +94,19 @@ def bench_command(args) -> int:
         from .common import write_reports
 
         settings = Settings.from_env()
-        result = suite.run(settings, turns=args.turns, ttft_new_tokens=args.max_new_tokens or 32,
-                           chunks=args.chunks or 2000, replay_turns=args.replay_turns, warmup_turns=args.warmup_turns,
-                           replay_context=args.replay_context, replay_new_tokens=args.replay_new_tokens,
-                           overhead_tokens=args.overhead_tokens, overhead_repeats=args.repeats, progress=_stderr)
+        result = suite.run(
+            settings,
+            turns=args.turns,
+            ttft_new_tokens=args.max_new_tokens or 32,
+            chunks=args.chunks or 2000,
+            replay_turns=args.replay_turns,
+            warmup_turns=args.warmup_turns,
+            replay_context=args.replay_context,
+            replay_new_tokens=args.replay_new_tokens,
+            overhead_tokens=args.overhead_tokens,
+            overhead_repeats=args.repeats,
+            progress=_stderr,
+        )
         md = suite.markdown(result)
         paths = write_reports(result, md, settings.data_dir)
         if args.json:
@@ -135,8 +156,9 @@ def capacity_command(args) -> int:
     from . import capacity
 
     settings = Settings.from_env()
-    result = capacity.run(settings, parse_ints(args.context), parse_ints(args.concurrency),
-                          max_new_tokens=args.max_new_tokens)
+    result = capacity.run(
+        settings, parse_ints(args.context), parse_ints(args.concurrency), max_new_tokens=args.max_new_tokens
+    )
     paths = capacity.write_reports(result, settings.data_dir)
     if args.json:
         print(json.dumps({**result, "files": {k: str(p) for k, p in paths.items()}}, indent=2))

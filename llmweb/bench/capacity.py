@@ -33,8 +33,8 @@ from __future__ import annotations
 import csv
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from ..config import Settings
 from ..errors import ConfigError, LlmwebError
@@ -45,19 +45,42 @@ log = logging.getLogger(__name__)
 
 SINGLE_WORKER_NOTE = (
     "Concurrency above 1 runs through the same single worker (one generation at a time): the "
-    "figures show queueing and resident KV caches (one per session), not parallel activations.")
+    "figures show queueing and resident KV caches (one per session), not parallel activations."
+)
 
-COLUMNS = ["context", "concurrency", "prompt_tokens", "kv_tokens_per_session", "completed", "refused", "evicted",
-           "predicted_weights_bytes", "predicted_kv_bytes", "predicted_activation_bytes", "predicted_bytes",
-           "predicted_growth_bytes", "measured_baseline_bytes", "measured_peak_bytes", "measured_growth_bytes",
-           "resident_kv_bytes", "limit_bytes", "kv_budget_bytes", "fits", "max_queue_wait_s", "batch_s"]
+COLUMNS = [
+    "context",
+    "concurrency",
+    "prompt_tokens",
+    "kv_tokens_per_session",
+    "completed",
+    "refused",
+    "evicted",
+    "predicted_weights_bytes",
+    "predicted_kv_bytes",
+    "predicted_activation_bytes",
+    "predicted_bytes",
+    "predicted_growth_bytes",
+    "measured_baseline_bytes",
+    "measured_peak_bytes",
+    "measured_growth_bytes",
+    "resident_kv_bytes",
+    "limit_bytes",
+    "kv_budget_bytes",
+    "fits",
+    "max_queue_wait_s",
+    "batch_s",
+]
 
-_FILLER = ("The harbour town kept a long record of tides, ships and weather. Each morning the keeper "
-           "wrote down the height of the water, the direction of the wind and the colour of the sky, "
-           "and each evening he read the older pages to see whether the seasons repeated themselves. ").split()
+_FILLER = (
+    "The harbour town kept a long record of tides, ships and weather. Each morning the keeper "
+    "wrote down the height of the water, the direction of the wind and the colour of the sky, "
+    "and each evening he read the older pages to see whether the seasons repeated themselves. "
+).split()
 
 
 # ---- prompts
+
 
 def filler_prompt(fmt, target_tokens: int, tag: str = "", system: str = SYSTEM) -> list[int]:
     """The longest real prompt (system + one user message of filler text) of at most `target_tokens`."""
@@ -70,8 +93,10 @@ def filler_prompt(fmt, target_tokens: int, tag: str = "", system: str = SYSTEM) 
 
     lo, hi = 0, max(target_tokens, 1)  # a word is at least one token: hi words is always too many
     if len(ids_for(lo)) > target_tokens:
-        raise ConfigError(f"a context of {target_tokens} prompt tokens is too small for the chat template "
-                          f"({len(ids_for(lo))} tokens with an empty message)")
+        raise ConfigError(
+            f"a context of {target_tokens} prompt tokens is too small for the chat template "
+            f"({len(ids_for(lo))} tokens with an empty message)"
+        )
     while lo < hi:  # the largest word count whose prompt fits
         mid = (lo + hi + 1) // 2
         if len(ids_for(mid)) <= target_tokens:
@@ -84,6 +109,7 @@ def filler_prompt(fmt, target_tokens: int, tag: str = "", system: str = SYSTEM) 
 
 
 # ---- the measurement
+
 
 def device_limit(settings: Settings, loaded) -> int:
     """CUDA: total device memory minus the margin; CPU: the admission limit (LLMWEB_MEM_LIMIT_MB)."""
@@ -104,14 +130,23 @@ def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int) -> d
     heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
     per_session, activation = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
     kv = per_session * sessions
-    return {"predicted_weights_bytes": int(loaded.weights_bytes), "predicted_kv_bytes": int(kv),
-            "predicted_activation_bytes": activation,
-            "predicted_bytes": int(loaded.weights_bytes + kv + activation),
-            "predicted_growth_bytes": int(kv + activation)}
+    return {
+        "predicted_weights_bytes": int(loaded.weights_bytes),
+        "predicted_kv_bytes": int(kv),
+        "predicted_activation_bytes": activation,
+        "predicted_bytes": int(loaded.weights_bytes + kv + activation),
+        "predicted_growth_bytes": int(kv + activation),
+    }
 
 
-def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int], max_new_tokens: int = 16,
-        loaded=None, progress: Callable[[str], None] = log.info) -> dict:
+def run(
+    settings: Settings,
+    contexts: Sequence[int],
+    concurrencies: Sequence[int],
+    max_new_tokens: int = 16,
+    loaded=None,
+    progress: Callable[[str], None] = log.info,
+) -> dict:
     """Measure every (context, concurrency) combination on one engine; return rows and the setup."""
     from .. import models
     from ..engine import EngineLimits, GenerationRequest, local_engine
@@ -136,10 +171,15 @@ def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int
     # The store never evicts here: every session's cache must stay resident to be measured.
     # Admission control still runs, against the same limit as the app's.
     kv = KVStore(budget_bytes=1 << 62, ttl_s=24 * 3600)
-    limits = EngineLimits(queue_size=max(concurrencies), max_new_tokens=max_new_tokens,
-                          request_timeout_s=max(settings.request_timeout_s, 600.0), admission_wait_s=2.0,
-                          mem_limit_bytes=limit if loaded.on_cpu else 0,
-                          mem_margin_bytes=settings.mem_margin_mb * 2**20, kv_reuse=True)
+    limits = EngineLimits(
+        queue_size=max(concurrencies),
+        max_new_tokens=max_new_tokens,
+        request_timeout_s=max(settings.request_timeout_s, 600.0),
+        admission_wait_s=2.0,
+        mem_limit_bytes=limit if loaded.on_cpu else 0,
+        mem_margin_bytes=settings.mem_margin_mb * 2**20,
+        kv_reuse=True,
+    )
     engine = local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token)
     rows: list[dict] = []
     method = ""
@@ -148,8 +188,9 @@ def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int
         # one warm-up request, so the first combination does not pay for one-off allocations
         engine.submit(GenerationRequest(filler_prompt(fmt, min(contexts) - max_new_tokens), max_new_tokens)).result()
         for context in contexts:
-            prompts = [filler_prompt(fmt, context - max_new_tokens, tag=f"Session {i + 1}.")
-                       for i in range(max(concurrencies))]
+            prompts = [
+                filler_prompt(fmt, context - max_new_tokens, tag=f"Session {i + 1}.") for i in range(max(concurrencies))
+            ]
             for k in concurrencies:
                 progress(f"capacity: context {context}, {k} session(s)…")
                 row, method = _measure(engine, kv, loaded, prompts[:k], context, max_new_tokens, limit, kv_budget)
@@ -157,17 +198,29 @@ def run(settings: Settings, contexts: Sequence[int], concurrencies: Sequence[int
     finally:
         kv.clear()
         engine.close()
-    return {"bench": "capacity", "model": loaded.name, "quant": loaded.quant, "device": loaded.device,
-            "weights_bytes": int(loaded.weights_bytes), "kv_bytes_per_token": loaded.kv_bytes_per_token,
-            "max_new_tokens": max_new_tokens, "limit_bytes": limit, "kv_budget_bytes": kv_budget,
-            "limit_source": ("CUDA total memory - LLMWEB_MEM_MARGIN_MB" if not loaded.on_cpu
-                             else "LLMWEB_MEM_LIMIT_MB (0 = 80% of RAM)"),
-            "measured": method, "note": SINGLE_WORKER_NOTE, "total_s": round(time.perf_counter() - t_all, 1),
-            "rows": rows}
+    return {
+        "bench": "capacity",
+        "model": loaded.name,
+        "quant": loaded.quant,
+        "device": loaded.device,
+        "weights_bytes": int(loaded.weights_bytes),
+        "kv_bytes_per_token": loaded.kv_bytes_per_token,
+        "max_new_tokens": max_new_tokens,
+        "limit_bytes": limit,
+        "kv_budget_bytes": kv_budget,
+        "limit_source": (
+            "CUDA total memory - LLMWEB_MEM_MARGIN_MB" if not loaded.on_cpu else "LLMWEB_MEM_LIMIT_MB (0 = 80% of RAM)"
+        ),
+        "measured": method,
+        "note": SINGLE_WORKER_NOTE,
+        "total_s": round(time.perf_counter() - t_all, 1),
+        "rows": rows,
+    }
 
 
-def _measure(engine, kv, loaded, prompts: list[list[int]], context: int, max_new_tokens: int,
-             limit: int, kv_budget: int) -> tuple[dict, str]:
+def _measure(
+    engine, kv, loaded, prompts: list[list[int]], context: int, max_new_tokens: int, limit: int, kv_budget: int
+) -> tuple[dict, str]:
     """One batch: `prompts` submitted at once to `engine`, whose KV store `kv` (ours) starts empty."""
     from ..engine import GenerationRequest
 
@@ -177,8 +230,10 @@ def _measure(engine, kv, loaded, prompts: list[list[int]], context: int, max_new
     baseline = current_bytes(loaded.device)
     meter = PeakMeter(loaded.device).start()
     t0 = time.perf_counter()
-    handles = [engine.submit(GenerationRequest(ids, max_new_tokens, session_id=f"capacity-{context}-{i}"))
-               for i, ids in enumerate(prompts)]  # all at once: they queue for the one worker
+    handles = [
+        engine.submit(GenerationRequest(ids, max_new_tokens, session_id=f"capacity-{context}-{i}"))
+        for i, ids in enumerate(prompts)
+    ]  # all at once: they queue for the one worker
     completed, refused, stats = 0, 0, []
     for h in handles:
         try:
@@ -198,20 +253,31 @@ def _measure(engine, kv, loaded, prompts: list[list[int]], context: int, max_new
     growth = max(peak - baseline, 0)
     evicted = kv.evictions - evictions  # admission evicts idle caches when memory is short
     device_peak_predicted = baseline + pred["predicted_growth_bytes"]
-    row = {"context": context, "concurrency": len(prompts), "prompt_tokens": prompt_tokens,
-           "kv_tokens_per_session": prompt_tokens + max_new_tokens, "completed": completed, "refused": refused,
-           "evicted": evicted,
-           **pred, "measured_baseline_bytes": int(baseline), "measured_peak_bytes": int(peak),
-           "measured_growth_bytes": int(growth), "resident_kv_bytes": int(kv.total_bytes),
-           "limit_bytes": int(limit), "kv_budget_bytes": int(kv_budget),
-           "fits": bool(refused == 0 and evicted == 0 and max(device_peak_predicted, peak) <= limit),
-           "max_queue_wait_s": round(max((s.queue_wait_s for s in stats), default=0.0), 3),
-           "batch_s": round(batch_s, 3)}
+    row = {
+        "context": context,
+        "concurrency": len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "kv_tokens_per_session": prompt_tokens + max_new_tokens,
+        "completed": completed,
+        "refused": refused,
+        "evicted": evicted,
+        **pred,
+        "measured_baseline_bytes": int(baseline),
+        "measured_peak_bytes": int(peak),
+        "measured_growth_bytes": int(growth),
+        "resident_kv_bytes": int(kv.total_bytes),
+        "limit_bytes": int(limit),
+        "kv_budget_bytes": int(kv_budget),
+        "fits": bool(refused == 0 and evicted == 0 and max(device_peak_predicted, peak) <= limit),
+        "max_queue_wait_s": round(max((s.queue_wait_s for s in stats), default=0.0), 3),
+        "batch_s": round(batch_s, 3),
+    }
     kv.clear()
     return row, meter.method
 
 
 # ---- rendering
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
@@ -221,19 +287,23 @@ def markdown(r: dict) -> str:
     cpu = not str(r["device"]).startswith("cuda")
     peak_name = "measured peak RSS" if cpu else "measured peak allocated"
     lines = [
-        f"## Capacity ({r['model']}, {r['quant']}, {r['device']}, {r['max_new_tokens']} new tokens per request)", "",
+        f"## Capacity ({r['model']}, {r['quant']}, {r['device']}, {r['max_new_tokens']} new tokens per request)",
+        "",
         f"| context | sessions | prompt tokens | predicted MiB (weights + KV + act) | {peak_name} MiB "
         "| predicted growth MiB (KV + act) | measured growth MiB | resident KV MiB | max queue wait (s) | fits |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for x in r["rows"]:
-        why = ([f"{x['refused']} refused"] if x["refused"] else []) + \
-              ([f"{x['evicted']} caches evicted"] if x["evicted"] else [])
+        why = ([f"{x['refused']} refused"] if x["refused"] else []) + (
+            [f"{x['evicted']} caches evicted"] if x["evicted"] else []
+        )
         fits = "yes" if x["fits"] else "**no**" + (f" ({', '.join(why)})" if why else "")
         lines.append(
             f"| {x['context']} | {x['concurrency']} | {x['prompt_tokens']} | {_mib(x['predicted_bytes'])} "
             f"| {_mib(x['measured_peak_bytes'])} | {_mib(x['predicted_growth_bytes'])} "
             f"| {_mib(x['measured_growth_bytes'])} | {_mib(x['resident_kv_bytes'])} "
-            f"| {x['max_queue_wait_s']:.2f} | {fits} |")
+            f"| {x['max_queue_wait_s']:.2f} | {fits} |"
+        )
     lines += [
         "",
         f"- Limit: {_mib(r['limit_bytes'])} MiB ({r['limit_source']}); the app's KV budget for all sessions' "
@@ -241,12 +311,12 @@ def markdown(r: dict) -> str:
         f"- Prediction: weights {_mib(r['weights_bytes'])} MiB + {r['kv_bytes_per_token']:,} KV bytes/token x "
         "(prompt + new tokens) x sessions + the engine's activation margin for the one running request.",
         f"- Measured: {r['measured']}; growth = peak minus the baseline just before the batch (caches freed)."
-        + (" On CPU the peak RSS also holds the Python/torch runtime, so compare growth with growth."
-           if cpu else ""),
+        + (" On CPU the peak RSS also holds the Python/torch runtime, so compare growth with growth." if cpu else ""),
         "- Fits: the larger of (baseline + predicted growth) and the measured peak is under the limit, "
         "and admission control neither refused a request nor evicted a session's cache.",
         f"- {r['note']}",
-        ""]
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -272,8 +342,10 @@ def plot(r: dict, path: Path) -> Path:
         rows = sorted((x for x in r["rows"] if x["concurrency"] == k), key=lambda x: x["context"])
         ctx = [x["context"] for x in rows]
         c = colours[i % len(colours)]
-        for ax, pred, meas in ((axes[0], "predicted_growth_bytes", "measured_growth_bytes"),
-                               (axes[1], "predicted_bytes", "measured_peak_bytes")):
+        for ax, pred, meas in (
+            (axes[0], "predicted_growth_bytes", "measured_growth_bytes"),
+            (axes[1], "predicted_bytes", "measured_peak_bytes"),
+        ):
             ax.plot(ctx, [x[pred] / 2**20 for x in rows], "--", color=c, marker="o", label=f"{k} session(s), predicted")
             ax.plot(ctx, [x[meas] / 2**20 for x in rows], "-", color=c, marker="s", label=f"{k} session(s), measured")
     cpu = not str(r["device"]).startswith("cuda")
@@ -287,9 +359,11 @@ def plot(r: dict, path: Path) -> Path:
         ax.legend(fontsize=7)
     if cpu:
         axes[1].set_yscale("log")
-    fig.suptitle(f"llmweb capacity: {r['model']} ({r['quant']}, {r['device']})\n"
-                 "one worker: concurrency = queued requests + resident KV caches, not parallel activations",
-                 fontsize=10)
+    fig.suptitle(
+        f"llmweb capacity: {r['model']} ({r['quant']}, {r['device']})\n"
+        "one worker: concurrency = queued requests + resident KV caches, not parallel activations",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,11 +14,28 @@ from pathlib import Path
 
 SYSTEM = "You are a helpful assistant."
 
-TOPICS = ["the history of tea", "how bridges carry load", "why the sky is blue", "what a compiler does",
-          "how bees find flowers", "the rules of chess", "how vaccines work", "what makes bread rise",
-          "how tides happen", "what a database index is", "how a bicycle stays up", "why leaves change colour",
-          "how rainbows form", "what an operating system does", "how glaciers move", "why we sleep",
-          "how batteries store energy", "what a black hole is", "how coffee is roasted", "why cats purr"]
+TOPICS = [
+    "the history of tea",
+    "how bridges carry load",
+    "why the sky is blue",
+    "what a compiler does",
+    "how bees find flowers",
+    "the rules of chess",
+    "how vaccines work",
+    "what makes bread rise",
+    "how tides happen",
+    "what a database index is",
+    "how a bicycle stays up",
+    "why leaves change colour",
+    "how rainbows form",
+    "what an operating system does",
+    "how glaciers move",
+    "why we sleep",
+    "how batteries store energy",
+    "what a black hole is",
+    "how coffee is roasted",
+    "why cats purr",
+]
 
 
 def scripted_turns(n: int) -> list[str]:
@@ -26,8 +43,10 @@ def scripted_turns(n: int) -> list[str]:
     out = []
     for i in range(n):
         topic = TOPICS[i % len(TOPICS)]
-        out.append(f"Question {i + 1}: in two or three sentences, explain {topic}. "
-                   f"Keep it simple, and mention one surprising fact about {topic.split()[-1]}.")
+        out.append(
+            f"Question {i + 1}: in two or three sentences, explain {topic}. "
+            f"Keep it simple, and mention one surprising fact about {topic.split()[-1]}."
+        )
     return out
 
 
@@ -37,6 +56,7 @@ def scratch_settings(settings, folder: Path):
 
 
 # ---- timing single requests
+
 
 def prompt_ids(loaded, text: str) -> list[int]:
     """The chat template around one user message, after the short system prompt."""
@@ -50,8 +70,13 @@ def timing_engine(loaded, new_tokens: int):
     from ..engine import EngineLimits, local_engine
     from ..kvcache import KVStore
 
-    return local_engine(loaded.model, loaded.device, KVStore(0, 1),
-                        EngineLimits(max_new_tokens=new_tokens, kv_reuse=False), loaded.kv_bytes_per_token)
+    return local_engine(
+        loaded.model,
+        loaded.device,
+        KVStore(0, 1),
+        EngineLimits(max_new_tokens=new_tokens, kv_reuse=False),
+        loaded.kv_bytes_per_token,
+    )
 
 
 def engine_decode(engine, ids: list[int], new_tokens: int) -> tuple[float, float, int]:
@@ -65,46 +90,71 @@ def engine_decode(engine, ids: list[int], new_tokens: int) -> tuple[float, float
 
 # ---- the setup
 
+
 def describe_setup(settings, loaded, budget=None) -> dict:
     """The hardware, model, quantisation and the settings that shape the figures."""
     import torch
 
     from ..runtime import cpu_mem_limit_bytes, kv_budget_bytes
 
-    env = {"model": loaded.name, "quant": loaded.quant, "device": loaded.device,
-           "weights_mib": round(loaded.weights_bytes / 2**20, 1),
-           "context_limit": budget.context_limit if budget else None,
-           "max_new_tokens": budget.max_new_tokens if budget else None,
-           "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "cpu": _cpu_name(),
-           "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-           "ram_gib": round(_ram_bytes() / 2**30, 1), "python": platform.python_version(),
-           "torch": torch.__version__, "transformers": _version("transformers"),
-           "bitsandbytes": _version("bitsandbytes"), "kv_bytes_per_token": loaded.kv_bytes_per_token,
-           "kv_budget_mib": round(kv_budget_bytes(settings, loaded) / 2**20, 1),
-           "kv_reuse": settings.kv_reuse, "notes": list(loaded.notes), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    env = {
+        "model": loaded.name,
+        "quant": loaded.quant,
+        "device": loaded.device,
+        "weights_mib": round(loaded.weights_bytes / 2**20, 1),
+        "context_limit": budget.context_limit if budget else None,
+        "max_new_tokens": budget.max_new_tokens if budget else None,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu": _cpu_name(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "ram_gib": round(_ram_bytes() / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "bitsandbytes": _version("bitsandbytes"),
+        "kv_bytes_per_token": loaded.kv_bytes_per_token,
+        "kv_budget_mib": round(kv_budget_bytes(settings, loaded) / 2**20, 1),
+        "kv_reuse": settings.kv_reuse,
+        "notes": list(loaded.notes),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     if loaded.on_cpu:
         env["mem_limit_mib"] = round(cpu_mem_limit_bytes(settings) / 2**20, 1)
     else:
         props = torch.cuda.get_device_properties(loaded.device)
-        env.update(gpu=props.name, gpu_mem_gib=round(props.total_memory / 2**30, 1),
-                   mem_margin_mib=settings.mem_margin_mb)
+        env.update(
+            gpu=props.name, gpu_mem_gib=round(props.total_memory / 2**30, 1), mem_margin_mib=settings.mem_margin_mb
+        )
     return env
 
 
 def environment_markdown(env: dict) -> str:
-    rows = [("model", f"{env['model']} ({env['quant']}, {env['weights_mib']:.0f} MiB weights)"),
-            ("device", env["device"] + (f" ({env['gpu']}, {env['gpu_mem_gib']} GiB)" if "gpu" in env else "")),
-            ("CPU", f"{env['cpu']} · {env['cpus']} cores · torch threads {env['torch_threads']} · "
-                    f"{env['ram_gib']} GiB RAM"),
-            ("software", f"Python {env['python']} · torch {env['torch']} · transformers {env['transformers']} · "
-                         f"bitsandbytes {env['bitsandbytes']}"),
-            ("settings (TTFT runs)",
-             f"context {env['context_limit']} · max new tokens {env['max_new_tokens']} · "
-             f"KV reuse {'on' if env['kv_reuse'] else 'off'} · KV budget {env['kv_budget_mib']:,.0f} MiB · "
-             + (f"memory limit {env['mem_limit_mib']:,.0f} MiB" if "mem_limit_mib" in env
-                else f"memory margin {env['mem_margin_mib']} MiB")),
-            ("KV bytes per token", f"{env['kv_bytes_per_token']:,}"),
-            ("run at", env["time"])]
+    rows = [
+        ("model", f"{env['model']} ({env['quant']}, {env['weights_mib']:.0f} MiB weights)"),
+        ("device", env["device"] + (f" ({env['gpu']}, {env['gpu_mem_gib']} GiB)" if "gpu" in env else "")),
+        (
+            "CPU",
+            f"{env['cpu']} · {env['cpus']} cores · torch threads {env['torch_threads']} · {env['ram_gib']} GiB RAM",
+        ),
+        (
+            "software",
+            f"Python {env['python']} · torch {env['torch']} · transformers {env['transformers']} · "
+            f"bitsandbytes {env['bitsandbytes']}",
+        ),
+        (
+            "settings (TTFT runs)",
+            f"context {env['context_limit']} · max new tokens {env['max_new_tokens']} · "
+            f"KV reuse {'on' if env['kv_reuse'] else 'off'} · KV budget {env['kv_budget_mib']:,.0f} MiB · "
+            + (
+                f"memory limit {env['mem_limit_mib']:,.0f} MiB"
+                if "mem_limit_mib" in env
+                else f"memory margin {env['mem_margin_mib']} MiB"
+            ),
+        ),
+        ("KV bytes per token", f"{env['kv_bytes_per_token']:,}"),
+        ("run at", env["time"]),
+    ]
     rows += [("note", n) for n in env.get("notes", [])]
     return "\n".join(["## Environment", "", "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""])
 
@@ -136,6 +186,7 @@ def _version(package: str) -> str:
 
 
 # ---- reports
+
 
 def report_stem(data_dir: Path, name: str) -> Path:
     """`data_dir/reports/<name>-<timestamp>` (the folder is created); add a suffix per file."""

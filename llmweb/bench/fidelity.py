@@ -12,11 +12,11 @@ window + summary + recall of earlier turns. Each mode is a Runtime of its own, b
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from .common import scratch_settings
 from ..store import LOCAL_OWNER as LOCAL
+from .common import scratch_settings
 
 FACTS = [
     ("My dog is called Pixel, a border collie.", "What is my dog called?", "Pixel"),
@@ -25,12 +25,28 @@ FACTS = [
     ("Remember that my locker code is 4711.", "What is my locker code?", "4711"),
     ("My sister Ana works as a pilot.", "What is my sister Ana's job?", "pilot"),
 ]
-FILLERS = ["the weather in spring", "how trains work", "baking bread", "why rivers bend", "jazz music",
-           "the rules of chess", "green tea", "old maps", "snowflakes", "honey bees", "lighthouses",
-           "paper planes", "volcanoes", "the moon's phases", "bicycles"]
-MODES = {"window": dict(summaries=False, recall=False),
-         "window+summary": dict(summaries=True, recall=False),
-         "window+summary+recall": dict(summaries=True, recall=True)}
+FILLERS = [
+    "the weather in spring",
+    "how trains work",
+    "baking bread",
+    "why rivers bend",
+    "jazz music",
+    "the rules of chess",
+    "green tea",
+    "old maps",
+    "snowflakes",
+    "honey bees",
+    "lighthouses",
+    "paper planes",
+    "volcanoes",
+    "the moon's phases",
+    "bicycles",
+]
+MODES = {
+    "window": dict(summaries=False, recall=False),
+    "window+summary": dict(summaries=True, recall=False),
+    "window+summary+recall": dict(summaries=True, recall=True),
+}
 
 
 @dataclass
@@ -42,8 +58,11 @@ class Check:
     answered: bool
 
 
-def script(fillers_between: int, checkpoints: int, facts: Sequence[tuple[str, str, str]] = FACTS,
-           ) -> list[tuple[str, int | None]]:
+def script(
+    fillers_between: int,
+    checkpoints: int,
+    facts: Sequence[tuple[str, str, str]] = FACTS,
+) -> list[tuple[str, int | None]]:
     """(user message, index of the fact asked about or None): the facts, then per checkpoint fillers and questions."""
     turns: list[tuple[str, int | None]] = [(statement, None) for statement, _, _ in facts]
     k = 0
@@ -55,8 +74,14 @@ def script(fillers_between: int, checkpoints: int, facts: Sequence[tuple[str, st
     return turns
 
 
-def run(settings, loaded=None, fillers_between: int = 12, checkpoints: int = 3, progress=print,
-        facts: Sequence[tuple[str, str, str]] = FACTS) -> dict:
+def run(
+    settings,
+    loaded=None,
+    fillers_between: int = 12,
+    checkpoints: int = 3,
+    progress=print,
+    facts: Sequence[tuple[str, str, str]] = FACTS,
+) -> dict:
     """Plant `facts` (statement, question, answer), then ask about each at every checkpoint, in every mode."""
     from ..chat import Finished
     from ..runtime import Runtime
@@ -71,26 +96,43 @@ def run(settings, loaded=None, fillers_between: int = 12, checkpoints: int = 3, 
             try:
                 conv = rt.store.create_conversation(LOCAL, f"fidelity {mode}")
                 for n, (text, fact) in enumerate(turns, 1):
-                    fin = [e for e in rt.chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True, seed=0)
-                           if isinstance(e, Finished)][0]
+                    fin = [
+                        e
+                        for e in rt.chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True, seed=0)
+                        if isinstance(e, Finished)
+                    ][0]
                     if fact is None:
                         continue
                     answer = facts[fact][2]
                     prompt = fin.prompt_text()
                     prompt_without_question = prompt[: prompt.rfind(text)] if text in prompt else prompt
-                    checks.append(Check(mode, n, fact, answer.lower() in prompt_without_question.lower(),
-                                        answer.lower() in fin.reply.lower()))
+                    checks.append(
+                        Check(
+                            mode,
+                            n,
+                            fact,
+                            answer.lower() in prompt_without_question.lower(),
+                            answer.lower() in fin.reply.lower(),
+                        )
+                    )
                 progress(f"fidelity: {mode} done ({len(turns)} turns)")
             finally:
                 rt.close()
     return summarise(checks, settings, loaded, len(turns), facts)
 
 
-def summarise(checks: list[Check], settings, loaded, n_turns: int,
-              facts: Sequence[tuple[str, str, str]] = FACTS) -> dict:
+def summarise(
+    checks: list[Check], settings, loaded, n_turns: int, facts: Sequence[tuple[str, str, str]] = FACTS
+) -> dict:
     """Per mode: the share of checks with the answer in the prompt and in the reply, overall and per checkpoint."""
-    out = {"bench": "fidelity", "turns_per_mode": n_turns, "context_limit": settings.context_limit,
-           "model": loaded.name if loaded else "", "quant": loaded.quant if loaded else "", "modes": {}}
+    out = {
+        "bench": "fidelity",
+        "turns_per_mode": n_turns,
+        "context_limit": settings.context_limit,
+        "model": loaded.name if loaded else "",
+        "quant": loaded.quant if loaded else "",
+        "modes": {},
+    }
     for mode in MODES:
         rows = [c for c in checks if c.mode == mode]
         by_cp: dict[int, list[Check]] = {}
@@ -99,28 +141,39 @@ def summarise(checks: list[Check], settings, loaded, n_turns: int,
         out["modes"][mode] = {
             "fact_in_prompt_rate": round(sum(c.in_prompt for c in rows) / max(len(rows), 1), 3),
             "answer_accuracy": round(sum(c.answered for c in rows) / max(len(rows), 1), 3),
-            "checkpoints": [{"turn": start,
-                             "fact_in_prompt_rate": round(sum(c.in_prompt for c in cs) / len(cs), 3),
-                             "answer_accuracy": round(sum(c.answered for c in cs) / len(cs), 3),
-                             "facts": [{"fact": facts[c.fact][2], "in_prompt": c.in_prompt, "answered": c.answered}
-                                       for c in cs]}
-                            for start, cs in sorted(by_cp.items())],
+            "checkpoints": [
+                {
+                    "turn": start,
+                    "fact_in_prompt_rate": round(sum(c.in_prompt for c in cs) / len(cs), 3),
+                    "answer_accuracy": round(sum(c.answered for c in cs) / len(cs), 3),
+                    "facts": [{"fact": facts[c.fact][2], "in_prompt": c.in_prompt, "answered": c.answered} for c in cs],
+                }
+                for start, cs in sorted(by_cp.items())
+            ],
         }
     return out
 
 
 def markdown(r: dict) -> str:
-    lines = [f"## Memory fidelity ({r['model']}, {r['quant']}, context {r['context_limit']}, "
-             f"{r['turns_per_mode']} turns per mode)", "",
-             "| mode | checkpoint (turn) | facts in prompt | answers correct |", "|---|---:|---:|---:|"]
+    lines = [
+        f"## Memory fidelity ({r['model']}, {r['quant']}, context {r['context_limit']}, "
+        f"{r['turns_per_mode']} turns per mode)",
+        "",
+        "| mode | checkpoint (turn) | facts in prompt | answers correct |",
+        "|---|---:|---:|---:|",
+    ]
     for mode, m in r["modes"].items():
         for cp in m["checkpoints"]:
             lines.append(f"| {mode} | {cp['turn']} | {cp['fact_in_prompt_rate']:.0%} | {cp['answer_accuracy']:.0%} |")
     lines += ["", "| mode | facts in prompt (all checkpoints) | answers correct |", "|---|---:|---:|"]
-    lines += [f"| {mode} | {m['fact_in_prompt_rate']:.0%} | {m['answer_accuracy']:.0%} |" for mode, m in r["modes"].items()]
+    lines += [
+        f"| {mode} | {m['fact_in_prompt_rate']:.0%} | {m['answer_accuracy']:.0%} |" for mode, m in r["modes"].items()
+    ]
     lines += ["", "Per fact (in prompt / answered), last checkpoint:", ""]
     for mode, m in r["modes"].items():
         last = m["checkpoints"][-1]["facts"] if m["checkpoints"] else []
-        lines.append(f"- {mode}: " + ", ".join(f"{f['fact']} {'✓' if f['in_prompt'] else '✗'}/"
-                                              f"{'✓' if f['answered'] else '✗'}" for f in last))
+        lines.append(
+            f"- {mode}: "
+            + ", ".join(f"{f['fact']} {'✓' if f['in_prompt'] else '✗'}/{'✓' if f['answered'] else '✗'}" for f in last)
+        )
     return "\n".join(lines) + "\n"

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
+from ..store import LOCAL_OWNER as LOCAL
 from ..telemetry import live_tensors, private_bytes, release_memory
 from .common import scripted_turns
-from ..store import LOCAL_OWNER as LOCAL
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,15 @@ LEAK_THRESHOLD_BYTES = 64 * 2**20
 LEAK_TENSOR_SLACK = 8
 
 
-def run(settings, loaded, turns: int = 200, warmup: int = 10, context: int = 1024,
-        max_new_tokens: int = 16, progress: Callable[[str], None] = log.info) -> dict:
+def run(
+    settings,
+    loaded,
+    turns: int = 200,
+    warmup: int = 10,
+    context: int = 1024,
+    max_new_tokens: int = 16,
+    progress: Callable[[str], None] = log.info,
+) -> dict:
     """Run warmup + turns through the chat path; measure memory growth the KV store does not explain.
 
     The warm-up lasts `warmup` turns and at least until the first fold into the summary (at most
@@ -40,8 +47,12 @@ def run(settings, loaded, turns: int = 200, warmup: int = 10, context: int = 102
     from ..chat import Finished
     from ..runtime import Runtime
 
-    s = settings.replace(context_limit=context, max_new_tokens=max_new_tokens, sample_docs=False,
-                         summary_tokens=min(settings.summary_tokens, 48))
+    s = settings.replace(
+        context_limit=context,
+        max_new_tokens=max_new_tokens,
+        sample_docs=False,
+        summary_tokens=min(settings.summary_tokens, 48),
+    )
     runtime = Runtime(s, loaded=loaded).start(background=False)
     device = loaded.device
     texts = scripted_turns(warmup + turns + FOLD_WAIT)
@@ -56,8 +67,13 @@ def run(settings, loaded, turns: int = 200, warmup: int = 10, context: int = 102
         def endpoint() -> dict:
             release_memory(device)
             tensors, in_caches = live_tensors()
-            return {"mem_bytes": private_bytes(device)[0], "kv_store_bytes": runtime.engine.kv.total_bytes,
-                    "tensors": tensors, "tensors_in_kv": in_caches, "tensors_outside_kv": tensors - in_caches}
+            return {
+                "mem_bytes": private_bytes(device)[0],
+                "kv_store_bytes": runtime.engine.kv.total_bytes,
+                "tensors": tensors,
+                "tensors_in_kv": in_caches,
+                "tensors_outside_kv": tensors - in_caches,
+            }
 
         for i, text in enumerate(texts):
             # Measure from the end of the warm-up, but not before the first fold: folding loads
@@ -69,10 +85,15 @@ def run(settings, loaded, turns: int = 200, warmup: int = 10, context: int = 102
             for ev in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True):
                 if isinstance(ev, Finished):
                     folded = folded or ev.stats.summarized_turns > 0
-                    series.append({"turn": i + 1, "mem_bytes": private_bytes(device)[0],
-                                   "kv_store_bytes": runtime.engine.kv.total_bytes,
-                                   "summarized_turns": ev.stats.summarized_turns,
-                                   "prompt_tokens": ev.stats.gen.prompt_tokens})
+                    series.append(
+                        {
+                            "turn": i + 1,
+                            "mem_bytes": private_bytes(device)[0],
+                            "kv_store_bytes": runtime.engine.kv.total_bytes,
+                            "summarized_turns": ev.stats.summarized_turns,
+                            "prompt_tokens": ev.stats.gen.prompt_tokens,
+                        }
+                    )
             if (i + 1) % 50 == 0:
                 progress(f"memory replay: turn {i + 1}")
         if start_turn is None:
@@ -90,21 +111,29 @@ def run(settings, loaded, turns: int = 200, warmup: int = 10, context: int = 102
     slope, slope_first, slope_second = _slope(xs, ys), _slope(xs[:half], ys[:half]), _slope(xs[half:], ys[half:])
     unexplained = growth - kv_growth
     tensor_growth = b["tensors_outside_kv"] - a["tensors_outside_kv"]
-    return {"turns": len(measured), "warmup_turns": start_turn, "context_limit": runtime.budget.context_limit,
-            "max_new_tokens": runtime.budget.max_new_tokens, "summary_tokens": s.summary_tokens,
-            "measure": private_bytes(device)[1] + (" (after gc + malloc_trim at both ends)" if loaded.on_cpu else ""),
-            "start": a, "end": b, "mem_growth_bytes": growth, "kv_growth_bytes": kv_growth,
-            "unexplained_growth_bytes": unexplained, "slope_bytes_per_turn": round(slope, 1),
-            "slope_first_half_bytes_per_turn": round(slope_first, 1),
-            "slope_second_half_bytes_per_turn": round(slope_second, 1),
-            "tensor_growth": tensor_growth, "folded_turns": max((x["summarized_turns"] for x in series), default=0),
-            "mem_min_bytes": min((x["mem_bytes"] for x in measured), default=0),
-            "mem_max_bytes": max((x["mem_bytes"] for x in measured), default=0),
-            "leak_threshold_bytes": LEAK_THRESHOLD_BYTES,
-            "leak_suspected": unexplained > LEAK_THRESHOLD_BYTES or tensor_growth > LEAK_TENSOR_SLACK,
-            "seconds": round(time.perf_counter() - t0, 1)}
-
-
+    return {
+        "turns": len(measured),
+        "warmup_turns": start_turn,
+        "context_limit": runtime.budget.context_limit,
+        "max_new_tokens": runtime.budget.max_new_tokens,
+        "summary_tokens": s.summary_tokens,
+        "measure": private_bytes(device)[1] + (" (after gc + malloc_trim at both ends)" if loaded.on_cpu else ""),
+        "start": a,
+        "end": b,
+        "mem_growth_bytes": growth,
+        "kv_growth_bytes": kv_growth,
+        "unexplained_growth_bytes": unexplained,
+        "slope_bytes_per_turn": round(slope, 1),
+        "slope_first_half_bytes_per_turn": round(slope_first, 1),
+        "slope_second_half_bytes_per_turn": round(slope_second, 1),
+        "tensor_growth": tensor_growth,
+        "folded_turns": max((x["summarized_turns"] for x in series), default=0),
+        "mem_min_bytes": min((x["mem_bytes"] for x in measured), default=0),
+        "mem_max_bytes": max((x["mem_bytes"] for x in measured), default=0),
+        "leak_threshold_bytes": LEAK_THRESHOLD_BYTES,
+        "leak_suspected": unexplained > LEAK_THRESHOLD_BYTES or tensor_growth > LEAK_TENSOR_SLACK,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -119,19 +148,25 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 def markdown(r: dict) -> str:
     mib = lambda n: f"{n / 2**20:,.1f}"  # noqa: E731
     a, b = r["start"], r["end"]
-    return "\n".join([
-        f"## Memory over a {r['turns']}-turn replay (after {r['warmup_turns']} warm-up turns; context "
-        f"{r['context_limit']}, replies {r['max_new_tokens']} tokens, {r['folded_turns']} turns folded into the summary)",
-        "",
-        "| | after warm-up | at the end | growth |", "|---|---:|---:|---:|",
-        f"| {r['measure']} (MiB) | {mib(a['mem_bytes'])} | {mib(b['mem_bytes'])} | {mib(r['mem_growth_bytes'])} |",
-        f"| KV store (MiB) | {mib(a['kv_store_bytes'])} | {mib(b['kv_store_bytes'])} | {mib(r['kv_growth_bytes'])} |",
-        f"| growth the KV store does not explain (MiB) | | | **{mib(r['unexplained_growth_bytes'])}** |",
-        f"| live tensors outside KV caches | {a['tensors_outside_kv']} | {b['tensors_outside_kv']} "
-        f"| {r['tensor_growth']:+d} |", "",
-        f"Per-turn trend of (memory - KV store): {r['slope_bytes_per_turn'] / 1024:+.1f} KiB/turn "
-        f"(first half {r['slope_first_half_bytes_per_turn'] / 1024:+.1f}, second half "
-        f"{r['slope_second_half_bytes_per_turn'] / 1024:+.1f}: a bounded cache filling up levels off, a leak "
-        f"does not; range over the turns {mib(r['mem_min_bytes'])}-{mib(r['mem_max_bytes'])} MiB). "
-        f"Leak suspected: **{'yes' if r['leak_suspected'] else 'no'}** (threshold: > {mib(r['leak_threshold_bytes'])} "
-        f"MiB unexplained or > {LEAK_TENSOR_SLACK} more live tensors). {r['seconds']:.0f} s.", ""])
+    return "\n".join(
+        [
+            f"## Memory over a {r['turns']}-turn replay (after {r['warmup_turns']} warm-up turns; context "
+            f"{r['context_limit']}, replies {r['max_new_tokens']} tokens, {r['folded_turns']} turns folded into the summary)",
+            "",
+            "| | after warm-up | at the end | growth |",
+            "|---|---:|---:|---:|",
+            f"| {r['measure']} (MiB) | {mib(a['mem_bytes'])} | {mib(b['mem_bytes'])} | {mib(r['mem_growth_bytes'])} |",
+            f"| KV store (MiB) | {mib(a['kv_store_bytes'])} | {mib(b['kv_store_bytes'])} | {mib(r['kv_growth_bytes'])} |",
+            f"| growth the KV store does not explain (MiB) | | | **{mib(r['unexplained_growth_bytes'])}** |",
+            f"| live tensors outside KV caches | {a['tensors_outside_kv']} | {b['tensors_outside_kv']} "
+            f"| {r['tensor_growth']:+d} |",
+            "",
+            f"Per-turn trend of (memory - KV store): {r['slope_bytes_per_turn'] / 1024:+.1f} KiB/turn "
+            f"(first half {r['slope_first_half_bytes_per_turn'] / 1024:+.1f}, second half "
+            f"{r['slope_second_half_bytes_per_turn'] / 1024:+.1f}: a bounded cache filling up levels off, a leak "
+            f"does not; range over the turns {mib(r['mem_min_bytes'])}-{mib(r['mem_max_bytes'])} MiB). "
+            f"Leak suspected: **{'yes' if r['leak_suspected'] else 'no'}** (threshold: > {mib(r['leak_threshold_bytes'])} "
+            f"MiB unexplained or > {LEAK_TENSOR_SLACK} more live tensors). {r['seconds']:.0f} s.",
+            "",
+        ]
+    )

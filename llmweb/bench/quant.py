@@ -30,17 +30,34 @@ def run(settings, quants=("fp32", "4bit"), new_tokens: int = 64, repeats: int = 
                 ttfts.append(ttft_s)
         finally:
             engine.close()
-        rows.append({"quant": lm.quant, "weights_mib": round(lm.weights_bytes / 2**20, 1),
-                     "decode_tok_s": round(statistics.median(speeds), 1), "ttft_s": round(statistics.median(ttfts), 3),
-                     "device": lm.device})
+        rows.append(
+            {
+                "quant": lm.quant,
+                "weights_mib": round(lm.weights_bytes / 2**20, 1),
+                "decode_tok_s": round(statistics.median(speeds), 1),
+                "ttft_s": round(statistics.median(ttfts), 3),
+                "device": lm.device,
+            }
+        )
         del engine, lm
-    return {"bench": "quant", "model": settings.model or models.EMBEDDED_NAME, "new_tokens": new_tokens,
-            "repeats": repeats, "rows": rows}
+    return {
+        "bench": "quant",
+        "model": settings.model or models.EMBEDDED_NAME,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "rows": rows,
+    }
 
 
 def markdown(r: dict) -> str:
-    lines = [f"## Quantisation ({r['model']}, {r['new_tokens']} new tokens, median of {r['repeats']})", "",
-             "| quant | weights (MiB) | decode tok/s | TTFT (s) | device |", "|---|---:|---:|---:|---|"]
-    lines += [f"| {x['quant']} | {x['weights_mib']:.0f} | {x['decode_tok_s']:.1f} | {x['ttft_s']:.3f} | {x['device']} |"
-              for x in r["rows"]]
+    lines = [
+        f"## Quantisation ({r['model']}, {r['new_tokens']} new tokens, median of {r['repeats']})",
+        "",
+        "| quant | weights (MiB) | decode tok/s | TTFT (s) | device |",
+        "|---|---:|---:|---:|---|",
+    ]
+    lines += [
+        f"| {x['quant']} | {x['weights_mib']:.0f} | {x['decode_tok_s']:.1f} | {x['ttft_s']:.3f} | {x['device']} |"
+        for x in r["rows"]
+    ]
     return "\n".join(lines) + "\n"

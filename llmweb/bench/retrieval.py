@@ -14,8 +14,8 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ..config import Settings
 from ..retrieval import Embedder, Index
@@ -82,9 +82,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def run(settings: Settings, n_chunks: int = 10_000, queries: int = 200,
-        progress: Callable[[int, int, str], None] | None = None,
-        embedder: Embedder | None = None) -> dict:
+def run(
+    settings: Settings,
+    n_chunks: int = 10_000,
+    queries: int = 200,
+    progress: Callable[[int, int, str], None] | None = None,
+    embedder: Embedder | None = None,
+) -> dict:
     """Build, ingest and query a synthetic corpus; return the measured figures."""
     import torch
 
@@ -140,7 +144,10 @@ def markdown(result: dict) -> str:
         ("corpus", f"{result['chunks']} chunks of <= {result['chunk_tokens']} tokens in {result['files']} files"),
         ("embedder load", f"{result['embedder_load_s']} s (not in the throughput)"),
         ("ingest (read + chunk + embed + save)", f"{result['ingest_s']} s = {result['chunks_per_s']} chunks/s"),
-        ("query latency p50 / p95", f"{result['query_p50_ms']} / {result['query_p95_ms']} ms over {result['queries']} queries"),
+        (
+            "query latency p50 / p95",
+            f"{result['query_p50_ms']} / {result['query_p95_ms']} ms over {result['queries']} queries",
+        ),
         ("top-1 contains the query sentence", f"{result['top1_hit_rate']:.1%}"),
         ("index file", f"{result['index_mb']} MB"),
     ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from . import memory, overhead, retrieval, ttft
 from .common import describe_setup, environment_markdown, scratch_settings
@@ -27,10 +27,21 @@ from .common import describe_setup, environment_markdown, scratch_settings
 log = logging.getLogger(__name__)
 
 
-def run(settings, *, turns: int = 40, ttft_new_tokens: int = 32, chunks: int = 2000, replay_turns: int = 200,
-        warmup_turns: int = 10, replay_context: int = 1024, replay_new_tokens: int = 16,
-        overhead_tokens: int = 32, overhead_repeats: int = 3, loaded=None,
-        progress: Callable[[str], None] = log.info) -> dict:
+def run(
+    settings,
+    *,
+    turns: int = 40,
+    ttft_new_tokens: int = 32,
+    chunks: int = 2000,
+    replay_turns: int = 200,
+    warmup_turns: int = 10,
+    replay_context: int = 1024,
+    replay_new_tokens: int = 16,
+    overhead_tokens: int = 32,
+    overhead_repeats: int = 3,
+    loaded=None,
+    progress: Callable[[str], None] = log.info,
+) -> dict:
     """All benchmarks on one loaded model; chats run in a temporary data dir."""
     from .. import models
     from ..context import Budget
@@ -54,8 +65,9 @@ def run(settings, *, turns: int = 40, ttft_new_tokens: int = 32, chunks: int = 2
 
         progress(f"bench: memory over {warmup_turns} + {replay_turns} turns…")
         t0 = time.perf_counter()
-        out["memory"] = memory.run(scratch, loaded, replay_turns, warmup_turns, replay_context, replay_new_tokens,
-                                   progress=progress)
+        out["memory"] = memory.run(
+            scratch, loaded, replay_turns, warmup_turns, replay_context, replay_new_tokens, progress=progress
+        )
         seconds["memory"] = time.perf_counter() - t0
 
         progress(f"bench: retrieval at {chunks} chunks…")
@@ -65,8 +77,9 @@ def run(settings, *, turns: int = 40, ttft_new_tokens: int = 32, chunks: int = 2
         seconds["retrieval"] = time.perf_counter() - t0
 
     ttft_settings = settings.replace(max_new_tokens=ttft_new_tokens)  # the app's settings as the TTFT runs used them
-    out["environment"] = describe_setup(ttft_settings, loaded, Budget.from_settings(ttft_settings, loaded.max_context,
-                                                                                   loaded.on_cpu))
+    out["environment"] = describe_setup(
+        ttft_settings, loaded, Budget.from_settings(ttft_settings, loaded.max_context, loaded.on_cpu)
+    )
     out["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
     out["total_s"] = round(time.perf_counter() - t_all, 1)
     return out
@@ -75,13 +88,20 @@ def run(settings, *, turns: int = 40, ttft_new_tokens: int = 32, chunks: int = 2
 def markdown(r: dict) -> str:
     ret = r["retrieval"]
     secs = " · ".join(f"{k} {v:.0f} s" for k, v in r["seconds"].items())
-    return "\n".join([
-        "# llmweb benchmark suite", "",
-        environment_markdown(r["environment"]),
-        overhead.markdown(r["overhead"]),
-        ttft.markdown(r["ttft"]),
-        memory.markdown(r["memory"]),
-        f"## Retrieval ({ret['requested_chunks']} chunks requested, the suite's smaller corpus; "
-        "`bench retrieval` runs 10,000)", "",
-        retrieval.markdown(ret), "",
-        f"Wall time: {r['total_s']:.0f} s ({secs}).", ""])
+    return "\n".join(
+        [
+            "# llmweb benchmark suite",
+            "",
+            environment_markdown(r["environment"]),
+            overhead.markdown(r["overhead"]),
+            ttft.markdown(r["ttft"]),
+            memory.markdown(r["memory"]),
+            f"## Retrieval ({ret['requested_chunks']} chunks requested, the suite's smaller corpus; "
+            "`bench retrieval` runs 10,000)",
+            "",
+            retrieval.markdown(ret),
+            "",
+            f"Wall time: {r['total_s']:.0f} s ({secs}).",
+            "",
+        ]
+    )

@@ -13,8 +13,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .common import describe_setup, scripted_turns
 from ..store import LOCAL_OWNER as LOCAL
+from .common import describe_setup, scripted_turns
 
 
 @dataclass
@@ -63,12 +63,20 @@ def run(settings, loaded, n_turns: int) -> dict:
     same = sum(a == b for a, b in zip(results[0].replies, results[1].replies))
     budget = Budget.from_settings(settings, loaded.max_context, loaded.on_cpu)
     return {
-        "bench": "ttft", "turns": n_turns, **describe_setup(settings, loaded, budget),
-        "modes": {r.mode: {"late_early_ratio": round(r.ratio(), 3),
-                           "median_first5_s": round(statistics.median(r.ttft_s[:5]), 4),
-                           "median_last10_s": round(statistics.median(r.ttft_s[-10:]), 4),
-                           "ttft_s": [round(x, 4) for x in r.ttft_s], "prompt_tokens": r.prompt_tokens,
-                           "reused_tokens": r.reused_tokens} for r in results},
+        "bench": "ttft",
+        "turns": n_turns,
+        **describe_setup(settings, loaded, budget),
+        "modes": {
+            r.mode: {
+                "late_early_ratio": round(r.ratio(), 3),
+                "median_first5_s": round(statistics.median(r.ttft_s[:5]), 4),
+                "median_last10_s": round(statistics.median(r.ttft_s[-10:]), 4),
+                "ttft_s": [round(x, 4) for x in r.ttft_s],
+                "prompt_tokens": r.prompt_tokens,
+                "reused_tokens": r.reused_tokens,
+            }
+            for r in results
+        },
         "identical_replies": f"{same}/{n_turns}",
     }
 
@@ -76,11 +84,22 @@ def run(settings, loaded, n_turns: int) -> dict:
 def markdown(r: dict) -> str:
     reuse, full = r["modes"]["reuse"], r["modes"]["full"]
     rows = ["| turn | prompt tokens | reused | TTFT reuse (s) | TTFT full prefill (s) |", "|---:|---:|---:|---:|---:|"]
-    for i, (p, u, a, b) in enumerate(zip(reuse["prompt_tokens"], reuse["reused_tokens"], reuse["ttft_s"], full["ttft_s"]), 1):
+    for i, (p, u, a, b) in enumerate(
+        zip(reuse["prompt_tokens"], reuse["reused_tokens"], reuse["ttft_s"], full["ttft_s"]), 1
+    ):
         rows.append(f"| {i} | {p} | {u} | {a:.3f} | {b:.3f} |")
-    return "\n".join([
-        f"## TTFT over {r['turns']} turns ({r['model']}, {r['quant']}, {r['device']})", "", *rows, "",
-        "| mode | median TTFT, first 5 (s) | median TTFT, last 10 (s) | late / early |", "|---|---:|---:|---:|",
-        f"| reuse | {reuse['median_first5_s']:.3f} | {reuse['median_last10_s']:.3f} | {reuse['late_early_ratio']:.2f} |",
-        f"| full prefill | {full['median_first5_s']:.3f} | {full['median_last10_s']:.3f} | {full['late_early_ratio']:.2f} |",
-        "", f"Replies identical in both modes: {r['identical_replies']}", ""])
+    return "\n".join(
+        [
+            f"## TTFT over {r['turns']} turns ({r['model']}, {r['quant']}, {r['device']})",
+            "",
+            *rows,
+            "",
+            "| mode | median TTFT, first 5 (s) | median TTFT, last 10 (s) | late / early |",
+            "|---|---:|---:|---:|",
+            f"| reuse | {reuse['median_first5_s']:.3f} | {reuse['median_last10_s']:.3f} | {reuse['late_early_ratio']:.2f} |",
+            f"| full prefill | {full['median_first5_s']:.3f} | {full['median_last10_s']:.3f} | {full['late_early_ratio']:.2f} |",
+            "",
+            f"Replies identical in both modes: {r['identical_replies']}",
+            "",
+        ]
+    )
