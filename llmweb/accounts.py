@@ -51,7 +51,7 @@ SALT_BYTES = 16
 MIN_PASSWORD_CHARS = 8  # for the users file; LLMWEB_AUTH passwords are the operator's choice
 MAX_PASSWORD_CHARS = 1024
 MAX_USERNAME_CHARS = 64
-USERNAME_RE = re.compile(r"[A-Za-z0-9._@-]{1,%d}" % MAX_USERNAME_CHARS)  # ASCII only: no look-alike names
+USERNAME_RE = re.compile(rf"[A-Za-z0-9._@-]{{1,{MAX_USERNAME_CHARS}}}")  # ASCII only: no look-alike names
 MAX_FILE_BYTES = 16 * 1024 * 1024
 SCRYPT_MAXMEM = 256 * 1024 * 1024  # refuse cost parameters (from a hand-edited file) that need more
 
@@ -304,10 +304,10 @@ class Accounts:
         # Unknown names are checked against this, so they cost the same scrypt as real ones.
         self._dummy = new_record("-", secrets.token_urlsafe(16), params=params)
         file_users = self._file.users() if self._file else {}
+        where = self._file.path if self._file else "LLMWEB_AUTH"
         for name in sorted(self._env.keys() & file_users.keys()):
-            log.warning("user %r is both in LLMWEB_AUTH and in %s; LLMWEB_AUTH wins", name, self._file.path)
+            log.warning("user %r is both in LLMWEB_AUTH and in %s; LLMWEB_AUTH wins", name, where)
         if not self._env and not file_users:
-            where = self._file.path if self._file else "LLMWEB_AUTH"
             log.warning("login is on but no users exist yet in %s; add one with: python -m llmweb user add NAME", where)
 
     @classmethod
@@ -350,7 +350,6 @@ def gradio_auth(settings) -> Callable[[str, str], Awaitable[bool]] | None:
     async def check_login(username: str, password: str) -> bool:
         return await asyncio.to_thread(accounts.verify, username, password)
 
-    check_login.accounts = accounts  # for tests and diagnostics
     return check_login
 
 

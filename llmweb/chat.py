@@ -112,8 +112,8 @@ class Chat:
         text = clean_message(text, s.max_message_chars)
         new = new or conv_id is None
         # read once: the whole turn plans from this snapshot (NotFound for another owner's id)
-        conv = (Conversation(conv_id or new_id(), DEFAULT_TITLE, "", 0, [], owner=owner) if new
-                else self.store.get(owner, conv_id))
+        conv = (self.store.get(owner, conv_id) if conv_id is not None and not new
+                else Conversation(conv_id or new_id(), DEFAULT_TITLE, "", 0, [], owner=owner))
         conv_id = conv.id
         window = [t.as_turn() for t in conv.turns[conv.summarized_upto:]]
 
@@ -172,7 +172,7 @@ class Chat:
         # 4) record
         self.store.add_turn(owner, conv_id, text, reply, stats, sources, create=new)
         notes = []
-        if handle.stats.finish_reason == "cancelled":
+        if stats.gen.finish_reason == "cancelled":
             notes.append("Stopped.")
         if plan.left_out:
             notes.append(plan.left_out.capitalize() + ".")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,12 +157,12 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> Settings:
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> Settings:
         """Read every field from `LLMWEB_<FIELD>`; keyword overrides win (the CLI's flags)."""
-        env = os.environ if env is None else env
+        source = os.environ if env is None else env
         values = {}
         for f in dataclasses.fields(cls):
-            raw = env.get(f"LLMWEB_{f.name.upper()}")
+            raw = source.get(f"LLMWEB_{f.name.upper()}")
             if raw is None or raw == "":
                 continue
             values[f.name] = _parse(f, raw)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from .config import Settings
 
@@ -73,7 +74,9 @@ def cmd_search(args) -> int:
     from .library import Library
 
     hits = Library(Settings.from_env()).shared.search(args.query, k=args.k, min_score=args.min_score)
-    rows = [{"source": c.source, "page": c.page, "text": c.text, "score": round(float(c.score), 4)} for c in hits]
+    rows: list[dict[str, Any]] = [
+        {"source": c.source, "page": c.page, "text": c.text, "score": round(float(c.score), 4)} for c in hits
+    ]
     if args.json:
         print(json.dumps(rows, ensure_ascii=False, indent=2))
     else:

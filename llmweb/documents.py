@@ -200,9 +200,9 @@ def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
         reader = PdfReader(io.BytesIO(data))
         if reader.is_encrypted:
             try:
-                opened = reader.decrypt("")  # "encrypted" PDFs with an empty user password open fine
+                opened = bool(reader.decrypt(""))  # "encrypted" PDFs with an empty user password open fine
             except (DependencyError, NotImplementedError):
-                opened = 0
+                opened = False
             if not opened:
                 raise InputError(f"{name} is password-protected (encrypted); remove the password and upload it again.")
         pages = [page.extract_text() or "" for page in reader.pages]

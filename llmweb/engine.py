@@ -183,7 +183,7 @@ class FairQueue:
 
     remember = 1024
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._owners: dict[str, deque[tuple[int, Handle]]] = {}  # owner -> (arrival, handle), oldest first
         self._served: dict[str, int] = {}  # owner -> turn of its last pop, oldest first
         self._arrivals = itertools.count()
@@ -214,7 +214,9 @@ class FairQueue:
     def remove(self, handle: Handle) -> bool:
         """Take a request out (a cancel); False if it is not waiting here."""
         owner = handle.request.owner
-        queue_ = self._owners.get(owner, ())
+        queue_ = self._owners.get(owner)
+        if queue_ is None:
+            return False
         for item in queue_:
             if item[1] is handle:
                 queue_.remove(item)

@@ -1,12 +1,13 @@
 """The user's facts, kept word for word, and grounding a model-written summary in its turns.
 
-Pure text logic: no torch, no I/O. ("Memory" elsewhere in llmweb means RAM and VRAM.) A small model's summary can invent names and numbers
-("Dana Okafor, a Maltese Terrier..."); `ground()` drops every summary sentence that carries a
-name, number or date found nowhere in the text it summarises. `extract_facts()` picks the
-user's own sentences that state facts (names, numbers, dates, preferences, "remember ...") so
-they can be kept verbatim next to the summary, whatever the model's size. `select_facts()`
-applies a token cap: every pinned fact, then the newest unpinned ones that fit; the oldest
-unpinned go first. The planner (context.py) places them as their own prompt section, "facts".
+Pure text logic: no torch, no I/O. ("Memory" elsewhere in llmweb means RAM and VRAM.) A small
+model's summary can invent names and numbers ("Dana Okafor, a Maltese Terrier..."); `ground()`
+drops every summary sentence that carries a name, number or date found nowhere in the text it
+summarises. `extract_facts()` picks the user's own sentences that state facts (names, numbers,
+dates, preferences, "remember ...") so they can be kept verbatim next to the summary, whatever
+the model's size. `select_facts()` applies a token cap: every pinned fact, then the newest
+unpinned ones that fit; the oldest unpinned go first. The planner (context.py) places them as
+their own prompt section, "facts".
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def _vocabulary(source: str) -> set[str]:
 def ground(summary: str, source: str) -> Grounded:
     """Keep only summary sentences whose names, numbers and dates all occur in `source`."""
     vocab = _vocabulary(source)
-    kept, dropped = [], []
+    kept: list[str] = []
+    dropped: list[str] = []
     for s in sentences(summary):
         missing = {t for t in salient_terms(s) if t not in vocab and t not in _MONTHS}
         (dropped if missing else kept).append(s)

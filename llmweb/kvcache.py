@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def cache_nbytes(cache) -> int:
@@ -52,7 +53,7 @@ def reusable(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
 @dataclass(slots=True)
 class Entry:
     ids: list[int]
-    cache: object  # transformers.DynamicCache
+    cache: Any  # a transformers DynamicCache (not imported here: this module needs no torch)
     nbytes: int
     last_used: float
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .config import Settings
 from .errors import ConfigError
@@ -38,8 +39,8 @@ Progress = Callable[[str], None]
 
 @dataclass
 class LoadedModel:
-    model: object
-    tokenizer: object
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Any  # its PreTrainedTokenizer
     name: str
     quant: str  # what was actually loaded (after any fallback)
     device: str  # "cpu" or "cuda[:n]" (the device inputs go to)

@@ -286,7 +286,7 @@ class Index:
         self, files: Sequence[tuple[str | os.PathLike, str]], progress: Progress | None = None
     ) -> list[IngestReport]:
         """Add uploaded files given as (temp path, the name the user gave). Nothing is copied."""
-        entries = []
+        entries: list[tuple[Path | None, str, str | None]] = []
         for path, given in files:
             try:
                 name = safe_name(given)

@@ -23,6 +23,8 @@ from .kvcache import KVStore
 from .store import Store
 
 if TYPE_CHECKING:
+    from .chat import Chat
+    from .engine import Engine
     from .library import Library
 
 log = logging.getLogger(__name__)
@@ -92,11 +94,11 @@ class Runtime:
         self.store = Store(settings.data_dir / "llmweb.sqlite3")
         self.fault = fault
         self.status = "Starting…"
-        self.loaded = None
-        self.engine = None
-        self.chat = None
+        self.loaded: models.LoadedModel | None = None
+        self.engine: Engine | None = None
+        self.chat: Chat | None = None
         self.budget: Budget | None = None
-        self._library = None
+        self._library: Library | None = None
         self._library_lock = threading.Lock()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -157,13 +159,14 @@ class Runtime:
         finally:
             self._ready.set()
 
-    def wait_ready(self, timeout: float | None = None):
+    def wait_ready(self, timeout: float | None = None) -> Chat:
         if not self._ready.wait(timeout):
             raise LlmwebError(f"The model is still loading ({self.status}). Try again in a moment.")
         if self._error is not None:
             if isinstance(self._error, LlmwebError):
                 raise self._error
             raise ConfigError(f"The model failed to load: {self._error}")
+        assert self.chat is not None  # a load without error made it
         return self.chat
 
     @property
@@ -212,6 +215,7 @@ class Runtime:
         days = self.settings.anon_retention_days
         if days <= 0 or not self.ready:
             return 0, 0
+        assert self.chat is not None  # ready
         owners = [o for prefix in ANON_PREFIXES for o in self.store.idle_owners(prefix, days * 86400, now)]
         conversations = sum(self.chat.delete_owner(o) for o in owners)
         if owners:

@@ -399,6 +399,7 @@ class Store:
                 "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, ?, ?)",
                 (conv_id, text, int(bool(pinned)), time.time()),
             )
+            assert cur.lastrowid is not None  # set by every INSERT
             return cur.lastrowid
 
     def set_fact_pinned(self, owner: str, conv_id: str, fact_id: int, pinned: bool) -> None:

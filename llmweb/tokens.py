@@ -51,8 +51,8 @@ class TemplateFormat:
         self._probe = probe
         self._gen_text = with_gen[len(probe) :]
         self._gen_ids = self._encode(self._gen_text)
-        self.system_ids = lru_cache(maxsize=256)(self._system_ids)  # type: ignore[method-assign]
-        self.message_ids = lru_cache(maxsize=cache_size)(self._message_ids)  # type: ignore[method-assign]
+        self.system_ids = lru_cache(maxsize=256)(self._system_ids)
+        self.message_ids = lru_cache(maxsize=cache_size)(self._message_ids)
         stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
             tid = tokenizer.convert_tokens_to_ids(name)

@@ -516,7 +516,7 @@ class Handlers:
     @user_errors
     def api_chat(
         self, message: str, conversation_id: str = "", request: gr.Request = None
-    ) -> Iterator[tuple[str, str]]:  # type: ignore[assignment]
+    ) -> Iterator[tuple[str, str]]:
         """Send one message; streams (reply so far, conversation_id). Pass that conversation_id back to
         continue the chat. Without login, the id is the key to the conversation: keep it private."""
         chat = self._chat()
@@ -533,7 +533,7 @@ class Handlers:
                 yield event.reply, conv_id
 
     @user_errors
-    def api_stats(self, conversation_id: str, request: gr.Request = None) -> str:  # type: ignore[assignment]
+    def api_stats(self, conversation_id: str, request: gr.Request = None) -> str:
         """The last turn's stats of a conversation, as JSON."""
         conv = self.store.get(self.api_owner(conversation_id, request), conversation_id)
         stats = conv.turns[-1].stats if conv.turns else None

@@ -166,7 +166,8 @@ def test_a_users_file_that_does_not_exist_yet_is_empty_until_a_user_is_added(use
         b'{"format": "llmweb.users", "version": 2, "users": {}}',
         b'{"format": "llmweb.users", "version": 1, "users": []}',
         b'{"format": "llmweb.users", "version": 1, "users": {"a b": {}}}',
-        b'{"format": "llmweb.users", "version": 1, "users": {"alice": {"salt": "zz", "hash": "00", "n": 16, "r": 1, "p": 1}}}',
+        b'{"format": "llmweb.users", "version": 1, "users": {"alice": {"salt": "zz", "hash": "00", "n": 16, "r": 1, '
+        b'"p": 1}}}',
         b'{"format": "llmweb.users", "version": 1, "users": {"alice": {"salt": "00", "hash": "'
         + b"00" * 32
         + b'", "n": 1099511627776, "r": 8, "p": 1}}}',

@@ -50,7 +50,7 @@ def scripted_turns(n: int) -> list[str]:
     return out
 
 
-def scratch_settings(settings, folder: Path):
+def scratch_settings(settings, folder: str | Path):
     """The same settings with their data in `folder` (never the user's database) and the model cache kept."""
     return settings.replace(data_dir=Path(folder), cache_dir=settings.models_dir, sample_docs=False)
 

@@ -94,11 +94,12 @@ def run(
             rt = Runtime(scratch.replace(**switches), loaded=loaded).start(background=False)
             loaded = rt.loaded
             try:
+                chat = rt.wait_ready()
                 conv = rt.store.create_conversation(LOCAL, f"fidelity {mode}")
                 for n, (text, fact) in enumerate(turns, 1):
                     fin = [
                         e
-                        for e in rt.chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True, seed=0)
+                        for e in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True, seed=0)
                         if isinstance(e, Finished)
                     ][0]
                     if fact is None:

@@ -69,7 +69,7 @@ def run(
             tensors, in_caches = live_tensors()
             return {
                 "mem_bytes": private_bytes(device)[0],
-                "kv_store_bytes": runtime.engine.kv.total_bytes,
+                "kv_store_bytes": chat.engine.kv.total_bytes,
                 "tensors": tensors,
                 "tensors_in_kv": in_caches,
                 "tensors_outside_kv": tensors - in_caches,
@@ -89,7 +89,7 @@ def run(
                         {
                             "turn": i + 1,
                             "mem_bytes": private_bytes(device)[0],
-                            "kv_store_bytes": runtime.engine.kv.total_bytes,
+                            "kv_store_bytes": chat.engine.kv.total_bytes,
                             "summarized_turns": ev.stats.summarized_turns,
                             "prompt_tokens": ev.stats.gen.prompt_tokens,
                         }
@@ -114,8 +114,8 @@ def run(
     return {
         "turns": len(measured),
         "warmup_turns": start_turn,
-        "context_limit": runtime.budget.context_limit,
-        "max_new_tokens": runtime.budget.max_new_tokens,
+        "context_limit": chat.budget.context_limit,
+        "max_new_tokens": chat.budget.max_new_tokens,
         "summary_tokens": s.summary_tokens,
         "measure": private_bytes(device)[1] + (" (after gc + malloc_trim at both ends)" if loaded.on_cpu else ""),
         "start": a,
@@ -151,12 +151,14 @@ def markdown(r: dict) -> str:
     return "\n".join(
         [
             f"## Memory over a {r['turns']}-turn replay (after {r['warmup_turns']} warm-up turns; context "
-            f"{r['context_limit']}, replies {r['max_new_tokens']} tokens, {r['folded_turns']} turns folded into the summary)",
+            f"{r['context_limit']}, replies {r['max_new_tokens']} tokens, {r['folded_turns']} turns folded into the "
+            "summary)",
             "",
             "| | after warm-up | at the end | growth |",
             "|---|---:|---:|---:|",
             f"| {r['measure']} (MiB) | {mib(a['mem_bytes'])} | {mib(b['mem_bytes'])} | {mib(r['mem_growth_bytes'])} |",
-            f"| KV store (MiB) | {mib(a['kv_store_bytes'])} | {mib(b['kv_store_bytes'])} | {mib(r['kv_growth_bytes'])} |",
+            f"| KV store (MiB) | {mib(a['kv_store_bytes'])} | {mib(b['kv_store_bytes'])} "
+            f"| {mib(r['kv_growth_bytes'])} |",
             f"| growth the KV store does not explain (MiB) | | | **{mib(r['unexplained_growth_bytes'])}** |",
             f"| live tensors outside KV caches | {a['tensors_outside_kv']} | {b['tensors_outside_kv']} "
             f"| {r['tensor_growth']:+d} |",
@@ -165,8 +167,9 @@ def markdown(r: dict) -> str:
             f"(first half {r['slope_first_half_bytes_per_turn'] / 1024:+.1f}, second half "
             f"{r['slope_second_half_bytes_per_turn'] / 1024:+.1f}: a bounded cache filling up levels off, a leak "
             f"does not; range over the turns {mib(r['mem_min_bytes'])}-{mib(r['mem_max_bytes'])} MiB). "
-            f"Leak suspected: **{'yes' if r['leak_suspected'] else 'no'}** (threshold: > {mib(r['leak_threshold_bytes'])} "
-            f"MiB unexplained or > {LEAK_TENSOR_SLACK} more live tensors). {r['seconds']:.0f} s.",
+            f"Leak suspected: **{'yes' if r['leak_suspected'] else 'no'}** "
+            f"(threshold: > {mib(r['leak_threshold_bytes'])} MiB unexplained or > {LEAK_TENSOR_SLACK} more live "
+            f"tensors). {r['seconds']:.0f} s.",
             "",
         ]
     )

@@ -26,7 +26,7 @@ def bare_decode(loaded, ids: list[int], new_tokens: int) -> tuple[float, float, 
     from transformers.generation.streamers import BaseStreamer
 
     class Clock(BaseStreamer):
-        def __init__(self):
+        def __init__(self) -> None:
             self.times: list[float] = []  # the first put() is the prompt, then one per new token
 
         def put(self, value):

@@ -96,8 +96,10 @@ def markdown(r: dict) -> str:
             "",
             "| mode | median TTFT, first 5 (s) | median TTFT, last 10 (s) | late / early |",
             "|---|---:|---:|---:|",
-            f"| reuse | {reuse['median_first5_s']:.3f} | {reuse['median_last10_s']:.3f} | {reuse['late_early_ratio']:.2f} |",
-            f"| full prefill | {full['median_first5_s']:.3f} | {full['median_last10_s']:.3f} | {full['late_early_ratio']:.2f} |",
+            *(
+                f"| {name} | {m['median_first5_s']:.3f} | {m['median_last10_s']:.3f} | {m['late_early_ratio']:.2f} |"
+                for name, m in (("reuse", reuse), ("full prefill", full))
+            ),
             "",
             f"Replies identical in both modes: {r['identical_replies']}",
             "",
