@@ -19,8 +19,8 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
 from . import context, facts, summary
 from .config import Settings
@@ -72,16 +72,22 @@ def clean_message(text: str, max_chars: int) -> str:
     if not text:
         raise InputError("Your message is empty. Type a question or some text first.")
     if len(text) > max_chars:
-        raise InputError(f"Your message is {len(text):,} characters; the limit is {max_chars:,}. "
-                         "Attach long text as a document instead, and ask about it.")
+        raise InputError(
+            f"Your message is {len(text):,} characters; the limit is {max_chars:,}. "
+            "Attach long text as a document instead, and ask about it."
+        )
     return text
 
 
 def reduced_budget(b: context.Budget) -> context.Budget:
     """The budget for the one retry after an OOM: two thirds of the context, half the reply and documents."""
     limit = max(b.context_limit * 2 // 3, 2)
-    return replace(b, context_limit=limit, max_new_tokens=max(min(b.max_new_tokens // 2, limit // 2), 1),
-                   retrieved_tokens=b.retrieved_tokens // 2)
+    return replace(
+        b,
+        context_limit=limit,
+        max_new_tokens=max(min(b.max_new_tokens // 2, limit // 2), 1),
+        retrieved_tokens=b.retrieved_tokens // 2,
+    )
 
 
 def plan_sources(plan: context.ContextPlan) -> list[Source]:
@@ -91,8 +97,9 @@ def plan_sources(plan: context.ContextPlan) -> list[Source]:
 
 
 class Chat:
-    def __init__(self, settings: Settings, engine: Engine, fmt: ChatFormat, store: Store,
-                 budget: context.Budget, library=None):
+    def __init__(
+        self, settings: Settings, engine: Engine, fmt: ChatFormat, store: Store, budget: context.Budget, library=None
+    ):
         self.settings = settings
         self.engine = engine
         self.fmt = fmt
@@ -104,18 +111,30 @@ class Chat:
         self._jobs_lock = threading.Lock()
 
     # ---- the turn
-    def send(self, owner: str, conv_id: str | None, text: str, *, new: bool = False, use_docs: bool = True,
-             seed: int | None = None, wait_summary: bool = False) -> Iterator[Started | Queued | Delta | Finished]:
+    def send(
+        self,
+        owner: str,
+        conv_id: str | None,
+        text: str,
+        *,
+        new: bool = False,
+        use_docs: bool = True,
+        seed: int | None = None,
+        wait_summary: bool = False,
+    ) -> Iterator[Started | Queued | Delta | Finished]:
         """One turn. `conv_id=None` starts a conversation with an id made here; `new=True` starts one
         with `conv_id`, which the caller must have made with `store.new_id()` (never a client's)."""
         s = self.settings
         text = clean_message(text, s.max_message_chars)
         new = new or conv_id is None
         # read once: the whole turn plans from this snapshot (NotFound for another owner's id)
-        conv = (self.store.get(owner, conv_id) if conv_id is not None and not new
-                else Conversation(conv_id or new_id(), DEFAULT_TITLE, "", 0, [], owner=owner))
+        conv = (
+            self.store.get(owner, conv_id)
+            if conv_id is not None and not new
+            else Conversation(conv_id or new_id(), DEFAULT_TITLE, "", 0, [], owner=owner)
+        )
         conv_id = conv.id
-        window = [t.as_turn() for t in conv.turns[conv.summarized_upto:]]
+        window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]]
 
         # 1) retrieve: documents (shared + the owner's own), and earlier turns that left the window
         chunks: list[Chunk] = []
@@ -126,23 +145,42 @@ class Chat:
             recall = self.recall_index(conv_id).search(text, k=s.recall_k, min_score=s.min_score)
 
         # 2) plan (raises InputError with the numbers when the message cannot fit)
-        plan = context.plan(s.system_prompt, conv.summary, window, chunks, text, self.budget, self.fmt,
-                            recall=recall, facts=conv.facts)
+        plan = context.plan(
+            s.system_prompt, conv.summary, window, chunks, text, self.budget, self.fmt, recall=recall, facts=conv.facts
+        )
 
         # 3) generate, with a smaller plan ready for an OOM retry
         def smaller() -> GenerationRequest | None:
             reduced = reduced_budget(self.budget)
             try:
-                p = context.plan(s.system_prompt, conv.summary, window, chunks[: len(chunks) // 2], text, reduced,
-                                 self.fmt, recall=recall[: len(recall) // 2], facts=conv.facts)
+                p = context.plan(
+                    s.system_prompt,
+                    conv.summary,
+                    window,
+                    chunks[: len(chunks) // 2],
+                    text,
+                    reduced,
+                    self.fmt,
+                    recall=recall[: len(recall) // 2],
+                    facts=conv.facts,
+                )
             except (InputError, ConfigError):
                 return None
             return replace(request, prompt_ids=p.ids, max_new_tokens=reduced.max_new_tokens, fallback=None)
 
         request = GenerationRequest(
-            prompt_ids=plan.ids, max_new_tokens=self.budget.max_new_tokens, temperature=s.temperature,
-            top_p=s.top_p, repetition_penalty=s.repetition_penalty, seed=seed, stop_ids=self.fmt.stop_ids,
-            session_id=conv_id, timeout_s=s.request_timeout_s, fallback=smaller, owner=owner)
+            prompt_ids=plan.ids,
+            max_new_tokens=self.budget.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            repetition_penalty=s.repetition_penalty,
+            seed=seed,
+            stop_ids=self.fmt.stop_ids,
+            session_id=conv_id,
+            timeout_s=s.request_timeout_s,
+            fallback=smaller,
+            owner=owner,
+        )
         handle = self.engine.submit(request)
         yield Started(conv_id)
         reply, finished = "", False
@@ -164,8 +202,9 @@ class Chat:
                     time.sleep(0.05)
                 if handle.generated:  # keep what was shown; the worker stops within a token
                     stats = self._stats(handle.stats, plan, conv)
-                    self.store.add_turn(owner, conv_id, text, self.fmt.decode(handle.generated).strip(), stats,
-                                        sources, create=new)
+                    self.store.add_turn(
+                        owner, conv_id, text, self.fmt.decode(handle.generated).strip(), stats, sources, create=new
+                    )
         reply = self.fmt.decode(handle.generated).strip()
         stats = self._stats(handle.stats, plan, conv)
 
@@ -193,10 +232,17 @@ class Chat:
     def _stats(self, gen: GenerationStats | None, plan: context.ContextPlan, conv: Conversation) -> TurnStats:
         if gen is None:  # stopped before the engine had figures: what the plan knows
             gen = GenerationStats(prompt_tokens=len(plan.ids), finish_reason="cancelled")
-        return TurnStats(turn=len(conv.turns) + 1, gen=gen, sections=dict(plan.sections),
-                         context_limit=plan.context_limit, dropped_turns=plan.dropped_turns,
-                         summarized_turns=conv.summarized_upto, summary_tokens=plan.summary_tokens,
-                         dropped_chunks=len(plan.dropped_chunks), dropped_facts=len(plan.dropped_facts))
+        return TurnStats(
+            turn=len(conv.turns) + 1,
+            gen=gen,
+            sections=dict(plan.sections),
+            context_limit=plan.context_limit,
+            dropped_turns=plan.dropped_turns,
+            summarized_turns=conv.summarized_upto,
+            summary_tokens=plan.summary_tokens,
+            dropped_chunks=len(plan.dropped_chunks),
+            dropped_facts=len(plan.dropped_facts),
+        )
 
     # ---- compression
     def _maybe_compress(self, conv: Conversation, new: Turn, plan: context.ContextPlan) -> None:
@@ -204,7 +250,7 @@ class Chat:
         if not self.settings.summaries:
             return  # window only: old turns are left out (and reported), never folded
         conv_id, owner = conv.id, conv.owner
-        window = [t.as_turn() for t in conv.turns[conv.summarized_upto:]] + [new]
+        window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]] + [new]
         counts = [context.turn_tokens(self.fmt, t) for t in window]
         # the room history has apart from this turn's retrieved text, which comes and goes: folding
         # against it keeps compressions rare (and the prompt prefix, so the KV cache, stable)
@@ -216,9 +262,12 @@ class Chat:
             job = self._jobs.get(conv_id)
             if job is not None and job.is_alive():
                 return
-            job = threading.Thread(target=self._fold, name=f"summary-{conv_id[:8]}",
-                                   args=(owner, conv_id, conv.summary, window[:n], conv.summarized_upto),
-                                   daemon=True)
+            job = threading.Thread(
+                target=self._fold,
+                name=f"summary-{conv_id[:8]}",
+                args=(owner, conv_id, conv.summary, window[:n], conv.summarized_upto),
+                daemon=True,
+            )
             self._jobs[conv_id] = job
         job.start()
 
@@ -230,15 +279,27 @@ class Chat:
             if self.store.get(owner, conv_id).summarized_upto != first:
                 return  # an earlier fold finished after this turn read the chat; the next turn decides again
             if self.settings.recall and self.library is not None:
-                self.recall_index(conv_id).add_chunks([
-                    Chunk(text=f"User: {t.user}\nAssistant: {t.assistant}", source=f"turn {i + 1}",
-                          doc_id=f"turn-{i}", kind="recall") for i, t in enumerate(turns, first)])
+                self.recall_index(conv_id).add_chunks(
+                    [
+                        Chunk(
+                            text=f"User: {t.user}\nAssistant: {t.assistant}",
+                            source=f"turn {i + 1}",
+                            doc_id=f"turn-{i}",
+                            kind="recall",
+                        )
+                        for i, t in enumerate(turns, first)
+                    ]
+                )
             source = previous + "\n" + "\n".join(f"{t.user}\n{t.assistant}" for t in turns)
             try:
                 grounded = facts.ground(self.write_summary(previous, turns), source)
                 if grounded.dropped:
-                    log.info("summary for %s: dropped %d ungrounded sentences: %s", conv_id,
-                             len(grounded.dropped), grounded.dropped)
+                    log.info(
+                        "summary for %s: dropped %d ungrounded sentences: %s",
+                        conv_id,
+                        len(grounded.dropped),
+                        grounded.dropped,
+                    )
                 new = grounded.text
             except LlmwebError as e:  # the window still moves on: facts and recall keep what matters
                 log.warning("summary for %s failed (%s); keeping the previous summary", conv_id, e)
@@ -258,7 +319,9 @@ class Chat:
         with self._jobs_lock:
             index = self._recall.get(conv_id)
             if index is None:
-                index = self._recall[conv_id] = Index(self.settings, f"recall-{conv_id}", embedder=self.library.embedder)
+                index = self._recall[conv_id] = Index(
+                    self.settings, f"recall-{conv_id}", embedder=self.library.embedder
+                )
             return index
 
     def write_summary(self, previous: str, turns: list[Turn]) -> str:
@@ -270,8 +333,13 @@ class Chat:
         cap = min(self.settings.summary_tokens, self.budget.context_limit // 4)  # room for turns in small contexts
         limit = self.budget.context_limit - cap
         per_turn = max(limit // 8, 16)  # tokens kept of each side of a turn in the summary prompt
-        short = [Turn(summary.cap_text(t.user, per_turn, self.fmt.count),
-                      summary.cap_text(t.assistant, per_turn, self.fmt.count)) for t in turns]
+        short = [
+            Turn(
+                summary.cap_text(t.user, per_turn, self.fmt.count),
+                summary.cap_text(t.assistant, per_turn, self.fmt.count),
+            )
+            for t in turns
+        ]
         text = previous
         while short:
             n = len(short)
@@ -283,9 +351,16 @@ class Chat:
                 n = max(n // 2, 1)
             if len(ids) > limit:
                 raise InputError(f"summary prompt of {len(ids)} tokens does not fit the context")
-            handle = self.engine.submit(GenerationRequest(
-                prompt_ids=ids, max_new_tokens=cap, temperature=0.0,
-                repetition_penalty=self.settings.repetition_penalty, stop_ids=self.fmt.stop_ids, background=True))
+            handle = self.engine.submit(
+                GenerationRequest(
+                    prompt_ids=ids,
+                    max_new_tokens=cap,
+                    temperature=0.0,
+                    repetition_penalty=self.settings.repetition_penalty,
+                    stop_ids=self.fmt.stop_ids,
+                    background=True,
+                )
+            )
             text = summary.clean_summary(self.fmt.decode(handle.result()), cap, self.fmt)
             short = short[n:]
         return text
@@ -315,6 +390,12 @@ class Chat:
             self.library.delete_owner(owner)
         return len(ids)
 
+    def purge_idle(self, prefixes: tuple[str, ...], idle_s: float, now: float | None = None) -> tuple[int, int]:
+        """Delete every owner whose name starts with one of `prefixes` and who was idle `idle_s` or
+        longer (the retention of anonymous visitors); (owners, conversations) deleted."""
+        owners = [o for prefix in prefixes for o in self.store.idle_owners(prefix, idle_s, now)]
+        return len(owners), sum(self.delete_owner(o) for o in owners)
+
     def _forget(self, conv_id: str) -> None:
         from .retrieval import delete_namespace
 
@@ -342,8 +423,10 @@ class Chat:
         cap = self.budget.facts_tokens
         cost = facts.pinned_cost(known, self.fmt.count) + facts.fact_cost(new, self.fmt.count)
         if cost > cap:
-            raise InputError(f"Pinned facts would take {cost:,} tokens; their budget is {cap:,} "
-                             "(LLMWEB_FACTS_TOKENS). Unpin or delete a fact first, or keep this one shorter.")
+            raise InputError(
+                f"Pinned facts would take {cost:,} tokens; their budget is {cap:,} "
+                "(LLMWEB_FACTS_TOKENS). Unpin or delete a fact first, or keep this one shorter."
+            )
 
     def delete_fact(self, owner: str, conv_id: str, fact_id: int) -> None:
         self.store.delete_fact(owner, conv_id, fact_id)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -44,9 +44,18 @@ log = logging.getLogger(__name__)
 class LocalRunner:
     """A transformers model on one device, with the session KV caches in `kv`."""
 
-    def __init__(self, model, device: str, kv: KVStore, kv_bytes_per_token: int, *, mem_limit_bytes: int = 0,
-                 mem_margin_bytes: int = 512 * 2**20, fault: Callable[[int], None] | None = None,
-                 gpu: Callable | None = None):
+    def __init__(
+        self,
+        model,
+        device: str,
+        kv: KVStore,
+        kv_bytes_per_token: int,
+        *,
+        mem_limit_bytes: int = 0,
+        mem_margin_bytes: int = 512 * 2**20,
+        fault: Callable[[int], None] | None = None,
+        gpu: Callable | None = None,
+    ):
         self.model = model
         self.device = device
         self.kv = kv
@@ -81,8 +90,9 @@ class LocalRunner:
         return memory_snapshot(self.device)
 
     # ---- one generation
-    def generate(self, handle: Handle, request: GenerationRequest, predicted: int,
-                 timeout: float) -> GenerationStats | None:
+    def generate(
+        self, handle: Handle, request: GenerationRequest, predicted: int, timeout: float
+    ) -> GenerationStats | None:
         try:
             return self._generate(handle, request, predicted, timeout)
         except torch.OutOfMemoryError as e:
@@ -90,114 +100,142 @@ class LocalRunner:
             return None
 
     def _generate(self, handle: Handle, request: GenerationRequest, predicted: int, timeout: float) -> GenerationStats:
-        model = self.model
         stats = GenerationStats(prompt_tokens=len(request.prompt_ids), predicted_bytes=predicted)
-        t0 = time.perf_counter()
         reset_peak(self.device)
-        rss = RssPeak()
+        run = _Run(self, handle, request, timeout)
         prompt = list(request.prompt_ids)
-        forward_index = 0
-
-        def forward(ids_2d, cache):
-            nonlocal forward_index
-            if self.fault is not None:
-                self.fault(forward_index)
-            forward_index += 1
-            return model(input_ids=ids_2d, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
-
         cache = None
         try:
             with torch.inference_mode():
-                # 2) reuse the session's cache: crop to the common prefix, keep >= 1 token to prefill
-                entry = self.kv.take(request.session_id) if request.session_id else None
-                reused = 0
-                if entry is not None:
-                    reused = reusable(entry.ids, prompt)
-                    cache = entry.cache
-                    held = cache.get_seq_length()
-                    assert held == len(entry.ids), f"cache holds {held} tokens but records {len(entry.ids)} ids"
-                    if reused == 0:
-                        cache = None
-                    elif held > reused:
-                        cache.crop(-(held - reused))
-                    del entry
-                if cache is None:
-                    cache = DynamicCache(config=model.config)
-                    reused = 0
-                stats.reused_tokens, stats.prefilled_tokens = reused, len(prompt) - reused
-
-                # prefill the rest in chunks; a cancel or the time limit stops between chunks
-                n_rest = len(prompt) - reused
-                rest = torch.tensor([prompt[reused:]], device=self.device)  # (1, n_rest)
-                filled, stop = reused, None
-                for start in range(0, n_rest, engine.PREFILL_CHUNK):
-                    if start and (stop := stop_reason(handle, t0, timeout)):
-                        break
-                    logits = forward(rest[:, start:start + engine.PREFILL_CHUNK], cache)  # (1, vocab)
-                    filled = reused + min(start + engine.PREFILL_CHUNK, n_rest)
-                del rest
+                cache, reused = self._reuse(request.session_id, prompt)  # 2) the session's cache
+                stats.reused_tokens = reused
+                logits, filled, stop = run.prefill(cache, prompt, reused)  # 2) the rest of the prompt
                 stats.prefilled_tokens = filled - reused
-
-                # 3) decode
-                finish = "length"
-                generated: list[int] = []
-                t_first = None
-                if stop is not None:
-                    finish = stop
-                    del logits
-                else:
-                    sampler = _Sampler(request, prompt, self.device)
-                    for step in range(request.max_new_tokens):
-                        next_id = sampler(logits)
-                        del logits
-                        if t_first is None:
-                            t_first = time.perf_counter()
-                            stats.ttft_s = t_first - t0
-                        if next_id in request.stop_ids:
-                            finish = "eos"
-                            break
-                        generated.append(next_id)
-                        handle._emit([next_id])
-                        rss.sample()
-                        if stop := stop_reason(handle, t0, timeout):
-                            finish = stop
-                            break
-                        if step + 1 == request.max_new_tokens:
-                            break
-                        logits = forward(torch.tensor([[next_id]], device=self.device), cache)
-                t_end = time.perf_counter()
-                stats.finish_reason = finish
-                stats.generated_tokens = len(generated)
-                if t_first is not None and len(generated) > 1:
-                    stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_first, 1e-9)
-                stats.total_s = t_end - t0
-                # 4) keep the cache for the session's next turn. Every generated token but the
-                #    last was fed back; after a stop token, all kept ones were (it was not kept).
-                #    A prefill stopped early holds only the prompt's first `filled` tokens.
-                if filled < len(prompt):
-                    held_ids = prompt[:filled]
-                else:
-                    held_ids = prompt + (generated if finish == "eos" else generated[:-1])
-                assert cache.get_seq_length() == len(held_ids), \
-                    f"cache {cache.get_seq_length()} != ids {len(held_ids)} ({finish})"
-                stats.kv_session_bytes = cache_nbytes(cache)
-                if request.session_id:
-                    self.kv.put(request.session_id, held_ids, cache, stats.kv_session_bytes)
+                generated, finish = run.decode(logits, cache, prompt, stop, stats)  # 3)
+                del logits
+                self._keep(request.session_id, cache, prompt, filled, generated, finish, stats)  # 4)
                 cache = None
         except BaseException:
             cache = None  # free this request's cache before anyone retries
             raise
         stats.kv_store_bytes = self.kv.total_bytes
-        stats.mem = memory_snapshot(self.device, peak_rss=rss.peak)
+        stats.mem = memory_snapshot(self.device, peak_rss=run.rss.peak)
         return stats
+
+    def _reuse(self, session_id: str | None, prompt: list[int]):
+        """(cache, reused): the session's cache cropped to its longest common prefix with the prompt,
+        leaving >= 1 token to prefill; a new empty cache when nothing is reusable."""
+        entry = self.kv.take(session_id) if session_id else None
+        if entry is not None:
+            reused = reusable(entry.ids, prompt)
+            cache, held = entry.cache, entry.cache.get_seq_length()
+            assert held == len(entry.ids), f"cache holds {held} tokens but records {len(entry.ids)} ids"
+            if reused > 0:
+                if held > reused:
+                    cache.crop(-(held - reused))
+                return cache, reused
+        return DynamicCache(config=self.model.config), 0
+
+    def _keep(
+        self,
+        session_id: str | None,
+        cache,
+        prompt: list[int],
+        filled: int,
+        generated: list[int],
+        finish: str,
+        stats: GenerationStats,
+    ) -> None:
+        """Keep the cache for the session's next turn. Every generated token but the last was fed
+        back; after a stop token, all kept ones were (it was not kept). A prefill stopped early
+        holds only the prompt's first `filled` tokens."""
+        if filled < len(prompt):
+            held_ids = prompt[:filled]
+        else:
+            held_ids = prompt + (generated if finish == "eos" else generated[:-1])
+        assert cache.get_seq_length() == len(held_ids), (
+            f"cache {cache.get_seq_length()} != ids {len(held_ids)} ({finish})"
+        )
+        stats.kv_session_bytes = cache_nbytes(cache)
+        if session_id:
+            self.kv.put(session_id, held_ids, cache, stats.kv_session_bytes)
+
+
+class _Run:
+    """One request's forward passes: chunked prefill, then token-by-token decode with streaming."""
+
+    def __init__(self, runner: LocalRunner, handle: Handle, request: GenerationRequest, timeout: float):
+        self.runner, self.handle, self.request, self.timeout = runner, handle, request, timeout
+        self.t0 = time.perf_counter()
+        self.rss = RssPeak()
+        self.forwards = 0
+
+    def forward(self, ids_2d, cache):
+        """(1, n) ids -> (1, vocab) logits of the last position; the fault hook sees every pass."""
+        if self.runner.fault is not None:
+            self.runner.fault(self.forwards)
+        self.forwards += 1
+        return self.runner.model(input_ids=ids_2d, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+
+    def stop(self) -> str | None:
+        return stop_reason(self.handle, self.t0, self.timeout)
+
+    def prefill(self, cache, prompt: list[int], reused: int):
+        """(logits, filled, stop): the prompt after `reused` in chunks; a cancel or the time limit
+        stops between chunks (then `filled` < len(prompt) and `stop` says why)."""
+        chunk, n_rest = engine.PREFILL_CHUNK, len(prompt) - reused
+        rest = torch.tensor([prompt[reused:]], device=self.runner.device)  # (1, n_rest)
+        filled, stop, logits = reused, None, None
+        for start in range(0, n_rest, chunk):
+            if start and (stop := self.stop()):
+                break
+            logits = self.forward(rest[:, start : start + chunk], cache)  # (1, vocab)
+            filled = reused + min(start + chunk, n_rest)
+        return logits, filled, stop
+
+    def decode(self, logits, cache, prompt: list[int], stop: str | None, stats: GenerationStats):
+        """(generated ids, finish reason): sample, stream, feed back, until a stop id, the cap, a cancel
+        or the time limit. Fills the timing figures of `stats`."""
+        generated: list[int] = []
+        finish, t_first = stop or "length", None
+        request = self.request
+        if stop is None:
+            sampler = _Sampler(request, prompt, self.runner.device)
+            for step in range(request.max_new_tokens):
+                next_id = sampler(logits)
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    stats.ttft_s = t_first - self.t0
+                if next_id in request.stop_ids:
+                    finish = "eos"
+                    break
+                generated.append(next_id)
+                self.handle._emit([next_id])
+                self.rss.sample()
+                if reason := self.stop():
+                    finish = reason
+                    break
+                if step + 1 == request.max_new_tokens:
+                    break
+                logits = self.forward(torch.tensor([[next_id]], device=self.runner.device), cache)
+        t_end = time.perf_counter()
+        stats.finish_reason, stats.generated_tokens = finish, len(generated)
+        if t_first is not None and len(generated) > 1:
+            stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_first, 1e-9)
+        stats.total_s = t_end - self.t0
+        return generated, finish
 
 
 class _Sampler:
     """Greedy or temperature/top-p sampling with a repetition penalty over prompt + generated."""
 
     def __init__(self, request: GenerationRequest, prompt: list[int], device: str):
-        from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-                                  TemperatureLogitsWarper, TopPLogitsWarper)
+        from transformers import (
+            LogitsProcessorList,
+            RepetitionPenaltyLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopPLogitsWarper,
+        )
 
         self.greedy = request.temperature <= 0
         procs = []

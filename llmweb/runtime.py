@@ -106,7 +106,7 @@ class Runtime:
         self._closing = threading.Event()
 
     # ---- start-up
-    def start(self, background: bool = True) -> "Runtime":
+    def start(self, background: bool = True) -> Runtime:
         if self.settings.anon_retention_days > 0:
             threading.Thread(target=self._purge_loop, name="llmweb-purge", daemon=True).start()
         if background:
@@ -124,7 +124,7 @@ class Runtime:
 
     def _load(self) -> None:
         from .chat import Chat
-        from .engine import local_engine, EngineLimits
+        from .engine import EngineLimits, local_engine
         from .tokens import TemplateFormat
 
         s = self.settings
@@ -138,20 +138,28 @@ class Runtime:
                 models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
             kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
             limits = EngineLimits(
-                queue_size=s.queue_size, max_new_tokens=budget.max_new_tokens,
-                request_timeout_s=s.request_timeout_s, admission_wait_s=s.admission_wait_s,
+                queue_size=s.queue_size,
+                max_new_tokens=budget.max_new_tokens,
+                request_timeout_s=s.request_timeout_s,
+                admission_wait_s=s.admission_wait_s,
                 mem_limit_bytes=cpu_mem_limit_bytes(s) if loaded.on_cpu else 0,
-                mem_margin_bytes=s.mem_margin_mb * 2**20, frag_release_bytes=s.frag_release_mb * 2**20,
-                kv_reuse=s.kv_reuse, queue_per_user=s.queue_per_user)
-            self.engine = local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault,
-                                 gpu=gpu_entry)
+                mem_margin_bytes=s.mem_margin_mb * 2**20,
+                frag_release_bytes=s.frag_release_mb * 2**20,
+                kv_reuse=s.kv_reuse,
+                queue_per_user=s.queue_per_user,
+            )
+            self.engine = local_engine(
+                loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault, gpu=gpu_entry
+            )
             self.loaded, self.budget = loaded, budget
             self.chat = Chat(s, self.engine, fmt, self.store, budget, library=self.library)
             if s.sample_docs:
                 self._seed_sample()
             notes = (" " + " ".join(loaded.notes)) if loaded.notes else ""
-            self._progress(f"Ready: {loaded.describe()} · context {budget.context_limit} tokens"
-                           f" · started in {time.perf_counter() - t0:.0f} s.{notes}")
+            self._progress(
+                f"Ready: {loaded.describe()} · context {budget.context_limit} tokens"
+                f" · started in {time.perf_counter() - t0:.0f} s.{notes}"
+            )
         except BaseException as e:  # shown in the UI's status line and raised to callers
             log.exception("model load failed")
             self._error = e
@@ -216,12 +224,15 @@ class Runtime:
         if days <= 0 or not self.ready:
             return 0, 0
         assert self.chat is not None  # ready
-        owners = [o for prefix in ANON_PREFIXES for o in self.store.idle_owners(prefix, days * 86400, now)]
-        conversations = sum(self.chat.delete_owner(o) for o in owners)
+        owners, conversations = self.chat.purge_idle(ANON_PREFIXES, days * 86400, now)
         if owners:
-            log.info("retention: purged %d anonymous owners idle over %g days (%d conversations)",
-                     len(owners), days, conversations)
-        return len(owners), conversations
+            log.info(
+                "retention: purged %d anonymous owners idle over %g days (%d conversations)",
+                owners,
+                days,
+                conversations,
+            )
+        return owners, conversations
 
     def _purge_loop(self) -> None:
         """Once the model is up, then every PURGE_EVERY_S until close."""

@@ -9,10 +9,10 @@ from llmweb.chat import Chat, Delta, Finished
 from llmweb.context import Budget
 from llmweb.errors import InputError
 from llmweb.store import Store
-
-OWNER = "anon:visitor-a"
 from tests.conftest import make_settings
 from tests.fakes import FakeFormat, FakeRunner, fake_engine
+
+OWNER = "anon:visitor-a"
 
 
 @pytest.fixture
@@ -21,8 +21,9 @@ def rig(tmp_path):
     engine, runner = fake_engine(FakeRunner())
     fmt = FakeFormat()
     store = Store(tmp_path / "chat.sqlite3")
-    budget = Budget(context_limit=200, max_new_tokens=20, summary_tokens=30, retrieved_tokens=40, user_tokens=60,
-                    facts_tokens=30)
+    budget = Budget(
+        context_limit=200, max_new_tokens=20, summary_tokens=30, retrieved_tokens=40, user_tokens=60, facts_tokens=30
+    )
     chat = Chat(settings, engine, fmt, store, budget)
     yield chat, runner, fmt, store
     chat.wait_background(timeout=5)
@@ -105,3 +106,36 @@ def test_pinned_facts_reach_the_prompt_as_their_own_section(rig):
     fin = chat.ask(OWNER, conv, "what is my locker code?")
     assert "- my locker code is Zanzibar-7781" in fin.prompt[0][1]
     assert fin.stats.sections["facts"] > 0 and fin.stats.sections["summary"] == 0
+
+
+def test_two_owners_never_share_a_conversation_facts_or_a_kv_cache(rig):
+    chat, runner, fmt, store = rig
+    mine = chat.ask(OWNER, None, "my locker code is Zanzibar-7781").conv_id
+    other = "anon:visitor-b"
+    from llmweb.store import NotFound
+
+    with pytest.raises(NotFound):
+        chat.ask(other, mine, "what is the locker code?")
+    with pytest.raises(NotFound):
+        chat.add_fact(other, mine, "I own this chat now")
+    assert chat.delete(other, mine) is False and store.exists(OWNER, mine)
+    theirs = chat.ask(other, None, "hello").conv_id
+    assert theirs != mine and [c.id for c in store.list_conversations(other)] == [theirs]
+    assert all(r.session_id in (mine, theirs) for r in runner.requests)
+    assert {r.owner for r in runner.requests} == {OWNER, other}, "the engine queue knows who asked"
+
+
+def test_the_retention_purge_deletes_idle_anonymous_owners_only(rig):
+    import time
+
+    chat, runner, fmt, store = rig
+    old = chat.ask("anon:old-visitor", None, "hello from long ago").conv_id
+    account = chat.ask("user:alice", None, "an account's chat").conv_id
+    recent = chat.ask(OWNER, None, "hello today").conv_id
+    chat.add_fact("anon:old-visitor", old, "my cat is called Miso")
+    past = time.time() - 40 * 86400
+    store._db.execute("UPDATE owners SET last_seen = ? WHERE owner IN ('anon:old-visitor', 'user:alice')", (past,))
+    assert chat.purge_idle(("anon:", "api:"), 30 * 86400) == (1, 1)
+    assert not store.exists("anon:old-visitor", old)
+    assert store.exists("user:alice", account) and store.exists(OWNER, recent), "accounts and recent visitors stay"
+    assert store._db.execute("SELECT COUNT(*) FROM facts").fetchone()[0] == 0
