@@ -1,8 +1,11 @@
 """The real app, served by `python -m llmweb serve`, driven in headless Debian chromium like a user.
 
-One server and one browser page per module; the steps run in file order and build on each other
-(one conversation): a streamed answer with its stats, a stopped long answer, a question answered
-from an uploaded document with its cited source, and a reload that restores the chat.
+One server and one browser page for the first four tests; the steps run in file order and build
+on each other (one conversation): a streamed answer with its stats, a stopped long answer, a
+question answered from an uploaded document with its cited source, and a reload that restores
+the chat. The last test starts its own server (LLMWEB_SINGLE_USER=0) and drives two visitors in
+two browser contexts: neither sees the other's chats or uploads, in the page or through the API,
+over reloads and an app restart.
 Screenshots of each step go to test-artifacts/browser/ (git-ignored); a failing step also leaves
 `<step>-failure.png` and `<step>-failure.html` there.
 
@@ -229,38 +232,87 @@ def token_counter():
     return lambda s: len(s) // 4
 
 
-# ---- fixtures
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if _missing:
-        pytest.fail(f"LLMWEB_REQUIRE_BROWSER=1 but {_missing}", pytrace=False)
-    data_dir = tmp_path_factory.mktemp("browser-data")
-    port = free_port()
+def start_server(data_dir: Path, port: int, env_changes: dict[str, str | None] | None = None,
+                 log_name: str = "server.log") -> Server:
+    """`python -m llmweb serve` on 127.0.0.1:port over data_dir, serving /gradio_api/info when this
+    returns. env_changes set (or, with None, remove) variables on top of the tests' small settings.
+    The log (appended to, so a restart keeps the first run's lines) is data_dir/log_name."""
     env = dict(os.environ)
     env.update(LLMWEB_DATA_DIR=str(data_dir), LLMWEB_CACHE_DIR=str(MODEL_CACHE),
                LLMWEB_MAX_NEW_TOKENS=str(MAX_NEW_TOKENS), LLMWEB_SAMPLE_DOCS="0", LLMWEB_HOST="127.0.0.1",
                GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
     env.pop("LLMWEB_AUTH", None)
-    log_path = data_dir / "server.log"
-    log = open(log_path, "wb")
+    for name, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    log_path = data_dir / log_name
+    log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "llmweb", "serve", "--port", str(port)],
                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()  # the child has its own copy
     srv = Server(proc, f"http://127.0.0.1:{port}/", log_path)
     try:
         poll(lambda: http_status(srv.url + "gradio_api/info") == 200, STARTUP_S,
              "GET /gradio_api/info to answer 200", srv, interval=1.0)
+    except BaseException:
+        stop_server(srv)
+        raise
+    return srv
+
+
+def stop_server(srv: Server) -> None:
+    """Stop the app and keep its log next to the screenshots."""
+    if srv.proc.poll() is None:
+        srv.proc.terminate()
+        try:
+            srv.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            srv.proc.kill()
+            srv.proc.wait(timeout=20)
+    with contextlib.suppress(OSError):
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / srv.log_path.name).write_bytes(srv.log_path.read_bytes())
+
+
+def launch_chromium(p):
+    if _missing:
+        pytest.fail(f"LLMWEB_REQUIRE_BROWSER=1 but {_missing}", pytrace=False)
+    return p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+
+
+def open_page(context, server: Server):
+    """A new page of `context` on the app (no waiting)."""
+    pg = context.new_page()
+    pg.set_default_timeout(60_000)
+    pg.goto(server.url, wait_until="domcontentloaded", timeout=120_000)
+    return pg
+
+
+def wait_ready(pg, server: Server) -> None:
+    """Wait until the status line says Ready (the model is loaded) and the message box shows."""
+    pg.locator("#llmweb-status").wait_for(timeout=120_000)
+
+    def ready():
+        text = pg.locator("#llmweb-status").inner_text()
+        if "failed" in text.lower():
+            raise AssertionError(f"the status line reports a failure: {text}\n{server.log_tail()}")
+        return "Ready" in text
+    poll(ready, READY_S, 'the status line (#llmweb-status) to say "Ready"', server, interval=1.0)
+    pg.locator(MESSAGE_BOX).wait_for(state="visible")
+
+
+# ---- fixtures
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if _missing:
+        pytest.fail(f"LLMWEB_REQUIRE_BROWSER=1 but {_missing}", pytrace=False)
+    srv = start_server(tmp_path_factory.mktemp("browser-data"), free_port())
+    try:
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=20)
-        log.close()
-        with contextlib.suppress(OSError):
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            (ARTIFACTS / "server.log").write_bytes(log_path.read_bytes())
+        stop_server(srv)
 
 
 @pytest.fixture(scope="module")
@@ -268,22 +320,11 @@ def page(server):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = launch_chromium(p)
         try:
-            context = browser.new_context(viewport=VIEWPORT)
-            pg = context.new_page()
-            pg.set_default_timeout(60_000)
-            pg.goto(server.url, wait_until="domcontentloaded", timeout=120_000)
+            pg = open_page(browser.new_context(viewport=VIEWPORT), server)
             with step(pg, "startup"):
-                pg.locator("#llmweb-status").wait_for(timeout=120_000)
-
-                def ready():
-                    text = pg.locator("#llmweb-status").inner_text()
-                    if "failed" in text.lower():
-                        raise AssertionError(f"the status line reports a failure: {text}\n{server.log_tail()}")
-                    return "Ready" in text
-                poll(ready, READY_S, 'the status line (#llmweb-status) to say "Ready"', server, interval=1.0)
-                pg.locator(MESSAGE_BOX).wait_for(state="visible")
+                wait_ready(pg, server)
             yield pg
         finally:
             browser.close()
@@ -432,3 +473,174 @@ def test_reload_restores_the_chat(page, server):
                               ".getBoundingClientRect(); return r.top >= c.top - 1 && r.bottom <= c.bottom + 1; }"):
                 break
         shot(page, "reloaded.png")
+
+
+# ---- two visitors, one server (its own app: per-browser owners on localhost)
+OWNERS_TOKENS = 24  # the replies are not what this test checks: keep them short
+SECRET = "My locker code is Zanzibar-7781. Please remember it."
+PRIVATE_DOC_NAME = "ferncastle-field-notes.md"  # unrelated to the unique words: B's own question names none of it
+PRIVATE_DOC_TEXT = """# Field notes
+
+The Quokkafrost-93 protocol requires a velmorine lantern at every checkpoint.
+Its checkpoints are placed 7 kilometres apart along the ridge.
+"""
+PRIVATE_QUESTION = "What is the Quokkafrost-93 protocol?"
+A_ONLY = ("Zanzibar", PRIVATE_DOC_NAME, "ferncastle", "velmorine")  # never anywhere on B's page
+B_REGIONS = {"conversation list": "#llmweb-conversations", "chat": "#llmweb-chat", "documents list": "#llmweb-doclist",
+             "stats panel": "#llmweb-stats", "memory panel": "#llmweb-memory", "fact list": "#llmweb-fact"}
+
+
+def open_panels(page) -> None:
+    """Open the Documents and Memory accordions, so their text is the page's visible text too."""
+    for panel, label, body in (("#llmweb-documents", "Documents", "#llmweb-doclist"),
+                               ("#llmweb-memory-panel", "Memory", "#llmweb-memory")):
+        if not page.locator(body).is_visible():
+            page.locator(panel).get_by_text(label, exact=True).first.click()
+        page.locator(body).wait_for(state="visible")
+
+
+def loaded(page, server: Server, users: list[str]) -> None:
+    """Wait for a (re)loaded page to show its owner's chat (`users`, the user messages) and library."""
+    poll(lambda: user_texts(page) == users, REPLY_S, f"the page to show the user messages {users}", server, page)
+    open_panels(page)
+    poll(lambda: "document" in page.locator("#llmweb-doclist").inner_text().lower(), 60,
+         "the documents list to be filled", server, page)
+    poll(lambda: "No summary yet" in page.locator("#llmweb-memory").inner_text(), 60,
+         "the memory panel to be filled", server, page)
+
+
+def leaks(page, words=A_ONLY) -> list[str]:
+    """Where on the page any of `words` shows: each region, the body's text, and the whole HTML."""
+    texts = {name: page.locator(sel).inner_text() for name, sel in B_REGIONS.items()}
+    texts["body text"] = page.locator("body").inner_text()
+    texts["page HTML"] = page.content()
+    return [f"{w!r} in the {where}" for where, text in texts.items() for w in words if w.lower() in text.lower()]
+
+
+def opened_sources(page, server: Server, block) -> str:
+    """Open a Sources block of the last reply and return its text once it shows a document."""
+    page.locator("#llmweb-chat > [data-testid=status-tracker].hide").wait_for(state="attached", timeout=60_000)
+    block.locator(".title").click()
+    return poll(lambda: (t if "[1]" in (t := block.inner_text()) else ""), 30,
+                "the opened Sources block to list its sources", server, page)
+
+
+def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path):
+    """Visitor A (a secret, a private upload) and visitor B (another browser context) on one server
+    with LLMWEB_SINGLE_USER=0: B never sees, retrieves or reaches through the API anything of A's,
+    over reloads and an app restart, while A keeps its own."""
+    import sqlite3
+
+    from gradio_client import Client
+    from playwright.sync_api import sync_playwright
+
+    data_dir, port = tmp_path / "owners-data", free_port()
+    data_dir.mkdir()
+    env = {"LLMWEB_SINGLE_USER": "0", "LLMWEB_MAX_NEW_TOKENS": str(OWNERS_TOKENS),
+           "LLMWEB_REQUEST_TIMEOUT_S": str(int(REPLY_S)),  # the engine's limit is the test's wait
+           "LLMWEB_SHARED_UPLOADS": None, "LLMWEB_SECRET": None, "LLMWEB_AUTH_FILE": None}
+    srv = start_server(data_dir, port, env, log_name="owners-server.log")
+    db_path = data_dir / "llmweb.sqlite3"
+
+    def conversations() -> list[tuple[str, str]]:
+        with contextlib.closing(sqlite3.connect(db_path)) as db:
+            return db.execute("SELECT id, owner FROM conversations ORDER BY rowid").fetchall()
+
+    try:
+        with sync_playwright() as p:
+            browser = launch_chromium(p)
+            try:
+                page_a = open_page(browser.new_context(viewport=VIEWPORT), srv)
+                page_b = open_page(browser.new_context(viewport=VIEWPORT), srv)
+
+                with step(page_a, "owners-a"):
+                    wait_ready(page_a, srv)
+                    reply, _ = ask(page_a, srv, SECRET)
+                    assert is_real_text(reply), reply
+                    assert user_texts(page_a) == [SECRET]
+
+                    doc = tmp_path / PRIVATE_DOC_NAME
+                    doc.write_text(PRIVATE_DOC_TEXT, encoding="utf-8")
+                    open_panels(page_a)
+                    page_a.locator("#llmweb-upload input[type=file]").set_input_files(str(doc))
+                    row = poll(lambda: next((r for r in page_a.locator("#llmweb-doclist tr").all_inner_texts()
+                                             if PRIVATE_DOC_NAME in r), ""), REPLY_S,
+                               f"{PRIVATE_DOC_NAME} in A's documents list", srv, page_a)
+                    assert "yours (private)" in row, row
+                    # Control: A's own question is answered from the upload (so B's could have been too).
+                    reply, _ = ask(page_a, srv, PRIVATE_QUESTION)
+                    assert is_real_text(reply), reply
+                    assert page_a.locator(THOUGHTS).count() == 1, "A's answer has no Sources block"
+                    assert PRIVATE_DOC_NAME in opened_sources(page_a, srv, page_a.locator(THOUGHTS).last)
+
+                with step(page_b, "owners-b"):
+                    wait_ready(page_b, srv)
+                    for moment in ("after loading", "after a reload"):
+                        if moment == "after a reload":
+                            page_b.reload(wait_until="domcontentloaded")
+                        loaded(page_b, srv, [])
+                        assert "No documents yet" in page_b.locator("#llmweb-doclist").inner_text()
+                        assert "No turns yet" in page_b.locator("#llmweb-stats").inner_text()
+                        assert not (found := leaks(page_b, A_ONLY + ("Quokkafrost",))), \
+                            f"B's page {moment} shows A's data: {found}"
+
+                    # The API: A's conversation id (from the server's database) opens nothing.
+                    rows = conversations()
+                    assert len(rows) == 1 and rows[0][1].startswith("anon:"), rows
+                    a_id = rows[0][0]
+                    client = Client(srv.url, verbose=False, download_files=False, analytics_enabled=False)
+                    api = client.view_api(print_info=False, return_format="dict")
+                    named = set(api["named_endpoints"])
+                    assert {"/chat", "/stats"} <= named <= {"/chat", "/stats", "/status_text"}, named
+                    assert not api["unnamed_endpoints"], api["unnamed_endpoints"]
+
+                    def refusal(endpoint: str, params: list[str], conv_id: str) -> str:
+                        args = {"conversation_id": conv_id}
+                        if "message" in params:
+                            args["message"] = "What is my locker code?"
+                        with pytest.raises(Exception) as refused:
+                            client.predict(**args, api_name=endpoint)
+                        return re.sub(r"\(id \w+\)", "(id …)", str(refused.value))
+
+                    for endpoint, info in sorted(api["named_endpoints"].items()):
+                        params = [q["parameter_name"] for q in info["parameters"]]
+                        if "conversation_id" not in params:  # the status line: nothing of anyone's
+                            answer = str(client.predict(api_name=endpoint))
+                            assert not [w for w in A_ONLY if w.lower() in answer.lower()], (endpoint, answer)
+                            continue
+                        message = refusal(endpoint, params, a_id)
+                        assert "no longer exists" in message, (endpoint, message)
+                        assert message == refusal(endpoint, params, "0" * 32), \
+                            f"{endpoint} answers A's id and an unknown id differently"
+                    assert conversations() == rows, "an API call changed the conversations"
+
+                    # B asks about A's upload: answered without it.
+                    reply, _ = ask(page_b, srv, PRIVATE_QUESTION)
+                    assert is_real_text(reply), reply
+                    for block in page_b.locator(THOUGHTS).all():
+                        assert PRIVATE_DOC_NAME not in opened_sources(page_b, srv, block)
+                    assert not (found := leaks(page_b)), f"B's page after its question shows A's data: {found}"
+                    owners = [o for _, o in conversations()]
+                    assert len(owners) == 2 and owners[0] != owners[1], owners
+
+                def each_on_its_own(moment: str) -> None:
+                    for pg in (page_a, page_b):
+                        pg.reload(wait_until="domcontentloaded")
+                    with step(page_a, "owners-a"):
+                        loaded(page_a, srv, [SECRET, PRIVATE_QUESTION])
+                        assert "Zanzibar-7781" in page_a.locator("#llmweb-chat").inner_text()
+                        assert PRIVATE_DOC_NAME in page_a.locator("#llmweb-doclist").inner_text()
+                    with step(page_b, "owners-b"):
+                        loaded(page_b, srv, [PRIVATE_QUESTION])
+                        assert not (found := leaks(page_b)), f"B's page {moment} shows A's data: {found}"
+
+                each_on_its_own("after a reload")
+                stop_server(srv)
+                srv = start_server(data_dir, port, env, log_name="owners-server.log")  # the same origin
+                each_on_its_own("after an app restart and a reload")
+                shot(page_a, "owners-a.png")
+                shot(page_b, "owners-b.png")
+            finally:
+                browser.close()
+    finally:
+        stop_server(srv)
