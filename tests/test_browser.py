@@ -35,12 +35,20 @@ ARTIFACTS = REPO / "test-artifacts" / "browser"
 MODEL_CACHE = REPO / "data" / "models"
 CHROMIUM = Path("/usr/bin/chromium")
 REQUIRE = os.environ.get("LLMWEB_REQUIRE_BROWSER") == "1"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 MAX_NEW_TOKENS = 160
-STARTUP_S = 180.0   # process up and serving /gradio_api/info
-READY_S = 600.0     # the status line says Ready (first run converts the GGUF, ~20 s on an idle machine)
-REPLY_S = 180.0     # one answer, on a busy 2-core machine
+STARTUP_S = 180.0  # process up and serving /gradio_api/info
+READY_S = 600.0  # the status line says Ready (first run converts the GGUF, ~20 s on an idle machine)
+REPLY_S = 180.0  # one answer, on a busy 2-core machine
 VIEWPORT = {"width": 1500, "height": 1000}
 
 # The one message box is the chat column's textbox; reply bubbles are bot messages that are not
@@ -67,8 +75,10 @@ else:
     except ImportError as e:  # pragma: no cover - requirements-dev.txt installs it
         _missing = f"the Python package playwright is not installed ({e})"
 if _missing and not REQUIRE:
-    pytest.skip(f"browser test skipped: {_missing}; set LLMWEB_REQUIRE_BROWSER=1 to make this a failure",
-                allow_module_level=True)
+    pytest.skip(
+        f"browser test skipped: {_missing}; set LLMWEB_REQUIRE_BROWSER=1 to make this a failure",
+        allow_module_level=True,
+    )
 
 
 # ---- helpers
@@ -114,8 +124,9 @@ def poll(fn, timeout: float, what: str, server: Server | None = None, page=None,
             if toasts:
                 raise AssertionError(f"while waiting for {what}, the app showed an error: {toasts}")
         if server is not None and server.proc.poll() is not None:
-            raise AssertionError(f"the server exited ({server.proc.returncode}) while waiting for {what}\n"
-                                 f"{server.log_tail()}")
+            raise AssertionError(
+                f"the server exited ({server.proc.returncode}) while waiting for {what}\n{server.log_tail()}"
+            )
         if time.monotonic() > deadline:
             log = f"\n--- server log ---\n{server.log_tail()}" if server is not None else ""
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {last!r}{log}")
@@ -131,6 +142,7 @@ def wait_stable(fn, what: str, server: Server, page, quiet_s: float = 1.0, timeo
         if value != last["value"]:
             last.update(value=value, since=time.monotonic())
         return time.monotonic() - last["since"] >= quiet_s
+
     poll(settled, timeout, what, server, page, interval=0.1)
     return last["value"]
 
@@ -211,8 +223,13 @@ def ask(page, server: Server, text: str) -> tuple[str, int]:
     n_replies = len(reply_texts(page))
     start_recording(page)
     send(page, text)
-    turn = poll(lambda: (t if (t := stats_turn(page)) > before else 0), REPLY_S,
-                f"the stats panel to move past turn {before} after asking {text!r}", server, page)
+    turn = poll(
+        lambda: t if (t := stats_turn(page)) > before else 0,
+        REPLY_S,
+        f"the stats panel to move past turn {before} after asking {text!r}",
+        server,
+        page,
+    )
     replies = reply_texts(page)
     assert len(replies) > n_replies, f"no new reply bubble after {text!r}: {replies}"
     return replies[-1], turn
@@ -232,15 +249,22 @@ def token_counter():
     return lambda s: len(s) // 4
 
 
-def start_server(data_dir: Path, port: int, env_changes: dict[str, str | None] | None = None,
-                 log_name: str = "server.log") -> Server:
+def start_server(
+    data_dir: Path, port: int, env_changes: dict[str, str | None] | None = None, log_name: str = "server.log"
+) -> Server:
     """`python -m llmweb serve` on 127.0.0.1:port over data_dir, serving /gradio_api/info when this
     returns. env_changes set (or, with None, remove) variables on top of the tests' small settings.
     The log (appended to, so a restart keeps the first run's lines) is data_dir/log_name."""
     env = dict(os.environ)
-    env.update(LLMWEB_DATA_DIR=str(data_dir), LLMWEB_CACHE_DIR=str(MODEL_CACHE),
-               LLMWEB_MAX_NEW_TOKENS=str(MAX_NEW_TOKENS), LLMWEB_SAMPLE_DOCS="0", LLMWEB_HOST="127.0.0.1",
-               GRADIO_ANALYTICS_ENABLED="False", PYTHONUNBUFFERED="1")
+    env.update(
+        LLMWEB_DATA_DIR=str(data_dir),
+        LLMWEB_CACHE_DIR=str(MODEL_CACHE),
+        LLMWEB_MAX_NEW_TOKENS=str(MAX_NEW_TOKENS),
+        LLMWEB_SAMPLE_DOCS="0",
+        LLMWEB_HOST="127.0.0.1",
+        GRADIO_ANALYTICS_ENABLED="False",
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("LLMWEB_AUTH", None)
     for name, value in (env_changes or {}).items():
         if value is None:
@@ -249,13 +273,23 @@ def start_server(data_dir: Path, port: int, env_changes: dict[str, str | None] |
             env[name] = value
     log_path = data_dir / log_name
     log = open(log_path, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "llmweb", "serve", "--port", str(port)],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmweb", "serve", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     log.close()  # the child has its own copy
     srv = Server(proc, f"http://127.0.0.1:{port}/", log_path)
     try:
-        poll(lambda: http_status(srv.url + "gradio_api/info") == 200, STARTUP_S,
-             "GET /gradio_api/info to answer 200", srv, interval=1.0)
+        poll(
+            lambda: http_status(srv.url + "gradio_api/info") == 200,
+            STARTUP_S,
+            "GET /gradio_api/info to answer 200",
+            srv,
+            interval=1.0,
+        )
     except BaseException:
         stop_server(srv)
         raise
@@ -299,6 +333,7 @@ def wait_ready(pg, server: Server) -> None:
         if "failed" in text.lower():
             raise AssertionError(f"the status line reports a failure: {text}\n{server.log_tail()}")
         return "Ready" in text
+
     poll(ready, READY_S, 'the status line (#llmweb-status) to say "Ready"', server, interval=1.0)
     pg.locator(MESSAGE_BOX).wait_for(state="visible")
 
@@ -339,8 +374,9 @@ def test_streamed_reply_with_stats_and_sections(page, server):
         assert "Paris" in reply, reply
         streamed = [t for t in recorded(page) if is_real_text(t)]
         assert len(set(streamed)) >= 2, f"the reply did not stream in pieces: {streamed}"
-        assert streamed[-1] == reply and all(reply.startswith(t.rstrip("…").strip()[:10]) for t in streamed), \
+        assert streamed[-1] == reply and all(reply.startswith(t.rstrip("…").strip()[:10]) for t in streamed), (
             f"the streamed texts do not grow into the reply: {streamed}"
+        )
         assert user_texts(page) == ["What is the capital of France?"]
 
         stats = page.locator("#llmweb-stats").inner_text()
@@ -369,23 +405,31 @@ def test_stop_keeps_partial_reply_and_app_still_answers(page, server):
         def some_text():
             replies = reply_texts(page)
             return len(replies) > n_replies and is_real_text(replies[-1]) and len(replies[-1].split()) >= 3
+
         poll(some_text, REPLY_S, "the long answer to start streaming", server, page, interval=0.1)
         page.locator("#llmweb-stop").click()
         at_click = reply_texts(page)[-1]
 
         # The page then shows the partial reply as stored, marked "(stopped)", and it stays put.
-        poll(lambda: reply_texts(page)[-1].endswith("(stopped)"), 60,
-             'the partial reply to be marked "(stopped)"', server, page)
-        stopped = wait_stable(lambda: reply_texts(page)[-1], "the reply to stop changing after Stop", server, page,
-                              quiet_s=1.5)
+        poll(
+            lambda: reply_texts(page)[-1].endswith("(stopped)"),
+            60,
+            'the partial reply to be marked "(stopped)"',
+            server,
+            page,
+        )
+        stopped = wait_stable(
+            lambda: reply_texts(page)[-1], "the reply to stop changing after Stop", server, page, quiet_s=1.5
+        )
         time.sleep(3.0)
         assert reply_texts(page)[-1] == stopped, "the reply kept growing after Stop"
         assert stopped.startswith(at_click.rstrip("…").strip()), (at_click, stopped)
         assert "Stopped." in page.locator("#llmweb-stats").inner_text()
 
         count = token_counter()
-        assert count(stopped) <= MAX_NEW_TOKENS * 3 // 4, \
+        assert count(stopped) <= MAX_NEW_TOKENS * 3 // 4, (
             f"the stopped reply has {count(stopped)} tokens, about a full {MAX_NEW_TOKENS}-token answer: {stopped!r}"
+        )
         shot(page, "stopped.png")
 
         reply, turn = ask(page, server, "What is the capital of Italy?")
@@ -405,6 +449,7 @@ def test_uploaded_document_is_cited(page, server, tmp_path):
         def listed():
             m = re.search(re.escape(DOC_NAME) + r"\s*\|?\s*(\d+)", page.locator("#llmweb-doclist").inner_text())
             return m and int(m.group(1))
+
         chunks = poll(listed, REPLY_S, f"{DOC_NAME} in the documents list with its chunk count", server, page)
         assert chunks >= 1
         ingest = page.locator("#llmweb-ingest").inner_text()
@@ -424,8 +469,13 @@ def test_uploaded_document_is_cited(page, server, tmp_path):
 
         page.locator("#llmweb-chat > [data-testid=status-tracker].hide").wait_for(state="attached", timeout=60_000)
         sources.locator(".title").click()
-        text = poll(lambda: (t if DOC_NAME in (t := sources.inner_text()) else ""), 30,
-                    f"the opened Sources block to name {DOC_NAME}", server, page)
+        text = poll(
+            lambda: t if DOC_NAME in (t := sources.inner_text()) else "",
+            30,
+            f"the opened Sources block to name {DOC_NAME}",
+            server,
+            page,
+        )
         assert "412 hours" in text, text
         assert "&#x27;" not in text and "&amp;" not in text, f"HTML entities shown as text: {text!r}"
         # The block slides open (slowly on a busy machine): wait until its height stops changing,
@@ -433,8 +483,12 @@ def test_uploaded_document_is_cited(page, server, tmp_path):
         wait_stable(lambda: sources.bounding_box()["height"], "the Sources block to finish opening", server, page)
         log = page.locator('#llmweb-chat [role="log"]')
         log.evaluate("e => { e.scrollTop = e.scrollHeight; }")
-        wait_stable(lambda: log.evaluate("e => e.scrollHeight - e.scrollTop - e.clientHeight"),
-                    "the chat log to rest at its end", server, page)
+        wait_stable(
+            lambda: log.evaluate("e => e.scrollHeight - e.scrollTop - e.clientHeight"),
+            "the chat log to rest at its end",
+            server,
+            page,
+        )
         shot(page, "cited-source.png")
 
 
@@ -446,10 +500,20 @@ def test_reload_restores_the_chat(page, server):
         assert len(users_before) == 4, users_before
 
         page.reload(wait_until="domcontentloaded")
-        poll(lambda: user_texts(page) == users_before, REPLY_S,
-             f"the reloaded page to show the earlier messages {users_before}", server, page)
-        replies = poll(lambda: (r if len(r := reply_texts(page)) == len(replies_before) else None), 60,
-                       "the earlier replies after the reload", server, page)
+        poll(
+            lambda: user_texts(page) == users_before,
+            REPLY_S,
+            f"the reloaded page to show the earlier messages {users_before}",
+            server,
+            page,
+        )
+        replies = poll(
+            lambda: r if len(r := reply_texts(page)) == len(replies_before) else None,
+            60,
+            "the earlier replies after the reload",
+            server,
+            page,
+        )
         assert replies[0] == replies_before[0]
         assert "Paris" in replies[0]
         # The stopped reply comes back from the server as it was stored: short, so the server
@@ -458,10 +522,20 @@ def test_reload_restores_the_chat(page, server):
         assert stopped_stored.startswith(stopped_shown.rstrip("…").strip()), (stopped_shown, stopped_stored)
         assert token_counter()(stopped_stored) <= MAX_NEW_TOKENS * 3 // 4, stopped_stored
         assert page.locator(THOUGHTS).count() >= 1, "the Sources block was not restored"
-        poll(lambda: stats_turn(page) == turn_before, 60, f"the stats panel to show turn {turn_before} again",
-             server, page)
-        poll(lambda: "Ready" in page.locator("#llmweb-status").inner_text(), 60,
-             'the status line to say "Ready" after the reload', server, page)
+        poll(
+            lambda: stats_turn(page) == turn_before,
+            60,
+            f"the stats panel to show turn {turn_before} again",
+            server,
+            page,
+        )
+        poll(
+            lambda: "Ready" in page.locator("#llmweb-status").inner_text(),
+            60,
+            'the status line to say "Ready" after the reload',
+            server,
+            page,
+        )
         # Show the start of the restored chat in the screenshot (the log autoscrolls to its end
         # while it renders, so scroll again until it stays). Only the picture depends on this.
         first = page.locator(USER_MSGS).first
@@ -469,8 +543,10 @@ def test_reload_restores_the_chat(page, server):
         while time.monotonic() < deadline:
             page.locator('#llmweb-chat [role="log"]').evaluate("e => { e.scrollTop = 0; }")
             page.wait_for_timeout(300)
-            if first.evaluate("e => { const r = e.getBoundingClientRect(), c = e.closest('[role=log]')"
-                              ".getBoundingClientRect(); return r.top >= c.top - 1 && r.bottom <= c.bottom + 1; }"):
+            if first.evaluate(
+                "e => { const r = e.getBoundingClientRect(), c = e.closest('[role=log]')"
+                ".getBoundingClientRect(); return r.top >= c.top - 1 && r.bottom <= c.bottom + 1; }"
+            ):
                 break
         shot(page, "reloaded.png")
 
@@ -486,14 +562,22 @@ Its checkpoints are placed 7 kilometres apart along the ridge.
 """
 PRIVATE_QUESTION = "What is the Quokkafrost-93 protocol?"
 A_ONLY = ("Zanzibar", PRIVATE_DOC_NAME, "ferncastle", "velmorine")  # never anywhere on B's page
-B_REGIONS = {"conversation list": "#llmweb-conversations", "chat": "#llmweb-chat", "documents list": "#llmweb-doclist",
-             "stats panel": "#llmweb-stats", "memory panel": "#llmweb-memory", "fact list": "#llmweb-fact"}
+B_REGIONS = {
+    "conversation list": "#llmweb-conversations",
+    "chat": "#llmweb-chat",
+    "documents list": "#llmweb-doclist",
+    "stats panel": "#llmweb-stats",
+    "memory panel": "#llmweb-memory",
+    "fact list": "#llmweb-fact",
+}
 
 
 def open_panels(page) -> None:
     """Open the Documents and Memory accordions, so their text is the page's visible text too."""
-    for panel, label, body in (("#llmweb-documents", "Documents", "#llmweb-doclist"),
-                               ("#llmweb-memory-panel", "Memory", "#llmweb-memory")):
+    for panel, label, body in (
+        ("#llmweb-documents", "Documents", "#llmweb-doclist"),
+        ("#llmweb-memory-panel", "Memory", "#llmweb-memory"),
+    ):
         if not page.locator(body).is_visible():
             page.locator(panel).get_by_text(label, exact=True).first.click()
         page.locator(body).wait_for(state="visible")
@@ -503,10 +587,20 @@ def loaded(page, server: Server, users: list[str]) -> None:
     """Wait for a (re)loaded page to show its owner's chat (`users`, the user messages) and library."""
     poll(lambda: user_texts(page) == users, REPLY_S, f"the page to show the user messages {users}", server, page)
     open_panels(page)
-    poll(lambda: "document" in page.locator("#llmweb-doclist").inner_text().lower(), 60,
-         "the documents list to be filled", server, page)
-    poll(lambda: "No summary yet" in page.locator("#llmweb-memory").inner_text(), 60,
-         "the memory panel to be filled", server, page)
+    poll(
+        lambda: "document" in page.locator("#llmweb-doclist").inner_text().lower(),
+        60,
+        "the documents list to be filled",
+        server,
+        page,
+    )
+    poll(
+        lambda: "No summary yet" in page.locator("#llmweb-memory").inner_text(),
+        60,
+        "the memory panel to be filled",
+        server,
+        page,
+    )
 
 
 def leaks(page, words=A_ONLY) -> list[str]:
@@ -521,8 +615,13 @@ def opened_sources(page, server: Server, block) -> str:
     """Open a Sources block of the last reply and return its text once it shows a document."""
     page.locator("#llmweb-chat > [data-testid=status-tracker].hide").wait_for(state="attached", timeout=60_000)
     block.locator(".title").click()
-    return poll(lambda: (t if "[1]" in (t := block.inner_text()) else ""), 30,
-                "the opened Sources block to list its sources", server, page)
+    return poll(
+        lambda: t if "[1]" in (t := block.inner_text()) else "",
+        30,
+        "the opened Sources block to list its sources",
+        server,
+        page,
+    )
 
 
 def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path):
@@ -536,9 +635,14 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path):
 
     data_dir, port = tmp_path / "owners-data", free_port()
     data_dir.mkdir()
-    env = {"LLMWEB_SINGLE_USER": "0", "LLMWEB_MAX_NEW_TOKENS": str(OWNERS_TOKENS),
-           "LLMWEB_REQUEST_TIMEOUT_S": str(int(REPLY_S)),  # the engine's limit is the test's wait
-           "LLMWEB_SHARED_UPLOADS": None, "LLMWEB_SECRET": None, "LLMWEB_AUTH_FILE": None}
+    env = {
+        "LLMWEB_SINGLE_USER": "0",
+        "LLMWEB_MAX_NEW_TOKENS": str(OWNERS_TOKENS),
+        "LLMWEB_REQUEST_TIMEOUT_S": str(int(REPLY_S)),  # the engine's limit is the test's wait
+        "LLMWEB_SHARED_UPLOADS": None,
+        "LLMWEB_SECRET": None,
+        "LLMWEB_AUTH_FILE": None,
+    }
     srv = start_server(data_dir, port, env, log_name="owners-server.log")
     db_path = data_dir / "llmweb.sqlite3"
 
@@ -563,9 +667,20 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path):
                     doc.write_text(PRIVATE_DOC_TEXT, encoding="utf-8")
                     open_panels(page_a)
                     page_a.locator("#llmweb-upload input[type=file]").set_input_files(str(doc))
-                    row = poll(lambda: next((r for r in page_a.locator("#llmweb-doclist tr").all_inner_texts()
-                                             if PRIVATE_DOC_NAME in r), ""), REPLY_S,
-                               f"{PRIVATE_DOC_NAME} in A's documents list", srv, page_a)
+                    row = poll(
+                        lambda: next(
+                            (
+                                r
+                                for r in page_a.locator("#llmweb-doclist tr").all_inner_texts()
+                                if PRIVATE_DOC_NAME in r
+                            ),
+                            "",
+                        ),
+                        REPLY_S,
+                        f"{PRIVATE_DOC_NAME} in A's documents list",
+                        srv,
+                        page_a,
+                    )
                     assert "yours (private)" in row, row
                     # Control: A's own question is answered from the upload (so B's could have been too).
                     reply, _ = ask(page_a, srv, PRIVATE_QUESTION)
@@ -581,8 +696,9 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path):
                         loaded(page_b, srv, [])
                         assert "No documents yet" in page_b.locator("#llmweb-doclist").inner_text()
                         assert "No turns yet" in page_b.locator("#llmweb-stats").inner_text()
-                        assert not (found := leaks(page_b, A_ONLY + ("Quokkafrost",))), \
+                        assert not (found := leaks(page_b, A_ONLY + ("Quokkafrost",))), (
                             f"B's page {moment} shows A's data: {found}"
+                        )
 
                     # The API: A's conversation id (from the server's database) opens nothing.
                     rows = conversations()
@@ -610,8 +726,9 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path):
                             continue
                         message = refusal(endpoint, params, a_id)
                         assert "no longer exists" in message, (endpoint, message)
-                        assert message == refusal(endpoint, params, "0" * 32), \
+                        assert message == refusal(endpoint, params, "0" * 32), (
                             f"{endpoint} answers A's id and an unknown id differently"
+                        )
                     assert conversations() == rows, "an API call changed the conversations"
 
                     # B asks about A's upload: answered without it.
