@@ -32,6 +32,11 @@ from .tokens import ChatFormat, render_prompt
 
 log = logging.getLogger(__name__)
 
+# Recall needs a confident match: cosine >= 0.40 (all-MiniLM-L6-v2) kept no unrelated turn in the
+# fidelity script's messages (filler -> planted fact: max 0.38; question -> filler: max 0.36) and
+# kept 6 of 10 questions about a planted fact (the others' facts are in the facts block anyway).
+RECALL_MIN_SCORE = 0.40
+
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
@@ -90,6 +95,12 @@ def reduced_budget(b: context.Budget) -> context.Budget:
     )
 
 
+def _covered(passage: Chunk, known: set[str]) -> bool:
+    """Does the summary + facts vocabulary already hold every name and number the turn's user text has?"""
+    terms = facts.salient_terms(passage.text.split("\nAssistant:")[0])
+    return bool(terms) and terms <= known
+
+
 def plan_sources(plan: context.ContextPlan) -> list[Source]:
     """The numbered sources of a plan: document chunks [1..n] as the prompt tags them, then recall."""
     used = list(plan.chunks) + list(plan.recall)
@@ -140,9 +151,7 @@ class Chat:
         chunks: list[Chunk] = []
         if use_docs and self.library is not None and not self.library.is_empty(owner):
             chunks = self.library.search(owner, text, k=s.top_k, min_score=s.min_score)
-        recall: list[Chunk] = []
-        if s.recall and conv.summarized_upto > 0 and self.library is not None:
-            recall = self.recall_index(conv_id).search(text, k=s.recall_k, min_score=s.min_score)
+        recall = self.recall(conv, text) if s.recall and conv.summarized_upto > 0 and self.library is not None else []
 
         # 2) plan (raises InputError with the numbers when the message cannot fit)
         plan = context.plan(
@@ -309,9 +318,21 @@ class Chat:
                 if " ".join(fact.lower().split()) not in known:
                     self.store.add_fact(owner, conv_id, fact, pinned=False)
             self.store.set_summary(owner, conv_id, new, upto)
-            self.engine.drop_session(conv_id)  # the prefix changed: the old cache is no longer useful
+            # the session's KV cache stays: the next turn reuses its longest common prefix with the
+            # new prompt (the system prompt and the summary up to the appended paragraph)
         except Exception:  # the turn already streamed; a failed fold is tried again next turn
             log.exception("folding turns for %s failed", conv_id)
+
+    def recall(self, conv: Conversation, text: str) -> list[Chunk]:
+        """Earlier turns of this chat that left the window, when the message is about one of them.
+
+        Only confident matches (RECALL_MIN_SCORE), and never a turn whose names and numbers the
+        facts and the summary already carry: those are in the prompt anyway, and a recalled
+        passage costs prefill now and a re-prefill of the reply after it next turn.
+        """
+        hits = self.recall_index(conv.id).search(text, k=self.settings.recall_k, min_score=RECALL_MIN_SCORE)
+        known = facts.salient_terms(" ".join([conv.summary, *(f.text for f in conv.facts)]))
+        return [c for c in hits if not _covered(c, known)]
 
     def recall_index(self, conv_id: str):
         from .retrieval import Index
@@ -325,12 +346,24 @@ class Chat:
             return index
 
     def write_summary(self, previous: str, turns: list[Turn]) -> str:
-        """Ask the model (low-priority jobs) for an updated summary of `turns`.
+        """The summary after folding `turns`: `previous` with a paragraph about them appended (the
+        cached prefix survives); when that passes the cap, everything merged into half the cap."""
+        cap = self.summary_cap()
+        segment_cap = max(cap // 3, 16)
+        text = previous.strip()
+        for batch in self._fitting_batches(text, turns, segment_cap):
+            segment = self._generate_summary(*summary.segment_request_messages(text, batch, segment_cap), segment_cap)
+            text = f"{text}\n{segment}".strip() if segment else text
+        if self.fmt.count(text) > cap:  # rare: a rewrite of the whole summary into half its room
+            merged = summary.summary_request_messages(text, [], cap // 2)
+            text = self._generate_summary(*merged, cap // 2)
+        return text
 
-        Turns are folded in batches whose prompt fits the context (long turns are shortened
-        first), each batch updating the summary of the ones before.
-        """
-        cap = min(self.settings.summary_tokens, self.budget.context_limit // 4)  # room for turns in small contexts
+    def summary_cap(self) -> int:
+        return min(self.budget.summary_tokens, self.budget.context_limit // 4)  # room for turns in small contexts
+
+    def _fitting_batches(self, previous: str, turns: list[Turn], cap: int) -> Iterator[list[Turn]]:
+        """The turns (each side shortened) in batches, oldest first, whose summary prompt fits the context."""
         limit = self.budget.context_limit - cap
         per_turn = max(limit // 8, 16)  # tokens kept of each side of a turn in the summary prompt
         short = [
@@ -340,30 +373,31 @@ class Chat:
             )
             for t in turns
         ]
-        text = previous
         while short:
             n = len(short)
-            while True:  # the most turns, oldest first, whose summary prompt fits
-                system, user = summary.summary_request_messages(text, short[:n], cap)
-                ids = render_prompt(self.fmt, system, [("user", user)])
-                if len(ids) <= limit or n == 1:
+            while n > 1:  # the most turns whose prompt fits
+                system, user = summary.segment_request_messages(previous, short[:n], cap)
+                if len(render_prompt(self.fmt, system, [("user", user)])) <= limit:
                     break
                 n = max(n // 2, 1)
-            if len(ids) > limit:
-                raise InputError(f"summary prompt of {len(ids)} tokens does not fit the context")
-            handle = self.engine.submit(
-                GenerationRequest(
-                    prompt_ids=ids,
-                    max_new_tokens=cap,
-                    temperature=0.0,
-                    repetition_penalty=self.settings.repetition_penalty,
-                    stop_ids=self.fmt.stop_ids,
-                    background=True,
-                )
-            )
-            text = summary.clean_summary(self.fmt.decode(handle.result()), cap, self.fmt)
+            yield short[:n]
             short = short[n:]
-        return text
+
+    def _generate_summary(self, system: str, user: str, cap: int) -> str:
+        ids = render_prompt(self.fmt, system, [("user", user)])
+        if len(ids) > self.budget.context_limit - cap:
+            raise InputError(f"summary prompt of {len(ids)} tokens does not fit the context")
+        handle = self.engine.submit(
+            GenerationRequest(
+                prompt_ids=ids,
+                max_new_tokens=cap,
+                temperature=0.0,
+                repetition_penalty=self.settings.repetition_penalty,
+                stop_ids=self.fmt.stop_ids,
+                background=True,
+            )
+        )
+        return summary.clean_summary(self.fmt.decode(handle.result()), cap, self.fmt)
 
     def wait_background(self, conv_id: str | None = None, timeout: float | None = None) -> None:
         with self._jobs_lock:

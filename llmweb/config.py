@@ -49,7 +49,7 @@ class Settings:
     facts_tokens: int = 128  # the user's own fact sentences kept verbatim next to the summary
     summaries: bool = True  # fold old turns into a summary (off: window only)
     recall: bool = True  # retrieve earlier turns that left the window
-    recall_k: int = 3
+    recall_k: int = 2  # earlier turns recalled per message, at most
     history_high: float = 0.85  # fold old turns into the summary past this share of the room
     history_low: float = 0.5  # ... until history is back under this share
     system_prompt: str = (

@@ -7,10 +7,14 @@ calls `turns_to_fold(counts, plan.history_room, high, low)`; when that says n > 
 
 Why hysteresis: the summary sits in the system message, at the very start of the prompt.
 Changing it changes the prefix, and every token after the first changed one must be prefilled
-again (the session's KV cache is lost). So we fold rarely and many turns at once: nothing
-happens until history passes `high` x room, and then it is brought down to `low` x room. Between
-two folds the prompt's prefix (system + summary + the turns in the window) only grows, and the
-cache reuses all of it.
+again. So we fold rarely and many turns at once: nothing happens until history passes `high` x
+room, and then it is brought down to `low` x room. Between two folds the prompt's prefix
+(system + summary + the turns in the window) only grows, and the cache reuses all of it.
+
+Why segments: a fold APPENDS a paragraph about the folded turns (`segment_request_messages`)
+instead of rewriting the summary, so the cached prefix stays valid up to the end of the previous
+summary. Only when the segments together pass the summary's cap are they merged into one
+shorter text (`summary_request_messages`): a full rewrite, rarely.
 
 `cap_text` (cut text to a token count at a sentence, else a word, boundary) lives here because
 it is the summary's cutter; the planner (context.py) uses it too.
@@ -91,6 +95,30 @@ def turns_to_fold(turn_token_counts: Sequence[int], room: int, high: float, low:
 
     n_low = fewest_to_fold(low * room)
     return min(n_low, max(len(counts) - keep, 0))
+
+
+def segment_request_messages(previous_summary: str, turns: Sequence[Turn], max_tokens: int) -> tuple[str, str]:
+    """(system, user) messages asking for a summary of `turns` ONLY, to append to the summary.
+
+    Appending keeps the prompt's prefix: everything cached up to the end of the previous summary
+    stays valid, and a fold re-prefills only the new segment and what follows it. The previous
+    summary is shown for context (names, what "it" refers to) but must not be repeated.
+    """
+    words = max(1, max_tokens * 3 // 4)
+    system = (
+        "You write the next paragraph of the running summary of a conversation between a user and an "
+        "assistant. Summarise ONLY the new turns; do not repeat what the summary so far already says. "
+        "Keep every name, number, date, decision and open question; drop greetings and small talk. "
+        f"Write plain sentences, no lists or headings, at most {max_tokens} tokens (about {words} words). "
+        "Reply with the paragraph only."
+    )
+    exchanges = "\n\n".join(f"User: {t.user.strip()}\nAssistant: {t.assistant.strip()}" for t in turns)
+    user = (
+        f"Summary so far:\n{previous_summary.strip() or '(none yet)'}\n\n"
+        f"New turns:\n{exchanges or '(none)'}\n\n"
+        "Write the paragraph about the new turns."
+    )
+    return system, user
 
 
 def summary_request_messages(previous_summary: str, turns: Sequence[Turn], max_tokens: int) -> tuple[str, str]:

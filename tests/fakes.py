@@ -54,9 +54,10 @@ class FakeRunner:
     replies (default: the prompt's last `default_len` ids echoed back). Each token takes
     `token_delay_s`. `fail_next(exc)` makes the next generation raise `exc` (a domain error) or,
     with `oom=True`, run out of memory (generate returns None, as the real runner does).
-    `predict_bytes` / `available_bytes` feed admission control. Session reuse follows the real
-    contract: the longest common prefix with the session's last prompt + reply, at least one token
-    prefilled. Every request it ran is kept in `requests`.
+    `predict_bytes` / `available_bytes` feed admission control. `background` (request -> ids), when
+    set, answers the low-priority jobs (summaries) instead of the queue of scripted replies. Session
+    reuse follows the real contract: the longest common prefix with the session's last prompt +
+    reply, at least one token prefilled. Every request it ran is kept in `requests`.
     """
 
     def __init__(self, token_delay_s: float = 0.0, default_len: int = 3, stop_id: int | None = None):
@@ -72,6 +73,7 @@ class FakeRunner:
         self._replies: list[list[int]] = []
         self._failures: list = []  # (exception or None for an OOM)
         self._sessions: dict[str, list[int]] = {}
+        self.background = None  # optional: request -> ids, the reply to background (summary) jobs
         self.running = threading.Event()  # set while a generation is in progress
         self.empties = 0
 
@@ -114,7 +116,10 @@ class FakeRunner:
                 return None
             raise failure
         prompt = list(request.prompt_ids)
-        reply = self._replies.pop(0) if self._replies else prompt[-self.default_len :]
+        if request.background and self.background is not None:
+            reply = list(self.background(request))
+        else:
+            reply = self._replies.pop(0) if self._replies else prompt[-self.default_len :]
         held = self._sessions.get(request.session_id or "", [])
         reused = reusable(held, prompt) if request.session_id else 0
         stats = GenerationStats(

@@ -91,10 +91,16 @@ def test_bench_ttft_still_works(tmp_path):
     done = run_cli(tmp_path, "bench", "ttft", "--turns", "6", "--max-new-tokens", "8", "--json")
     r = json.loads(done.stdout)
     assert r["bench"] == "ttft" and r["turns"] == 6
+    import statistics
+
     for mode in ("reuse", "full"):
         m = r["modes"][mode]
         assert len(m["ttft_s"]) == 6 and all(t > 0 for t in m["ttft_s"])
-        assert m["late_early_ratio"] > 0
+        ratio = statistics.median(m["ttft_s"][-10:]) / statistics.median(m["ttft_s"][1:6])
+        assert m["late_early_ratio"] == pytest.approx(ratio, rel=0.01), "late = last 10 turns, early = turns 2-6"
+        prefilled = [p - u for p, u in zip(m["prompt_tokens"], m["reused_tokens"])]
+        low = sum(f < 0.3 * p for f, p in zip(prefilled[1:], m["prompt_tokens"][1:])) / 5
+        assert m["low_prefill_share"] == pytest.approx(low, abs=1e-3)
     assert r["modes"]["reuse"]["reused_tokens"][0] == 0 and all(n > 0 for n in r["modes"]["reuse"]["reused_tokens"][1:])
     assert all(n == 0 for n in r["modes"]["full"]["reused_tokens"])
 

@@ -139,3 +139,42 @@ def test_the_retention_purge_deletes_idle_anonymous_owners_only(rig):
     assert not store.exists("anon:old-visitor", old)
     assert store.exists("user:alice", account) and store.exists(OWNER, recent), "accounts and recent visitors stay"
     assert store._db.execute("SELECT COUNT(*) FROM facts").fetchone()[0] == 0
+
+
+def test_a_fold_appends_to_the_summary_and_the_next_turn_reuses_the_prefix_before_it(rig):
+    """Folds append a paragraph (the cached prefix up to the old summary survives); only when the
+    paragraphs pass the summary's cap are they merged (rewritten) into half of it."""
+    chat, runner, fmt, store = rig
+    folds = iter(range(1, 100))
+    # grounded text (no invented names or numbers): lowercase words from the turns, one more each fold
+    runner.background = lambda request: fmt._words("the user wrote " + "x " * next(folds) + "again.") + [fmt.END]
+    conv, folded, summary = None, 0, ""
+    appends, merges, appended, system_and_old = [], 0, False, 0
+    for i in range(40):
+        fin = chat.ask(OWNER, conv, f"message {i} " + "x " * 12, wait_summary=True)
+        conv = fin.conv_id
+        if fin.stats.summarized_turns != folded:  # the first turn planned after a fold
+            folded = fin.stats.summarized_turns
+            if appended:
+                appends.append((fin.stats.gen.reused_tokens, system_and_old))
+        new = store.get(OWNER, conv).summary
+        if new != summary:
+            appended = new.startswith(summary)
+            merges += not appended
+            system_and_old = len(fmt.system_ids(chat.settings.system_prompt + " " + summary)) - 1
+            assert fmt.count(new) <= chat.summary_cap(), "the stored summary stays within its cap"
+            summary = new
+    assert len(appends) >= 3 and merges >= 1, (len(appends), merges)
+    assert merges < len(appends), "merges (full rewrites) are rarer than appends"
+    for reused, system_and_old_summary in appends:
+        assert reused >= system_and_old_summary - 3, "after an append the system prompt and old summary stay cached"
+
+
+def test_recall_skips_turns_the_facts_already_carry(rig, monkeypatch):
+    from llmweb.chat import _covered
+    from llmweb.records import Chunk
+
+    turn = Chunk("User: My dog is called Pixel, a border collie.\nAssistant: Nice!", "turn 1", kind="recall")
+    assert _covered(turn, {"pixel"}) and not _covered(turn, {"tromsø"})
+    plain = Chunk("User: tell me about bread\nAssistant: Flour and water.", "turn 2", kind="recall")
+    assert not _covered(plain, {"pixel"}), "a turn without names or numbers is judged by its score alone"

@@ -46,6 +46,7 @@ def register(sub) -> None:
         default=None,
         help="TTFT: reply length per turn (default 48 for `bench ttft`, 32 in the suite)",
     )
+    b.add_argument("--reuse-only", action="store_true", help="TTFT: skip the full-prefill run (for long chats)")
     b.add_argument("--replay-turns", type=int, default=200, help="suite: measured turns of the memory replay")
     b.add_argument(
         "--warmup-turns",
@@ -146,7 +147,7 @@ def bench_command(args) -> int:
     settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 48)
     loaded = models.load(settings, progress=_stderr)
     with tempfile.TemporaryDirectory(prefix="llmweb-bench-") as tmp:  # the chats never touch the user's database
-        result = ttft.run(scratch_settings(settings, tmp), loaded, args.turns)
+        result = ttft.run(scratch_settings(settings, tmp), loaded, args.turns, full=not args.reuse_only)
     _print(result, args.json, ttft.markdown)
     return 0
 

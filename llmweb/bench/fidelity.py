@@ -24,7 +24,12 @@ FACTS = [
     ("My favourite colour is teal.", "What is my favourite colour?", "teal"),
     ("Remember that my locker code is 4711.", "What is my locker code?", "4711"),
     ("My sister Ana works as a pilot.", "What is my sister Ana's job?", "pilot"),
-]
+    ("My car is a green Volvo from 2009.", "What make is my car?", "Volvo"),
+    ("I work at the Zeiss lab in Jena.", "Which company do I work for?", "Zeiss"),
+    ("My flight to Lisbon leaves on Friday.", "Which city am I flying to?", "Lisbon"),
+    ("My son Teo is allergic to peanuts.", "What is my son allergic to?", "peanuts"),
+    ("I play the cello in a quartet.", "Which instrument do I play?", "cello"),
+]  # 10 facts x 3 checkpoints: 30 questions per mode, enough to tell the modes apart
 FILLERS = [
     "the weather in spring",
     "how trains work",

@@ -2,10 +2,13 @@
 
 The same scripted conversation runs twice on one loaded model: once with session KV reuse, once
 with full prefill. Each mode gets a Runtime of its own, built from `settings.replace(kv_reuse=...)`
-(public configuration; a running engine is never changed). For each mode, the median TTFT over
-the last 10 turns divided by the median over the first 5: flat (≈1) with reuse, growing with
-history without it. Chats are stored in `settings.data_dir` and deleted afterwards; pass scratch
-settings (`common.scratch_settings`) to keep them out of the user's database.
+(public configuration; a running engine is never changed), with the defaults on: summaries,
+recall and the document library (the bundled guide). For each mode, the median TTFT over the
+last 10 turns divided by the median over turns 2-6 (turn 1 pays one-off costs): flat (≈1) with
+reuse, growing with history without it. Also per turn: how much of the prompt was prefilled (the
+share of turns that prefill under 30% of their prompt), and which turns came right after a fold.
+Chats are stored in `settings.data_dir` and deleted afterwards; pass scratch settings
+(`common.scratch_settings`) to keep them out of the user's database.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from dataclasses import dataclass
 from ..store import LOCAL_OWNER as LOCAL
 from .common import describe_setup, scripted_turns
 
+EARLY = slice(1, 6)  # turns 2-6
+LATE = 10  # the last 10 turns
+LOW_PREFILL = 0.3  # a turn "reuses well" when it prefills under this share of its prompt
+
 
 @dataclass
 class ModeResult:
@@ -24,43 +31,55 @@ class ModeResult:
     prompt_tokens: list[int]
     reused_tokens: list[int]
     replies: list[str]
+    after_fold: list[bool]  # the summary changed since the previous turn
+    per_turn_tokens: list[int]  # retrieved + recalled tokens in the prompt
 
-    def ratio(self, early: int = 5, late: int = 10) -> float:
-        return statistics.median(self.ttft_s[-late:]) / max(statistics.median(self.ttft_s[:early]), 1e-9)
+    def ratio(self) -> float:
+        return statistics.median(self.ttft_s[-LATE:]) / max(statistics.median(self.ttft_s[EARLY]), 1e-9)
+
+    def low_prefill_share(self) -> float:
+        """Share of turns (from turn 2) that prefilled under LOW_PREFILL of their prompt."""
+        pairs = list(zip(self.prompt_tokens, self.reused_tokens))[1:]
+        return sum((p - r) < LOW_PREFILL * p for p, r in pairs) / max(len(pairs), 1)
 
 
 def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
     """One chat of `turns` on a Runtime of its own, with session KV reuse on or off."""
-    from ..chat import Finished
     from ..runtime import Runtime
 
     runtime = Runtime(settings.replace(kv_reuse=reuse), loaded=loaded).start(background=False)
-    res = ModeResult("reuse" if reuse else "full", [], [], [], [])
+    res = ModeResult("reuse" if reuse else "full", [], [], [], [], [], [])
     try:
         chat = runtime.wait_ready()
-        conv = runtime.store.create_conversation(LOCAL, f"bench ttft ({'reuse' if reuse else 'full prefill'})")
+        conv, folded = None, 0
         try:
             for text in turns:
-                for ev in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True):
-                    if isinstance(ev, Finished):
-                        g = ev.stats.gen
-                        res.ttft_s.append(g.ttft_s)
-                        res.prompt_tokens.append(g.prompt_tokens)
-                        res.reused_tokens.append(g.reused_tokens)
-                        res.replies.append(ev.reply)
+                ev = chat.ask(LOCAL, conv, text, wait_summary=True)
+                conv, g = ev.conv_id, ev.stats.gen
+                res.ttft_s.append(g.ttft_s)
+                res.prompt_tokens.append(g.prompt_tokens)
+                res.reused_tokens.append(g.reused_tokens)
+                res.replies.append(ev.reply)
+                res.after_fold.append(ev.stats.summarized_turns != folded)
+                res.per_turn_tokens.append(ev.stats.sections.get("retrieved", 0) + ev.stats.sections.get("recall", 0))
+                folded = ev.stats.summarized_turns
         finally:
-            chat.delete(LOCAL, conv)
+            if conv is not None:
+                chat.delete(LOCAL, conv)
     finally:
         runtime.close()
     return res
 
 
-def run(settings, loaded, n_turns: int) -> dict:
+def run(settings, loaded, n_turns: int, full: bool = True) -> dict:
+    """Both modes side by side (`full=False`: reuse only, for long runs)."""
     from ..context import Budget
 
     turns = scripted_turns(n_turns)
-    results = [run_mode(settings, loaded, turns, reuse=True), run_mode(settings, loaded, turns, reuse=False)]
-    same = sum(a == b for a, b in zip(results[0].replies, results[1].replies))
+    results = [run_mode(settings, loaded, turns, reuse=True)]
+    if full:
+        results.append(run_mode(settings, loaded, turns, reuse=False))
+    same = sum(a == b for a, b in zip(results[0].replies, results[-1].replies))
     budget = Budget.from_settings(settings, loaded.max_context, loaded.on_cpu)
     return {
         "bench": "ttft",
@@ -69,11 +88,14 @@ def run(settings, loaded, n_turns: int) -> dict:
         "modes": {
             r.mode: {
                 "late_early_ratio": round(r.ratio(), 3),
-                "median_first5_s": round(statistics.median(r.ttft_s[:5]), 4),
-                "median_last10_s": round(statistics.median(r.ttft_s[-10:]), 4),
+                "median_early_s": round(statistics.median(r.ttft_s[EARLY]), 4),
+                "median_last10_s": round(statistics.median(r.ttft_s[-LATE:]), 4),
+                "low_prefill_share": round(r.low_prefill_share(), 3),
                 "ttft_s": [round(x, 4) for x in r.ttft_s],
                 "prompt_tokens": r.prompt_tokens,
                 "reused_tokens": r.reused_tokens,
+                "after_fold": r.after_fold,
+                "retrieved_tokens": r.per_turn_tokens,
             }
             for r in results
         },
@@ -82,26 +104,40 @@ def run(settings, loaded, n_turns: int) -> dict:
 
 
 def markdown(r: dict) -> str:
-    reuse, full = r["modes"]["reuse"], r["modes"]["full"]
-    rows = ["| turn | prompt tokens | reused | TTFT reuse (s) | TTFT full prefill (s) |", "|---:|---:|---:|---:|---:|"]
-    for i, (p, u, a, b) in enumerate(
-        zip(reuse["prompt_tokens"], reuse["reused_tokens"], reuse["ttft_s"], full["ttft_s"]), 1
+    modes = r["modes"]
+    reuse, full = modes["reuse"], modes.get("full")
+    head = "| turn | prompt tokens | reused | prefilled | retrieved + recalled | after a fold | TTFT reuse (s) |"
+    rows = [
+        head + (" TTFT full prefill (s) |" if full else ""),
+        "|---:|---:|---:|---:|---:|:-:|---:|" + ("---:|" if full else ""),
+    ]
+    for i, (p, u, x, f, a) in enumerate(
+        zip(
+            reuse["prompt_tokens"],
+            reuse["reused_tokens"],
+            reuse["retrieved_tokens"],
+            reuse["after_fold"],
+            reuse["ttft_s"],
+        )
     ):
-        rows.append(f"| {i} | {p} | {u} | {a:.3f} | {b:.3f} |")
+        row = f"| {i + 1} | {p} | {u} | {p - u} | {x} | {'fold' if f else ''} | {a:.3f} |"
+        rows.append(row + (f" {full['ttft_s'][i]:.3f} |" if full else ""))
+    named = [("reuse", reuse)] + ([("full prefill", full)] if full else [])
     return "\n".join(
         [
-            f"## TTFT over {r['turns']} turns ({r['model']}, {r['quant']}, {r['device']})",
+            f"## TTFT over {r['turns']} turns ({r['model']}, {r['quant']}, {r['device']}, defaults on)",
             "",
             *rows,
             "",
-            "| mode | median TTFT, first 5 (s) | median TTFT, last 10 (s) | late / early |",
-            "|---|---:|---:|---:|",
+            "| mode | median TTFT, turns 2-6 (s) | median TTFT, last 10 (s) | late / early | turns prefilling < 30% |",
+            "|---|---:|---:|---:|---:|",
             *(
-                f"| {name} | {m['median_first5_s']:.3f} | {m['median_last10_s']:.3f} | {m['late_early_ratio']:.2f} |"
-                for name, m in (("reuse", reuse), ("full prefill", full))
+                f"| {name} | {m['median_early_s']:.3f} | {m['median_last10_s']:.3f} | {m['late_early_ratio']:.2f} "
+                f"| {m['low_prefill_share']:.0%} |"
+                for name, m in named
             ),
             "",
-            f"Replies identical in both modes: {r['identical_replies']}",
+            f"Replies identical in both modes: {r['identical_replies']}" if full else "",
             "",
         ]
     )
