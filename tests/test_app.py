@@ -25,34 +25,39 @@ def served(tmp_path_factory, nf4_model):
     runtime.close()
 
 
-def test_streamed_reply_names_paris(served):
+def test_streamed_reply_names_paris_and_returns_the_conversation_id(served):
     runtime, url = served
     client = Client(url, verbose=False)
     job = client.submit("What is the capital of France?", "", api_name="/chat")
     partials = list(job)
-    final = job.result()
-    assert "Paris" in final
+    reply, conv_id = job.result()
+    assert "Paris" in reply
     assert len(partials) >= 2, "the reply streamed in pieces"
-    conv = runtime.store.list_conversations(LOCAL)[0]
-    stats = json.loads(client.predict(conv.id, api_name="/stats"))
+    assert [c.id for c in runtime.store.list_conversations(LOCAL)] == [conv_id], "a single-user install's own chat"
+    stats = json.loads(client.predict(conv_id, api_name="/stats"))
     assert stats["generated_tokens"] >= 1 and stats["prompt_tokens"] > 0
     assert stats["mem"]["rss_bytes"] > 0
+    again, same = client.predict("And of Germany?", conv_id, api_name="/chat")
+    assert same == conv_id and len(runtime.store.get(LOCAL, conv_id).turns) == 2, "the id continues the chat"
 
 
 def test_ui_panel_and_plots_update_after_each_turn(served):
-    """The Send button's event (api name "respond"): the stats panel and the session plots per turn."""
-    _runtime, url = served
-    client = Client(url, verbose=False)
+    """The Send button's handler on the real model: the stats panel and the session plots per turn."""
+    from types import SimpleNamespace
+
+    from llmweb.ui import Handlers, Panel
+
+    runtime, _url = served
+    h = Handlers(runtime)
     history, conv = [], ""
     for turn, question in enumerate(["What is the capital of France?", "And of Italy?"], 1):
-        conv, history, _lst, stats_md, bar, _memory, _facts, tokens, memory, _msg = client.predict(
-            question, history, conv, True, api_name="/respond"
-        )
+        *_, final = h.respond(question, history, conv, True, "", SimpleNamespace(username=None))
+        panel = Panel(*final[:-1])
+        conv, history, stats_md, bar = panel.conv_state, panel.chatbot, panel.stats_md, panel.bar
         assert f"**Turn {turn}**" in stats_md and "prompt **" in stats_md
         assert "llmweb-bar" in bar and "system" in bar
-        token_turns = {row[0] for row in tokens["data"]}
-        assert token_turns == set(range(1, turn + 1)), tokens["data"]
-        measures = {(row[0], row[1]) for row in memory["data"]}
+        assert set(panel.tokens_plot["turn"]) == set(range(1, turn + 1))
+        measures = set(zip(panel.memory_plot["turn"], panel.memory_plot["measure"]))
         assert (turn, "RSS") in measures and (turn, "KV this chat") in measures
         assert [m["role"] for m in history[-2:]] == ["user", "assistant"]
     assert "reused" in stats_md

@@ -115,7 +115,7 @@ def test_control_characters_emoji_and_rtl_get_a_normal_reply_and_round_trip(shor
     client = Client(url, verbose=False)
     emoji, hebrew, arabic = "👋🏽 🇫🇷 👩‍👩‍👧", "שלום עולם", "مرحبا بالعالم"
     text = f"\x00Hello\x07 {emoji}\x1b[0m {hebrew} \u202e{arabic}\u202c\x7f what is 2+2?\x0b"
-    reply = client.predict(text, conv, api_name="/chat")
+    reply, _conv = client.predict(text, conv, api_name="/chat")
     assert isinstance(reply, str) and reply.strip(), "a normal reply"
     turn = runtime.store.get(LOCAL, conv).turns[-1]
     # control characters are removed; emoji, RTL text and bidi marks pass through unchanged
@@ -151,7 +151,7 @@ def test_a_flood_of_50_callers_gets_answers_or_busy_and_nothing_hangs(short_app)
     def caller(i):
         try:
             start.wait()
-            outcomes[i] = ("answer", client.predict(f"Say the number {i}.", "", api_name="/chat"))
+            outcomes[i] = ("answer", client.predict(f"Say the number {i}.", "", api_name="/chat")[0])
         except Exception as e:  # classified below
             outcomes[i] = (type(e).__name__, str(e))
 
@@ -173,7 +173,7 @@ def test_a_flood_of_50_callers_gets_answers_or_busy_and_nothing_hangs(short_app)
     assert engine.counters.served - served_before >= len(answers)
     wait_for(lambda: engine.counters.active == 0 and engine.queue_depth == 0, what="the queue to drain")
     # the server is still fine
-    assert Client(url, verbose=False).predict("What is the capital of France?", "", api_name="/chat").strip()
+    assert Client(url, verbose=False).predict("What is the capital of France?", "", api_name="/chat")[0].strip()
 
 
 # ---- a client that leaves mid-stream

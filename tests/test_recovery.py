@@ -5,6 +5,7 @@ matters; CUDA-only logic is driven with injected figures so it runs on CPU."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -80,7 +81,7 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, nf4_mod
             stats = json.loads(client.predict(conv, api_name="/stats"))
             assert stats["turn"] == 2 and stats["generated_tokens"] >= 1
             # and the chat goes on where it stopped, with its history in the prompt
-            assert client.predict("Thanks. Say goodbye.", conv, api_name="/chat").strip()
+            assert client.predict("Thanks. Say goodbye.", conv, api_name="/chat")[0].strip()
             stats = json.loads(client.predict(conv, api_name="/stats"))
             assert stats["turn"] == 3 and stats["sections"]["history"] > 0
             assert len(again.store.get(LOCAL, conv).turns) == 3
@@ -445,8 +446,9 @@ def test_offload_is_for_cuda_only_and_off_by_default(tmp_path, monkeypatch):
 
 def test_auth_refuses_anonymous_callers_and_admits_the_user(tmp_path, nf4_model):
     settings = make_settings(tmp_path / "data", auth="u:p", max_new_tokens=8)
-    assert launch_kwargs(settings)["auth"] == ("u", "p")
-    assert launch_kwargs(settings.replace(auth="u:p:q"))["auth"] == ("u", "p:q"), "the password may hold ':'"
+    check = launch_kwargs(settings)["auth"]  # an async check (scrypt runs off the event loop)
+    assert asyncio.run(check("u", "p")) and not asyncio.run(check("u", "x"))
+    assert asyncio.run(launch_kwargs(settings.replace(auth="u:p:q"))["auth"]("u", "p:q")), "a password may hold ':'"
     assert launch_kwargs(settings.replace(auth=""))["auth"] is None
     rt = Runtime(settings, loaded=nf4_model).start(background=False)
     try:
@@ -457,7 +459,8 @@ def test_auth_refuses_anonymous_callers_and_admits_the_user(tmp_path, nf4_model)
                 Client(url, auth=("u", "wrong"), verbose=False)
             r = httpx.post(url + "gradio_api/call/chat", json={"data": ["Hello", ""]})
             assert r.status_code == 401
-            assert Client(url, auth=("u", "p"), verbose=False).predict("Say hi.", "", api_name="/chat").strip()
-        assert len(rt.store.list_conversations(LOCAL)) == 1, "only the logged-in call reached the chat"
+            assert Client(url, auth=("u", "p"), verbose=False).predict("Say hi.", "", api_name="/chat")[0].strip()
+        assert len(rt.store.list_conversations("user:u")) == 1, "only the logged-in call reached the chat, as user u"
+        assert rt.store.list_conversations(LOCAL) == []
     finally:
         rt.close()
