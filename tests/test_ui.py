@@ -178,6 +178,9 @@ class FakeChat:
     def delete(self, owner, conv_id):
         return self.store.delete(owner, conv_id)
 
+    def delete_owner(self, owner):
+        return len(self.store.delete_owner(owner))
+
 
 A_TOKEN, B_TOKEN = new_owner_token(), new_owner_token()
 NOBODY = SimpleNamespace(username=None)  # a gr.Request without login
@@ -325,3 +328,15 @@ def test_build_app_keeps_the_endpoints_and_element_ids(runtime):
     } <= ids
     keys = {c["props"].get("storage_key") for c in config["components"]}
     assert {"llmweb_conversation", "llmweb_owner"} <= keys
+
+
+def test_delete_all_my_data_removes_only_the_callers_chats(runtime, monkeypatch):
+    monkeypatch.setattr(gr, "Info", lambda message: None)  # the toast needs a running event
+    h = Handlers(runtime)
+    mine = [_one_chat(h) for _ in range(2)]
+    theirs = h.respond("Capital?", [], "", True, B_TOKEN, NOBODY)
+    *_, final = theirs
+    out = h.delete_everything(A_TOKEN, NOBODY)
+    assert out[0] == "" and out[2]["choices"] == [], "A's page shows a blank chat and an empty list"
+    assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == [] and mine
+    assert [c.id for c in runtime.store.list_conversations(f"anon:{B_TOKEN}")] == [final[0]], "B keeps theirs"
