@@ -7,11 +7,20 @@ from tests.conftest import make_settings
 
 
 def test_script_plants_facts_then_asks_at_each_checkpoint():
+    n = len(bf.FACTS)
     turns = bf.script(fillers_between=3, checkpoints=2)
-    assert [t for t, _ in turns[:5]] == [f[0] for f in bf.FACTS]
+    assert [t for t, _ in turns[:n]] == [f[0] for f in bf.FACTS]
     asked = [i for _, i in turns if i is not None]
-    assert asked == list(range(5)) * 2
-    assert len(turns) == 5 + 2 * (3 + 5)
+    assert asked == list(range(n)) * 2
+    assert len(turns) == n + 2 * (3 + n)
+    two = bf.FACTS[:2]
+    assert bf.script(fillers_between=1, checkpoints=1, facts=two) == [
+        (two[0][0], None),
+        (two[1][0], None),
+        (f"Tell me one short fact about {bf.FILLERS[0]}.", None),
+        (two[0][1], 0),
+        (two[1][1], 1),
+    ]
 
 
 def test_summarise_gives_exact_rates_per_mode_and_checkpoint(tmp_path):
@@ -35,12 +44,13 @@ def test_summarise_gives_exact_rates_per_mode_and_checkpoint(tmp_path):
 
 
 def test_a_fact_that_left_the_window_is_kept_by_the_summary_modes(tmp_path, fp32_model):
-    # one fact, then 8 fillers: at the question (turn 10) the fact's turn is out of a 320-token window
-    settings = make_settings(tmp_path, context_limit=320, max_new_tokens=16, summary_tokens=48, quant="fp32")
+    # one fact, 6 fillers, the question: at turn 8 the fact's turn is out of a 256-token window.
+    # Short replies and summaries keep it light; the summaries themselves are not checked.
+    settings = make_settings(tmp_path, context_limit=256, max_new_tokens=16, summary_tokens=16, quant="fp32")
     r = bf.run(
-        settings, loaded=fp32_model, fillers_between=8, checkpoints=1, facts=bf.FACTS[:1], progress=lambda *_: None
+        settings, loaded=fp32_model, fillers_between=6, checkpoints=1, facts=bf.FACTS[:1], progress=lambda *_: None
     )
-    assert r["turns_per_mode"] == 10 and set(r["modes"]) == set(bf.MODES)
+    assert r["turns_per_mode"] == 8 and set(r["modes"]) == set(bf.MODES)
     window, summary, recall = (r["modes"][m] for m in bf.MODES)
     assert window["fact_in_prompt_rate"] == 0.0, "the window alone has lost the fact"
     assert window["answer_accuracy"] == 0.0, "the model cannot answer with a name it was not shown"
@@ -48,7 +58,7 @@ def test_a_fact_that_left_the_window_is_kept_by_the_summary_modes(tmp_path, fp32
     assert recall["fact_in_prompt_rate"] == 1.0
     for m in r["modes"].values():
         (cp,) = m["checkpoints"]
-        assert cp["turn"] == 10 and [f["fact"] for f in cp["facts"]] == ["Pixel"]
+        assert cp["turn"] == 8 and [f["fact"] for f in cp["facts"]] == ["Pixel"]
     text = bf.markdown(r)
-    assert "| window | 10 | 0% |" in text and "| window+summary | 10 | 100% |" in text
+    assert "| window | 8 | 0% |" in text and "| window+summary | 8 | 100% |" in text
     assert not any(tmp_path.glob("llmweb-fidelity-*")), "the modes' data dirs are temporary"
