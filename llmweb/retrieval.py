@@ -10,10 +10,17 @@ Contract:
   holds (same bytes = same `doc_id`), replaces an earlier version of a file with the same name,
   removes and lists documents, and answers `search(query, k, min_score) -> list[Chunk]`.
 - On disk, a namespace is `vectors-<generation>.faiss` (IndexIDMap2 over IndexFlatIP), the chunk
-  metadata `meta-<generation>.json` (JSON, never pickle) and `MANIFEST.json`, which names the
-  current generation of both. Every file is written to a temp file and moved into place with
-  `os.replace`; the manifest moves last. A crash at any point leaves the previous manifest naming
-  the previous, complete pair, so the index on disk is always loadable and self-consistent.
+  metadata `meta-<generation>.json` (JSON, never pickle), the keyword index `fts-<generation>.sqlite3`
+  (an SQLite FTS5 database, see keyword.py) and `MANIFEST.json`, which names the current generation
+  of all three. Every file is written to a temp file and moved into place with `os.replace`; the
+  manifest moves last. A crash at any point leaves the previous manifest naming the previous,
+  complete set, so the index on disk is always loadable and self-consistent, and the keyword rows
+  are always exactly the chunks of the published state (checked on load: same generation, same
+  chunk ids). An index written before the keyword file existed gets one built in memory on load,
+  and written with its next change.
+- `search` is dense only (cosine >= min_score), as before; `candidates` gives the raw material of
+  hybrid ranking (the dense and the keyword rankings, and the query words' chunk counts) for
+  hybrid.py, which fuses them and decides whether anything is relevant at all.
 - Concurrency: readers never block. The published state is immutable: a change clones it, writes
   the clone to disk and then swaps it in, under a per-folder thread lock plus an advisory file
   lock (a CLI ingest and a running server may share a data dir). An index notices a newer manifest
@@ -41,6 +48,7 @@ from typing import Any, TypeVar
 from .config import Settings
 from .documents import SUPPORTED_SUFFIXES, Document, chunk_document, load_document, safe_name
 from .errors import ConfigError, InputError
+from .keyword import KeywordIndex, Term
 from .records import Chunk
 
 try:
@@ -57,6 +65,7 @@ MANIFEST = "MANIFEST.json"
 FORMAT = 1
 DOCS = "docs"
 COMMIT_EVERY_CHUNKS = 2048  # a long ingest saves its progress about this often
+CANDIDATES = 20  # each ranking (dense, keyword) offers at least this many chunks to the fusion
 QUERY_THREADS = 1
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -206,6 +215,31 @@ class _State:
     ids: dict = dataclasses.field(default_factory=dict)  # doc_id -> tuple of chunk ids
     next_id: int = 0
     signature: tuple | None = None  # MANIFEST.json's (inode, mtime, size) when loaded
+    keywords: KeywordIndex | None = None  # exactly the ids and texts of `chunks`
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """One namespace's answer to a query, before fusion: both rankings and the query words' counts.
+
+    Every chunk's `score` is its cosine with the query, whichever ranking found it. `dense` is the
+    nearest chunks whatever their cosine (the gate's evidence); `ranked` is what the fusion takes
+    from it, the chunks at or above the min_score floor.
+    """
+
+    dense: list[Chunk]  # by cosine, best first
+    keyword: list[tuple[Chunk, float]]  # (chunk, BM25, higher is better), best first
+    terms: list[Term]  # the query's content words and how many of this namespace's chunks hold each
+    total: int  # chunks in the namespace
+    floor: float = -1.0  # min_score
+
+    @property
+    def empty(self) -> bool:
+        return self.total == 0
+
+    @property
+    def ranked(self) -> list[Chunk]:
+        return [c for c in self.dense if c.score >= self.floor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +289,34 @@ class Index:
                 continue
             hits.append(dataclasses.replace(chunk, score=float(score)))
         return hits
+
+    def candidates(self, query: str, vector: Any, k: int, min_score: float | None = None) -> Candidates:
+        """The dense and keyword rankings of `query` (embedded as `vector`, shape (1, dim)).
+
+        Each ranking has at most max(k, CANDIDATES) chunks; min_score (default settings.min_score)
+        is kept as `Candidates.floor`. `vector` may be None for an empty
+        namespace (the caller embeds once for several namespaces, and only if one has chunks).
+        """
+        import numpy as np
+
+        floor = self.settings.min_score if min_score is None else float(min_score)
+        state = self._current()
+        if state.index is None or state.index.ntotal == 0 or not query.strip():
+            return Candidates([], [], [], 0)
+        assert state.keywords is not None, "a non-empty state always has its keyword index"
+        assert vector is not None, "a non-empty namespace needs the query vector"
+        n = min(max(k, CANDIDATES), state.index.ntotal)
+        scores, ids = state.index.search(vector, n)
+        dense = [
+            dataclasses.replace(state.chunks[i], score=float(s))
+            for s, i in zip(scores[0].tolist(), ids[0].tolist())
+            if i >= 0 and i in state.chunks
+        ]
+        keyword = []
+        for hit in state.keywords.search(query, n):
+            cosine = float(np.dot(state.index.reconstruct(hit.chunk_id), vector[0]))
+            keyword.append((dataclasses.replace(state.chunks[hit.chunk_id], score=cosine), hit.bm25))
+        return Candidates(dense, keyword, state.keywords.terms(query), len(state.chunks), floor)
 
     def documents(self) -> list[DocumentInfo]:
         """Every document with its chunk count, sorted by name."""
@@ -453,6 +515,7 @@ class Index:
                 manifest = json.loads(manifest_path.read_text("utf-8"))
                 meta = json.loads((self.dir / manifest["meta"]).read_text("utf-8"))
                 blob = (self.dir / manifest["vectors"]).read_bytes()
+                fts = (self.dir / manifest["keywords"]).read_bytes() if "keywords" in manifest else None
             except FileNotFoundError:  # another process moved to a newer generation meanwhile
                 time.sleep(0.05 * (attempt + 1))
                 continue
@@ -483,19 +546,28 @@ class Index:
                 ids[row["doc_id"]] = chunk_ids
                 docs[row["doc_id"]] = DocumentInfo(**row)
             stored = set(faiss.vector_to_array(index.id_map).tolist())
-        except Exception as e:  # faiss raises RuntimeError; bad metadata raises KeyError/TypeError
+            generation = int(manifest["generation"])
+            if fts is not None:
+                keywords = KeywordIndex.from_bytes(fts)
+            else:  # written before keyword indexes: build one; the next change writes it
+                keywords = KeywordIndex.build(((i, c.text) for i, c in chunks.items()), generation)
+            in_keywords = keywords.ids()
+        except Exception as e:  # faiss raises RuntimeError, sqlite3 DatabaseError; bad metadata KeyError/TypeError
             raise self._damaged(f"{type(e).__name__}: {e}") from e
         listed = set().union(*ids.values()) if ids else set()
-        if meta.get("generation") != manifest.get("generation") or stored != set(chunks) or listed != set(chunks):
+        if meta.get("generation") != generation or stored != set(chunks) or listed != set(chunks):
             raise self._damaged("its vectors and metadata disagree")
+        if keywords.generation != generation or in_keywords != set(chunks):
+            raise self._damaged("its keyword index and metadata disagree")
         return _State(
-            generation=int(manifest["generation"]),
+            generation=generation,
             index=index,
             chunks=chunks,
             docs=docs,
             ids=ids,
             next_id=int(meta["next_id"]),
             signature=signature,
+            keywords=keywords,
         )
 
     def _write(self, state: _State) -> None:
@@ -503,7 +575,8 @@ class Index:
 
         self.dir.mkdir(parents=True, exist_ok=True)
         g = state.generation
-        vectors, meta = f"vectors-{g:08d}.faiss", f"meta-{g:08d}.json"
+        vectors, meta, keywords = f"vectors-{g:08d}.faiss", f"meta-{g:08d}.json", f"fts-{g:08d}.sqlite3"
+        assert state.keywords is not None and state.keywords.generation == g, "the keyword index is not this state's"
         chunk_rows = []
         for chunk_id, c in state.chunks.items():
             row = dataclasses.asdict(c)
@@ -519,11 +592,13 @@ class Index:
         }
         _atomic_write(self.dir / vectors, faiss.serialize_index(state.index).tobytes())
         _atomic_write(self.dir / meta, json.dumps(meta_doc, ensure_ascii=False).encode("utf-8"))
+        _atomic_write(self.dir / keywords, state.keywords.to_bytes())
         manifest = {
             "format": FORMAT,
             "generation": g,
             "vectors": vectors,
             "meta": meta,
+            "keywords": keywords,
             "embedder": self.embedder.label,
             "dim": int(state.index.d),
             "chunks": len(state.chunks),
@@ -533,7 +608,7 @@ class Index:
     def _clean(self, keep_from: int) -> None:
         """Delete generations older than `keep_from` and temp files left by failed writes."""
         for path in self.dir.iterdir():
-            m = re.fullmatch(r"(?:vectors|meta)-(\d+)\.(?:faiss|json)", path.name)
+            m = re.fullmatch(r"(?:vectors|meta|fts)-(\d+)\.(?:faiss|json|sqlite3)", path.name)
             stale = (m is not None and int(m.group(1)) < keep_from) or path.name.endswith(".tmp")
             if stale:
                 with contextlib.suppress(OSError):
@@ -586,10 +661,11 @@ def _apply(base: _State, add: Sequence[_Pending], remove: Sequence[str]) -> _Sta
         index = faiss.IndexIDMap2(faiss.IndexFlatIP(int(add[0].vectors.shape[1])))
     chunks, docs, ids = dict(base.chunks), dict(base.docs), dict(base.ids)
     gone: list[int] = []
+    gone_rows: list[tuple[int, str]] = []
     for doc_id in remove:
         docs.pop(doc_id)
         for i in ids.pop(doc_id):
-            chunks.pop(i)
+            gone_rows.append((i, chunks.pop(i).text))
             gone.append(i)
     if gone:
         index.remove_ids(np.asarray(gone, dtype=np.int64))
@@ -605,7 +681,17 @@ def _apply(base: _State, add: Sequence[_Pending], remove: Sequence[str]) -> _Sta
             chunks[i] = dataclasses.replace(c, score=0.0, doc_id=p.info.doc_id)
         docs[p.info.doc_id] = p.info
         ids[p.info.doc_id] = tuple(new_ids)
-    return _State(generation=base.generation + 1, index=index, chunks=chunks, docs=docs, ids=ids, next_id=next_id)
+    # the keyword index changes by the same rows, into a copy: `base` and its readers keep theirs
+    generation = base.generation + 1
+    new_rows = [(i, chunks[i].text) for p in add for i in ids[p.info.doc_id]]
+    if base.keywords is None:
+        assert not base.chunks, "a state with chunks always has its keyword index"
+        keywords = KeywordIndex.build(new_rows, generation)
+    else:
+        keywords = base.keywords.derive(new_rows, gone_rows, generation)
+    return _State(
+        generation=generation, index=index, chunks=chunks, docs=docs, ids=ids, next_id=next_id, keywords=keywords
+    )
 
 
 def _add(base: _State, pending: Sequence[_Pending], replace_same_name: bool) -> tuple[_State, list[IngestReport]]:

@@ -214,7 +214,7 @@ def test_other_instance_sees_changes(settings, embedder, corpus):
 # --------------------------------------------------------------------------- atomicity
 
 
-@pytest.mark.parametrize("fail_on", ["vectors-", "meta-", MANIFEST])
+@pytest.mark.parametrize("fail_on", ["vectors-", "meta-", "fts-", MANIFEST])
 def test_failed_write_leaves_previous_index(settings, embedder, corpus, monkeypatch, fail_on):
     index = Index(settings, embedder=embedder)
     index.ingest([corpus / "cats.md", corpus / "trains.html"])
@@ -245,8 +245,10 @@ def test_failed_write_leaves_previous_index(settings, embedder, corpus, monkeypa
         MANIFEST,
         manifest["vectors"],
         manifest["meta"],
+        manifest["keywords"],
         f"vectors-{manifest['generation'] - 1:08d}.faiss",
         f"meta-{manifest['generation'] - 1:08d}.json",
+        f"fts-{manifest['generation'] - 1:08d}.sqlite3",
     }
     assert len(Index(settings, embedder=embedder).documents()) == 3
 
