@@ -74,7 +74,9 @@ class Settings:
     # retrieval
     top_k: int = 4
     max_top_k: int = 16
-    min_score: float = 0.25
+    min_score: float = 0.25  # the dense ranking's cosine floor (the relevance gate decides whether to retrieve)
+    retrieval_gate: bool = True  # off: every message retrieves (hybrid ranking, dense floor only)
+    reranker: str = ""  # "" = off; else a local folder of a sentence-transformers CrossEncoder
     chunk_tokens: int = 200
     chunk_overlap: int = 40
     # serving
@@ -129,6 +131,11 @@ class Settings:
         )
         check(self.anon_retention_days >= 0, "LLMWEB_ANON_RETENTION_DAYS must be >= 0 (0 = keep forever)")
         check(self.temperature >= 0, "LLMWEB_TEMPERATURE must be >= 0")
+        check(
+            not self.reranker or Path(self.reranker).expanduser().is_dir(),
+            f"LLMWEB_RERANKER must be the local folder of a cross-encoder model, not {self.reranker!r} "
+            "(nothing is downloaded)",
+        )
 
     @property
     def login(self) -> bool:

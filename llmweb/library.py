@@ -7,8 +7,12 @@ Contract:
   with the CLI. Everyone searches it; the UI cannot remove from it unless `settings.uploads_shared`.
 - Each owner's PRIVATE library (namespace "private-<32 hex of sha256(owner)>"; the owner string is
   never part of a path) holds that owner's UI uploads. Only that owner searches, lists or removes it.
-- `search(owner, ...)` = shared + the owner's private, merged by score, best first, at most k, and
-  the same chunk (doc_id + start offset) never twice. `remove` answers the same error for a document
+- `search(owner, ...)` = shared + the owner's private, ranked by hybrid.py: dense and keyword
+  rankings fused by reciprocal rank, at most k, the same chunk (doc_id + offsets) never twice (the
+  owner's copy kept), and nothing at all from a library the relevance gate finds the message is not
+  about (`raw=True` skips the gate; so does `settings.retrieval_gate = False`). An optional
+  cross-encoder (`settings.reranker`) reorders the result. `retrieve` gives the same answer with
+  its figures (the CLI's `search --raw`). `remove` answers the same error for a document
   that exists elsewhere and one that does not exist at all, so it cannot be used to probe.
 - Uploads go to the owner's private library (or the shared one when `settings.uploads_shared`);
   a private library is capped at `settings.user_docs_mb` of uploaded files, checked before anything
@@ -33,9 +37,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hybrid
 from .config import Settings
 from .documents import MB, hash_bytes, safe_name
 from .errors import InputError
+from .hybrid import Reranker, Retrieval
 from .records import Chunk
 from .retrieval import (
     DOCS,
@@ -93,6 +99,7 @@ class Library:
         self.embedder = embedder if embedder is not None else Embedder.from_settings(settings)
         migrate_legacy(settings)  # before any Index of LOCAL_OWNER's private library opens
         self.shared = Index(settings, SHARED, embedder=self.embedder)  # the CLI reads it directly
+        self.reranker = Reranker.from_settings(settings)  # None unless LLMWEB_RERANKER; loads on first use
         self._private_cache: OrderedDict[str, Index] = OrderedDict()  # namespace -> Index, oldest first
         self._cache_lock = threading.Lock()
         self._gates: dict[str, tuple[threading.Lock, int]] = {}  # namespace -> (lock, users)
@@ -100,30 +107,36 @@ class Library:
 
     # -- reading ---------------------------------------------------------------
 
-    def search(self, owner: str, query: str, k: int | None = None, min_score: float | None = None) -> list[Chunk]:
-        """The best chunks for `query` in the shared library and `owner`'s own, best first.
+    def search(
+        self, owner: str, query: str, k: int | None = None, min_score: float | None = None, *, raw: bool = False
+    ) -> list[Chunk]:
+        """The best chunks for `query` in the shared library and `owner`'s own, best first; [] when
+        the relevance gate finds the message is about neither (unless `raw`).
 
-        k defaults to settings.top_k and is clamped to settings.max_top_k; min_score defaults
-        to settings.min_score. Empty libraries cost nothing (no embedding).
+        k defaults to settings.top_k and is clamped to settings.max_top_k; min_score (default
+        settings.min_score) is the dense ranking's cosine floor. Each chunk's `score` is its cosine.
+        Empty libraries cost nothing (no embedding).
         """
-        private = self._private(owner)
+        _check_owner(owner)  # None would mean the shared library alone (retrieve's CLI case)
+        return self.retrieve(owner, query, k, min_score, raw=raw).chunks
+
+    def retrieve(
+        self,
+        owner: str | None,
+        query: str,
+        k: int | None = None,
+        min_score: float | None = None,
+        *,
+        raw: bool = False,
+    ) -> Retrieval:
+        """`search` with its figures (fused ranks, BM25, the gate's evidence). owner=None searches
+        the shared library alone (the CLI)."""
+        indexes = [self.shared] if owner is None else [self._private(owner), self.shared]  # own copy first on ties
         k = self.settings.top_k if k is None else int(k)
         k = min(k, self.settings.max_top_k)
-        if k < 1 or not query.strip():
-            return []
-        hits = private.search(query, k, min_score) + self.shared.search(query, k, min_score)
-        hits.sort(key=lambda c: -c.score)  # stable: on a tie the owner's own copy comes first
-        seen: set[tuple[str, int]] = set()
-        out: list[Chunk] = []
-        for c in hits:
-            key = (c.doc_id, c.start)
-            if key in seen:  # the same file in both libraries
-                continue
-            seen.add(key)
-            out.append(c)
-            if len(out) == k:
-                break
-        return out
+        floor = self.settings.min_score if min_score is None else float(min_score)
+        gate = hybrid.GATE if self.settings.retrieval_gate and not raw else None
+        return hybrid.search(indexes, query, k, floor, embedder=self.embedder, gate=gate, reranker=self.reranker)
 
     def is_empty(self, owner: str) -> bool:
         """True when `owner` has nothing to search: the chat can skip retrieval."""

@@ -123,7 +123,7 @@ def test_the_shared_library_is_searched_by_everyone_and_a_visitor_cannot_remove_
     assert report.doc_id in library.shared
 
 
-def test_search_merges_both_libraries_by_score_and_never_returns_a_chunk_twice(tmp_path, library):
+def test_search_merges_both_libraries_by_fused_rank_and_never_returns_a_chunk_twice(tmp_path, library):
     text = GUIDE + "\n" + OWL
     shared_file = tmp_path / "guide.md"
     shared_file.write_text(text)
@@ -134,7 +134,7 @@ def test_search_merges_both_libraries_by_score_and_never_returns_a_chunk_twice(t
     hits = library.search(ALICE, "What does the owl hunt at night?", k=16, min_score=-1)
     keys = [(c.doc_id, c.start) for c in hits]
     assert len(keys) == len(set(keys)), "the same chunk from both libraries is returned once"
-    assert [c.score for c in hits] == sorted((c.score for c in hits), reverse=True)
+    assert all(-1 <= c.score <= 1 for c in hits)  # each chunk's own cosine; the order is the fused rank
     assert hits[0].doc_id == mine.doc_id and "owl" in hits[0].text
     assert {c.source for c in hits} == {"guide.md", "llama.txt"}
     assert len(library.search(ALICE, "owl", k=1, min_score=-1)) == 1
@@ -220,7 +220,8 @@ def test_delete_owner_removes_their_private_folder_and_nothing_else(tmp_path, li
     assert library.delete_owner(ALICE) is True
     assert not folder.exists()
     assert [d.scope for d in library.documents(ALICE)] == ["shared"]
-    assert {c.source for c in library.search(ALICE, "llama barn owl model", k=16, min_score=-1)} == {"guide.md"}
+    reachable = library.search(ALICE, "llama barn owl model", k=16, min_score=-1, raw=True)  # no gate: all it can see
+    assert {c.source for c in reachable} == {"guide.md"}
     assert [d.source for d in library.documents(BOB)] == ["owl.md", "guide.md"]
     assert library.delete_owner(ALICE) is False
     # the owner can start again
