@@ -7,7 +7,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
   ttft.py       `bench ttft`: time-to-first-token over a growing chat, with and without KV reuse
   memory.py     the 200-turn replay: memory growth the KV store does not explain, live tensors
   quant.py      `bench quant`: weights size and decode speed per quantisation
-  retrieval.py  `bench retrieval`: ingest chunks/s and query latency at ~10k chunks
+  retrieval.py  `bench retrieval`: ingest chunks/s and query latency at ~10k chunks; ranking quality
+                and the relevance gate's calibration on the guide and installed packages' READMEs
   fidelity.py   `bench fidelity`: do early facts stay in the prompt? three memory modes
   capacity.py   `capacity`: measured peak memory vs prediction per context length and concurrency
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
@@ -120,7 +121,8 @@ def bench_command(args) -> int:
     if args.which == "retrieval":
         from . import retrieval
 
-        _print(retrieval.run(Settings.from_env(), n_chunks=args.chunks or 10_000), args.json, retrieval.markdown)
+        result = retrieval.run(Settings.from_env(), n_chunks=args.chunks or 10_000, quality=True)
+        _print(result, args.json, retrieval.markdown)
         return 0
     if args.which == "fidelity":
         from . import fidelity
