@@ -1,11 +1,15 @@
 """CLI for documents: `python -m llmweb ingest PATH...` and `python -m llmweb search QUERY`.
 
 Both work on the SHARED library (what every visitor searches); visitors' private uploads are
-the UI's business and are not reachable from here.
+the UI's business and are not reachable from here. `search` answers as a chat turn would: the
+hybrid ranking behind the relevance gate, so an off-topic query prints "nothing relevant";
+`--raw` skips the gate and shows every figure behind the ranking (cosine, dense and keyword
+ranks, BM25, the fused score) and the gate's evidence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -22,6 +26,7 @@ def add_parsers(sub) -> None:
     s.add_argument("--k", type=int, default=None)
     s.add_argument("--min-score", type=float, default=None)
     s.add_argument("--json", action="store_true")
+    s.add_argument("--raw", action="store_true", help="skip the relevance gate; show the ranking's figures")
     s.set_defaults(func=cmd_search)
 
 
@@ -71,18 +76,49 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_search(args) -> int:
+    from .hybrid import GATE
     from .library import Library
 
-    hits = Library(Settings.from_env()).shared.search(args.query, k=args.k, min_score=args.min_score)
-    rows: list[dict[str, Any]] = [
-        {"source": c.source, "page": c.page, "text": c.text, "score": round(float(c.score), 4)} for c in hits
-    ]
+    library = Library(Settings.from_env())
+    found = library.retrieve(None, args.query, k=args.k, min_score=args.min_score, raw=args.raw)
+    rows: list[dict[str, Any]] = []
+    for s in found.scored:
+        c = s.chunk
+        row: dict[str, Any] = {"source": c.source, "page": c.page, "text": c.text, "score": round(float(c.score), 4)}
+        if args.raw:
+            row.update(
+                heading=c.heading,
+                start=c.start,
+                end=c.end,
+                fused=round(s.fused, 5),
+                dense_rank=s.dense_rank,
+                keyword_rank=s.keyword_rank,
+                bm25=None if s.bm25 is None else round(s.bm25, 3),
+                rerank=None if s.rerank is None else round(s.rerank, 4),
+            )
+        rows.append(row)
     if args.json:
-        print(json.dumps(rows, ensure_ascii=False, indent=2))
-    else:
-        for i, r in enumerate(rows, 1):
-            where = f", p. {r['page']}" if r["page"] else ""
-            print(f"[{i}] {r['source']}{where} (score {r['score']:.3f})\n    {' '.join(r['text'].split())[:300]}\n")
-        if not rows:
-            print("No matching passages (is anything indexed? `python -m llmweb ingest PATH`).")
+        out: Any = rows
+        if args.raw:
+            gate = [{**dataclasses.asdict(e), "relevant": GATE.admits(e)} for e in found.evidence]
+            out = {"results": rows, "gate": gate}
+        print(json.dumps(out, ensure_ascii=False, indent=2))
+        return 0
+    if args.raw:
+        for e in found.evidence:  # what the gate would say (--raw does not apply it)
+            verdict = "relevant" if GATE.admits(e) else "NOT relevant"
+            print(f"gate: {verdict} (top cosine {e.cosine:.3f}, keyword coverage {e.coverage:.2f}, agree {e.agree})\n")
+    for i, r in enumerate(rows, 1):
+        where = f", p. {r['page']}" if r["page"] else (f", {r['heading']}" if r.get("heading") else "")
+        figures = f"score {r['score']:.3f}"
+        if args.raw:
+            ranks = f"dense #{r['dense_rank'] or '-'}, keyword #{r['keyword_rank'] or '-'}"
+            bm25 = "" if r["bm25"] is None else f", bm25 {r['bm25']:.2f}"
+            rerank = "" if r["rerank"] is None else f", rerank {r['rerank']:.3f}"
+            figures = f"cosine {r['score']:.3f}, {ranks}{bm25}, fused {r['fused']:.4f}{rerank}"
+        print(f"[{i}] {r['source']}{where} ({figures})\n    {' '.join(r['text'].split())[:300]}\n")
+    if found.gated:
+        print("Nothing relevant: the shared library does not seem to be about this (--raw shows the ranking anyway).")
+    elif not rows:
+        print("No matching passages (is anything indexed? `python -m llmweb ingest PATH`).")
     return 0
