@@ -15,6 +15,11 @@ The contract:
   - The file is JSON only, written atomically (temp file in the same folder, fsync, os.replace) with
     mode 0o600 from the moment it exists.
 
+API keys (the OpenAI-compatible API, api.py): `LLMWEB_API_KEYS` ("alice:key1,bob:key2", or keys of
+no user), and keys a user holds in the users file (`python -m llmweb user key NAME` prints a new
+one once and keeps only its SHA-256 digest). `ApiKeys.lookup(key)` says whose a key is; no key
+or digest reaches a log line or a message.
+
 Stdlib only; this module knows nothing of Gradio. `gradio_auth` returns the plain callable that
 ui.py hands to `launch(auth=...)`.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import getpass
 import hashlib
 import hmac
@@ -54,6 +60,8 @@ MAX_USERNAME_CHARS = 64
 USERNAME_RE = re.compile(rf"[A-Za-z0-9._@-]{{1,{MAX_USERNAME_CHARS}}}")  # ASCII only: no look-alike names
 MAX_FILE_BYTES = 16 * 1024 * 1024
 SCRYPT_MAXMEM = 256 * 1024 * 1024  # refuse cost parameters (from a hand-edited file) that need more
+API_KEY_PREFIX = "llmweb-"  # keys made by `user key NAME`: the prefix, then 256 random bits
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +110,7 @@ class UserRecord:
     hash: bytes
     params: Scrypt
     created: float  # Unix time
+    api_keys: tuple[str, ...] = ()  # SHA-256 hex digests of the user's API keys (`user key NAME`)
 
     def __repr__(self) -> str:  # keep hashes out of tracebacks and debug logs
         return f"UserRecord(name={self.name!r}, created={self.created!r})"
@@ -110,7 +119,7 @@ class UserRecord:
         return hmac.compare_digest(self.params.hash(password, self.salt), self.hash)
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "salt": self.salt.hex(),
             "hash": self.hash.hex(),
             "n": self.params.n,
@@ -118,6 +127,9 @@ class UserRecord:
             "p": self.params.p,
             "created": self.created,
         }
+        if self.api_keys:
+            d["api_keys"] = list(self.api_keys)
+        return d
 
     @classmethod
     def from_json(cls, name: str, d) -> UserRecord:
@@ -130,7 +142,11 @@ class UserRecord:
         created = d.get("created", 0.0)
         if type(created) not in (int, float):
             raise ValueError("bad created time")
-        return cls(name, salt, digest, Scrypt(n=d["n"], r=d["r"], p=d["p"], dklen=len(digest)), float(created))
+        keys = d.get("api_keys", [])
+        if not isinstance(keys, list) or not all(isinstance(k, str) and _DIGEST.fullmatch(k) for k in keys):
+            raise ValueError("bad api_keys")
+        params = Scrypt(n=d["n"], r=d["r"], p=d["p"], dklen=len(digest))
+        return cls(name, salt, digest, params, float(created), tuple(keys))
 
 
 def check_username(name: str) -> str:
@@ -353,6 +369,81 @@ def gradio_auth(settings) -> Callable[[str, str], Awaitable[bool]] | None:
     return check_login
 
 
+# -- API keys ----------------------------------------------------------------------------------
+
+
+def key_digest(key: str) -> str:
+    """The SHA-256 hex digest a key is known by. Keys are long random strings, so an unsalted hash
+    is enough: what the users file holds cannot be turned back into a key."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def new_api_key() -> str:
+    return API_KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def parse_api_keys(spec: str) -> list[tuple[str | None, str]]:
+    """`LLMWEB_API_KEYS`: "alice:key1,bob:key2" (a key of a user) or "key1,key2" (keys of no user),
+    as (name or None, key). Messages never show a key."""
+    out: list[tuple[str | None, str]] = []
+    seen: set[str] = set()
+    for n, item in enumerate(spec.split(",") if spec.strip() else [], 1):
+        name, sep, key = item.strip().rpartition(":")
+        if not key or any(c.isspace() for c in key):
+            raise ConfigError(f"LLMWEB_API_KEYS: entry {n} has an empty key or one with spaces")
+        if sep:
+            try:
+                check_username(name.strip())
+            except InputError as e:
+                raise ConfigError(f"LLMWEB_API_KEYS: entry {n}: {e}") from None
+        if key in seen:
+            raise ConfigError(f"LLMWEB_API_KEYS: entry {n} repeats a key")
+        seen.add(key)
+        out.append((name.strip() if sep else None, key))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ApiCaller:
+    """Who a valid key belongs to: a user's name, or None for a key of no user; `tag` names the key
+    without revealing it (the first 12 hex digits of its digest)."""
+
+    name: str | None
+    tag: str
+
+
+class ApiKeys:
+    """Bearer keys for the OpenAI-compatible API: LLMWEB_API_KEYS, and the keys users hold in the
+    users file (`python -m llmweb user key NAME`), re-read when the file changes."""
+
+    def __init__(self, pairs: list[tuple[str | None, str]], users_file: Path | None = None):
+        self._env = {key_digest(key): name for name, key in pairs}
+        self._file = UsersFile(users_file) if users_file is not None else None
+
+    @classmethod
+    def from_settings(cls, settings) -> ApiKeys:
+        return cls(parse_api_keys(settings.api_keys), settings.auth_file)
+
+    def _file_keys(self) -> dict[str, str]:
+        users = self._file.users() if self._file else {}
+        return {digest: name for name, record in users.items() for digest in record.api_keys}
+
+    @property
+    def configured(self) -> bool:
+        """Are there any keys? Then every API request needs one."""
+        return bool(self._env) or bool(self._file_keys())
+
+    def lookup(self, key: str) -> ApiCaller | None:
+        """The caller a key belongs to, None for an unknown key (nothing is logged about the key)."""
+        if not isinstance(key, str) or not key:
+            return None
+        digest = key_digest(key)
+        if digest in self._env:
+            return ApiCaller(self._env[digest], digest[:12])
+        name = self._file_keys().get(digest)
+        return ApiCaller(name, digest[:12]) if name is not None else None
+
+
 # -- the CLI: python -m llmweb user add | remove | list ----------------------------------------
 
 
@@ -365,8 +456,8 @@ def add_parser(sub) -> None:
         default=None,
         help=f"the users file (default: LLMWEB_AUTH_FILE, else <data dir>/{DEFAULT_FILE_NAME})",
     )
-    u = sub.add_parser("user", help="manage login accounts in the users file")
-    users = u.add_subparsers(dest="user_command", metavar="{add,remove,list}")
+    u = sub.add_parser("user", help="manage login accounts (and their API keys) in the users file")
+    users = u.add_subparsers(dest="user_command", metavar="{add,remove,list,key}")
     users.required = True
     a = users.add_parser("add", parents=[common], help="add a user (asks for the password)")
     a.add_argument("name")
@@ -375,6 +466,9 @@ def add_parser(sub) -> None:
     r = users.add_parser("remove", parents=[common], help="remove a user")
     r.add_argument("name")
     users.add_parser("list", parents=[common], help="list users and when they were added")
+    k = users.add_parser("key", parents=[common], help="make a new API key for a user (printed once)")
+    k.add_argument("name")
+    k.add_argument("--revoke", action="store_true", help="remove all the user's API keys instead")
     u.set_defaults(func=cmd_user)
 
 
@@ -401,7 +495,8 @@ def cmd_user(args, settings=None) -> int:
             print(f"no users in {path}")
         for name in sorted(users):
             created = time.strftime("%Y-%m-%d %H:%M", time.localtime(users[name].created))
-            print(f"{name}\tadded {created}")
+            n_keys = len(users[name].api_keys)
+            print(f"{name}\tadded {created}" + (f"\t{n_keys} API key{'s' if n_keys != 1 else ''}" if n_keys else ""))
         return 0
     name = check_username(args.name)
     if args.user_command == "add":
@@ -410,7 +505,8 @@ def cmd_user(args, settings=None) -> int:
         shadowed = name in parse_auth_pairs(settings.auth)
         password = check_password(read_password(args.password_stdin))
         done = "updated" if name in users else "added"
-        users[name] = new_record(name, password)
+        keys = users[name].api_keys if name in users else ()
+        users[name] = dataclasses.replace(new_record(name, password), api_keys=keys)
         save_users(path, users)
         log.info("user %r %s in %s", name, done, path)
         print(f"{done} user {name} in {path}")
@@ -418,6 +514,23 @@ def cmd_user(args, settings=None) -> int:
             print(f"note: {name} is also in LLMWEB_AUTH, which wins over the file")
         if settings.auth_file is None or Path(settings.auth_file).resolve() != path.resolve():
             print(f"note: the server reads this file only with LLMWEB_AUTH_FILE={path}")
+        return 0
+    if args.user_command == "key":
+        if name not in users:
+            raise InputError(f"there is no user {name!r} in {path}; add it first (user add {name})")
+        if args.revoke:
+            revoked = len(users[name].api_keys)
+            users[name] = dataclasses.replace(users[name], api_keys=())
+            save_users(path, users)
+            log.info("user %r: %d API keys revoked in %s", name, revoked, path)
+            print(f"revoked {revoked} API key{'s' if revoked != 1 else ''} of {name}")
+            return 0
+        key = new_api_key()
+        users[name] = dataclasses.replace(users[name], api_keys=users[name].api_keys + (key_digest(key),))
+        save_users(path, users)
+        log.info("user %r: an API key added in %s", name, path)
+        print(key)
+        print(f"(the API key of {name}; it is shown only now. The server reads it with LLMWEB_AUTH_FILE={path})")
         return 0
     if args.user_command == "remove":
         if name not in users:

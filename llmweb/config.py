@@ -12,6 +12,7 @@ the two stay in step.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -93,6 +94,9 @@ class Settings:
     queue_per_user: int = 2  # waiting requests per owner; more get the busy message
     anon_retention_days: float = 30.0  # purge anonymous owners idle this long; 0 = keep forever
     secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
+    # the OpenAI-compatible API (api.py)
+    api_keys: str = ""  # "alice:key1,bob:key2" or "key1,key2"; none: open on a loopback bind only
+    api_max_body_kb: int = 2048  # largest request body accepted
 
     def __post_init__(self) -> None:
         check = _Checker()
@@ -113,6 +117,7 @@ class Settings:
             "port",
             "max_file_mb",
             "max_message_chars",
+            "api_max_body_kb",
         ):
             check(getattr(self, name) >= 1, f"LLMWEB_{name.upper()} must be >= 1")
         check(0 < self.history_low < self.history_high <= 1, "need 0 < LLMWEB_HISTORY_LOW < LLMWEB_HISTORY_HIGH <= 1")
@@ -136,6 +141,10 @@ class Settings:
             f"LLMWEB_RERANKER must be the local folder of a cross-encoder model, not {self.reranker!r} "
             "(nothing is downloaded)",
         )
+        if self.api_keys:
+            from .accounts import parse_api_keys
+
+            parse_api_keys(self.api_keys)  # ConfigError with the entry's number, never the key
 
     @property
     def login(self) -> bool:
@@ -148,6 +157,16 @@ class Settings:
         if self.single_user != "auto":
             return self.single_user == "1"
         return not self.login and self.host in ("127.0.0.1", "localhost", "::1")
+
+    @property
+    def on_loopback(self) -> bool:
+        """Bound to a loopback address: only this machine can reach the server."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
     @property
     def uploads_shared(self) -> bool:
