@@ -38,15 +38,26 @@ def serve_settings(args, env=os.environ) -> Settings:
 
 def cmd_serve(args) -> int:
     from .runtime import Runtime
-    from .ui import build_app, launch_kwargs
 
     settings = serve_settings(args)
     runtime = Runtime(settings).start(background=True)
-    demo = build_app(runtime)
-    print(f"llmweb: serving on http://{settings.host}:{settings.port}", flush=True)
-    demo.queue(default_concurrency_limit=None, max_size=settings.queue_size * 8)
-    demo.launch(**launch_kwargs(settings))
+    print(f"llmweb: serving on http://{settings.host}:{settings.port} (OpenAI-compatible API under /v1)", flush=True)
+    launch_app(runtime)
     return 0
+
+
+def launch_app(runtime, **overrides):
+    """Serve the web UI and the OpenAI-compatible API (api.py) on one port: Gradio's FastAPI app with
+    the API's routes in front of its own. Blocks, unless `prevent_thread_lock=True` (tests); returns
+    (demo, url)."""
+    from .api import api_routes
+    from .ui import build_app, launch_kwargs
+
+    demo = build_app(runtime)
+    demo.queue(default_concurrency_limit=None, max_size=runtime.settings.queue_size * 8)
+    kw = {**launch_kwargs(runtime.settings), "app_kwargs": {"routes": api_routes(runtime)}, **overrides}
+    _app, url, _ = demo.launch(**kw)
+    return demo, url
 
 
 def read_script(path: Path) -> list[str]:
