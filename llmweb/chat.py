@@ -347,41 +347,44 @@ class Chat:
 
     def write_summary(self, previous: str, turns: list[Turn]) -> str:
         """The summary after folding `turns`: `previous` with a paragraph about them appended (the
-        cached prefix survives); when that passes the cap, everything merged into half the cap."""
+        cached prefix survives); when that passes the cap, everything merged into half the cap.
+
+        Turns go in batches, oldest first, each sized against the summary as it is by then (every
+        paragraph makes the next prompt longer); a summary over its cap is merged before the next
+        batch, so every prompt fits."""
         cap = self.summary_cap()
         segment_cap = max(cap // 3, 16)
+        limit = self.budget.context_limit - segment_cap
+        per_turn = max(limit // 8, 16)  # tokens kept of each side of a turn in the summary prompt
+        count = self.fmt.count
+        pending = [
+            Turn(summary.cap_text(t.user, per_turn, count), summary.cap_text(t.assistant, per_turn, count))
+            for t in turns
+        ]
         text = previous.strip()
-        for batch in self._fitting_batches(text, turns, segment_cap):
-            segment = self._generate_summary(*summary.segment_request_messages(text, batch, segment_cap), segment_cap)
+        while pending:
+            if count(text) > cap:
+                text = self._merge_summary(text, cap)
+            n = len(pending)
+            while n > 1 and self._summary_prompt_tokens(text, pending[:n], segment_cap) > limit:
+                n = max(n // 2, 1)  # the most turns whose prompt fits
+            segment = self._generate_summary(
+                *summary.segment_request_messages(text, pending[:n], segment_cap), segment_cap
+            )
             text = f"{text}\n{segment}".strip() if segment else text
-        if self.fmt.count(text) > cap:  # rare: a rewrite of the whole summary into half its room
-            merged = summary.summary_request_messages(text, [], cap // 2)
-            text = self._generate_summary(*merged, cap // 2)
-        return text
+            pending = pending[n:]
+        return self._merge_summary(text, cap) if count(text) > cap else text
 
     def summary_cap(self) -> int:
         return min(self.budget.summary_tokens, self.budget.context_limit // 4)  # room for turns in small contexts
 
-    def _fitting_batches(self, previous: str, turns: list[Turn], cap: int) -> Iterator[list[Turn]]:
-        """The turns (each side shortened) in batches, oldest first, whose summary prompt fits the context."""
-        limit = self.budget.context_limit - cap
-        per_turn = max(limit // 8, 16)  # tokens kept of each side of a turn in the summary prompt
-        short = [
-            Turn(
-                summary.cap_text(t.user, per_turn, self.fmt.count),
-                summary.cap_text(t.assistant, per_turn, self.fmt.count),
-            )
-            for t in turns
-        ]
-        while short:
-            n = len(short)
-            while n > 1:  # the most turns whose prompt fits
-                system, user = summary.segment_request_messages(previous, short[:n], cap)
-                if len(render_prompt(self.fmt, system, [("user", user)])) <= limit:
-                    break
-                n = max(n // 2, 1)
-            yield short[:n]
-            short = short[n:]
+    def _merge_summary(self, text: str, cap: int) -> str:
+        """Rare: rewrite the whole summary into half its cap (the cached prefix is lost once)."""
+        return self._generate_summary(*summary.summary_request_messages(text, [], cap // 2), cap // 2)
+
+    def _summary_prompt_tokens(self, text: str, batch: list[Turn], cap: int) -> int:
+        system, user = summary.segment_request_messages(text, batch, cap)
+        return len(render_prompt(self.fmt, system, [("user", user)]))
 
     def _generate_summary(self, system: str, user: str, cap: int) -> str:
         ids = render_prompt(self.fmt, system, [("user", user)])

@@ -178,3 +178,16 @@ def test_recall_skips_turns_the_facts_already_carry(rig, monkeypatch):
     assert _covered(turn, {"pixel"}) and not _covered(turn, {"tromsø"})
     plain = Chunk("User: tell me about bread\nAssistant: Flour and water.", "turn 2", kind="recall")
     assert not _covered(plain, {"pixel"}), "a turn without names or numbers is judged by its score alone"
+
+
+def test_write_summary_sizes_each_batch_against_the_summary_as_it_grows(rig):
+    """Many turns folded at once: every paragraph lengthens the next prompt, and no prompt may overflow."""
+    from llmweb.records import Turn
+
+    chat, runner, fmt, store = rig
+    runner.background = lambda request: fmt._words("the user wrote x again and again " * 2) + [fmt.END]
+    turns = [Turn(f"short message {i} " + "x " * 20, "a reply " + "y " * 20) for i in range(100)]
+    text = chat.write_summary("", turns)  # raised "summary prompt ... does not fit" before
+    assert text and fmt.count(text) <= chat.summary_cap()
+    limit = chat.budget.context_limit
+    assert all(len(r.prompt_ids) + r.max_new_tokens <= limit for r in runner.requests if r.background)
