@@ -88,8 +88,10 @@ def test_fact_from_turn_1_is_in_the_prompt_sixty_turns_later(tmp_path, fp32_mode
         prompt = fin.prompt_text()
         stored = rt.store.get(LOCAL, conv)
         assert stored.summarized_upto > 1, "turn 1 left the window long ago"
-        assert "My dog is called Pixel, a border collie." in prompt  # verbatim: a kept fact and/or recall
-        assert fin.stats.sections["recall"] > 0, "the earlier turn was recalled"
+        assert "- My dog is called Pixel, a border collie." in fin.prompt[0][1], "verbatim, as a kept fact"
+        assert fin.stats.sections["facts"] > 0
+        # the facts already carry turn 1's name: recalling that turn would only cost prefill (issue 15)
+        assert fin.stats.sections["recall"] == 0 and prompt.count("My dog is called Pixel") == 1
         assert any(f.text == "My dog is called Pixel, a border collie." for f in stored.facts)
         assert fin.stats.gen.prompt_tokens + fin.stats.sections["reserve"] <= 512
     finally:
