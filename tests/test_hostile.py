@@ -273,6 +273,7 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+@pytest.mark.slow  # the real embedder
 def test_bad_uploads_get_a_message_each_and_nothing_lands_outside_the_data_dir(tmp_path):
     data_dir = tmp_path / "srv" / "a" / "b" / "data"  # room for "../../" to climb inside tmp_path
     settings = make_settings(data_dir, max_file_mb=1)

@@ -24,6 +24,8 @@ from llmweb.records import Chunk
 from llmweb.retrieval import MANIFEST, Candidates, Embedder, Index
 from tests.test_cli import run_cli
 
+pytestmark = pytest.mark.slow  # the real embedder and FAISS indexes on disk (seconds per test)
+
 CATS = "# Cats\n\nCats purr when they are content. A cat sleeps up to sixteen hours a day.\n"
 TRAINS = "# Trains\n\nThe night train to Vienna leaves the central station at eleven.\n"
 SETTINGS_DOC = "# Tuning\n\nLLMWEB_FRAG_RELEASE_MB releases cached allocator blocks when the server idles.\n"

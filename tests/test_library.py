@@ -15,6 +15,8 @@ from llmweb.errors import InputError
 from llmweb.library import LOCAL_OWNER, SHARED, Library, private_namespace
 from llmweb.retrieval import Embedder, Index, list_namespaces
 
+pytestmark = pytest.mark.slow  # the real embedder and FAISS indexes on disk (seconds per test)
+
 ALICE, BOB = "anon:alice-token", "user:bob"
 LLAMA = "The llama sleeps in the red barn behind the orchard.\n"
 OWL = "# Owls\n\nThe owl hunts mice at night over the frozen lake.\n"

@@ -16,6 +16,8 @@ from llmweb.records import Chunk
 from llmweb.retrieval import MANIFEST, Embedder, Index, delete_namespace, list_namespaces
 from tests.test_documents import encrypt_pdf, make_docx, make_pdf
 
+pytestmark = pytest.mark.slow  # the real embedder and FAISS indexes on disk (seconds per test)
+
 GUIDE = Path(__file__).resolve().parent.parent / "data" / "sample" / "llmweb-guide.md"
 
 CATS = (
