@@ -242,7 +242,7 @@ def test_dropped_http_connection_mid_stream_stops_the_engine_request(long_app, m
 def test_a_caller_that_leaves_while_queued_never_runs(long_app, monkeypatch):
     """The chat stream says "queued" every half second, so whoever streams it (the UI's handler)
     gets the chance to notice its client left; closing it then withdraws the request unrun."""
-    from llmweb.chat import Delta, Queued
+    from llmweb.chat import Delta, Queued, Started
 
     runtime, _url = long_app
     handles = spy_handles(monkeypatch, runtime.engine)
@@ -250,6 +250,7 @@ def test_a_caller_that_leaves_while_queued_never_runs(long_app, monkeypatch):
     next(ev for ev in busy if isinstance(ev, Delta))  # it runs
     waiting_conv = runtime.store.create_conversation(LOCAL)
     waiting = runtime.chat.send(LOCAL, waiting_conv, "Write a long poem about the sea.")
+    assert isinstance(next(waiting), Started), "the turn says which conversation it is in first"
     queued = [next(waiting), next(waiting)]
     assert all(isinstance(ev, Queued) and ev.position == 1 for ev in queued), "repeated while it waits"
     waiting.close()  # its client left

@@ -17,6 +17,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import psutil
@@ -71,7 +72,8 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, nf4_mod
         assert [t.stats.turn for t in stored.turns] == [1, 2]
         with serve(again) as (demo, url):
             # what the browser gets on load, with the chat id it kept in its storage
-            opened = ui_handler(demo, "load", "switch")(conv)
+            nobody = SimpleNamespace(username=None)  # a gr.Request without login (single-user: the local owner)
+            opened = ui_handler(demo, "load", "visit")("", conv, nobody)
             values = list(opened.values()) if isinstance(opened, dict) else list(opened)
             assert conv in values, "the page keeps the same chat id"
             history = next(v for v in values if isinstance(v, list) and v and isinstance(v[0], dict) and "role" in v[0])
