@@ -351,18 +351,31 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(server):
+def browser():
+    """One Playwright driver and one Chromium for the module: the sync API refuses a second driver
+    while one is running, so every test here takes its pages from this browser's contexts."""
+    if _missing:
+        pytest.fail(f"LLMWEB_REQUIRE_BROWSER=1 but {_missing}", pytrace=False)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = launch_chromium(p)
+        chromium = launch_chromium(p)
         try:
-            pg = open_page(browser.new_context(viewport=VIEWPORT), server)
-            with step(pg, "startup"):
-                wait_ready(pg, server)
-            yield pg
+            yield chromium
         finally:
-            browser.close()
+            chromium.close()
+
+
+@pytest.fixture(scope="module")
+def page(server, browser):
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        pg = open_page(context, server)
+        with step(pg, "startup"):
+            wait_ready(pg, server)
+        yield pg
+    finally:
+        context.close()
 
 
 # ---- the steps (in file order; they share one conversation)
@@ -624,14 +637,13 @@ def opened_sources(page, server: Server, block) -> str:
     )
 
 
-def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path):
+def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path, browser):
     """Visitor A (a secret, a private upload) and visitor B (another browser context) on one server
     with LLMWEB_SINGLE_USER=0: B never sees, retrieves or reaches through the API anything of A's,
     over reloads and an app restart, while A keeps its own."""
     import sqlite3
 
     from gradio_client import Client
-    from playwright.sync_api import sync_playwright
 
     data_dir, port = tmp_path / "owners-data", free_port()
     data_dir.mkdir()
@@ -651,113 +663,109 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path):
             return db.execute("SELECT id, owner FROM conversations ORDER BY rowid").fetchall()
 
     try:
-        with sync_playwright() as p:
-            browser = launch_chromium(p)
-            try:
-                page_a = open_page(browser.new_context(viewport=VIEWPORT), srv)
-                page_b = open_page(browser.new_context(viewport=VIEWPORT), srv)
+        contexts = [browser.new_context(viewport=VIEWPORT) for _ in range(2)]
+        try:
+            page_a = open_page(contexts[0], srv)
+            page_b = open_page(contexts[1], srv)
 
-                with step(page_a, "owners-a"):
-                    wait_ready(page_a, srv)
-                    reply, _ = ask(page_a, srv, SECRET)
-                    assert is_real_text(reply), reply
-                    assert user_texts(page_a) == [SECRET]
+            with step(page_a, "owners-a"):
+                wait_ready(page_a, srv)
+                reply, _ = ask(page_a, srv, SECRET)
+                assert is_real_text(reply), reply
+                assert user_texts(page_a) == [SECRET]
 
-                    doc = tmp_path / PRIVATE_DOC_NAME
-                    doc.write_text(PRIVATE_DOC_TEXT, encoding="utf-8")
-                    open_panels(page_a)
-                    page_a.locator("#llmweb-upload input[type=file]").set_input_files(str(doc))
-                    row = poll(
-                        lambda: next(
-                            (
-                                r
-                                for r in page_a.locator("#llmweb-doclist tr").all_inner_texts()
-                                if PRIVATE_DOC_NAME in r
-                            ),
-                            "",
-                        ),
-                        REPLY_S,
-                        f"{PRIVATE_DOC_NAME} in A's documents list",
-                        srv,
-                        page_a,
+                doc = tmp_path / PRIVATE_DOC_NAME
+                doc.write_text(PRIVATE_DOC_TEXT, encoding="utf-8")
+                open_panels(page_a)
+                page_a.locator("#llmweb-upload input[type=file]").set_input_files(str(doc))
+                row = poll(
+                    lambda: next(
+                        (r for r in page_a.locator("#llmweb-doclist tr").all_inner_texts() if PRIVATE_DOC_NAME in r),
+                        "",
+                    ),
+                    REPLY_S,
+                    f"{PRIVATE_DOC_NAME} in A's documents list",
+                    srv,
+                    page_a,
+                )
+                assert "yours (private)" in row, row
+                # Control: A's own question is answered from the upload (so B's could have been too).
+                reply, _ = ask(page_a, srv, PRIVATE_QUESTION)
+                assert is_real_text(reply), reply
+                assert page_a.locator(THOUGHTS).count() == 1, "A's answer has no Sources block"
+                assert PRIVATE_DOC_NAME in opened_sources(page_a, srv, page_a.locator(THOUGHTS).last)
+
+            with step(page_b, "owners-b"):
+                wait_ready(page_b, srv)
+                for moment in ("after loading", "after a reload"):
+                    if moment == "after a reload":
+                        page_b.reload(wait_until="domcontentloaded")
+                    loaded(page_b, srv, [])
+                    assert "No documents yet" in page_b.locator("#llmweb-doclist").inner_text()
+                    assert "No turns yet" in page_b.locator("#llmweb-stats").inner_text()
+                    assert not (found := leaks(page_b, A_ONLY + ("Quokkafrost",))), (
+                        f"B's page {moment} shows A's data: {found}"
                     )
-                    assert "yours (private)" in row, row
-                    # Control: A's own question is answered from the upload (so B's could have been too).
-                    reply, _ = ask(page_a, srv, PRIVATE_QUESTION)
-                    assert is_real_text(reply), reply
-                    assert page_a.locator(THOUGHTS).count() == 1, "A's answer has no Sources block"
-                    assert PRIVATE_DOC_NAME in opened_sources(page_a, srv, page_a.locator(THOUGHTS).last)
 
+                # The API: A's conversation id (from the server's database) opens nothing.
+                rows = conversations()
+                assert len(rows) == 1 and rows[0][1].startswith("anon:"), rows
+                a_id = rows[0][0]
+                client = Client(srv.url, verbose=False, download_files=False, analytics_enabled=False)
+                api = client.view_api(print_info=False, return_format="dict")
+                named = set(api["named_endpoints"])
+                assert {"/chat", "/stats"} <= named <= {"/chat", "/stats", "/status_text"}, named
+                assert not api["unnamed_endpoints"], api["unnamed_endpoints"]
+
+                def refusal(endpoint: str, params: list[str], conv_id: str) -> str:
+                    args = {"conversation_id": conv_id}
+                    if "message" in params:
+                        args["message"] = "What is my locker code?"
+                    with pytest.raises(Exception) as refused:
+                        client.predict(**args, api_name=endpoint)
+                    return re.sub(r"\(id \w+\)", "(id …)", str(refused.value))
+
+                for endpoint, info in sorted(api["named_endpoints"].items()):
+                    params = [q["parameter_name"] for q in info["parameters"]]
+                    if "conversation_id" not in params:  # the status line: nothing of anyone's
+                        answer = str(client.predict(api_name=endpoint))
+                        assert not [w for w in A_ONLY if w.lower() in answer.lower()], (endpoint, answer)
+                        continue
+                    message = refusal(endpoint, params, a_id)
+                    assert "no longer exists" in message, (endpoint, message)
+                    assert message == refusal(endpoint, params, "0" * 32), (
+                        f"{endpoint} answers A's id and an unknown id differently"
+                    )
+                assert conversations() == rows, "an API call changed the conversations"
+
+                # B asks about A's upload: answered without it.
+                reply, _ = ask(page_b, srv, PRIVATE_QUESTION)
+                assert is_real_text(reply), reply
+                for block in page_b.locator(THOUGHTS).all():
+                    assert PRIVATE_DOC_NAME not in opened_sources(page_b, srv, block)
+                assert not (found := leaks(page_b)), f"B's page after its question shows A's data: {found}"
+                owners = [o for _, o in conversations()]
+                assert len(owners) == 2 and owners[0] != owners[1], owners
+
+            def each_on_its_own(moment: str) -> None:
+                for pg in (page_a, page_b):
+                    pg.reload(wait_until="domcontentloaded")
+                with step(page_a, "owners-a"):
+                    loaded(page_a, srv, [SECRET, PRIVATE_QUESTION])
+                    assert "Zanzibar-7781" in page_a.locator("#llmweb-chat").inner_text()
+                    assert PRIVATE_DOC_NAME in page_a.locator("#llmweb-doclist").inner_text()
                 with step(page_b, "owners-b"):
-                    wait_ready(page_b, srv)
-                    for moment in ("after loading", "after a reload"):
-                        if moment == "after a reload":
-                            page_b.reload(wait_until="domcontentloaded")
-                        loaded(page_b, srv, [])
-                        assert "No documents yet" in page_b.locator("#llmweb-doclist").inner_text()
-                        assert "No turns yet" in page_b.locator("#llmweb-stats").inner_text()
-                        assert not (found := leaks(page_b, A_ONLY + ("Quokkafrost",))), (
-                            f"B's page {moment} shows A's data: {found}"
-                        )
+                    loaded(page_b, srv, [PRIVATE_QUESTION])
+                    assert not (found := leaks(page_b)), f"B's page {moment} shows A's data: {found}"
 
-                    # The API: A's conversation id (from the server's database) opens nothing.
-                    rows = conversations()
-                    assert len(rows) == 1 and rows[0][1].startswith("anon:"), rows
-                    a_id = rows[0][0]
-                    client = Client(srv.url, verbose=False, download_files=False, analytics_enabled=False)
-                    api = client.view_api(print_info=False, return_format="dict")
-                    named = set(api["named_endpoints"])
-                    assert {"/chat", "/stats"} <= named <= {"/chat", "/stats", "/status_text"}, named
-                    assert not api["unnamed_endpoints"], api["unnamed_endpoints"]
-
-                    def refusal(endpoint: str, params: list[str], conv_id: str) -> str:
-                        args = {"conversation_id": conv_id}
-                        if "message" in params:
-                            args["message"] = "What is my locker code?"
-                        with pytest.raises(Exception) as refused:
-                            client.predict(**args, api_name=endpoint)
-                        return re.sub(r"\(id \w+\)", "(id …)", str(refused.value))
-
-                    for endpoint, info in sorted(api["named_endpoints"].items()):
-                        params = [q["parameter_name"] for q in info["parameters"]]
-                        if "conversation_id" not in params:  # the status line: nothing of anyone's
-                            answer = str(client.predict(api_name=endpoint))
-                            assert not [w for w in A_ONLY if w.lower() in answer.lower()], (endpoint, answer)
-                            continue
-                        message = refusal(endpoint, params, a_id)
-                        assert "no longer exists" in message, (endpoint, message)
-                        assert message == refusal(endpoint, params, "0" * 32), (
-                            f"{endpoint} answers A's id and an unknown id differently"
-                        )
-                    assert conversations() == rows, "an API call changed the conversations"
-
-                    # B asks about A's upload: answered without it.
-                    reply, _ = ask(page_b, srv, PRIVATE_QUESTION)
-                    assert is_real_text(reply), reply
-                    for block in page_b.locator(THOUGHTS).all():
-                        assert PRIVATE_DOC_NAME not in opened_sources(page_b, srv, block)
-                    assert not (found := leaks(page_b)), f"B's page after its question shows A's data: {found}"
-                    owners = [o for _, o in conversations()]
-                    assert len(owners) == 2 and owners[0] != owners[1], owners
-
-                def each_on_its_own(moment: str) -> None:
-                    for pg in (page_a, page_b):
-                        pg.reload(wait_until="domcontentloaded")
-                    with step(page_a, "owners-a"):
-                        loaded(page_a, srv, [SECRET, PRIVATE_QUESTION])
-                        assert "Zanzibar-7781" in page_a.locator("#llmweb-chat").inner_text()
-                        assert PRIVATE_DOC_NAME in page_a.locator("#llmweb-doclist").inner_text()
-                    with step(page_b, "owners-b"):
-                        loaded(page_b, srv, [PRIVATE_QUESTION])
-                        assert not (found := leaks(page_b)), f"B's page {moment} shows A's data: {found}"
-
-                each_on_its_own("after a reload")
-                stop_server(srv)
-                srv = start_server(data_dir, port, env, log_name="owners-server.log")  # the same origin
-                each_on_its_own("after an app restart and a reload")
-                shot(page_a, "owners-a.png")
-                shot(page_b, "owners-b.png")
-            finally:
-                browser.close()
+            each_on_its_own("after a reload")
+            stop_server(srv)
+            srv = start_server(data_dir, port, env, log_name="owners-server.log")  # the same origin
+            each_on_its_own("after an app restart and a reload")
+            shot(page_a, "owners-a.png")
+            shot(page_b, "owners-b.png")
+        finally:
+            for context in contexts:
+                context.close()
     finally:
         stop_server(srv)
