@@ -63,6 +63,7 @@ class Settings:
     repetition_penalty: float = 1.1
     # the engine
     queue_size: int = 8
+    max_batch: int = 0  # requests sharing each decode step; 0 = by device (4 on CPU, 8 on GPU); 1 = serial
     request_timeout_s: float = 120.0
     admission_wait_s: float = 10.0
     mem_limit_mb: int = 0  # CPU: process RSS limit for admission; 0 = 80% of RAM
@@ -103,6 +104,7 @@ class Settings:
         check(self.quant in QUANTS, f"LLMWEB_QUANT must be one of {', '.join(QUANTS)}, not {self.quant!r}")
         check(self.device in DEVICES, f"LLMWEB_DEVICE must be one of {', '.join(DEVICES)}, not {self.device!r}")
         check(self.context_limit >= 0, "LLMWEB_CONTEXT_LIMIT must be >= 0 (0 = the model's maximum)")
+        check(self.max_batch >= 0, "LLMWEB_MAX_BATCH must be >= 0 (0 = by device, 1 = one request at a time)")
         check(self.max_new_tokens >= 1, "LLMWEB_MAX_NEW_TOKENS must be >= 1")
         for name in (
             "summary_tokens",

@@ -1,40 +1,49 @@
-"""The generation engine: ONE worker thread owns the model; everyone else submits requests.
+"""The generation engine: ONE worker thread owns the model and runs a batch; everyone else submits.
 
 The engine speaks token ids. It knows nothing of text, chat templates, retrieval or the UI, and
-it does not import torch: it schedules (queue, priorities, admission, cancel, time limits, OOM
-retry) and a `Runner` runs one request on the model (runner.py: `LocalRunner`; tests use a
-scripted `FakeRunner`). `local_engine(...)` wires the two for a loaded model.
+it does not import torch: it schedules (queue, fairness, priorities, admission of the whole batch,
+cancel, time limits, OOM retry) and a `Runner` runs the batch on the model one step at a time
+(runner.py: `LocalRunner`; tests use a scripted `FakeRunner`). `local_engine(...)` wires the two.
 
     submit(GenerationRequest) -> Handle       (bounded queue, and per owner; BusyError when full)
     for event in handle.events(): ...        Waiting(position) | Tokens(ids) | Restarted(reason);
                                               raises domain errors
     handle.generated                          the ids of the reply so far (reset by Restarted)
     handle.stats                              GenerationStats once finished
-    handle.cancel()                           stops within a token (or a prefill chunk) and frees
-                                              the worker; a queued request leaves the queue at once
+    handle.cancel()                           stops within a step (one token or one prefill chunk)
+                                              and leaves the batch; a queued request leaves the
+                                              queue at once
 
-One request runs at a time, whoever submits it (UI, API, CLI, tests): Gradio's concurrency
-limits are per event group and do not guarantee that (DESIGN.md). Strangers share one server,
-so the interactive queue is fair between owners (`GenerationRequest.owner`; "" is one owner too):
-each owner may have `queue_per_user` requests waiting (the running one does not count), and the
-owners take turns, round-robin (`FairQueue`: the owner served least recently goes next; one
-owner's requests first-in first-out). `handle.position` counts what is really ahead in that
-order, so it can grow when a new owner arrives. Background jobs (summaries) run only when no
-interactive request waits; they have their own bound and no per-owner cap.
+Whoever submits (UI, API, CLI, tests), requests go through this one worker: Gradio's concurrency
+limits are per event group and guarantee nothing (DESIGN.md). Strangers share one server, so the
+interactive queue is fair between owners (`GenerationRequest.owner`; "" is one owner too): each
+owner may have `queue_per_user` requests waiting (running ones do not count), and the owners take
+turns, round-robin (`FairQueue`: the owner served least recently goes next; one owner's requests
+first-in first-out). `handle.position` counts what is really ahead in that order, so it can grow
+when a new owner arrives. Background jobs (summaries) start only when no interactive request
+waits; they have their own bound and no per-owner cap.
 
-For each request the worker
-  1) admits it: asks the runner for its predicted peak memory and for what is available; if it
-     does not fit, evicts idle session caches, waits, and finally refuses with the numbers;
-  2-4) has the runner generate it (KV reuse, prefill, decode, keep the session's cache).
-Running out of device memory in 2-3 (the runner returns None, its frames already freed) frees
-that request's cache, evicts idle caches, empties the allocator and retries once with the
-request's smaller `fallback` (the tokens already streamed are void: `Restarted` tells the
-consumer to start the reply over); the worker itself never dies.
+The worker's loop is schedule() -> step() -> leave:
+  schedule  admit waiting requests while the batch has fewer than `max_batch` (LLMWEB_MAX_BATCH)
+            and the whole batch's predicted memory fits (each running request's prediction minus
+            the KV it already holds, plus the newcomer's); a request that does not fit waits at
+            the head of the line until the batch shrinks; one that would not fit even alone is
+            refused with the numbers after idle caches were evicted and `admission_wait_s`;
+  step      one prompt chunk of the oldest joining request (its session's cache reused: only new
+            tokens are prefilled), then one batched decode pass that gives every decoding request
+            its next token; a request joins the decode batch once its prompt is in;
+  leave     a request that finished, was cancelled or ran out of time leaves at the end of that
+            step; its session keeps its cache.
+Running out of device memory in a pass (the runner returns False, its frames already freed) makes
+one request give way: the joining one in a prefill, the youngest in a decode (the others' caches
+are as before the pass and they go on). Its cache is freed, idle caches are evicted, the
+allocator is emptied, and it retries once with its smaller `fallback` (the ids already streamed
+are void: `Restarted` tells the consumer to start the reply over); the worker itself never dies.
 
 When idle, the worker expires old session caches and, on CUDA, empties the allocator cache once
 reserved − allocated passes `frag_release_bytes` (`release_fragmentation`, counted in
 `counters.idle_releases`). Every request's stats carry the memory snapshot after it, including
-the allocator's fragmentation figures on CUDA.
+the allocator's fragmentation figures on CUDA, and the largest batch it decoded in.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import AdmissionError, BusyError, Cancelled, LlmwebError, OutOfMemory, TimedOut
 from .kvcache import KVStore
@@ -198,18 +207,26 @@ class FairQueue:
     def push(self, handle: Handle) -> None:
         self._owners.setdefault(handle.request.owner, deque()).append((next(self._arrivals), handle))
 
-    def pop(self) -> Handle:
+    def peek(self) -> Handle:
         """The next request to serve (IndexError when empty)."""
-        owner = self._order()[0]
-        queue_ = self._owners[owner]
-        _, handle = queue_.popleft()
-        if not queue_:
-            del self._owners[owner]
+        return self._owners[self._order()[0]][0][1]
+
+    def pop(self) -> Handle:
+        """Take the next request to serve out (IndexError when empty)."""
+        handle = self.peek()
+        self.take(handle)
+        return handle
+
+    def take(self, handle: Handle) -> bool:
+        """Take a request out to serve it: its owner's turn is spent. False if it is not waiting here."""
+        owner = handle.request.owner
+        if not self.remove(handle):
+            return False
         self._served.pop(owner, None)
         self._served[owner] = next(self._turns)
         if len(self._served) > self.remember:
             del self._served[next(iter(self._served))]
-        return handle
+        return True
 
     def remove(self, handle: Handle) -> bool:
         """Take a request out (a cancel); False if it is not waiting here."""
@@ -263,12 +280,13 @@ class EngineLimits:
     mem_margin_bytes: int = 512 * 2**20  # CUDA: keep this much free
     frag_release_bytes: int = 256 * 2**20
     kv_reuse: bool = True
+    max_batch: int = 1  # requests sharing each decode step; 1 = serial (the app: LLMWEB_MAX_BATCH)
 
 
 @dataclass
 class _Counters:
-    active: int = 0
-    max_active: int = 0
+    active: int = 0  # requests in the batch now
+    max_active: int = 0  # the largest batch so far
     served: int = 0
     ooms: int = 0
     refused: int = 0
@@ -276,22 +294,79 @@ class _Counters:
     idle_released_bytes: int = 0  # reserved bytes those gave back to the device
 
 
+@dataclass(eq=False)
+class Slot:
+    """One admitted request in the running batch: the engine's bookkeeping, and the runner's `state`.
+
+    The runner calls `record(id)` for every id it samples; the slot streams it, or finishes on a
+    stop id or the length cap (`finish`). The engine sets `finish` on a cancel or the time limit,
+    and the slot leaves the batch at the end of that step.
+    """
+
+    handle: Handle
+    request: GenerationRequest
+    predicted: int  # admission's figure for this request's peak memory
+    timeout: float
+    stats: GenerationStats
+    retried: bool = False  # this is the OOM retry of the request (its fallback)
+    t0: float = dataclasses.field(default_factory=time.perf_counter)  # start of processing
+    ready: bool = False  # the prompt is prefilled: the slot decodes with the batch
+    finish: str | None = None  # eos | length | cancelled | timeout: it leaves after this step
+    generated: list[int] = dataclasses.field(default_factory=list)
+    t_first: float | None = None
+    t_last: float | None = None
+    state: Any = None  # the runner's: caches, sampler
+
+    def record(self, token: int) -> None:
+        """The runner sampled `token` for this request: stream it, or finish on a stop id / the cap."""
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+            self.stats.ttft_s = now - self.t0
+        if token in self.request.stop_ids:
+            self.finish = "eos"
+            return
+        self.t_last = now
+        self.generated.append(token)
+        self.handle._emit([token])
+        if len(self.generated) >= self.request.max_new_tokens:
+            self.finish = "length"
+
+
 class Runner(Protocol):
-    """Runs one request on a model. `generate` returns None when the device ran out of memory."""
+    """Runs the batch on a model, one step at a time, for the engine's worker thread.
+
+    `prefill` and `decode` return False when the device ran out of memory (never raise it: the
+    failed pass's frames must be gone before anyone retries); after a failed `decode` every cache
+    is as it was before the step.
+    """
 
     device: str
 
-    def predict(self, request: GenerationRequest) -> int: ...
+    def predict(self, request: GenerationRequest) -> int: ...  # peak bytes: KV to the end + activations
+
+    def held(self, slot: Slot) -> int: ...  # bytes of KV the slot holds now
 
     def available(self) -> int: ...
 
-    def generate(
-        self, handle: Handle, request: GenerationRequest, predicted: int, timeout: float
-    ) -> GenerationStats | None: ...
+    def busy(self, work: Callable[[], None]) -> None: ...  # run a busy period inside the device entry point
+
+    def start(self, slot: Slot) -> None: ...  # take the session's cache (prefix reuse); no forward pass
+
+    def prefill(self, slot: Slot) -> bool: ...  # one prompt chunk; the last one samples the first id
+
+    def decode(self, slots: list[Slot]) -> bool: ...  # one id for each slot, in one batched forward pass
+
+    def release(self, slot: Slot, keep: bool) -> None: ...  # leave the batch; keep the session's cache
 
     def empty_cache(self) -> None: ...
 
     def snapshot(self) -> MemorySnapshot: ...
+
+
+def auto_max_batch(on_cpu: bool) -> int:
+    """LLMWEB_MAX_BATCH=0: requests per decode step by device (a GPU has far more idle compute per step)."""
+    return 4 if on_cpu else 8
 
 
 def local_engine(
@@ -321,6 +396,7 @@ def local_engine(
 
 class Engine:
     def __init__(self, runner: Runner, kv: KVStore, limits: EngineLimits):
+        assert limits.max_batch >= 1, "max_batch must be >= 1"
         self.runner = runner
         self.device = runner.device
         self.kv = kv
@@ -329,7 +405,8 @@ class Engine:
         self._lock = threading.Condition()
         self._waiting = FairQueue()  # interactive requests
         self._background: deque[Handle] = deque()
-        self._current: Handle | None = None  # the request being served
+        self._running: list[Slot] = []  # the batch, oldest first (only the worker changes it, under the lock)
+        self._head: tuple[Handle, float] | None = None  # the request waiting for memory, and its refusal time
         self._frag_floor = 0  # fragmentation left after the last idle release (it could not free more)
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="llmweb-engine", daemon=True)
@@ -379,17 +456,17 @@ class Engine:
         self.kv.drop(session_id)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Refuse new requests, cancel the queued ones and the running one, and stop the worker."""
+        """Refuse new requests, cancel the queued ones and the running ones, and stop the worker."""
         with self._lock:
             self._stopped = True
             pending = self._waiting.drain() + list(self._background)
             self._background.clear()
-            current = self._current
+            running = [s.handle for s in self._running]
             self._lock.notify_all()
         for h in pending:
             h._finish(None, Cancelled("The engine shut down before this request ran."))
-        if current is not None:
-            current._cancel.set()  # stops within a token; its consumer gets the partial reply
+        for h in running:
+            h._cancel.set()  # stops within a step; its consumer gets the partial reply
         self._thread.join(timeout)
 
     def _withdraw(self, handle: Handle) -> None:
@@ -400,10 +477,20 @@ class Engine:
                     self._background.remove(handle)
                 except ValueError:
                     return  # running, done, or never queued: the worker sees the flag
+            self._lock.notify_all()
         handle._finish(None, Cancelled("Cancelled before it started."))
 
-    # ---- the worker
-    def _next(self) -> Handle | None:
+    # ---- the worker: schedule() -> step() -> leave, until nothing runs
+    def _loop(self) -> None:
+        while self._wait_for_work():
+            try:
+                self.runner.busy(self._busy_period)
+            except BaseException as e:  # the worker never dies; the callers get a message
+                log.exception("engine: the batch failed")
+                self._fail(list(self._running), e)
+
+    def _wait_for_work(self) -> bool:
+        """Block until a request waits (False once the engine is stopped); housekeeping while idle."""
         with self._lock:
             while not self._stopped and not self._waiting and not self._background:
                 if not self._lock.wait(timeout=1.0):
@@ -412,123 +499,223 @@ class Engine:
                         self._idle()
                     finally:
                         self._lock.acquire()
-            if self._stopped:
-                return None
-            self._current = self._waiting.pop() if self._waiting else self._background.popleft()
-            return self._current
+            return not self._stopped
 
-    def _loop(self) -> None:
+    def _busy_period(self) -> None:
+        """Admit and step the batch until it is empty (on ZeroGPU, one GPU call)."""
         while True:
-            handle = self._next()
-            if handle is None:
+            self._schedule()
+            if not self._running:
+                if self._head is not None:  # the next request waits for memory: do not spin
+                    with self._lock:
+                        self._lock.wait(timeout=0.25)
                 return
-            try:
-                self._serve(handle)
-            except BaseException as e:  # the worker never dies; the caller gets a message
-                log.exception("engine: request %s failed", handle.id)
-                if not isinstance(e, LlmwebError):
-                    e = LlmwebError(f"Generation failed: {type(e).__name__}: {e}")
-                handle._finish(None, e)
+            self._step()
 
-    def _serve(self, handle: Handle) -> None:
-        if handle.cancelled:
-            handle._finish(None, Cancelled("Cancelled before it started."))
-            return
-        request = handle.request
-        wait_s = time.perf_counter() - handle.submitted
+    def _schedule(self) -> None:
+        """Admit waiting requests into the batch while there is room: `max_batch` and memory.
+
+        Interactive requests first (fair between owners), background jobs only when none waits.
+        A request that does not fit next to the running batch keeps its place at the head of the
+        line until the batch shrinks (nobody behind it jumps ahead).
+        """
+        while len(self._running) < self.limits.max_batch:
+            with self._lock:
+                if self._stopped:
+                    return
+                if self._waiting:
+                    handle = self._waiting.peek()
+                elif self._background:
+                    handle = self._background[0]
+                else:
+                    return
+            try:
+                predicted = self._admit(handle)
+            except AdmissionError as refused:
+                if self._take(handle):
+                    handle._finish(None, refused)
+                continue
+            if predicted is None:
+                return  # it waits for room
+            if not self._take(handle):
+                continue  # cancelled meanwhile: it left the queue on its own
+            if handle.cancelled:
+                handle._finish(None, Cancelled("Cancelled before it started."))
+                continue
+            self._begin(handle, handle.request, predicted, retried=False)
+
+    def _take(self, handle: Handle) -> bool:
         with self._lock:
-            self.counters.active += 1
+            if self._waiting.take(handle):
+                return True
+            try:
+                self._background.remove(handle)
+                return True
+            except ValueError:
+                return False
+
+    def _begin(self, handle: Handle, request: GenerationRequest, predicted: int, retried: bool) -> None:
+        """Start a slot for the request; it prefills in the next steps, then joins the batch."""
+        if not self.limits.kv_reuse and request.session_id is not None:
+            request = dataclasses.replace(request, session_id=None)
+        stats = GenerationStats(
+            prompt_tokens=len(request.prompt_ids),
+            predicted_bytes=predicted,
+            queue_wait_s=time.perf_counter() - handle.submitted,
+        )
+        slot = Slot(handle, request, predicted, self._timeout(request), stats, retried=retried)
+        self.runner.start(slot)
+        with self._lock:
+            self._running.append(slot)
+            self.counters.active = len(self._running)
             self.counters.max_active = max(self.counters.max_active, self.counters.active)
-        try:
-            stats = self._attempt(handle, request, admit=True)
-            if stats is None:  # out of memory; the failed attempt's frames are already freed
-                self.counters.ooms += 1
-                self._recover()
-                smaller = request.fallback() if request.fallback else None
-                if smaller is None:
-                    raise OutOfMemory(
-                        "Out of memory while generating; nothing smaller to retry with. "
-                        "Try a shorter message or fewer documents."
-                    )
+        self._frag_floor = 0  # allocations change: the next idle period may release again
+
+    def _step(self) -> None:
+        """One step of the batch: a prompt chunk of the oldest joining request, then one token for
+        every decoding request; then whoever finished, was cancelled or ran out of time leaves."""
+        # 1) prefill, chunked: a long prompt costs the others one chunk per token, never a freeze
+        joining = next((s for s in self._running if not s.ready), None)
+        if joining is not None:
+            try:
+                if not self.runner.prefill(joining):
+                    self._out_of_memory(joining)
+            except BaseException as e:
+                self._fail([joining], e)
+        # 2) decode: one batched forward pass
+        decoding = [s for s in self._running if s.ready and s.finish is None]
+        if decoding:
+            for s in decoding:
+                s.stats.batch_size = max(s.stats.batch_size, len(decoding))
+            try:
+                if not self.runner.decode(decoding):
+                    self._out_of_memory(decoding[-1])  # the youngest gives way; the others' caches are intact
+            except BaseException as e:
+                self._fail(decoding, e)
+        # 3) leave at once: finished, cancelled, out of time
+        for s in list(self._running):
+            if s.finish is None:
+                s.finish = stop_reason(s.handle, s.t0, s.timeout)
+            if s.finish is not None:
+                self._leave(s)
+
+    def _remove(self, slot: Slot) -> None:
+        with self._lock:
+            self._running.remove(slot)
+            self.counters.active = len(self._running)
+
+    def _leave(self, slot: Slot) -> None:
+        """A finished slot leaves the batch; its session keeps the cache; the caller gets the stats."""
+        self._remove(slot)
+        self.runner.release(slot, keep=True)
+        stats, n = slot.stats, len(slot.generated)
+        stats.finish_reason, stats.generated_tokens, stats.oom_retry = slot.finish or "", n, slot.retried
+        stats.total_s = time.perf_counter() - slot.t0
+        if n > 1 and slot.t_first is not None and slot.t_last is not None:
+            stats.decode_tok_s = (n - 1) / max(slot.t_last - slot.t_first, 1e-9)
+        self.counters.served += 1
+        if stats.finish_reason == "timeout":
+            slot.handle._finish(
+                stats,
+                TimedOut(f"Stopped after {stats.total_s:.0f} s: the time limit per request is {slot.timeout:.0f} s."),
+            )
+        else:
+            slot.handle._finish(stats)
+
+    def _fail(self, slots: list[Slot], error: BaseException) -> None:
+        """These slots end with `error` (a domain error as it is; anything else wrapped); the rest run on."""
+        if not isinstance(error, LlmwebError):
+            log.error("engine: %d request(s) failed: %s: %s", len(slots), type(error).__name__, error)
+            error = LlmwebError(f"Generation failed: {type(error).__name__}: {error}")
+        for s in slots:
+            if s in self._running:
+                self._remove(s)
+            try:
+                self.runner.release(s, keep=False)
+            except Exception:  # its cache is lost either way
+                log.exception("engine: releasing request %s failed", s.handle.id)
+            s.handle._finish(None, error)
+
+    def _out_of_memory(self, victim: Slot) -> None:
+        """The device ran out of memory in a pass that involved `victim`: it alone gives way.
+
+        Its cache is freed, idle caches are evicted, the allocator emptied; then it retries once
+        with its smaller `fallback` (its streamed ids are void: `Restarted`), and the other
+        requests of the batch go on as if nothing happened.
+        """
+        self.counters.ooms += 1
+        self._remove(victim)
+        self.runner.release(victim, keep=False)
+        self._recover()
+        if victim.retried:
+            error = OutOfMemory(
+                "Out of memory even with a smaller prompt. Try a shorter message, "
+                "fewer documents, or a smaller model / 4-bit weights."
+            )
+        else:
+            smaller = victim.request.fallback() if victim.request.fallback else None
+            if smaller is not None:
                 smaller = _cap(smaller, self.limits.max_new_tokens)
                 log.warning(
                     "engine: OOM; retrying request %s with %d prompt tokens (was %d)",
-                    handle.id,
+                    victim.handle.id,
                     len(smaller.prompt_ids),
-                    len(request.prompt_ids),
+                    len(victim.request.prompt_ids),
                 )
-                handle._restart("oom")
-                stats = self._attempt(handle, smaller, admit=False)
-                if stats is None:
-                    self.counters.ooms += 1
-                    self._recover()
-                    raise OutOfMemory(
-                        "Out of memory even with a smaller prompt. Try a shorter message, "
-                        "fewer documents, or a smaller model / 4-bit weights."
-                    )
-                stats.oom_retry = True
-        finally:
-            with self._lock:
-                self.counters.active -= 1
-                self._current = None
-            self._frag_floor = 0  # allocations changed: the next idle period may release again
-        stats.queue_wait_s = wait_s
-        self.counters.served += 1
-        if stats.finish_reason == "cancelled":
-            handle._finish(stats)
-        elif stats.finish_reason == "timeout":
-            handle._finish(
-                stats,
-                TimedOut(
-                    f"Stopped after {stats.total_s:.0f} s: the time limit per request is "
-                    f"{self._timeout(handle.request):.0f} s."
-                ),
+                victim.handle._restart("oom")
+                self._begin(victim.handle, smaller, self.runner.predict(smaller), retried=True)
+                return
+            error = OutOfMemory(
+                "Out of memory while generating; nothing smaller to retry with. "
+                "Try a shorter message or fewer documents."
             )
-        else:
-            handle._finish(stats)
+        victim.handle._finish(None, error)
 
-    def _attempt(self, handle: Handle, request: GenerationRequest, admit: bool) -> GenerationStats | None:
-        """Admit (or only predict) and generate once; None if it ran out of memory (the runner
-        returns instead of raising, so the failed attempt's frames are already freed)."""
-        predicted = self._admit(handle) if admit else self.runner.predict(request)
-        if not self.limits.kv_reuse and request.session_id is not None:
-            request = dataclasses.replace(request, session_id=None)
-        return self.runner.generate(handle, request, predicted, self._timeout(request))
-
-    # ---- 1) admission
-    def _admit(self, handle: Handle) -> int:
-        request = handle.request
-        need = self.runner.predict(request)
-        deadline = time.perf_counter() + self.limits.admission_wait_s
-        evicted = False
-        while True:
-            available = self.runner.available()
-            if need <= available:
-                return need
-            if handle.cancelled:
-                raise Cancelled("Cancelled while waiting for memory.")
-            if not evicted:
-                # the request's own session cache counts as reusable memory, others are idle
-                freed = self.kv.evict(self.kv.budget_bytes)  # everything idle
-                evicted = True
-                gc.collect()
-                self.runner.empty_cache()
-                log.info("engine: admission evicted %d bytes of idle KV caches", freed)
-                continue
-            if time.perf_counter() >= deadline:
-                self.counters.refused += 1
-                raise AdmissionError(
-                    f"This request needs ~{_gib(need)} of memory but only {_gib(max(available, 0))} is free; "
-                    "try a shorter message or fewer documents."
-                )
-            time.sleep(0.25)
+    # ---- admission: the whole batch's memory
+    def _admit(self, handle: Handle) -> int | None:
+        """The request's predicted bytes if it fits next to the running batch now; None while it
+        waits for room. The batch needs what each running request still adds (its prediction
+        minus the KV it holds) plus the new one's prediction. When it would not fit even as the
+        batch shrinks, idle session caches are evicted, and after `admission_wait_s` it raises
+        AdmissionError with the numbers."""
+        need = self.runner.predict(handle.request)
+        running = list(self._running)
+        held = sum(self.runner.held(s) for s in running)
+        growth = sum(max(s.predicted - self.runner.held(s), 0) for s in running)
+        free = self.runner.available()
+        if need + growth <= free:
+            self._head = None
+            return need
+        if running and need <= free + held:
+            return None  # it fits once running requests leave: keep the place
+        if self._head is None or self._head[0] is not handle:
+            freed = self.kv.evict(self.kv.budget_bytes)  # every idle session cache
+            gc.collect()
+            self.runner.empty_cache()
+            log.info("engine: admission evicted %d bytes of idle KV caches", freed)
+            self._head = (handle, time.perf_counter() + self.limits.admission_wait_s)
+            return None
+        if handle.cancelled or time.perf_counter() < self._head[1]:
+            return None  # a cancelled one leaves the queue through `_withdraw`
+        self._head = None
+        self.counters.refused += 1
+        batch = (
+            f" next to the {len(running)} running request{'s' if len(running) != 1 else ''}, which need "
+            f"~{_gib(growth)} more"
+            if running
+            else ""
+        )
+        raise AdmissionError(
+            f"This request needs ~{_gib(need)} of memory but only {_gib(max(free, 0))} is free{batch}; "
+            "try a shorter message or fewer documents."
+        )
 
     def _timeout(self, request: GenerationRequest) -> float:
         return request.timeout_s if request.timeout_s is not None else self.limits.request_timeout_s
 
     # ---- recovery and housekeeping
     def _recover(self) -> None:
-        freed = self.kv.clear()
+        freed = self.kv.clear()  # idle caches only: the running requests' caches are not in the store
         gc.collect()
         self.runner.empty_cache()
         log.warning("engine: OOM recovery freed %d bytes of KV caches and emptied the allocator cache", freed)

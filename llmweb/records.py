@@ -129,6 +129,7 @@ class GenerationStats:
     kv_store_bytes: int = 0
     predicted_bytes: int = 0  # admission control's estimate of the request's peak
     oom_retry: bool = False
+    batch_size: int = 1  # the most requests that shared a decode step with this one (1 = alone)
     mem: MemorySnapshot | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,26 +1,32 @@
 """The local model runner: the only part of the engine that touches torch and the model.
 
-The engine (engine.py: queue, fairness, admission, cancel, time limits) decides WHAT runs; this
-runner runs one request on the model and reports what it measured:
+The engine (engine.py: queue, fairness, admission, cancel, time limits) decides WHAT runs and
+when; this runner runs it on the model, one step at a time, for the engine's one worker thread:
 
     predict(request) -> bytes         the request's peak memory (KV for prompt + max_new_tokens,
                                       plus an activation margin): admission control's figure
+    held(slot) -> bytes               the KV a running request holds now
     available() -> bytes              free device memory (CUDA) or room under the RSS limit (CPU)
-    generate(handle, request, predicted, timeout) -> GenerationStats | None
-                                      2) reuse the session's KV cache: crop it to the longest
-                                         common prefix with the prompt, prefill only the rest (in
-                                         chunks, to bound activation memory);
-                                      3) decode token by token under `torch.inference_mode()`,
-                                         streaming ids to the handle, checking cancel / time limit
-                                         between steps;
-                                      4) store the session's cache (prompt + generated[:-1]).
-                                      None when the device ran out of memory (see below).
-    empty_cache(), fragmentation()    allocator housekeeping (CUDA; no-ops elsewhere)
+    start(slot)                       take the session's KV cache, cropped to the longest common
+                                      prefix with the prompt (at least one token left to prefill)
+    prefill(slot) -> bool             one chunk of the rest of the prompt into the slot's own cache
+                                      (chunks bound activation memory and let the batch go on);
+                                      the last chunk samples the first token
+    decode(slots) -> bool             one token for every decoding slot in ONE forward pass over
+                                      the batch cache (`_Batch`: the slots' caches left-padded to
+                                      one length, an attention mask with zeros on the pads, and
+                                      each row's own positions)
+    release(slot, keep)               the slot leaves: its row is cut out of the batch (pads
+                                      dropped) and, with `keep`, stored as its session's cache
+                                      (prompt + generated[:-1])
+    busy(work)                        runs the engine's busy period inside the GPU entry point
+    empty_cache(), snapshot()         allocator housekeeping (CUDA; no-ops elsewhere)
 
-`torch.OutOfMemoryError` is caught here and turned into None, and on purpose by returning, not
+`torch.OutOfMemoryError` is caught here and turned into False, and on purpose by returning, not
 raising: while an OOM exception is alive, its traceback holds the frames of the failed forward
-pass, with this request's KV cache and activations. Once the handler returns they are freed,
-before the engine empties the allocator cache and retries with a smaller request.
+pass, with its activations. Once the handler returns they are freed, before the engine empties
+the allocator cache and retries. A failed decode leaves every cache as it was before the step
+(layers the pass already grew are cropped back), so the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -28,17 +34,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from . import engine
-from .engine import GenerationRequest, Handle, predict_bytes, stop_reason
+from .engine import GenerationRequest, Slot, predict_bytes
 from .kvcache import KVStore, cache_nbytes, reusable
-from .records import GenerationStats
 from .telemetry import RssPeak, is_cuda, memory_snapshot, reset_peak, rss_bytes
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Seq:
+    """The runner's state of one slot: its prompt, its own cache until it joins the batch, its sampler."""
+
+    prompt: list[int]
+    cache: DynamicCache | None  # None once the cache is a row of the batch
+    reused: int  # prompt tokens served from the session's cache
+    filled: int  # prompt tokens in the cache
+    sampler: _Sampler
+    rss: RssPeak
+    last: int = -1  # the last sampled id, fed in the next decode step
 
 
 class LocalRunner:
@@ -62,15 +81,21 @@ class LocalRunner:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.mem_limit_bytes = mem_limit_bytes  # CPU: RSS limit; 0 = no limit
         self.mem_margin_bytes = mem_margin_bytes  # CUDA: keep this much free
-        self.fault = fault  # test hook: called with the forward-pass index before each forward
-        if gpu is not None:  # e.g. @spaces.GPU on ZeroGPU Spaces: the GPU entry point is one generation
-            self._generate = gpu(self._generate)  # type: ignore[method-assign]
+        self.fault = fault  # test hook: called with the forward-pass index (this runner's count) before each
+        self.forwards = 0
+        self._batch = _Batch(model.config)
+        # e.g. @spaces.GPU on ZeroGPU Spaces: the GPU entry point is one busy period of the engine
+        self._busy: Callable[[Callable[[], None]], None] = gpu(_call) if gpu is not None else _call
 
     # ---- memory
     def predict(self, request: GenerationRequest) -> int:
         heads = getattr(getattr(self.model, "config", None), "num_attention_heads", 0) or 0
         kv, activation = predict_bytes(self.kv_bytes_per_token, heads, len(request.prompt_ids), request.max_new_tokens)
         return kv + activation
+
+    def held(self, slot: Slot) -> int:
+        seq: _Seq = slot.state
+        return self.kv_bytes_per_token * (seq.filled + len(slot.generated))
 
     def available(self) -> int:
         if is_cuda(self.device):
@@ -89,39 +114,74 @@ class LocalRunner:
     def snapshot(self):
         return memory_snapshot(self.device)
 
-    # ---- one generation
-    def generate(
-        self, handle: Handle, request: GenerationRequest, predicted: int, timeout: float
-    ) -> GenerationStats | None:
-        try:
-            return self._generate(handle, request, predicted, timeout)
-        except torch.OutOfMemoryError as e:
-            log.warning("runner: request %s ran out of memory: %s", handle.id, str(e).splitlines()[0][:200])
-            return None
+    # ---- the batch, step by step
+    def busy(self, work: Callable[[], None]) -> None:
+        self._busy(work)
 
-    def _generate(self, handle: Handle, request: GenerationRequest, predicted: int, timeout: float) -> GenerationStats:
-        stats = GenerationStats(prompt_tokens=len(request.prompt_ids), predicted_bytes=predicted)
-        reset_peak(self.device)
-        run = _Run(self, handle, request, timeout)
+    def start(self, slot: Slot) -> None:
+        request = slot.request
+        if not self._batch.slots:
+            reset_peak(self.device)  # the CUDA peak is the batch's, from its first request
         prompt = list(request.prompt_ids)
-        cache = None
+        cache, reused = self._reuse(request.session_id, prompt)
+        slot.stats.reused_tokens = reused
+        slot.state = _Seq(prompt, cache, reused, reused, _Sampler(request, prompt, self.device), RssPeak())
+
+    def prefill(self, slot: Slot) -> bool:
+        seq: _Seq = slot.state
+        end = min(seq.filled + engine.PREFILL_CHUNK, len(seq.prompt))
         try:
             with torch.inference_mode():
-                cache, reused = self._reuse(request.session_id, prompt)  # 2) the session's cache
-                stats.reused_tokens = reused
-                logits, filled, stop = run.prefill(cache, prompt, reused)  # 2) the rest of the prompt
-                stats.prefilled_tokens = filled - reused
-                generated, finish = run.decode(logits, cache, prompt, stop, stats)  # 3)
-                del logits
-                self._keep(request.session_id, cache, prompt, filled, generated, finish, stats)  # 4)
-                cache = None
-        except BaseException:
-            cache = None  # free this request's cache before anyone retries
-            raise
-        stats.kv_store_bytes = self.kv.total_bytes
-        stats.mem = memory_snapshot(self.device, peak_rss=run.rss.peak)
-        return stats
+                ids = torch.tensor([seq.prompt[seq.filled : end]], device=self.device)  # (1, chunk)
+                logits = self._forward(input_ids=ids, cache=seq.cache)  # (1, vocab)
+                seq.filled = end
+                if end == len(seq.prompt):
+                    slot.stats.prefilled_tokens = end - seq.reused
+                    seq.last = seq.sampler(logits)
+                    slot.ready = True
+                    slot.record(seq.last)
+        except torch.OutOfMemoryError as e:
+            log.warning("runner: request %s ran out of memory in prefill: %s", slot.handle.id, _first_line(e))
+            return False
+        return True
 
+    def decode(self, slots: list[Slot]) -> bool:
+        batch = self._batch
+        length = batch.length
+        try:
+            with torch.inference_mode():
+                for slot in slots:
+                    if slot not in batch.slots:
+                        batch.join(slot, slot.state.cache)  # all or nothing, so an OOM here leaves it out
+                        slot.state.cache = None
+                        length = batch.length
+                rows = batch.slots
+                assert set(rows) == set(slots), "the decoding slots are the rows of the batch"
+                ids = torch.tensor([[slot.state.last] for slot in rows], device=self.device)  # (B, 1)
+                mask, positions = batch.mask_and_positions(self.device)  # (B, L+1), (B, 1); None: no pads
+                logits = self._forward(input_ids=ids, cache=batch.cache, attention_mask=mask, position_ids=positions)
+                rss = rss_bytes()
+                for i, slot in enumerate(rows):
+                    seq: _Seq = slot.state
+                    seq.last = seq.sampler(logits[i : i + 1])
+                    seq.rss.peak = max(seq.rss.peak, rss)
+                    slot.record(seq.last)
+        except torch.OutOfMemoryError as e:
+            log.warning("runner: a batch of %d ran out of memory in decode: %s", len(slots), _first_line(e))
+            batch.crop(length)
+            return False
+        return True
+
+    def release(self, slot: Slot, keep: bool) -> None:
+        seq: _Seq = slot.state
+        cache = self._batch.leave(slot) if slot in self._batch.slots else seq.cache
+        slot.state = None
+        if keep and cache is not None:
+            self._keep(slot, seq, cache)
+        slot.stats.kv_store_bytes = self.kv.total_bytes
+        slot.stats.mem = memory_snapshot(self.device, peak_rss=seq.rss.peak)
+
+    # ---- session caches
     def _reuse(self, session_id: str | None, prompt: list[int]):
         """(cache, reused): the session's cache cropped to its longest common prefix with the prompt,
         leaving >= 1 token to prefill; a new empty cache when nothing is reusable."""
@@ -136,94 +196,140 @@ class LocalRunner:
                 return cache, reused
         return DynamicCache(config=self.model.config), 0
 
-    def _keep(
-        self,
-        session_id: str | None,
-        cache,
-        prompt: list[int],
-        filled: int,
-        generated: list[int],
-        finish: str,
-        stats: GenerationStats,
-    ) -> None:
+    def _keep(self, slot: Slot, seq: _Seq, cache) -> None:
         """Keep the cache for the session's next turn. Every generated token but the last was fed
         back; after a stop token, all kept ones were (it was not kept). A prefill stopped early
         holds only the prompt's first `filled` tokens."""
-        if filled < len(prompt):
-            held_ids = prompt[:filled]
+        generated, finish = slot.generated, slot.finish
+        if seq.filled < len(seq.prompt):
+            held_ids = seq.prompt[: seq.filled]
         else:
-            held_ids = prompt + (generated if finish == "eos" else generated[:-1])
+            held_ids = seq.prompt + (generated if finish == "eos" else generated[:-1])
         assert cache.get_seq_length() == len(held_ids), (
             f"cache {cache.get_seq_length()} != ids {len(held_ids)} ({finish})"
         )
-        stats.kv_session_bytes = cache_nbytes(cache)
-        if session_id:
-            self.kv.put(session_id, held_ids, cache, stats.kv_session_bytes)
+        slot.stats.kv_session_bytes = cache_nbytes(cache)
+        if slot.request.session_id:
+            self.kv.put(slot.request.session_id, held_ids, cache, slot.stats.kv_session_bytes)
 
-
-class _Run:
-    """One request's forward passes: chunked prefill, then token-by-token decode with streaming."""
-
-    def __init__(self, runner: LocalRunner, handle: Handle, request: GenerationRequest, timeout: float):
-        self.runner, self.handle, self.request, self.timeout = runner, handle, request, timeout
-        self.t0 = time.perf_counter()
-        self.rss = RssPeak()
-        self.forwards = 0
-
-    def forward(self, ids_2d, cache):
-        """(1, n) ids -> (1, vocab) logits of the last position; the fault hook sees every pass."""
-        if self.runner.fault is not None:
-            self.runner.fault(self.forwards)
+    def _forward(self, **inputs):
+        """The model's logits of each row's last position, (B, vocab); the fault hook sees every pass."""
+        if self.fault is not None:
+            self.fault(self.forwards)
         self.forwards += 1
-        return self.runner.model(input_ids=ids_2d, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        return self.model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1, :]
 
-    def stop(self) -> str | None:
-        return stop_reason(self.handle, self.t0, self.timeout)
 
-    def prefill(self, cache, prompt: list[int], reused: int):
-        """(logits, filled, stop): the prompt after `reused` in chunks; a cancel or the time limit
-        stops between chunks (then `filled` < len(prompt) and `stop` says why)."""
-        chunk, n_rest = engine.PREFILL_CHUNK, len(prompt) - reused
-        rest = torch.tensor([prompt[reused:]], device=self.runner.device)  # (1, n_rest)
-        filled, stop, logits = reused, None, None
-        for start in range(0, n_rest, chunk):
-            if start and (stop := self.stop()):
-                break
-            logits = self.forward(rest[:, start : start + chunk], cache)  # (1, vocab)
-            filled = reused + min(start + chunk, n_rest)
-        return logits, filled, stop
+class _Batch:
+    """The decoding slots' caches as one left-padded DynamicCache.
 
-    def decode(self, logits, cache, prompt: list[int], stop: str | None, stats: GenerationStats):
-        """(generated ids, finish reason): sample, stream, feed back, until a stop id, the cap, a cancel
-        or the time limit. Fills the timing figures of `stats`."""
-        generated: list[int] = []
-        finish, t_first = stop or "length", None
-        request = self.request
-        if stop is None:
-            sampler = _Sampler(request, prompt, self.runner.device)
-            for step in range(request.max_new_tokens):
-                next_id = sampler(logits)
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    stats.ttft_s = t_first - self.t0
-                if next_id in request.stop_ids:
-                    finish = "eos"
-                    break
-                generated.append(next_id)
-                self.handle._emit([next_id])
-                self.rss.sample()
-                if reason := self.stop():
-                    finish = reason
-                    break
-                if step + 1 == request.max_new_tokens:
-                    break
-                logits = self.forward(torch.tensor([[next_id]], device=self.runner.device), cache)
-        t_end = time.perf_counter()
-        stats.finish_reason, stats.generated_tokens = finish, len(generated)
-        if t_first is not None and len(generated) > 1:
-            stats.decode_tok_s = (len(generated) - 1) / max(t_end - t_first, 1e-9)
-        stats.total_s = t_end - self.t0
-        return generated, finish
+    Row i holds slots[i]'s tokens right-aligned in `length` columns; its first `pads[i]` columns
+    are padding, masked out of attention. Every decode step appends one column to every row, so a
+    row's pads stay the same until rows leave; then columns that are padding in every row left
+    are dropped. Joining and leaving copy the batch's KV once; a decode step does not (beyond
+    DynamicCache's own growth).
+    """
+
+    def __init__(self, config) -> None:
+        self.config = config  # the model's, to make caches of the right layers
+        self.slots: list[Slot] = []
+        self.pads: list[int] = []
+        self.cache: DynamicCache | None = None
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    def join(self, slot: Slot, cache: DynamicCache) -> None:
+        """Add a row: pad the batch or the newcomer on the left to one length, then stack them."""
+        if self.cache is None:
+            self.slots, self.pads, self.cache = [slot], [0], cache
+            return
+        own, length = cache.get_seq_length(), self.length
+        width = max(own, length)
+        merged = []
+        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+            _check_layer(mine)
+            merged.append(
+                tuple(
+                    torch.cat([_pad_left(a, width - length), _pad_left(b, width - own)], dim=0)
+                    for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values))
+                )
+            )
+        for layer, (keys, values) in zip(self.cache.layers, merged, strict=True):
+            layer.keys, layer.values = keys, values
+        self.pads = [p + width - length for p in self.pads] + [width - own]
+        self.slots.append(slot)
+
+    def leave(self, slot: Slot) -> DynamicCache:
+        """Cut the slot's row out as a cache of its own (no pads); drop columns now padding everywhere."""
+        i = self.slots.index(slot)
+        pad = self.pads[i]
+        assert self.cache is not None, "a row of the batch has a cache"
+        if len(self.slots) == 1:
+            own = self.cache
+            if pad:
+                _trim_left(own, pad)
+            self.slots, self.pads, self.cache = [], [], None
+            return own
+        own = DynamicCache(config=self.config)
+        keep = [j for j in range(len(self.slots)) if j != i]
+        trim = min(self.pads[j] for j in keep)
+        index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
+        for source, target in zip(self.cache.layers, own.layers, strict=True):
+            target.lazy_initialization(source.keys, source.values)
+            target.keys = source.keys[i : i + 1, :, pad:, :].clone()
+            target.values = source.values[i : i + 1, :, pad:, :].clone()
+            source.keys = source.keys.index_select(0, index)[:, :, trim:, :]
+            source.values = source.values.index_select(0, index)[:, :, trim:, :]
+        self.slots = [self.slots[j] for j in keep]
+        self.pads = [self.pads[j] - trim for j in keep]
+        return own
+
+    def crop(self, length: int) -> None:
+        """Back to `length` columns (after a failed pass grew some layers)."""
+        if self.cache is None:
+            return
+        for layer in self.cache.layers:
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                layer.crop(-extra)
+
+    def mask_and_positions(self, device):
+        """The attention mask over the cache plus the new token, (B, L+1), zeros on the pads, and
+        each row's position for the new token, (B, 1); (None, None) when no row has pads."""
+        if not any(self.pads):
+            return None, None
+        length = self.length
+        mask = torch.ones(len(self.slots), length + 1, dtype=torch.long, device=device)
+        for i, pad in enumerate(self.pads):
+            mask[i, :pad] = 0
+        positions = torch.tensor([[length - pad] for pad in self.pads], device=device)
+        return mask, positions
+
+
+def _call(work: Callable[[], None]) -> None:
+    work()
+
+
+def _check_layer(layer) -> None:
+    assert not getattr(layer, "is_sliding", False), "batching needs full-attention cache layers"
+
+
+def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, heads, L, dim) -> (B, heads, n + L, dim) with n zero columns in front."""
+    if n == 0:
+        return t
+    return torch.cat([t.new_zeros(t.shape[0], t.shape[1], n, t.shape[3]), t], dim=2)
+
+
+def _trim_left(cache: DynamicCache, n: int) -> None:
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, n:, :].clone(), layer.values[:, :, n:, :].clone()
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 class _Sampler:
@@ -253,6 +359,7 @@ class _Sampler:
             self.gen.manual_seed(request.seed if request.seed is not None else int(time.time_ns() % 2**31))
 
     def __call__(self, logits) -> int:
+        """(1, vocab) logits -> the next id."""
         scores = self.procs(self.ids, logits.float()) if len(self.procs) else logits.float()
         if self.greedy:
             nxt = int(scores.argmax(dim=-1)[0])

@@ -124,7 +124,7 @@ class Runtime:
 
     def _load(self) -> None:
         from .chat import Chat
-        from .engine import EngineLimits, local_engine
+        from .engine import EngineLimits, auto_max_batch, local_engine
         from .tokens import TemplateFormat
 
         s = self.settings
@@ -147,6 +147,7 @@ class Runtime:
                 frag_release_bytes=s.frag_release_mb * 2**20,
                 kv_reuse=s.kv_reuse,
                 queue_per_user=s.queue_per_user,
+                max_batch=s.max_batch or auto_max_batch(loaded.on_cpu),
             )
             self.engine = local_engine(
                 loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault, gpu=gpu_entry

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+
+from llmweb.kvcache import reusable
 
 
 class FakeFormat:
@@ -48,16 +51,21 @@ class FakeFormat:
 
 
 class FakeRunner:
-    """A scripted `Runner` for the real `Engine` (queue, admission, cancel, OOM retry), without a model.
+    """A scripted, batching `Runner` for the real `Engine` (queue, batch, admission, cancel, OOM), no model.
 
     Like simonw/llm's `MockModel.enqueue`: `enqueue([ids...])` queues the token ids of the next
-    replies (default: the prompt's last `default_len` ids echoed back). Each token takes
-    `token_delay_s`. `fail_next(exc)` makes the next generation raise `exc` (a domain error) or,
-    with `oom=True`, run out of memory (generate returns None, as the real runner does).
-    `predict_bytes` / `available_bytes` feed admission control. `background` (request -> ids), when
-    set, answers the low-priority jobs (summaries) instead of the queue of scripted replies. Session
-    reuse follows the real contract: the longest common prefix with the session's last prompt +
-    reply, at least one token prefilled. Every request it ran is kept in `requests`.
+    replies, taken in the order requests start (default: the prompt's last `default_len` ids
+    echoed back); a reply that runs out ends as a stop token would ("eos"). A prefill takes one
+    step for the whole prompt; each decode step gives every decoding request one id and takes
+    `token_delay_s`, however many requests share it (`batch_sizes` records them). `fail_next(exc)`
+    makes the next prefill raise `exc` (a domain error) or, with `oom=True`, run out of memory
+    (returns False, as the real runner does); `in_decode=True` aims at the next decode step
+    instead. `predict_bytes` (a number, or request -> number) / `available_bytes` / `held_bytes`
+    feed admission control.
+    `background` (request -> ids), when set, answers the low-priority jobs (summaries) instead of
+    the queue of scripted replies. Session reuse follows the real contract: the longest common
+    prefix with the session's last prompt + reply, at least one token prefilled. Every request it
+    started is kept in `requests`.
     """
 
     def __init__(self, token_delay_s: float = 0.0, default_len: int = 3, stop_id: int | None = None):
@@ -67,14 +75,18 @@ class FakeRunner:
         self.token_delay_s = token_delay_s
         self.default_len = default_len
         self.stop_id = stop_id
-        self.predict_bytes = 1
+        self.predict_bytes: int | Callable = 1
         self.available_bytes = 1 << 40
+        self.held_bytes = 0  # what each running request holds
         self.requests: list = []
+        self.batch_sizes: list[int] = []  # requests in each decode step
         self._replies: list[list[int]] = []
-        self._failures: list = []  # (exception or None for an OOM)
+        self._failures: list = []  # prefill: exception, or None for an OOM
+        self._decode_failures: list = []
         self._sessions: dict[str, list[int]] = {}
+        self._active: set = set()
         self.background = None  # optional: request -> ids, the reply to background (summary) jobs
-        self.running = threading.Event()  # set while a generation is in progress
+        self.running = threading.Event()  # set while a request is in the batch
         self.empties = 0
 
     # scripting
@@ -82,14 +94,17 @@ class FakeRunner:
         self._replies.extend(list(r) for r in replies)
         return self
 
-    def fail_next(self, exc: Exception | None = None, *, oom: bool = False) -> FakeRunner:
+    def fail_next(self, exc: Exception | None = None, *, oom: bool = False, in_decode: bool = False) -> FakeRunner:
         assert oom or exc is not None, "give an exception, or oom=True"
-        self._failures.append(None if oom else exc)
+        (self._decode_failures if in_decode else self._failures).append(None if oom else exc)
         return self
 
     # the Runner protocol
     def predict(self, request) -> int:
-        return self.predict_bytes
+        return self.predict_bytes(request) if callable(self.predict_bytes) else self.predict_bytes
+
+    def held(self, slot) -> int:
+        return self.held_bytes
 
     def available(self) -> int:
         return self.available_bytes
@@ -102,59 +117,63 @@ class FakeRunner:
 
         return MemorySnapshot(rss_bytes=1)
 
-    def generate(self, handle, request, predicted, timeout):
-        import time
+    def busy(self, work) -> None:
+        work()
 
-        from llmweb.engine import stop_reason
-        from llmweb.kvcache import reusable
-        from llmweb.records import GenerationStats, MemorySnapshot
-
+    def start(self, slot) -> None:
+        request = slot.request
         self.requests.append(request)
+        held = self._sessions.get(request.session_id or "", [])
+        slot.stats.reused_tokens = reusable(held, request.prompt_ids) if request.session_id else 0
+        self._active.add(slot)
+        self.running.set()
+
+    def prefill(self, slot) -> bool:
         if self._failures:
             failure = self._failures.pop(0)
             if failure is None:
-                return None
+                return False
             raise failure
-        prompt = list(request.prompt_ids)
+        request = slot.request
         if request.background and self.background is not None:
             reply = list(self.background(request))
         else:
-            reply = self._replies.pop(0) if self._replies else prompt[-self.default_len :]
-        held = self._sessions.get(request.session_id or "", [])
-        reused = reusable(held, prompt) if request.session_id else 0
-        stats = GenerationStats(
-            prompt_tokens=len(prompt),
-            reused_tokens=reused,
-            prefilled_tokens=len(prompt) - reused,
-            predicted_bytes=predicted,
-            mem=MemorySnapshot(rss_bytes=1),
-        )
-        t0 = time.perf_counter()
-        self.running.set()
-        try:
-            finish, out = "length", []
-            for i, tok in enumerate(reply[: request.max_new_tokens]):
-                if self.token_delay_s:
-                    time.sleep(self.token_delay_s)
-                if i == 0:
-                    stats.ttft_s = time.perf_counter() - t0
-                if tok == self.stop_id or tok in request.stop_ids:
-                    finish = "eos"
-                    break
-                out.append(tok)
-                handle._emit([tok])
-                if stop := stop_reason(handle, t0, timeout):
-                    finish = stop
-                    break
-            else:
-                finish = "eos" if len(reply) <= request.max_new_tokens and reply else "length"
-        finally:
+            reply = self._replies.pop(0) if self._replies else list(request.prompt_ids)[-self.default_len :]
+        slot.state = iter(reply)
+        slot.stats.prefilled_tokens = slot.stats.prompt_tokens - slot.stats.reused_tokens
+        slot.ready = True
+        self._next(slot)
+        return True
+
+    def decode(self, slots) -> bool:
+        if self._decode_failures:
+            failure = self._decode_failures.pop(0)
+            if failure is None:
+                return False
+            raise failure
+        if self.token_delay_s:
+            time.sleep(self.token_delay_s)
+        self.batch_sizes.append(len(slots))
+        for slot in slots:
+            self._next(slot)
+        return True
+
+    def release(self, slot, keep: bool) -> None:
+        from llmweb.records import MemorySnapshot
+
+        if keep and slot.request.session_id:
+            self._sessions[slot.request.session_id] = list(slot.request.prompt_ids) + slot.generated
+        slot.stats.mem = MemorySnapshot(rss_bytes=1)
+        self._active.discard(slot)
+        if not self._active:
             self.running.clear()
-        if request.session_id:
-            self._sessions[request.session_id] = prompt + out
-        stats.generated_tokens, stats.finish_reason = len(out), finish
-        stats.total_s = time.perf_counter() - t0
-        return stats
+
+    def _next(self, slot) -> None:
+        token = next(slot.state, None)
+        if token is None or token == self.stop_id:
+            slot.finish = "eos"
+        else:
+            slot.record(token)
 
 
 def fake_engine(runner: FakeRunner | None = None, **limits):

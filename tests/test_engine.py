@@ -3,12 +3,13 @@ OOM recovery by fault injection, admission refusal, and KV reuse that never chan
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
 import torch
 
-from llmweb.engine import Engine, EngineLimits, GenerationRequest, Tokens, local_engine
+from llmweb.engine import Engine, EngineLimits, GenerationRequest, Restarted, Tokens, local_engine
 from llmweb.errors import AdmissionError, BusyError, OutOfMemory, TimedOut
 from llmweb.kvcache import KVStore, cache_nbytes
 from llmweb.tokens import render_prompt
@@ -280,3 +281,107 @@ def test_no_cache_is_retained_without_a_session(engine, fmt):
     engine.submit(req(fmt, ids, n=5)).result()
     assert engine.kv.total_bytes == 0
     assert cache_nbytes(object()) == 0
+
+
+# ---- batching: several requests share each decode step
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow, please.",
+    "Hi!",
+    "Explain in one sentence why the sky is blue, for a child who asks a lot of questions.",
+]
+
+
+def alone(fp32_model, requests):
+    """Each request's greedy reply from a serial engine (max_batch=1), one after the other."""
+    e = make_engine(fp32_model)
+    try:
+        return [e.submit(r).result() for r in requests]
+    finally:
+        e.close()
+
+
+def test_greedy_replies_are_identical_alone_and_in_a_batch_of_4(fp32_model, fmt):
+    requests = [req(fmt, prompt(fmt, ("user", q)), n=24, owner=f"v{i}") for i, q in enumerate(QUESTIONS)]
+    expected = alone(fp32_model, requests)
+    e = make_engine(fp32_model, max_batch=4)
+    try:
+        handles = [e.submit(r) for r in requests]
+        assert [h.result() for h in handles] == expected
+        assert e.counters.max_active == 4 and max(h.stats.batch_size for h in handles) == 4
+    finally:
+        e.close()
+
+
+def test_cancelling_one_request_of_a_batch_leaves_the_others_unchanged(fp32_model, fmt):
+    requests = [req(fmt, prompt(fmt, ("user", q)), n=24, owner=f"v{i}") for i, q in enumerate(QUESTIONS[:3])]
+    expected = alone(fp32_model, requests)
+    e = make_engine(fp32_model, max_batch=4)
+    try:
+        handles = [e.submit(r) for r in requests]
+        victim = handles[1]
+        for ev in victim.events():
+            if isinstance(ev, Tokens) and len(victim.generated) >= 3:
+                victim.cancel()
+        assert victim.stats.finish_reason == "cancelled" and victim.stats.generated_tokens <= 5
+        assert [handles[0].result(), handles[2].result()] == [expected[0], expected[2]]
+    finally:
+        e.close()
+
+
+def test_an_oom_in_a_batched_decode_step_restarts_only_the_youngest_and_the_worker_lives(fp32_model, fmt):
+    requests = [req(fmt, prompt(fmt, ("user", q)), n=16, owner=f"v{i}") for i, q in enumerate(QUESTIONS[:3])]
+    expected = alone(fp32_model, requests)
+    armed, fired = threading.Event(), threading.Event()
+
+    def fault(_pass):
+        if armed.is_set() and not fired.is_set():
+            fired.set()
+            raise torch.OutOfMemoryError("CUDA out of memory (injected into a batched step)")
+
+    e = make_engine(fp32_model, fault=fault, max_batch=4)
+    try:
+        young = dataclasses.replace(requests[2], fallback=lambda: requests[2])
+        handles = [e.submit(requests[0]), e.submit(requests[1]), e.submit(young)]
+        seen = {i: [] for i in range(3)}
+
+        def consume(i):
+            for ev in handles[i].events():
+                seen[i].append(ev)
+                if i == 2 and isinstance(ev, Tokens) and len(handles[2].generated) == 2:
+                    armed.set()  # the next pass is a decode step of all three
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [h.generated for h in handles] == expected
+        assert [any(isinstance(ev, Restarted) for ev in seen[i]) for i in range(3)] == [False, False, True]
+        assert handles[2].stats.oom_retry and not handles[0].stats.oom_retry
+        assert e.counters.ooms == 1
+        assert e.submit(requests[0]).result() == expected[0], "the worker lives"
+    finally:
+        e.close()
+
+
+def test_a_sessions_turn_in_a_batch_prefills_only_its_new_tokens(fp32_model, fmt):
+    e = make_engine(fp32_model, max_batch=4)
+    try:
+        histories = {s: [("user", q)] for s, q in zip("ab", QUESTIONS)}
+        for s, history in histories.items():
+            h = e.submit(req(fmt, prompt(fmt, *history), n=12, session_id=s))
+            history.append(("assistant", fmt.decode(h.result())))
+            history.append(("user", "Say it again, shorter."))
+        turn2 = {s: req(fmt, prompt(fmt, *history), n=12, session_id=s, owner=s) for s, history in histories.items()}
+        handles = {s: e.submit(r) for s, r in turn2.items()}
+        results = {s: h.result() for s, h in handles.items()}
+        for s, h in handles.items():
+            new = len(turn2[s].prompt_ids) - h.stats.reused_tokens
+            assert h.stats.reused_tokens > 0 and h.stats.prefilled_tokens == new < 20
+        assert max(h.stats.batch_size for h in handles.values()) == 2
+        fresh = alone(fp32_model, [dataclasses.replace(r, session_id=None) for r in turn2.values()])
+        assert list(results.values()) == fresh, "reuse in a batch never changes the text"
+    finally:
+        e.close()

@@ -174,3 +174,116 @@ def test_waiting_events_repeat_while_queued(engine):
     assert all(isinstance(x, Waiting) and x.position == 1 for x in events)
     h.cancel()
     first.cancel()
+
+
+# ---- batching: one worker, several requests per decode step
+
+
+@pytest.fixture
+def batched():
+    e, runner = fake_engine(FakeRunner(token_delay_s=0.01), queue_size=8, max_batch=4)
+    yield e, runner
+    e.close()
+
+
+def test_requests_submitted_together_share_each_decode_step(batched):
+    e, runner = batched
+    runner.enqueue(*[[10 + i] * 6 for i in range(4)])
+    handles = [e.submit(req(n=6, owner=f"o{i}")) for i in range(4)]
+    assert [h.result() for h in handles] == [[10 + i] * 6 for i in range(4)]
+    assert e.counters.max_active == 4 and max(runner.batch_sizes) == 4
+    assert all(h.stats.batch_size == 4 for h in handles)
+
+
+def test_a_new_request_joins_the_running_batch_after_its_prefill(batched):
+    e, runner = batched
+    runner.enqueue(list(range(100, 160)), [7, 8, 9])
+    first = e.submit(req(n=60))
+    wait_for(lambda: len(first.generated) >= 5)
+    second = e.submit(req(owner="late"))
+    assert second.result() == [7, 8, 9], "it did not wait for the first to finish"
+    assert not first.stats, "the first is still running"
+    assert second.stats.batch_size == 2
+    first.cancel()
+    first.result()
+    assert runner.batch_sizes[0] == 1 and 2 in runner.batch_sizes
+
+
+def test_max_batch_bounds_the_batch_and_the_rest_wait_their_turn(batched):
+    e, runner = batched
+    handles = [e.submit(req(ids=(i, i + 1, i + 2), n=3, owner=f"o{i}")) for i in range(6)]
+    for h in handles:
+        h.result()
+    assert e.counters.max_active == 4 and max(runner.batch_sizes) <= 4 and e.counters.served == 6
+
+
+def test_cancelling_one_request_of_a_batch_leaves_it_at_once_and_the_others_unchanged(batched):
+    e, runner = batched
+    replies = [list(range(10 * i, 10 * i + 30)) for i in range(1, 4)]
+    runner.enqueue(*replies)
+    handles = [e.submit(req(n=30, owner=f"o{i}")) for i in range(3)]
+    wait_for(lambda: len(handles[1].generated) >= 3)
+    steps_before = len(runner.batch_sizes)
+    handles[1].cancel()
+    assert handles[0].result() == replies[0] and handles[2].result() == replies[2]
+    assert handles[1].stats.finish_reason == "cancelled" and handles[1].stats.generated_tokens < 10
+    after = runner.batch_sizes[steps_before + 1 :]  # the step in flight at the cancel may still count it
+    assert after and max(after) <= 2, "the cancelled request left the batch"
+
+
+def test_an_oom_in_a_batched_decode_step_restarts_only_the_youngest(batched):
+    e, runner = batched
+    replies = [[1] * 8, [2] * 8, [3] * 8]
+    runner.enqueue(*replies, [4] * 8)  # the last one answers the retry
+    handles = [e.submit(req(n=8, owner=f"o{i}", fallback=lambda: req(ids=(9,), n=8, owner="o2"))) for i in range(3)]
+    wait_for(lambda: all(len(h.generated) >= 2 for h in handles))
+    runner.fail_next(oom=True, in_decode=True)
+    events = [list(h.events()) for h in handles]
+    assert [any(isinstance(ev, Restarted) for ev in evs) for evs in events] == [False, False, True]
+    assert [h.generated for h in handles] == [[1] * 8, [2] * 8, [4] * 8]
+    assert handles[2].stats.oom_retry and runner.requests[-1].prompt_ids == [9]
+    assert e.counters.ooms == 1
+    assert e.submit(req(n=2)).result() == [1, 2], "the worker lives"
+    assert e.counters.served == 4
+
+
+def test_admission_counts_the_whole_batch_and_a_request_that_fits_later_waits():
+    e, runner = fake_engine(FakeRunner(token_delay_s=0.01), max_batch=4, admission_wait_s=0.2)
+    try:
+        runner.predict_bytes, runner.available_bytes = 2**30, int(2.5 * 2**30)
+        handles = [e.submit(req(n=10, owner=f"o{i}")) for i in range(3)]
+        for h in handles:
+            h.result()
+        assert e.counters.max_active == 2, "the third did not fit next to two: it waited"
+        assert e.counters.refused == 0 and e.counters.served == 3
+    finally:
+        e.close()
+
+
+def test_admission_refuses_a_request_that_would_not_fit_next_to_the_batch_with_the_numbers():
+    e, runner = fake_engine(FakeRunner(token_delay_s=0.01), max_batch=4, admission_wait_s=0.2)
+    try:
+        runner.predict_bytes = lambda request: 3 * 2**30 if request.owner == "big" else 2**30
+        runner.available_bytes, runner.held_bytes = int(1.5 * 2**30), 2**29
+        runner.enqueue(list(range(100, 400)))
+        small = e.submit(req(n=300, owner="small"))
+        wait_for(lambda: len(small.generated) >= 2)
+        with pytest.raises(
+            AdmissionError, match=r"needs ~3\.00 GiB of memory but only 1\.50 GiB is free next to the 1 running request"
+        ):
+            e.submit(req(owner="big")).result()
+        assert not small.stats, "the running request goes on"
+        small.cancel()
+    finally:
+        e.close()
+
+
+def test_a_sessions_turn_in_a_batch_reuses_its_cache(batched):
+    e, runner = batched
+    e.submit(req(ids=(1, 2, 3), session_id="s", n=3)).result()
+    turn2 = (1, 2, 3, 1, 2, 3, 4, 5)
+    other = e.submit(req(ids=(7, 8), n=20, owner="x"))
+    h = e.submit(req(ids=turn2, session_id="s", n=3))
+    h.result()
+    other.result()
+    assert h.stats.reused_tokens == 6 and h.stats.prefilled_tokens == 2
