@@ -57,7 +57,8 @@ def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
         f"**Turn {s.turn}** · {g.finish_reason}",
         f"- prompt **{g.prompt_tokens:,}** tokens: reused {g.reused_tokens:,} of {g.prompt_tokens:,} from this "
         f"chat's cache, prefilled {g.prefilled_tokens:,}",
-        f"- generated **{g.generated_tokens:,}** tokens at {g.decode_tok_s:.1f} tok/s",
+        f"- generated **{g.generated_tokens:,}** tokens at {g.decode_tok_s:.1f} tok/s, "
+        + ("alone" if g.batch_size <= 1 else f"in a batch of up to {g.batch_size} requests"),
         f"- first token after {g.ttft_s:.2f} s (queued {g.queue_wait_s:.2f} s); total {g.total_s:.1f} s",
     ]
     if mem.on_cuda:

@@ -66,6 +66,10 @@ def test_stats_markdown_reads_the_typed_record():
     assert "**Turn 3** · eos" in text and "reused 40 of 100" in text and "RSS 50 MiB" in text
     assert "GPU" not in text, "no GPU line on CPU"
     assert "GPU: allocated 10 MiB, reserved 12 MiB" in stats_markdown(turn_stats(cuda=True))
+    assert "tok/s, alone" in text
+    batched = turn_stats()
+    batched.gen.batch_size = 4
+    assert "in a batch of up to 4 requests" in stats_markdown(batched)
 
 
 def test_near_limit_turns_warn_in_plain_words():
