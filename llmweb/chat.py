@@ -96,9 +96,10 @@ def reduced_budget(b: context.Budget) -> context.Budget:
 
 
 def _covered(passage: Chunk, known: set[str]) -> bool:
-    """Does the summary + facts vocabulary already hold every name and number the turn's user text has?"""
-    terms = facts.salient_terms(passage.text.split("\nAssistant:")[0])
-    return bool(terms) and terms <= known
+    """Does the summary + facts vocabulary already hold every detail (`facts.detail_terms`) of the
+    turn's user text? A turn without such details is covered by the summary's paraphrase of it."""
+    user_text = passage.text.split("\nAssistant:")[0].removeprefix("User:")
+    return facts.detail_terms(user_text) <= known
 
 
 def plan_sources(plan: context.ContextPlan) -> list[Source]:
@@ -326,12 +327,14 @@ class Chat:
     def recall(self, conv: Conversation, text: str) -> list[Chunk]:
         """Earlier turns of this chat that left the window, when the message is about one of them.
 
-        Only confident matches (RECALL_MIN_SCORE), and never a turn whose names and numbers the
-        facts and the summary already carry: those are in the prompt anyway, and a recalled
-        passage costs prefill now and a re-prefill of the reply after it next turn.
+        Only confident matches (RECALL_MIN_SCORE) that bring back details (`facts.detail_terms`:
+        names, codes, numbers) the facts and the summary do not carry: the rest is in the prompt
+        already, verbatim or paraphrased, and a recalled passage costs prefill now and a re-prefill
+        of the reply after it next turn (`bench ttft`: a scripted chat that returns to its topics
+        recalled ~170 tokens every turn after the first fold, late/early TTFT 8.9).
         """
         hits = self.recall_index(conv.id).search(text, k=self.settings.recall_k, min_score=RECALL_MIN_SCORE)
-        known = facts.salient_terms(" ".join([conv.summary, *(f.text for f in conv.facts)]))
+        known = facts.vocabulary(" ".join([conv.summary, *(f.text for f in conv.facts)]))
         return [c for c in hits if not _covered(c, known)]
 
     def recall_index(self, conv_id: str):

@@ -82,6 +82,42 @@ def _vocabulary(source: str) -> set[str]:
     return {_base(w) for w in _WORD.findall(source)}
 
 
+_TOKEN = re.compile(r"\w[\w'’\-.:/]*")  # any script: letters, digits, "_", and codes like "Zanzibar-7781"
+_CODE = re.compile(r"_|[a-z][A-Z]")  # snake_case, camelCase
+
+
+def detail_terms(text: str) -> set[str]:
+    """The details a paraphrase loses, lower-cased: codes and numbers (of 3+ characters, or mixed
+    with letters: "7781", "3pm", "v2"), identifiers (snake_case, camelCase) and names (capitalised
+    words inside a sentence that are not common words). Any script; a sentence's first word counts
+    only as a code or number (a capital there says nothing), and so do one- or two-digit counts
+    ("Question 2", "3 eggs") which a summary may drop without losing the point.
+
+    Recall (chat.py) brings back an earlier turn only for such details: without them the summary's
+    paraphrase already carries what the turn said.
+    """
+    terms = set()
+    for sentence in sentences(text):
+        for i, raw in enumerate(_TOKEN.findall(sentence)):
+            word = raw.strip(".,:/-'’")
+            if not word:
+                continue
+            digits = sum(c.isdigit() for c in word)
+            if digits:
+                if len(word) >= 3 or digits < len(word):
+                    terms.add(word.lower())
+            elif _CODE.search(word):
+                terms.add(word.lower())
+            elif i > 0 and word[0].isupper() and word.lower() not in _COMMON:
+                terms.add(_base(word))
+    return terms
+
+
+def vocabulary(text: str) -> set[str]:
+    """Every word and code of `text`, lower-cased, in the form `detail_terms` gives them."""
+    return {w.strip(".,:/-'’").lower() for w in _TOKEN.findall(text)} | _vocabulary(text)
+
+
 def ground(summary: str, source: str) -> Grounded:
     """Keep only summary sentences whose names, numbers and dates all occur in `source`."""
     vocab = _vocabulary(source)

@@ -176,8 +176,22 @@ def test_recall_skips_turns_the_facts_already_carry(rig, monkeypatch):
 
     turn = Chunk("User: My dog is called Pixel, a border collie.\nAssistant: Nice!", "turn 1", kind="recall")
     assert _covered(turn, {"pixel"}) and not _covered(turn, {"tromsø"})
-    plain = Chunk("User: tell me about bread\nAssistant: Flour and water.", "turn 2", kind="recall")
-    assert not _covered(plain, {"pixel"}), "a turn without names or numbers is judged by its score alone"
+    plain = Chunk("User: Question 2: tell me about bread. Keep it short.\nAssistant: Flour.", "turn 2", kind="recall")
+    assert _covered(plain, set()), "a turn without details is covered by the summary's paraphrase"
+    coded = Chunk("User: Set retry_limit to 3 and port 8443 in Oslo.\nAssistant: Done.", "turn 3", kind="recall")
+    assert not _covered(coded, {"oslo", "8443"}), "an identifier the summary lost is worth recalling"
+    assert _covered(coded, {"oslo", "8443", "retry_limit"})
+
+
+def test_detail_terms_in_any_script():
+    from llmweb.facts import detail_terms, vocabulary
+
+    assert detail_terms("My locker code is Zanzibar-7781. Please remember it.") == {"zanzibar-7781"}
+    # German capitalises every noun: more terms (more recall), never fewer
+    assert {"bello", "münchen", "12b"} <= detail_terms("Mein Hund heißt Bello und wohnt in München, Straße 12b.")
+    assert any("4417" in t for t in detail_terms("제 사물함 번호는 4417입니다."))
+    assert detail_terms("Question 22: explain tides. Keep it simple.") == set()
+    assert "zanzibar-7781" in vocabulary("The user's code is Zanzibar-7781.")
 
 
 def test_write_summary_sizes_each_batch_against_the_summary_as_it_grows(rig):
