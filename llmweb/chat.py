@@ -319,10 +319,43 @@ class Chat:
                 if " ".join(fact.lower().split()) not in known:
                     self.store.add_fact(owner, conv_id, fact, pinned=False)
             self.store.set_summary(owner, conv_id, new, upto)
-            # the session's KV cache stays: the next turn reuses its longest common prefix with the
-            # new prompt (the system prompt and the summary up to the appended paragraph)
+            self._warm(owner, conv_id)
         except Exception:  # the turn already streamed; a failed fold is tried again next turn
             log.exception("folding turns for %s failed", conv_id)
+
+    def _warm(self, owner: str, conv_id: str) -> None:
+        """Prefill the folded prompt's prefix now, in the background, into the session's KV cache.
+
+        A fold moves the window, so every token after the summary sits at a new position and the
+        cached prefix ends there: the next turn would prefill the whole window (~1,000 tokens at
+        context 2048) before its first token. Planned with an empty message, this prompt is the
+        next turn's up to its user text; the engine keeps it as the session's cache (one token is
+        generated and dropped), and the user's next message, typed meanwhile, reuses it. Planning
+        never fails the fold: a conversation gone or not fitting just is not warmed.
+        """
+        if not self.settings.kv_reuse:
+            return
+        try:
+            conv = self.store.get(owner, conv_id)
+            window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]]
+            plan = context.plan(
+                self.settings.system_prompt, conv.summary, window, [], "", self.budget, self.fmt, facts=conv.facts
+            )
+        except LlmwebError:
+            return
+        try:
+            self.engine.submit(
+                GenerationRequest(
+                    prompt_ids=plan.ids,
+                    max_new_tokens=1,
+                    stop_ids=self.fmt.stop_ids,
+                    session_id=conv_id,
+                    owner=owner,
+                    background=True,
+                )
+            ).result()
+        except LlmwebError as e:  # busy, out of memory, shut down: the next turn prefills it itself
+            log.info("warming %s after a fold: %s", conv_id, e)
 
     def recall(self, conv: Conversation, text: str) -> list[Chunk]:
         """Earlier turns of this chat that left the window, when the message is about one of them.

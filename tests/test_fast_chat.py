@@ -170,6 +170,27 @@ def test_a_fold_appends_to_the_summary_and_the_next_turn_reuses_the_prefix_befor
         assert reused >= system_and_old_summary - 3, "after an append the system prompt and old summary stay cached"
 
 
+def test_after_a_fold_the_next_turn_prefills_only_its_message(rig):
+    """A fold moves the window, so the session's cached prefix ends at the summary. The fold job
+    then prefills the new prefix in the background (a warm-up request with the session's id), and
+    the next turn prefills only its own message."""
+    chat, runner, fmt, store = rig
+    runner.background = lambda request: fmt._words("the user wrote x again.") + [fmt.END]
+    conv, folded, after = None, 0, []
+    for i in range(30):
+        fin = chat.ask(OWNER, conv, f"message {i} " + "x " * 12, wait_summary=True)
+        conv = fin.conv_id
+        if fin.stats.summarized_turns != folded:  # the first turn planned after a fold
+            folded = fin.stats.summarized_turns
+            after.append(fin.stats.gen)
+    assert len(after) >= 2, "the chat folded at least twice"
+    warmups = [r for r in runner.requests if r.background and r.session_id == conv]
+    assert len(warmups) >= len(after) and all(r.max_new_tokens == 1 for r in warmups)
+    own = len(fmt.message_ids("user", "message 29 " + "x " * 12)) + len(fmt.generation_prompt_ids())
+    for gen in after:
+        assert gen.prompt_tokens - gen.reused_tokens <= own, gen
+
+
 def test_recall_skips_turns_the_facts_already_carry(rig, monkeypatch):
     from llmweb.chat import _covered
     from llmweb.records import Chunk
