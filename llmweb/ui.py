@@ -42,11 +42,13 @@ from .chat import Delta, Finished, Queued, Started, clean_message
 from .errors import InputError, LlmwebError
 from .store import DEFAULT_TITLE, LOCAL_OWNER, Conversation, new_id
 from .ui_format import (
+    NO_PLOT,
     SECTION_COLOURS,
     documents_markdown,
     fact_label,
     history_messages,
     ingest_markdown,
+    line_chart_html,
     plot_frames,
     sections_html,
     stats_markdown,
@@ -62,6 +64,7 @@ CSS = """
 .llmweb-bar div {height:100%}
 .llmweb-legend span {display:inline-block; margin-right:10px; font-size:12px}
 .llmweb-legend i {display:inline-block; width:10px; height:10px; margin-right:3px; border-radius:2px}
+.llmweb-plot svg text {fill: currentColor}
 """
 
 
@@ -125,8 +128,8 @@ class Layout:
     del_fact_btn: gr.Button
     new_fact: gr.Textbox
     add_fact_btn: gr.Button
-    tokens_plot: gr.LinePlot
-    memory_plot: gr.LinePlot
+    tokens_plot: gr.HTML
+    memory_plot: gr.HTML
 
     def outputs(self, *names: str) -> list:
         return [getattr(self, n) for n in names]
@@ -224,20 +227,8 @@ def _panel_column() -> dict:
             new_fact = gr.Textbox(placeholder="Something to remember, word for word", show_label=False, scale=3)
             add_fact_btn = gr.Button("Remember", size="sm", scale=1)
     gr.Markdown("### This chat, turn by turn")
-    # "~g": turn 1 reads "1", not "1.000000"; the sections keep the colours of the bar above
-    tokens_plot = gr.LinePlot(
-        x="turn",
-        y="tokens",
-        color="section",
-        height=220,
-        x_axis_format="~g",
-        color_map=SECTION_COLOURS,
-        title="Prompt tokens by section",
-        elem_id="llmweb-tokens-plot",
-    )
-    memory_plot = gr.LinePlot(
-        x="turn", y="MiB", color="measure", height=220, x_axis_format="~g", title="Memory", elem_id="llmweb-memory-plot"
-    )
+    tokens_plot = gr.HTML(NO_PLOT, elem_id="llmweb-tokens-plot")
+    memory_plot = gr.HTML(NO_PLOT, elem_id="llmweb-memory-plot")
     return dict(
         stats_md=stats_md,
         bar=bar,
@@ -348,10 +339,8 @@ class Handlers:
             bar=sections_html(stats),
             memory_md=summary_markdown(conv),
             fact_dd=gr.update(choices=[(fact_label(f), f.id) for f in conv.facts], value=None),
-            # None, not an empty frame, for a chat without turns: after an empty frame the plot
-            # would stop drawing lines for later updates in this page (seen in Gradio 6.31)
-            tokens_plot=tokens_df if len(tokens_df) else None,
-            memory_plot=memory_df if len(memory_df) else None,
+            tokens_plot=line_chart_html(tokens_df, "tokens", "section", "Prompt tokens by section", SECTION_COLOURS),
+            memory_plot=line_chart_html(memory_df, "MiB", "measure", "Memory"),
         )
 
     def _open(self, owner: str, conv_id: str) -> Panel:

@@ -191,3 +191,68 @@ def plot_frames(conv):
         pd.DataFrame(tokens, columns=["turn", "section", "tokens"]).astype({"turn": "int64", "tokens": "float64"}),
         pd.DataFrame(memory, columns=["turn", "measure", "MiB"]).astype({"turn": "int64", "MiB": "float64"}),
     )
+
+
+_SERIES_COLOURS = ("#3b82f6", "#ef4444", "#10b981", "#f59e0b", "#8b5cf6", "#06b6d4", "#ec4899", "#6b7280")
+NO_PLOT = '<div class="llmweb-plot"><em>No turns yet.</em></div>'
+
+
+def line_chart_html(frame, y: str, series: str, title: str, colours: dict[str, str] | None = None) -> str:
+    """A small SVG line chart of `frame` (long format: "turn", `series`, `y`) for the session panel.
+
+    Drawn here rather than by Gradio's LinePlot, which labels a one-turn axis with fractions
+    ("1.000000") and draws a line only from two points: here the x ticks are whole turns and every
+    value is a dot (with a hover title), joined by a line once a series has two turns."""
+    if frame is None or not len(frame):
+        return NO_PLOT
+    w, h, left, right, top, bottom = 360, 190, 46, 10, 8, 26
+    turns = sorted({int(t) for t in frame["turn"]})
+    lo, hi = turns[0], turns[-1]
+    y_max = max(float(frame[y].max()), 1e-9) * 1.1
+
+    def px(turn: int) -> float:
+        return left + (w - left - right) * (0.5 if hi == lo else (turn - lo) / (hi - lo))
+
+    def py(value: float) -> float:
+        return top + (h - top - bottom) * (1 - float(value) / y_max)
+
+    parts = [
+        f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="#9ca3af"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#9ca3af"/>',
+    ]
+    step = max(1, -(-len(range(lo, hi + 1)) // 8))  # at most ~8 whole-turn ticks
+    for turn in range(lo, hi + 1, step):
+        x = px(turn)
+        parts.append(
+            f'<text x="{x:.1f}" y="{h - bottom + 15}" font-size="11" text-anchor="middle" '
+            f'class="llmweb-x-tick">{turn}</text>'
+        )
+    y_format = ",.0f" if y_max >= 10 else ".1f"
+    for i in range(5):
+        value = y_max * i / 4
+        parts.append(
+            f'<text x="{left - 4}" y="{py(value) + 4:.1f}" font-size="10" text-anchor="end">{value:{y_format}}</text>'
+        )
+    legend = []
+    for n, (name, rows) in enumerate(frame.sort_values("turn").groupby(series, sort=False)):
+        colour = (colours or {}).get(name) or _SERIES_COLOURS[n % len(_SERIES_COLOURS)]
+        label = html.escape(str(name))
+        points = [(px(int(t)), py(v), int(t), float(v)) for t, v in zip(rows["turn"], rows[y])]
+        if len(points) > 1:
+            path = " ".join(f"{x:.1f},{yy:.1f}" for x, yy, _, _ in points)
+            parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        parts += [
+            f'<circle cx="{x:.1f}" cy="{yy:.1f}" r="3" fill="{colour}" class="llmweb-point">'
+            f"<title>{label}, turn {t}: {v:,.1f}</title></circle>"
+            for x, yy, t, v in points
+        ]
+        legend.append(f'<span><i style="background:{colour}"></i>{label}</span>')
+    svg = (
+        f'<svg viewBox="0 0 {w} {h}" width="100%" role="img" aria-label="{html.escape(title)} by turn">'
+        + "".join(parts)
+        + "</svg>"
+    )
+    return (
+        f'<div class="llmweb-plot"><div><strong>{html.escape(title)}</strong> '
+        f'<small>({html.escape(y)} by turn)</small></div>{svg}<div class="llmweb-legend">{"".join(legend)}</div></div>'
+    )

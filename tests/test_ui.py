@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from types import SimpleNamespace
 
 import gradio as gr
@@ -17,8 +18,10 @@ from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
 from llmweb.store import Store, new_id
 from llmweb.ui import Handlers, Panel, build_app, new_owner_token, user_errors
 from llmweb.ui_format import (
+    NO_PLOT,
     SECTION_COLOURS,
     history_messages,
+    line_chart_html,
     plot_frames,
     sections_html,
     sources_message,
@@ -121,6 +124,25 @@ def test_plot_frames_start_at_turn_1_skip_turns_without_stats_and_leave_out_rese
     assert str(empty_tokens["tokens"].dtype) == "float64" and len(empty_memory) == 0
 
 
+def test_session_plots_draw_a_point_at_turn_1_and_label_the_axis_with_whole_turns():
+    tokens, _ = plot_frames(stored(("a", turn_stats(1), [])))
+    one = line_chart_html(tokens, "tokens", "section", "Prompt tokens", SECTION_COLOURS)
+    ticks = re.findall(r'class="llmweb-x-tick">([^<]*)<', one)
+    assert ticks == ["1"], "one turn: one tick, '1' (not '1.000000' or fractions)"
+    assert one.count('class="llmweb-point"') == len(tokens) > 0, "every section's turn-1 value is a dot"
+    assert "<polyline" not in one and SECTION_COLOURS["user"] in one
+    turns = [(f"a{i}", turn_stats(i), []) for i in range(1, 31)]
+    tokens, memory = plot_frames(stored(*turns))
+    many = line_chart_html(tokens, "tokens", "section", "Prompt tokens")
+    ticks = [int(t) for t in re.findall(r'class="llmweb-x-tick">([^<]*)<', many)]
+    steps = {b - a for a, b in zip(ticks, ticks[1:])}
+    assert ticks[0] == 1 and len(ticks) <= 8 and len(steps) == 1 and min(steps) >= 1, "evenly spaced whole turns"
+    assert "<polyline" in many and many.count('class="llmweb-point"') == len(tokens)
+    assert "turn 30:" in line_chart_html(memory, "MiB", "measure", "Memory")
+    assert line_chart_html(tokens.iloc[:0], "tokens", "section", "x") == NO_PLOT
+    assert "&lt;b&gt;" in line_chart_html(tokens.assign(section="<b>"), "tokens", "section", "x"), "names escaped"
+
+
 # ---- the error decorator
 
 
@@ -220,7 +242,7 @@ def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime):
     assert "**Turn 1**" in panel.stats_md and panel.stats_md.endswith("A note.")
     assert panel.chatbot[-1]["metadata"]["title"] == "Sources (1)"
     assert "atlas.md, France" in panel.chatbot[-1]["content"]
-    assert list(panel.tokens_plot["turn"].unique()) == [1]
+    assert 'class="llmweb-x-tick">1</text>' in panel.tokens_plot and "turn 1:" in panel.tokens_plot
 
 
 def test_stop_closes_the_chat_stream_through_the_decorator_and_shows_the_stopped_turn(runtime):
@@ -258,7 +280,7 @@ def _one_chat(h) -> str:
 def test_a_new_chat_is_not_stored_until_its_first_message_and_delete_moves_on(runtime):
     h = Handlers(runtime)
     blank = h.new_chat(A_TOKEN, NOBODY)
-    assert blank.conv_state == "" and "No turns yet" in blank.stats_md and blank.tokens_plot is None
+    assert blank.conv_state == "" and "No turns yet" in blank.stats_md and blank.tokens_plot == NO_PLOT
     assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == [], "no empty chats in the store"
     first, second = _one_chat(h), _one_chat(h)
     assert h.switch("gone", A_TOKEN, NOBODY).conv_state == ""
