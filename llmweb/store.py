@@ -58,6 +58,7 @@ from .records import Source, Turn, TurnStats
 
 DEFAULT_TITLE = "New chat"
 TITLE_CHARS = 40  # auto-titles are cut to about this many characters
+MAX_TITLE_CHARS = 120  # a title the user types may be this long
 BUSY_TIMEOUT_S = 30.0  # wait this long for another process's write lock
 EXPORT_FORMAT = "llmweb.conversation"
 EXPORT_VERSION = 1
@@ -353,11 +354,23 @@ class Store:
                 (summary, summarized_upto, conv_id),
             )
 
-    def rename(self, owner: str, conv_id: str, title: str) -> None:
+    def rename(self, owner: str, conv_id: str, title: str) -> str:
+        """Give the owner's conversation a new title and return it as stored: one line, whitespace
+        collapsed, control characters dropped. An empty or over-long title is an `InputError` and
+        changes nothing. Another owner's conversation is `NotFound`, as an unknown id is.
+        Does not touch `updated`: a rename must not reorder the list."""
+        if not isinstance(title, str):
+            raise InputError("Type a title for this chat.")
+        title = " ".join("".join(" " if unicodedata.category(c) == "Cc" else c for c in title).split())
+        if not title:
+            raise InputError("Type a title for this chat (it cannot be empty).")
+        if len(title) > MAX_TITLE_CHARS:
+            raise InputError(f"That title has {len(title):,} characters; the limit is {MAX_TITLE_CHARS}.")
         with self._write() as db:
             cur = db.execute("UPDATE conversations SET title = ? WHERE id = ? AND owner = ?", (title, conv_id, owner))
             if cur.rowcount == 0:
                 raise _missing(conv_id)
+        return title
 
     def delete(self, owner: str, conv_id: str) -> bool:
         """Delete a conversation with its turns and facts. False if it was already gone (or not the owner's)."""

@@ -101,6 +101,8 @@ class Layout:
     new_btn: gr.Button
     conv_list: gr.Radio
     delete_btn: gr.Button
+    title_box: gr.Textbox
+    rename_btn: gr.Button
     export_md: gr.DownloadButton
     export_json: gr.DownloadButton
     delete_all_btn: gr.Button
@@ -160,6 +162,11 @@ def _sidebar() -> dict:
     with gr.Row():
         delete_btn = gr.Button("Delete chat", size="sm", variant="stop")
     with gr.Row():
+        title_box = gr.Textbox(
+            placeholder="New title for this chat", show_label=False, scale=3, max_lines=1, elem_id="llmweb-title"
+        )
+        rename_btn = gr.Button("Rename", size="sm", scale=1, elem_id="llmweb-rename")
+    with gr.Row():
         export_md = gr.DownloadButton("Export .md", size="sm")
         export_json = gr.DownloadButton("Export .json", size="sm")
     delete_all_btn = gr.Button("Delete all my data", size="sm", variant="stop", elem_id="llmweb-delete-all")
@@ -173,6 +180,8 @@ def _sidebar() -> dict:
         new_btn=new_btn,
         conv_list=conv_list,
         delete_btn=delete_btn,
+        title_box=title_box,
+        rename_btn=rename_btn,
         export_md=export_md,
         export_json=export_json,
         delete_all_btn=delete_all_btn,
@@ -408,6 +417,14 @@ class Handlers:
         return self._open(self.owner(token, request), conv_id or "")
 
     @user_errors
+    def rename(self, conv_id, title, token, request: gr.Request) -> tuple:
+        """Rename the open chat; returns the panel (the list shows the new title) and clears the box."""
+        owner = self.owner(token, request)
+        self._current(owner, conv_id)
+        self.store.rename(owner, conv_id, title)
+        return (*self.panel(owner, self.store.get(owner, conv_id)), "")
+
+    @user_errors
     def delete_chat(self, conv_id, token, request: gr.Request) -> Panel:
         owner = self.owner(token, request)
         if conv_id:
@@ -567,6 +584,9 @@ def build_app(runtime) -> gr.Blocks:
         )
         ui.new_btn.click(h.new_chat, me, shown, **private)
         ui.conv_list.input(h.switch, [ui.conv_list] + me, shown, **private)
+        renamed = dict(fn=h.rename, inputs=[ui.conv_state, ui.title_box] + me, outputs=shown + [ui.title_box])
+        ui.rename_btn.click(**renamed, **private)
+        ui.title_box.submit(**renamed, **private)
         ui.delete_btn.click(h.delete_chat, [ui.conv_state] + me, shown, **private)
         ui.export_md.click(h.export_md, [ui.conv_state] + me, ui.export_md, **private)
         ui.export_json.click(h.export_json, [ui.conv_state] + me, ui.export_json, **private)

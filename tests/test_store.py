@@ -19,6 +19,7 @@ from llmweb.errors import ConfigError, InputError, LlmwebError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, Turn, TurnStats
 from llmweb.store import (
     DEFAULT_TITLE,
+    MAX_TITLE_CHARS,
     SCHEMA_VERSION,
     Conversation,
     ConversationInfo,
@@ -175,6 +176,22 @@ def test_summary(store: Store):
     with pytest.raises(ValueError):
         store.set_summary(A, a, "negative", -1)
     assert store.get(A, a).summarized_upto == 3
+
+
+def test_rename_cleans_the_title_refuses_bad_ones_and_keeps_the_list_order(store: Store):
+    a = store.create_conversation(A)
+    store.add_turn(A, a, "first", "a")
+    b = store.create_conversation(A)
+    store.add_turn(A, b, "second", "a")
+    assert store.rename(A, a, "\tTrip\x00 to\n\n  Jeju 🍊 ") == "Trip to Jeju 🍊"
+    assert [(c.id, c.title) for c in store.list_conversations(A)] == [(b, "second"), (a, "Trip to Jeju 🍊")]
+    for bad in ("", " \n\t", "\x00", "y" * (MAX_TITLE_CHARS + 1), None):
+        with pytest.raises(InputError):
+            store.rename(A, a, bad)  # type: ignore[arg-type]
+    assert store.get(A, a).title == "Trip to Jeju 🍊", "a refused title changes nothing"
+    with pytest.raises(NotFound):
+        store.rename(B, a, "stolen")
+    assert store.get(A, a).title == "Trip to Jeju 🍊"
 
 
 def test_rename_delete_and_missing(store: Store):

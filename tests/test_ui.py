@@ -323,6 +323,29 @@ def test_two_visitors_never_see_each_others_chats_through_any_handler(runtime):
     assert h.owner(A_TOKEN, bob) == "user:bob"
 
 
+def test_rename_shows_the_new_title_and_a_stranger_cannot_rename_it(runtime):
+    h = Handlers(runtime)
+    a_conv = _one_chat(h)
+    assert runtime.store.get(f"anon:{A_TOKEN}", a_conv).title == "Capital?", "the default: the first message"
+    *panel, box = h.rename(a_conv, "  Geography\n quiz ", A_TOKEN, NOBODY)
+    assert box == "" and Panel(*panel).conv_list["choices"][0] == ("Geography quiz (1)", a_conv)
+    unknown = new_id()
+    with pytest.raises(gr.Error) as stranger:
+        h.rename(a_conv, "Mine now", B_TOKEN, NOBODY)
+    with pytest.raises(gr.Error) as missing:
+        h.rename(unknown, "Mine now", B_TOKEN, NOBODY)
+    assert str(stranger.value).replace(a_conv[:8], "ID") == str(missing.value).replace(unknown[:8], "ID"), (
+        "B learns nothing: A's chat answers as an unknown id does"
+    )
+    assert runtime.store.get(f"anon:{A_TOKEN}", a_conv).title == "Geography quiz"
+    for bad, why in (("   ", "cannot be empty"), ("x" * 121, "the limit is 120")):
+        with pytest.raises(gr.Error, match=why):
+            h.rename(a_conv, bad, A_TOKEN, NOBODY)
+    with pytest.raises(gr.Error, match="not saved yet"):
+        h.rename("", "Title", A_TOKEN, NOBODY)
+    assert runtime.store.get(f"anon:{A_TOKEN}", a_conv).title == "Geography quiz", "bad titles change nothing"
+
+
 def test_api_conversations_continue_with_their_id_and_only_with_it(runtime):
     h = Handlers(runtime)
     *_, (reply, conv_id) = h.api_chat("Capital?", request=NOBODY)
