@@ -31,6 +31,10 @@ query, so no answer tells them apart. Ids are 128 random bits (`new_id`): ungues
 conversation is created with its first turn (`add_turn(..., create=True)`), so no empty chats
 pile up in the store. `owners` remembers when each owner was last seen, for the retention purge.
 
+Search: `search(owner, query)` reads an FTS5 index of every turn's text (migration 3), kept in
+step by triggers, so no write method has to remember it; hits are scoped to the owner in the
+same query.
+
 Missing conversations raise `NotFound` (a `LookupError` and an `LlmwebError`, so the UI can
 show its message as it is). Deleting something already gone is not an error.
 
@@ -41,6 +45,7 @@ and llmweb's errors and records.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import sqlite3
 import threading
@@ -109,8 +114,34 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         # round 1 created a conversation on every page load: drop the empty ones
         "DELETE FROM conversations WHERE NOT EXISTS (SELECT 1 FROM turns t WHERE t.conversation_id = conversations.id)",
     ),
+    (  # 3: full-text search over the turns' text (FTS5, an external-content index: the text stays in
+        # `turns` only). Triggers keep it in step with every insert, update and delete, cascades
+        # included. It is keyed by turns' implicit rowid, which only VACUUM could renumber; llmweb
+        # never runs VACUUM (after one, run: INSERT INTO turns_fts(turns_fts) VALUES('rebuild')).
+        """CREATE VIRTUAL TABLE turns_fts USING fts5(
+            user, assistant, content='turns', content_rowid='rowid',
+            tokenize='porter unicode61 remove_diacritics 2'
+        )""",
+        "INSERT INTO turns_fts(turns_fts) VALUES ('rebuild')",  # index the turns already stored
+        """CREATE TRIGGER turns_fts_insert AFTER INSERT ON turns BEGIN
+            INSERT INTO turns_fts (rowid, user, assistant) VALUES (new.rowid, new.user, new.assistant);
+        END""",
+        """CREATE TRIGGER turns_fts_delete AFTER DELETE ON turns BEGIN
+            INSERT INTO turns_fts (turns_fts, rowid, user, assistant)
+            VALUES ('delete', old.rowid, old.user, old.assistant);
+        END""",
+        """CREATE TRIGGER turns_fts_update AFTER UPDATE OF user, assistant ON turns BEGIN
+            INSERT INTO turns_fts (turns_fts, rowid, user, assistant)
+            VALUES ('delete', old.rowid, old.user, old.assistant);
+            INSERT INTO turns_fts (rowid, user, assistant) VALUES (new.rowid, new.user, new.assistant);
+        END""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+MAX_QUERY_CHARS = 500  # a search query may be this long
+HIT_START, HIT_END = "\x02", "\x03"  # around the matched words in `SearchHit.snippet`
 
 
 class NotFound(LlmwebError, LookupError):
@@ -125,6 +156,17 @@ class ConversationInfo:
     title: str
     updated: float  # unix seconds
     n_turns: int
+
+
+@dataclass(frozen=True, slots=True)
+class SearchHit:
+    """One turn that matches a search: where it is, and a snippet with the matched words between
+    HIT_START and HIT_END (control characters, so they cannot clash with the text)."""
+
+    conversation_id: str
+    title: str
+    idx: int  # 0-based turn index
+    snippet: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,6 +419,34 @@ class Store:
         with self._write() as db:
             return db.execute("DELETE FROM conversations WHERE id = ? AND owner = ?", (conv_id, owner)).rowcount > 0
 
+    def search(self, owner: str, query: str, limit: int = 20) -> list[SearchHit]:
+        """The owner's turns whose text matches `query` (SQLite FTS5 syntax: words, "phrases",
+        AND/OR/NOT, (groups), prefix*; see `fts_query`), best first. A query FTS5 cannot read
+        (an open quote, a dangling AND) is an `InputError`."""
+        if not isinstance(query, str) or not query.strip():
+            raise InputError("Type something to search for.")
+        if len(query) > MAX_QUERY_CHARS:
+            raise InputError(f"That search has {len(query):,} characters; the limit is {MAX_QUERY_CHARS}.")
+        with self._read() as db:
+            try:
+                rows = db.execute(
+                    """SELECT t.conversation_id, c.title, t.idx,
+                              snippet(turns_fts, -1, ?, ?, '…', 12)
+                       FROM turns_fts
+                       JOIN turns t ON t.rowid = turns_fts.rowid
+                       JOIN conversations c ON c.id = t.conversation_id
+                       WHERE turns_fts MATCH ? AND c.owner = ?
+                       ORDER BY bm25(turns_fts), c.updated DESC, t.idx
+                       LIMIT ?""",
+                    (HIT_START, HIT_END, fts_query(query), owner, max(1, int(limit))),
+                ).fetchall()
+            except sqlite3.OperationalError as e:  # only the query text can fail this read
+                raise InputError(
+                    f'Search could not read {query!r} ({e}). Use plain words, "a phrase in quotes", '
+                    "AND, OR, NOT, or word* for a prefix."
+                ) from None
+        return [SearchHit(*row) for row in rows]
+
     # -- owners ------------------------------------------------------------------------------
 
     def touch_owner(self, owner: str) -> None:
@@ -551,6 +621,25 @@ def auto_title(text: str, limit: int = TITLE_CHARS) -> str:
     if space >= limit // 2:
         cut = cut[:space]
     return cut.rstrip() + "…"
+
+
+_FTS_PART = re.compile(r'"(?:[^"]|"")*"?|[()]|[^\s()"]+')  # a "phrase" (maybe unclosed), a bracket, a word
+_FTS_BAREWORD = re.compile(r"[^\W]+\*?|AND|OR|NOT")
+
+
+def fts_query(text: str) -> str:
+    """The user's search as an FTS5 query. Phrases, brackets, AND/OR/NOT and word* pass as
+    written; a word FTS5 would read as syntax (Zanzibar-7781, e-mail, foo:bar, C++) becomes a
+    quoted phrase, so people can paste what they remember. What is left to fail is real syntax
+    trouble (an open quote, a dangling operator), which `search` reports."""
+    out = []
+    for part in _FTS_PART.findall(text):
+        if part.startswith('"') or part in "()" or _FTS_BAREWORD.fullmatch(part):
+            out.append(part)
+        else:
+            star = "*" if part.endswith("*") and len(part) > 1 else ""
+            out.append('"' + part.removesuffix(star).replace('"', '""') + '"' + star)
+    return " ".join(out)
 
 
 def new_id() -> str:

@@ -50,6 +50,7 @@ from .ui_format import (
     ingest_markdown,
     line_chart_html,
     plot_frames,
+    search_choices,
     sections_html,
     stats_markdown,
     summary_markdown,
@@ -67,6 +68,18 @@ CSS = """
 .llmweb-plot svg text {fill: currentColor}
 """
 
+
+# after a search result opens its chat: scroll to that turn's user message and flash it
+SCROLL_TO_TURN = """(hit) => {
+  const idx = parseInt(String(hit || "").split(":").pop(), 10);
+  setTimeout(() => {
+    const msg = document.querySelectorAll('#llmweb-chat [data-testid="user"]')[idx];
+    if (!msg) return;
+    msg.scrollIntoView({block: "center"});
+    msg.animate([{outline: "3px solid #f59e0b"}, {outline: "none"}], 2000);
+  }, 300);
+  return [];
+}"""
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{32}$")  # secrets.token_urlsafe(24): 192 bits
 
@@ -99,6 +112,8 @@ class Layout:
     timer: gr.Timer
     # sidebar
     new_btn: gr.Button
+    search_box: gr.Textbox
+    search_hits: gr.Radio
     conv_list: gr.Radio
     delete_btn: gr.Button
     title_box: gr.Textbox
@@ -158,6 +173,10 @@ def layout(status_text: Callable[[], str], secret: str) -> Layout:
 
 def _sidebar() -> dict:
     new_btn = gr.Button("New chat", variant="secondary")
+    search_box = gr.Textbox(
+        placeholder="Search my chats (Enter)", show_label=False, max_lines=1, elem_id="llmweb-search"
+    )
+    search_hits = gr.Radio(choices=[], label="Found", visible=False, elem_id="llmweb-search-hits")
     conv_list = gr.Radio(choices=[], label="Conversations", elem_id="llmweb-conversations")
     with gr.Row():
         delete_btn = gr.Button("Delete chat", size="sm", variant="stop")
@@ -178,6 +197,8 @@ def _sidebar() -> dict:
         cancel_all_btn = gr.Button("Cancel", size="sm")
     return dict(
         new_btn=new_btn,
+        search_box=search_box,
+        search_hits=search_hits,
         conv_list=conv_list,
         delete_btn=delete_btn,
         title_box=title_box,
@@ -417,6 +438,23 @@ class Handlers:
         return self._open(self.owner(token, request), conv_id or "")
 
     @user_errors
+    def search(self, query, token, request: gr.Request):
+        """Search the caller's own chats; the results become choices that open their turn."""
+        hits = self.store.search(self.owner(token, request), query)
+        label = f"Found in {len(hits)} turns" if hits else "No chat of yours matches that search."
+        return gr.update(choices=search_choices(hits), value=None, label=label, visible=True)
+
+    @user_errors
+    def open_hit(self, hit, token, request: gr.Request) -> Panel:
+        """A search result picked: open its chat, say which turn (the page then scrolls to it)."""
+        conv_id, _, idx = (hit or "").rpartition(":")
+        if not conv_id or not idx.isdigit():
+            raise InputError("Pick a search result first.")
+        owner = self.owner(token, request)
+        conv = self.store.get(owner, conv_id)
+        return self.panel(owner, conv, f"Search result: turn {int(idx) + 1}.")
+
+    @user_errors
     def rename(self, conv_id, title, token, request: gr.Request) -> tuple:
         """Rename the open chat; returns the panel (the list shows the new title) and clears the box."""
         owner = self.owner(token, request)
@@ -583,6 +621,10 @@ def build_app(runtime) -> gr.Blocks:
             h.after_stop, [ui.conv_state, ui.chatbot] + me, shown, **private
         )
         ui.new_btn.click(h.new_chat, me, shown, **private)
+        ui.search_box.submit(h.search, [ui.search_box] + me, ui.search_hits, **private)
+        ui.search_hits.input(h.open_hit, [ui.search_hits] + me, shown, **private).then(
+            None, [ui.search_hits], None, js=SCROLL_TO_TURN
+        )
         ui.conv_list.input(h.switch, [ui.conv_list] + me, shown, **private)
         renamed = dict(fn=h.rename, inputs=[ui.conv_state, ui.title_box] + me, outputs=shown + [ui.title_box])
         ui.rename_btn.click(**renamed, **private)

@@ -12,6 +12,7 @@ import re
 from collections.abc import Sequence
 
 from .records import Source, TurnStats
+from .store import HIT_END, HIT_START
 from .telemetry import mib
 
 SECTION_COLOURS = {
@@ -256,3 +257,13 @@ def line_chart_html(frame, y: str, series: str, title: str, colours: dict[str, s
         f'<div class="llmweb-plot"><div><strong>{html.escape(title)}</strong> '
         f'<small>({html.escape(y)} by turn)</small></div>{svg}<div class="llmweb-legend">{"".join(legend)}</div></div>'
     )
+
+
+def search_choices(hits) -> list[tuple[str, str]]:
+    """Search results (`SearchHit`) as (label, value) choices: "title · turn N: …snippet…", with the
+    matched words in «guillemets»; the value "conversation_id:idx" says where to jump."""
+    out = []
+    for h in hits:
+        snippet = " ".join(h.snippet.split()).replace(HIT_START, "«").replace(HIT_END, "»")
+        out.append((f"{h.title} · turn {h.idx + 1}: {snippet}", f"{h.conversation_id}:{h.idx}"))
+    return out

@@ -678,3 +678,71 @@ def test_a_database_from_before_owners_opens_without_loss_for_the_local_owner(tm
         assert (conv.summary, conv.summarized_upto) == ("The user shared a locker code.", 1)
         assert [(f.text, f.pinned) for f in conv.facts] == [("My locker code is Zanzibar-7781.", True)]
         assert s.list_conversations("anon:someone-else") == []
+        assert {h.idx for h in s.search(LOCAL_OWNER, "zanzibar")} == {0, 1}, "old turns are searchable"
+
+
+def test_a_database_from_before_search_opens_without_loss_and_every_old_turn_is_searchable(tmp_path: Path):
+    """tests/fixtures/schema2.sqlite3 was written by the previous release's store (schema 2: owners)."""
+    import shutil
+
+    path = tmp_path / "old.sqlite3"
+    shutil.copy(REPO / "tests" / "fixtures" / "schema2.sqlite3", path)
+    a, b = "anon:fixture-visitor-a", "user:fixture-b"
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        (info,) = s.list_conversations(a)
+        conv = s.get(a, info.id)
+        assert [(t.user, t.assistant) for t in conv.turns] == [
+            ("제 사물함 번호는 4471이에요. 기억해 주세요.", "네, 기억할게요."),
+            ("Mein Hund heißt Bello.", "Ein schöner Name!"),
+        ]
+        assert conv.turns[1].sources[0].source == "notes.md"
+        assert (conv.summary, conv.summarized_upto, info.title) == (
+            "The user shared a locker number.",
+            1,
+            "제 사물함 번호는 4471이에요. 기억해 주세요.",
+        )
+        assert [f.text for f in conv.facts] == ["제 사물함 번호는 4471이에요."]
+        assert [(h.conversation_id, h.idx) for h in s.search(a, "사물함")] == [(info.id, 0)]
+        assert [h.idx for h in s.search(a, "bello")] == [1]
+        assert s.search(a, "orion") == []
+        assert [h.title for h in s.search(b, "orion")] == ["The launch code is Orion-42."]
+
+
+def test_search_finds_the_owners_turn_and_never_another_owners(store: Store):
+    mine = store.create_conversation(A)
+    for u, r in [("Hello there", "Hi!"), ("My bike lock code is 5521", "Noted."), ("Plan a trip to Busan", "Day 1…")]:
+        store.add_turn(A, mine, u, r)
+    theirs = store.create_conversation(B)
+    store.add_turn(B, theirs, "My bike is red", "Nice bike.")
+    (hit,) = store.search(A, "bike")
+    assert (hit.conversation_id, hit.idx) == (mine, 1)
+    assert hit.snippet == "My \x02bike\x03 lock code is 5521"
+    assert [h.idx for h in store.search(A, "day")] == [2], "replies are searched too"
+    assert {h.idx for h in store.search(A, '"trip to busan" OR hello')} == {0, 2}
+    assert [h.conversation_id for h in store.search(B, "bike")] == [theirs], "B sees only B's"
+    assert store.search("anon:nobody", "bike") == []
+    store.delete(A, mine)
+    assert store.search(A, "bike") == [], "deleted turns leave the index (cascade)"
+    copy = store.import_json(B, store.export_json(B, theirs))
+    assert {h.conversation_id for h in store.search(B, "red")} == {theirs, copy}, "imported turns are indexed"
+    store._db.execute("INSERT INTO turns_fts(turns_fts) VALUES ('integrity-check')")  # raises if out of step
+
+
+def test_search_takes_pasted_codes_and_punctuation_as_phrases(store: Store):
+    conv = store.create_conversation(A)
+    store.add_turn(A, conv, "My locker code is Zanzibar-7781, e-mail me at a@b.example", "ok")
+    store.add_turn(A, conv, "I write C++ and 제주도 여행?", "ok")
+    for query, idx in (("Zanzibar-7781", 0), ("e-mail", 0), ("a@b.example", 0), ("C++", 1), ("여행?", 1), ("zanz*", 0)):
+        assert [h.idx for h in store.search(A, query)] == [idx], query
+    assert store.search(A, "nosuchcolumn:word") == [] and store.search(A, "*") == [] and store.search(A, "🙂") == []
+
+
+@pytest.mark.parametrize("query", ['"unclosed', "AND", "bike OR", "(", "bike NOT", " ", "x" * 501])
+def test_a_search_fts5_cannot_read_is_a_clear_input_error(store: Store, query: str):
+    conv = store.create_conversation(A)
+    store.add_turn(A, conv, "bike", "ok")
+    with pytest.raises(InputError) as e:
+        store.search(A, query)
+    assert "search" in str(e.value).lower() and "Traceback" not in str(e.value)
+    assert [h.idx for h in store.search(A, "bike")] == [0], "the store still answers"

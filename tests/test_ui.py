@@ -346,6 +346,27 @@ def test_rename_shows_the_new_title_and_a_stranger_cannot_rename_it(runtime):
     assert runtime.store.get(f"anon:{A_TOKEN}", a_conv).title == "Geography quiz", "bad titles change nothing"
 
 
+def test_search_lists_only_the_callers_turns_and_a_result_opens_its_chat_at_that_turn(runtime):
+    h = Handlers(runtime)
+    a_conv = _one_chat(h)
+    *_, b_final = h.respond("Capital?", [], "", True, B_TOKEN, NOBODY)
+    found = h.search("capital", A_TOKEN, NOBODY)
+    assert found["visible"] and found["choices"] == [("Capital? · turn 1: «Capital»?", f"{a_conv}:0")], "A's only"
+    assert h.search("nothing-like-this", A_TOKEN, NOBODY)["choices"] == []
+    opened = h.open_hit(f"{a_conv}:0", A_TOKEN, NOBODY)
+    assert opened.conv_state == a_conv and opened.stats_md.endswith("Search result: turn 1.")
+    with pytest.raises(gr.Error, match="no longer exists"):
+        h.open_hit(f"{a_conv}:0", B_TOKEN, NOBODY)  # B with A's result: as an unknown id
+    for bad in (None, "", "junk", f"{a_conv}:x"):
+        with pytest.raises(gr.Error, match="Pick a search result"):
+            h.open_hit(bad, A_TOKEN, NOBODY)
+    with pytest.raises(gr.Error, match="Search could not read"):
+        h.search('"unclosed', A_TOKEN, NOBODY)
+    with pytest.raises(gr.Error, match="Type something"):
+        h.search("  ", A_TOKEN, NOBODY)
+    assert b_final[0] != a_conv
+
+
 def test_api_conversations_continue_with_their_id_and_only_with_it(runtime):
     h = Handlers(runtime)
     *_, (reply, conv_id) = h.api_chat("Capital?", request=NOBODY)
