@@ -564,7 +564,11 @@ class Engine:
             queue_wait_s=time.perf_counter() - handle.submitted,
         )
         slot = Slot(handle, request, predicted, self._timeout(request), stats, retried=retried)
-        self.runner.start(slot)
+        try:
+            self.runner.start(slot)
+        except BaseException as e:  # the request ends with it; the batch goes on
+            self._fail([slot], e)
+            return
         with self._lock:
             self._running.append(slot)
             self.counters.active = len(self._running)

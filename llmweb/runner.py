@@ -173,7 +173,9 @@ class LocalRunner:
         return True
 
     def release(self, slot: Slot, keep: bool) -> None:
-        seq: _Seq = slot.state
+        seq: _Seq | None = slot.state
+        if seq is None:
+            return  # it never started
         cache = self._batch.leave(slot) if slot in self._batch.slots else seq.cache
         slot.state = None
         if keep and cache is not None:
