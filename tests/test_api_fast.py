@@ -312,7 +312,7 @@ class FakeLibrary:
 
 
 def rig(tmp_path, *, library=None, **kw):
-    limits = {k: kw.pop(k) for k in ("queue_size", "queue_per_user") if k in kw}
+    limits = {k: kw.pop(k) for k in ("queue_size", "queue_per_user", "max_batch") if k in kw}
     s = make_settings(tmp_path, recall=False, **kw)
     engine, runner = fake_engine(FakeRunner(), max_new_tokens=BUDGET.max_new_tokens, **limits)
     fmt = FakeFormat()
@@ -503,6 +503,23 @@ def test_a_full_queue_is_a_429_with_retry_after(tmp_path):
     finally:
         running.cancel()
         waiting.cancel()
+        r.engine.close()
+
+
+def test_an_api_request_joins_the_batch_of_a_running_ui_request(tmp_path):
+    r = rig(tmp_path, max_batch=4)
+    r.runner.token_delay_s = 0.02
+    r.runner.enqueue(list(range(100, 120)))
+    ui = r.engine.submit(GenerationRequest(prompt_ids=[1, 2, 3], max_new_tokens=20, owner="ui-visitor"))
+    try:
+        assert r.runner.running.wait(5)
+        say(r, "Paris is the capital")
+        resp = r.client.post("/v1/chat/completions", json=body())
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "Paris is the capital"
+        assert ui.stats is None, "the API reply came while the UI's request was still running"
+        assert 2 in r.runner.batch_sizes, "the two shared decode steps"
+    finally:
+        ui.cancel()
         r.engine.close()
 
 
