@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # fidelity script's messages (filler -> planted fact: max 0.38; question -> filler: max 0.36) and
 # kept 6 of 10 questions about a planted fact (the others' facts are in the facts block anyway).
 RECALL_MIN_SCORE = 0.40
+# Regenerate must give a new reply: with greedy decoding (LLMWEB_TEMPERATURE=0, the default) it
+# samples at this temperature instead, with a fresh seed.
+REGENERATE_TEMPERATURE = 0.7
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
@@ -102,6 +105,19 @@ def _covered(passage: Chunk, known: set[str]) -> bool:
     return facts.detail_terms(user_text) <= known
 
 
+def reply_prefix_ids(fmt: ChatFormat, text: str) -> list[int]:
+    """The ids of an assistant reply as the model would go on from it: its message without the
+    opening and closing tokens the chat template puts around every assistant message."""
+    empty, full = fmt.message_ids("assistant", ""), fmt.message_ids("assistant", text)
+    head = 0
+    while head < min(len(empty), len(full)) and empty[head] == full[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(empty), len(full)) - head and empty[-1 - tail] == full[-1 - tail]:
+        tail += 1
+    return list(full[head : len(full) - tail])
+
+
 def plan_sources(plan: context.ContextPlan) -> list[Source]:
     """The numbered sources of a plan: document chunks [1..n] as the prompt tags them, then recall."""
     used = list(plan.chunks) + list(plan.recall)
@@ -133,10 +149,35 @@ class Chat:
         use_docs: bool = True,
         seed: int | None = None,
         wait_summary: bool = False,
+        redo: bool = False,
+        more: bool = False,
     ) -> Iterator[Started | Queued | Delta | Finished]:
         """One turn. `conv_id=None` starts a conversation with an id made here; `new=True` starts one
-        with `conv_id`, which the caller must have made with `store.new_id()` (never a client's)."""
+        with `conv_id`, which the caller must have made with `store.new_id()` (never a client's).
+        `redo=True` (regenerate) answers the conversation's last message again, `text` unused, and
+        replaces that turn's reply, planned as if the turn had not been there; refused when the
+        turn is already folded into the summary. The session's KV cache needs nothing: the runner
+        reuses only the longest common prefix of the new prompt with what it cached.
+        `more=True` (continue) is the same for a reply cut by the length cap or stopped, except that
+        the prompt ends with that reply so far, and the reply grows from it."""
         s = self.settings
+        redone, budget = None, self.budget
+        partial: tuple[int, ...] = ()  # continue: the ids of the reply so far
+        if redo or more:
+            if conv_id is None or new:
+                raise InputError("There is no reply to regenerate or continue yet.")
+            self.wait_background(conv_id)  # a fold in flight may be taking the last turn
+            redone = self.store.last_turn(owner, conv_id)
+            text = redone.user
+        if more:
+            assert redone is not None
+            if redone.stats is None or redone.stats.gen.finish_reason not in ("length", "cancelled"):
+                raise InputError("The last reply is complete: only a reply cut short or stopped can be continued.")
+            partial = tuple(reply_prefix_ids(self.fmt, redone.assistant))
+            reserve = min(budget.max_new_tokens + len(partial), budget.context_limit - 1)
+            if reserve - len(partial) < 1:
+                raise InputError("The last reply already fills this chat's context: it cannot go on.")
+            budget = replace(budget, max_new_tokens=reserve)  # room for the reply so far and its rest
         text = clean_message(text, s.max_message_chars)
         new = new or conv_id is None
         # read once: the whole turn plans from this snapshot (NotFound for another owner's id)
@@ -145,6 +186,8 @@ class Chat:
             if conv_id is not None and not new
             else Conversation(conv_id or new_id(), DEFAULT_TITLE, "", 0, [], owner=owner)
         )
+        if redone is not None:
+            conv = replace(conv, turns=[t for t in conv.turns if t.idx < redone.idx])
         conv_id = conv.id
         window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]]
 
@@ -156,7 +199,7 @@ class Chat:
 
         # 2) plan (raises InputError with the numbers when the message cannot fit)
         plan = context.plan(
-            s.system_prompt, conv.summary, window, chunks, text, self.budget, self.fmt, recall=recall, facts=conv.facts
+            s.system_prompt, conv.summary, window, chunks, text, budget, self.fmt, recall=recall, facts=conv.facts
         )
 
         # 3) generate, with a smaller plan ready for an OOM retry
@@ -179,28 +222,35 @@ class Chat:
             return replace(request, prompt_ids=p.ids, max_new_tokens=reduced.max_new_tokens, fallback=None)
 
         request = GenerationRequest(
-            prompt_ids=plan.ids,
-            max_new_tokens=self.budget.max_new_tokens,
-            temperature=s.temperature,
+            prompt_ids=plan.ids + partial if partial else plan.ids,
+            max_new_tokens=budget.max_new_tokens - len(partial),
+            temperature=s.temperature or (REGENERATE_TEMPERATURE if redo else 0.0),
             top_p=s.top_p,
             repetition_penalty=s.repetition_penalty,
             seed=seed,
             stop_ids=self.fmt.stop_ids,
             session_id=conv_id,
             timeout_s=s.request_timeout_s,
-            fallback=smaller,
+            fallback=None if more else smaller,  # a smaller plan would drop the reply so far
             owner=owner,
         )
         handle = self.engine.submit(request)
         yield Started(conv_id)
         reply, finished = "", False
         sources = plan_sources(plan)
+
+        def record(reply: str, stats: TurnStats) -> None:
+            if redone is not None:
+                self.store.replace_last_reply(owner, conv_id, redone.idx, reply, stats, sources)
+            else:
+                self.store.add_turn(owner, conv_id, text, reply, stats, sources, create=new)
+
         try:
             for event in handle.events():
                 if isinstance(event, Waiting):
                     yield Queued(event.position)
                 elif isinstance(event, Tokens):
-                    reply = self.fmt.decode(handle.generated)
+                    reply = self.fmt.decode([*partial, *handle.generated])
                     yield Delta(reply)
             finished = True
         finally:
@@ -212,14 +262,12 @@ class Chat:
                     time.sleep(0.05)
                 if handle.generated:  # keep what was shown; the worker stops within a token
                     stats = self._stats(handle.stats, plan, conv)
-                    self.store.add_turn(
-                        owner, conv_id, text, self.fmt.decode(handle.generated).strip(), stats, sources, create=new
-                    )
-        reply = self.fmt.decode(handle.generated).strip()
+                    record(self.fmt.decode([*partial, *handle.generated]).strip(), stats)
+        reply = self.fmt.decode([*partial, *handle.generated]).strip()
         stats = self._stats(handle.stats, plan, conv)
 
         # 4) record
-        self.store.add_turn(owner, conv_id, text, reply, stats, sources, create=new)
+        record(reply, stats)
         notes = []
         if stats.gen.finish_reason == "cancelled":
             notes.append("Stopped.")
@@ -445,6 +493,13 @@ class Chat:
             j.join(timeout)
 
     # ---- conversations
+    def undo(self, owner: str, conv_id: str):
+        """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is
+        already folded into the summary. The session's KV cache is left as it is: the next prompt
+        shares its prefix up to the removed turn, and the runner reuses only the common prefix."""
+        self.wait_background(conv_id)  # a fold in flight may be taking the last turn
+        return self.store.pop_last_turn(owner, conv_id)
+
     def delete(self, owner: str, conv_id: str) -> bool:
         """Delete one of the owner's conversations with its recall index and KV cache; False if it
         is not theirs (or already gone), and then nothing else is touched either."""

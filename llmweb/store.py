@@ -378,6 +378,46 @@ class Store:
             _seen(db, owner, now)
         return idx
 
+    def last_turn(self, owner: str, conv_id: str) -> StoredTurn:
+        """The last turn, if it may still change (see `pop_last_turn` for the refusals)."""
+        with self._read() as db:
+            return _last_turn(db, owner, conv_id)
+
+    def pop_last_turn(self, owner: str, conv_id: str) -> StoredTurn:
+        """Delete the conversation's last turn (undo) and return it. Refused (InputError, nothing
+        changed) when there is none, or when it is already folded into the summary: the summary,
+        the facts and the recall index would still carry it."""
+        with self._write() as db:
+            last = _last_turn(db, owner, conv_id)
+            db.execute("DELETE FROM turns WHERE conversation_id = ? AND idx = ?", (conv_id, last.idx))
+            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), conv_id))
+        return last
+
+    def replace_last_reply(
+        self,
+        owner: str,
+        conv_id: str,
+        idx: int,
+        assistant: str,
+        stats: TurnStats | None = None,
+        sources: Sequence[Source] = (),
+    ) -> None:
+        """Replace the reply (and its figures and sources) of turn `idx`, which must still be the last
+        one and not folded into the summary (regenerate, continue); else an InputError, nothing changed."""
+        stats_json = json.dumps({} if stats is None else stats.to_dict())
+        sources_json = json.dumps([s.to_dict() for s in sources])
+        with self._write() as db:
+            last = _last_turn(db, owner, conv_id)
+            if last.idx != idx:
+                raise InputError("This chat changed meanwhile (another tab?): reload it and try again.")
+            now = time.time()
+            db.execute(
+                "UPDATE turns SET assistant = ?, stats = ?, sources = ?, created = ? "
+                "WHERE conversation_id = ? AND idx = ?",
+                (assistant, stats_json, sources_json, now, conv_id, idx),
+            )
+            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
+
     def set_summary(self, owner: str, conv_id: str, summary: str, summarized_upto: int) -> None:
         """Record the rolling summary covering the oldest `summarized_upto` turns.
         Does not touch `updated`: compression is not user activity and must not reorder the list."""
@@ -653,6 +693,29 @@ _FACT_OWNED = "conversation_id = ? AND conversation_id IN (SELECT id FROM conver
 
 def _owned(db: sqlite3.Connection, owner: str, conv_id: str) -> bool:
     return db.execute("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conv_id, owner)).fetchone() is not None
+
+
+def _last_turn(db: sqlite3.Connection, owner: str, conv_id: str) -> StoredTurn:
+    """The owner's conversation's last turn, if it may still change (not folded into the summary)."""
+    row = db.execute(
+        "SELECT summarized_upto FROM conversations WHERE id = ? AND owner = ?", (conv_id, owner)
+    ).fetchone()
+    if row is None:
+        raise _missing(conv_id)
+    turn = db.execute(
+        "SELECT idx, user, assistant, stats, sources, created FROM turns WHERE conversation_id = ? "
+        "ORDER BY idx DESC LIMIT 1",
+        (conv_id,),
+    ).fetchone()
+    if turn is None:
+        raise InputError("This chat has no turns yet.")
+    idx, user, assistant, stats, sources, created = turn
+    if idx < row[0]:
+        raise InputError(
+            "The last turn is already folded into this chat's summary, so it can no longer be changed or "
+            "undone. Send a new message instead."
+        )
+    return StoredTurn(idx, user, assistant, _stats(stats), _sources(sources), created)
 
 
 def _insert_conversation(db: sqlite3.Connection, owner: str, conv_id: str, title: str, now: float) -> None:

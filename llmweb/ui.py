@@ -22,6 +22,7 @@ conversation is never reachable through the API, whoever knows its id.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import html
 import inspect
@@ -129,6 +130,7 @@ class Layout:
     msg: gr.Textbox
     send: gr.Button
     stop: gr.Button
+    more_btn: gr.Button
     use_docs: gr.Checkbox
     files: gr.File
     ingest_md: gr.Markdown
@@ -220,7 +222,9 @@ def _chat_column() -> dict:
         )
         send = gr.Button("Send", variant="primary", scale=0, min_width=90, elem_id="llmweb-send")
         stop = gr.Button("Stop", variant="stop", scale=0, min_width=90, elem_id="llmweb-stop")
-    use_docs = gr.Checkbox(value=True, label="Answer from my documents when relevant")
+    with gr.Row():
+        use_docs = gr.Checkbox(value=True, label="Answer from my documents when relevant", scale=3)
+        more_btn = gr.Button("Continue the reply", size="sm", scale=1, elem_id="llmweb-continue")
     with gr.Accordion("Documents", open=False, elem_id="llmweb-documents"):
         files = gr.File(label="Add documents", file_count="multiple", file_types=DOC_TYPES, elem_id="llmweb-upload")
         ingest_md = gr.Markdown(elem_id="llmweb-ingest")
@@ -233,6 +237,7 @@ def _chat_column() -> dict:
         msg=msg,
         send=send,
         stop=stop,
+        more_btn=more_btn,
         use_docs=use_docs,
         files=files,
         ingest_md=ingest_md,
@@ -401,19 +406,54 @@ class Handlers:
         clean_message(message, self.settings.max_message_chars)
         conv_id = conv_id if conv_id and self.store.exists(owner, conv_id) else None  # None: a new chat
         shown = list(history or []) + [{"role": "user", "content": message}, {"role": "assistant", "content": "…"}]
+        for panel in self._stream(owner, conv_id, shown, chat.send(owner, conv_id, message, use_docs=bool(use_docs))):
+            yield (*panel, "")
+
+    @user_errors
+    def regenerate(self, conv_id, use_docs, token, request: gr.Request) -> Iterator[Panel]:
+        """The chat's retry control: answer the last message again; the new reply replaces the old one."""
+        yield from self._redo(conv_id, use_docs, token, request, more=False)
+
+    @user_errors
+    def continue_reply(self, conv_id, use_docs, token, request: gr.Request) -> Iterator[Panel]:
+        """Continue: a reply cut by the length cap or stopped grows from where it ended."""
+        yield from self._redo(conv_id, use_docs, token, request, more=True)
+
+    def _redo(self, conv_id, use_docs, token, request, *, more: bool) -> Iterator[Panel]:
+        chat, owner = self._chat(), self.owner(token, request)
+        conv = self._current(owner, conv_id)
+        if not conv.turns:
+            raise InputError("There is no reply to regenerate or continue yet.")
+        last = conv.turns[-1]
+        shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:-1]))
+        so_far = last.assistant if more else "…"
+        shown += [{"role": "user", "content": last.user}, {"role": "assistant", "content": so_far}]
+        events = chat.send(owner, conv_id, "", use_docs=bool(use_docs), redo=not more, more=more)
+        yield from self._stream(owner, conv_id, shown, events)
+
+    @user_errors
+    def undo(self, conv_id, token, request: gr.Request) -> tuple:
+        """The chat's undo control: remove the last turn and put its message back in the box."""
+        owner = self.owner(token, request)
+        self._current(owner, conv_id)
+        gone = self._chat().undo(owner, conv_id)
+        return (*self.panel(owner, self.store.get(owner, conv_id), "Removed the last turn."), gone.user)
+
+    def _stream(self, owner: str, conv_id, shown: list[dict], events) -> Iterator[Panel]:
+        """Show a turn's events: the queue position, then the reply as it grows, then the whole panel."""
         notes = ""
-        for event in chat.send(owner, conv_id, message, use_docs=bool(use_docs)):
+        for event in events:
             if isinstance(event, Started):
                 conv_id = event.conv_id
             elif isinstance(event, Queued):
                 shown[-1] = {"role": "assistant", "content": f"*Waiting: {event.position} ahead in the queue…*"}
-                yield (*Panel.streaming(conv_id, shown), "")
+                yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Delta):
                 shown[-1] = {"role": "assistant", "content": event.text}
-                yield (*Panel.streaming(conv_id, shown), "")
+                yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Finished):
                 notes = " ".join(event.notes)
-        yield (*self.panel(owner, self.store.get(owner, conv_id), notes), "")
+        yield self.panel(owner, self.store.get(owner, conv_id), notes)
 
     @user_errors
     def after_stop(self, conv_id, history, token, request: gr.Request):
@@ -617,7 +657,10 @@ def build_app(runtime) -> gr.Blocks:
         inputs = ui.outputs("msg", "chatbot", "conv_state", "use_docs") + me
         ev_submit = ui.msg.submit(h.respond, inputs, shown + [ui.msg], api_name="respond_enter", **private)
         ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], api_name="respond", **private)
-        ui.stop.click(None, None, None, cancels=[ev_submit, ev_send]).then(
+        ev_retry = ui.chatbot.retry(h.regenerate, [ui.conv_state, ui.use_docs] + me, shown, **private)
+        ev_more = ui.more_btn.click(h.continue_reply, [ui.conv_state, ui.use_docs] + me, shown, **private)
+        ui.chatbot.undo(h.undo, [ui.conv_state] + me, shown + [ui.msg], **private)
+        ui.stop.click(None, None, None, cancels=[ev_submit, ev_send, ev_retry, ev_more]).then(
             h.after_stop, [ui.conv_state, ui.chatbot] + me, shown, **private
         )
         ui.new_btn.click(h.new_chat, me, shown, **private)

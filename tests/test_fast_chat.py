@@ -226,3 +226,107 @@ def test_write_summary_sizes_each_batch_against_the_summary_as_it_grows(rig):
     assert text and fmt.count(text) <= chat.summary_cap()
     limit = chat.budget.context_limit
     assert all(len(r.prompt_ids) + r.max_new_tokens <= limit for r in runner.requests if r.background)
+
+
+def test_regenerate_replaces_the_last_reply_with_a_new_one_planned_without_it(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    runner.enqueue(
+        words(fmt, "first answer") + [fmt.END],
+        words(fmt, "bad answer") + [fmt.END],
+        words(fmt, "better answer") + [fmt.END],
+    )
+    chat.ask(OWNER, conv, "first question")
+    chat.ask(OWNER, conv, "second question")
+    fin = chat.ask(OWNER, conv, "ignored", redo=True)
+    turns = store.get(OWNER, conv).turns
+    assert [(t.user, t.assistant) for t in turns] == [
+        ("first question", "first answer"),
+        ("second question", "better answer"),
+    ], "one turn replaced, not appended"
+    assert fin.reply == "better answer" and turns[1].stats == fin.stats and fin.stats.turn == 2
+    redo = runner.requests[-1]
+    assert "bad" not in fmt.decode(redo.prompt_ids) and "second question" in fmt.decode(redo.prompt_ids)
+    assert redo.temperature > 0 and redo.session_id == conv, "greedy settings sample anew; same session"
+    assert fin.stats.gen.reused_tokens > 0, "the KV cache's common prefix is reused"
+
+
+def test_undo_removes_the_last_turn_and_the_next_turn_plans_without_it(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    runner.enqueue(*[words(fmt, f"answer {i}") + [fmt.END] for i in range(3)])
+    chat.ask(OWNER, conv, "keep this")
+    chat.ask(OWNER, conv, "drop this")
+    gone = chat.undo(OWNER, conv)
+    assert (gone.user, gone.assistant) == ("drop this", "answer 1")
+    chat.ask(OWNER, conv, "next one")
+    assert [t.user for t in store.get(OWNER, conv).turns] == ["keep this", "next one"]
+    assert "drop" not in fmt.decode(runner.requests[-1].prompt_ids)
+    chat.undo(OWNER, conv), chat.undo(OWNER, conv)
+    with pytest.raises(InputError, match="no turns"):
+        chat.undo(OWNER, conv)
+    with pytest.raises(InputError, match="no turns"):
+        chat.ask(OWNER, conv, "", redo=True)
+
+
+def test_a_turn_folded_into_the_summary_cannot_be_undone_or_regenerated(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    chat.ask(OWNER, conv, "first " + "x " * 12)
+    chat.ask(OWNER, conv, "second " + "x " * 12)
+    store.set_summary(OWNER, conv, "the user wrote twice", 2)  # as if a fold took both turns
+    before = store.get(OWNER, conv)
+    n_requests = len(runner.requests)
+    for call in (lambda: chat.undo(OWNER, conv), lambda: chat.ask(OWNER, conv, "", redo=True)):
+        with pytest.raises(InputError, match="folded into this chat's summary"):
+            call()
+    assert store.get(OWNER, conv) == before and len(runner.requests) == n_requests, "nothing changed or ran"
+
+
+def test_a_stranger_cannot_regenerate_or_undo_anothers_turn(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    chat.ask(OWNER, conv, "mine")
+    before = store.get(OWNER, conv)
+    for call in (lambda: chat.undo("anon:b", conv), lambda: chat.ask("anon:b", conv, "", redo=True)):
+        with pytest.raises(LookupError, match="no longer exists"):
+            call()
+    assert store.get(OWNER, conv) == before
+
+
+def test_continue_grows_a_reply_cut_by_the_length_cap_from_where_it_stopped(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    long = " ".join(f"w{i}" for i in range(30))
+    runner.enqueue(words(fmt, long), words(fmt, "and the end") + [fmt.END])
+    cut = chat.ask(OWNER, conv, "tell me a long story")
+    assert cut.stats.gen.finish_reason == "length" and len(cut.reply.split()) == 20
+    fin = chat.ask(OWNER, conv, "", more=True)
+    (turn,) = store.get(OWNER, conv).turns
+    assert turn.assistant == cut.reply + " and the end" == fin.reply, "one turn, the reply grown in place"
+    request = runner.requests[-1]
+    assert list(request.prompt_ids[-20:]) == words(fmt, cut.reply), "the prompt ends with the reply so far"
+    assert request.max_new_tokens == chat.budget.max_new_tokens and request.temperature == 0.0
+    assert fin.stats.gen.reused_tokens > 0, "the session's KV cache prefix is reused"
+    with pytest.raises(InputError, match="complete"):
+        chat.ask(OWNER, conv, "", more=True)  # finished with an end token: nothing to continue
+
+
+def test_continue_a_stopped_reply_and_the_prefix_helper_strips_the_template(rig):
+    from llmweb.chat import reply_prefix_ids
+
+    chat, runner, fmt, store = rig
+    assert reply_prefix_ids(fmt, "half a reply") == words(fmt, "half a reply")
+    assert reply_prefix_ids(fmt, "") == []
+    conv = store.create_conversation(OWNER)
+    store.add_turn(
+        OWNER, conv, "question", "half a", chat._stats(None, _plan(chat, "question"), store.get(OWNER, conv))
+    )
+    runner.enqueue(words(fmt, "reply") + [fmt.END])
+    assert chat.ask(OWNER, conv, "", more=True).reply == "half a reply"
+
+
+def _plan(chat, text):
+    from llmweb import context
+
+    return context.plan("", "", [], [], text, chat.budget, chat.fmt)

@@ -746,3 +746,28 @@ def test_a_search_fts5_cannot_read_is_a_clear_input_error(store: Store, query: s
         store.search(A, query)
     assert "search" in str(e.value).lower() and "Traceback" not in str(e.value)
     assert [h.idx for h in store.search(A, "bike")] == [0], "the store still answers"
+
+
+def test_the_last_turn_can_be_replied_again_or_removed_until_it_is_folded(store: Store):
+    conv = store.create_conversation(A)
+    store.add_turn(A, conv, "q1", "old reply one")
+    store.add_turn(A, conv, "q2", "old reply two")
+    store.replace_last_reply(A, conv, 1, "new reply two", None, [Source(1, "x.md")])
+    turns = store.get(A, conv).turns
+    assert [t.assistant for t in turns] == ["old reply one", "new reply two"] and turns[1].sources[0].source == "x.md"
+    assert [h.idx for h in store.search(A, "new")] == [1] and [h.idx for h in store.search(A, "two")] == [1]
+    assert [h.idx for h in store.search(A, "old")] == [0], "the index follows the replaced reply"
+    with pytest.raises(InputError, match="changed meanwhile"):
+        store.replace_last_reply(A, conv, 0, "stale")  # turn 0 is no longer the last
+    for call in (lambda: store.replace_last_reply(B, conv, 1, "x"), lambda: store.pop_last_turn(B, conv)):
+        with pytest.raises(NotFound):
+            call()
+    assert store.pop_last_turn(A, conv).user == "q2"
+    assert store.search(A, "new") == [] and [t.user for t in store.get(A, conv).turns] == ["q1"]
+    store.set_summary(A, conv, "folded", 1)
+    before = store.get(A, conv)
+    for call in (lambda: store.pop_last_turn(A, conv), lambda: store.replace_last_reply(A, conv, 0, "x")):
+        with pytest.raises(InputError, match="folded"):
+            call()
+    assert store.get(A, conv) == before
+    store._db.execute("INSERT INTO turns_fts(turns_fts) VALUES ('integrity-check')")

@@ -182,7 +182,16 @@ class FakeChat:
     def __init__(self, store):
         self.store, self.error = store, None
 
-    def send(self, owner, conv_id, text, use_docs=True, new=False):
+    def send(self, owner, conv_id, text, use_docs=True, new=False, redo=False, more=False):
+        if redo or more:  # regenerate: the last reply replaced by "Lyon"; continue: "… and more"
+            last = self.store.last_turn(owner, conv_id)
+            reply = last.assistant + " and more" if more else "Lyon"
+            yield Started(conv_id)
+            yield Delta(reply[:2])
+            stats = turn_stats(last.idx + 1)
+            self.store.replace_last_reply(owner, conv_id, last.idx, reply, stats)
+            yield Finished(reply, stats, [], [], conv_id=conv_id)
+            return
         new = new or conv_id is None
         conv_id = conv_id or new_id()
         n = 0 if new else len(self.store.get(owner, conv_id).turns)
@@ -203,6 +212,9 @@ class FakeChat:
 
     def delete(self, owner, conv_id):
         return self.store.delete(owner, conv_id)
+
+    def undo(self, owner, conv_id):
+        return self.store.pop_last_turn(owner, conv_id)
 
     def delete_owner(self, owner):
         return len(self.store.delete_owner(owner))
@@ -365,6 +377,43 @@ def test_search_lists_only_the_callers_turns_and_a_result_opens_its_chat_at_that
     with pytest.raises(gr.Error, match="Type something"):
         h.search("  ", A_TOKEN, NOBODY)
     assert b_final[0] != a_conv
+
+
+def test_regenerate_streams_then_shows_one_reply_in_place_of_the_old_one(runtime):
+    h = Handlers(runtime)
+    conv = _one_chat(h)
+    *streaming, final = list(h.regenerate(conv, True, A_TOKEN, NOBODY))
+    assert [m["content"] for m in streaming[-1].chatbot] == ["Capital?", "Ly"], "the old reply is not shown meanwhile"
+    bots = [m["content"] for m in final.chatbot if m["role"] == "assistant" and not m.get("metadata")]
+    assert bots == ["Lyon"] and [t.assistant for t in runtime.store.get(f"anon:{A_TOKEN}", conv).turns] == ["Lyon"]
+    with pytest.raises(gr.Error, match="no longer exists"):
+        list(h.regenerate(conv, True, B_TOKEN, NOBODY))
+    with pytest.raises(gr.Error, match="not saved yet"):
+        list(h.regenerate("", True, A_TOKEN, NOBODY))
+
+
+def test_continue_shows_the_reply_so_far_then_the_grown_reply(runtime):
+    h = Handlers(runtime)
+    conv = _one_chat(h)
+    first, *_, final = list(h.continue_reply(conv, True, A_TOKEN, NOBODY))
+    assert [m["content"] for m in final.chatbot if not m.get("metadata")] == ["Capital?", "Paris and more"]
+    with pytest.raises(gr.Error, match="no longer exists"):
+        list(h.continue_reply(conv, True, B_TOKEN, NOBODY))
+
+
+def test_undo_removes_the_last_turn_puts_its_message_back_and_refuses_strangers(runtime):
+    h = Handlers(runtime)
+    conv = _one_chat(h)
+    *_, final = h.respond("And Italy?", [], conv, True, A_TOKEN, NOBODY)
+    with pytest.raises(gr.Error, match="no longer exists"):
+        h.undo(conv, B_TOKEN, NOBODY)
+    *panel, box = h.undo(conv, A_TOKEN, NOBODY)
+    assert box == "And Italy?" and [m["content"] for m in Panel(*panel).chatbot][:2] == ["Capital?", "Paris"]
+    assert [t.user for t in runtime.store.get(f"anon:{A_TOKEN}", conv).turns] == ["Capital?"]
+    runtime.store.set_summary(f"anon:{A_TOKEN}", conv, "asked for a capital", 1)
+    with pytest.raises(gr.Error, match="folded into this chat's summary"):
+        h.undo(conv, A_TOKEN, NOBODY)
+    assert len(runtime.store.get(f"anon:{A_TOKEN}", conv).turns) == 1, "a refused undo changes nothing"
 
 
 def test_api_conversations_continue_with_their_id_and_only_with_it(runtime):
