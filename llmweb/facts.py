@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 FACTS_HEADER = "Facts the user stated (verbatim):"
 
-_SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)")
-_WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*|\d[\d,.:/\-]*")
+_SENTENCE = re.compile(r"[^.!?。！？\n]+(?:[.!?。！？]+|$)")  # full-width marks end CJK sentences
+_WORD = re.compile(r"[^\W\d_](?:[^\W\d_]|['’\-])*|\d[\d,.:/\-]*")  # letters of any script; numbers
 _NUMBER = re.compile(r"\d")
 _VERBISH = re.compile(r"(ed|ing|ly|s)$")
 _MONTHS = (
@@ -41,6 +41,13 @@ _FACT_CUES = re.compile(
     r"|call me|favou?rite|birthday|allergic|deadline|born)\b",
     re.I,
 )
+# "Remember this" in the languages our users write: the one cue no general rule can see. A stem
+# each (German merk-/vergiss nicht, Korean 기억 "memory", Japanese 覚え, Chinese 记住/記住, French
+# retiens/souviens, Spanish recuerda); English is in _FACT_CUES.
+_REMEMBER = re.compile(
+    r"merk|vergiss nicht|erinner|기억|잊지|覚え|忘れないで|记住|記住|retiens|souviens|recuerda", re.I
+)
+_QUESTION = ("?", "？", "¿")
 
 
 @dataclass(frozen=True)
@@ -130,11 +137,18 @@ def ground(summary: str, source: str) -> Grounded:
 
 
 def is_fact(sentence: str) -> bool:
-    """Does a user's sentence state a fact worth keeping word for word?"""
+    """Does a user's sentence state a fact worth keeping word for word?
+
+    In any language: a statement (not a question) that asks to be remembered, or that carries a
+    code or number a paraphrase would lose (`detail_terms` with a digit: "4471", "Zanzibar-7781",
+    "07:40", "2019"; not a one- or two-digit count). In English also the cue phrases ("my name",
+    "I prefer") and a first-person sentence with a name."""
     s = sentence.strip()
-    if len(s.split()) < 3 or s.endswith("?"):
+    if s.endswith(_QUESTION) or (len(s.split()) < 3 and len(s) < 8):  # CJK: few spaces, many characters
         return False
-    if _FACT_CUES.search(s):
+    if _FACT_CUES.search(s) or _REMEMBER.search(s):
+        return True
+    if any(c.isdigit() for term in detail_terms(s) for c in term):
         return True
     words = _WORD.findall(s)
     # otherwise: about the user (first person) and carrying a number or a name (a capitalised,

@@ -152,3 +152,46 @@ def test_deleting_a_conversation_deletes_its_recall_index(tmp_path, fp32_model):
         assert f"recall-{conv}" not in list_namespaces(rt.settings)
     finally:
         rt.close()
+
+
+def test_korean_facts_are_kept_by_their_numbers_or_a_request_to_remember():
+    facts = facts_mod.extract_facts(
+        [
+            "안녕하세요! 제 사물함 번호는 4471이에요. 오늘 날씨가 좋네요.",
+            "제 이름은 민준이고, 이 이름을 기억해 주세요.",
+            "사물함 번호가 뭐였죠?",  # a question
+            "3개 주세요.",  # a small count, not a detail
+            "비행기는 금요일 07:40에 출발해요。그리고 좋아요！",
+        ]
+    )
+    assert facts == [
+        "제 사물함 번호는 4471이에요.",
+        "제 이름은 민준이고, 이 이름을 기억해 주세요.",
+        "비행기는 금요일 07:40에 출발해요。",
+    ]
+
+
+def test_german_facts_are_kept_by_their_codes_or_a_request_to_remember():
+    facts = facts_mod.extract_facts(
+        [
+            "Hallo! Meine Schließfachnummer ist 4471. Wie geht es dir?",
+            "Merk dir bitte: meine Tochter heißt Lena.",
+            "Ich habe heute Hunger.",  # no detail, no request: the summary paraphrases it
+            "Wie lautet meine Nummer?",
+            "Der Zugangscode für das Büro lautet Zürich-0815.",
+        ]
+    )
+    assert facts == [
+        "Meine Schließfachnummer ist 4471.",
+        "Merk dir bitte: meine Tochter heißt Lena.",
+        "Der Zugangscode für das Büro lautet Zürich-0815.",
+    ]
+
+
+def test_grounding_reads_names_with_umlauts_and_numbers_in_any_script_whole():
+    summary = "Code 4471 gehört Frau Müller. Frau Müller kommt aus Köln. Sie heißt Jürgen."
+    g = facts_mod.ground(summary, "Frau Müller, Köln, Code 4471")
+    assert "Frau Müller kommt aus Köln." in g.text and g.dropped == ("Sie heißt Jürgen.",)
+    assert facts_mod.ground("사물함 번호는 4471이다. 번호는 9999이다.", "제 사물함 번호는 4471이에요.").dropped == (
+        "번호는 9999이다.",
+    )
