@@ -51,7 +51,7 @@ def test_capacity_command_writes_table_csv_and_plot(tmp_path):
     done = run_cli(tmp_path, "capacity", "--context", "256,512", "--concurrency", "1,2", "--max-new-tokens", "8")
     out = done.stdout
     assert "| context | sessions | prompt tokens | predicted MiB (weights + KV + act) | measured peak RSS MiB" in out
-    assert "same single worker" in out and "not parallel activations" in out
+    assert "up to max_batch requests per decode step" in out and "| aggregate tok/s | TTFT p95 (s) |" in out
     paths = printed_paths(out)
     assert set(paths) == {"csv", "png", "md"}
     for p in paths.values():
@@ -87,6 +87,28 @@ def test_capacity_command_writes_table_csv_and_plot(tmp_path):
 
 
 @pytest.mark.slow  # loads the real model in a subprocess
+def test_bench_concurrency_runs_the_serial_and_the_batched_engine_side_by_side(tmp_path):
+    done = run_cli(tmp_path, "bench", "concurrency", "--concurrency", "1,2", "--max-new-tokens", "4", "--json")
+    r = json.loads(done.stdout)
+    assert r["bench"] == "concurrency" and r["quant"] == "4bit" and r["max_batch"] == 4
+    rows = {(x["concurrency"], x["engine"]): x for x in r["rows"]}
+    assert list(rows) == [(1, "serial"), (1, "batched"), (2, "serial"), (2, "batched")]
+    for (k, _engine), x in rows.items():
+        assert x["completed"] == k and x["generated_tokens"] == 4 * k, "no stop ids: every reply is full length"
+        assert 0 < x["ttft_p50_s"] <= x["ttft_p95_s"] and x["peak_bytes"] > 0
+        serial = rows[(k, "serial")]
+        assert x["aggregate_vs_serial"] == pytest.approx(x["aggregate_tok_s"] / serial["aggregate_tok_s"], abs=0.01)
+    assert rows[(2, "serial")]["largest_batch"] == 1 and rows[(2, "batched")]["largest_batch"] == 2
+
+
+def test_percentile_interpolates_between_ranks():
+    from llmweb.bench.concurrency import percentile
+
+    assert percentile([], 95) == 0.0 and percentile([3.0], 95) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([1.0, 2.0], 95) == pytest.approx(1.95)
+
+
+@pytest.mark.slow  # loads the real model in a subprocess
 def test_bench_ttft_still_works(tmp_path):
     done = run_cli(tmp_path, "bench", "ttft", "--turns", "6", "--max-new-tokens", "8", "--json")
     r = json.loads(done.stdout)
@@ -108,6 +130,8 @@ def test_bench_ttft_still_works(tmp_path):
 def test_bench_without_a_subcommand_is_the_suite():
     args = build_parser().parse_args(["bench"])
     assert args.which == "all" and args.turns == 40 and args.chunks is None and args.replay_turns == 200
+    args = build_parser().parse_args(["bench", "concurrency"])
+    assert args.which == "concurrency" and bench.parse_ints(args.concurrency) == [1, 2, 4, 8] and args.max_batch == 0
     args = build_parser().parse_args(["capacity", "--context", "512,1024", "--concurrency", "1,4"])
     assert bench.parse_ints(args.context) == [512, 1024] and bench.parse_ints(args.concurrency) == [1, 4]
 

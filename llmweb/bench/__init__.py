@@ -1,4 +1,5 @@
-"""Benchmarks, apart from the product: `python -m llmweb bench [all|ttft|retrieval|quant|fidelity]` and `capacity`.
+"""Benchmarks, apart from the product: `python -m llmweb bench [all|ttft|retrieval|quant|fidelity|concurrency]`
+and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
 
@@ -11,6 +12,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 and the relevance gate's calibration on the guide and installed packages' READMEs
   fidelity.py   `bench fidelity`: do early facts stay in the prompt? three memory modes
   capacity.py   `capacity`: measured peak memory vs prediction per context length and concurrency
+  concurrency.py `bench concurrency`: 1, 2, 4, 8 chats at once, batched vs serial engine: aggregate and
+                per-request tok/s, TTFT p50/p95, peak memory
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
 
 The contract: a benchmark changes engine settings only through public configuration (a Runtime
@@ -27,12 +30,14 @@ import sys
 
 from ..errors import ConfigError
 
-BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity"]
+BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency"]
 
 
 def register(sub) -> None:
     """Add the `bench` and `capacity` commands to the CLI's subparsers."""
-    b = sub.add_parser("bench", help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity")
+    b = sub.add_parser(
+        "bench", help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency"
+    )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
     b.add_argument(
@@ -45,7 +50,12 @@ def register(sub) -> None:
         "--max-new-tokens",
         type=int,
         default=None,
-        help="TTFT: reply length per turn (default 48 for `bench ttft`, 32 in the suite)",
+        help="TTFT: reply length per turn (default 48 for `bench ttft`, 32 in the suite); concurrency: per chat "
+        "(default 128)",
+    )
+    b.add_argument("--concurrency", default="1,2,4,8", help="concurrency: chats at once, comma-separated")
+    b.add_argument(
+        "--max-batch", type=int, default=0, help="concurrency: the batched engine's max_batch (0 = LLMWEB_MAX_BATCH)"
     )
     b.add_argument("--reuse-only", action="store_true", help="TTFT: skip the full-prefill run (for long chats)")
     b.add_argument("--replay-turns", type=int, default=200, help="suite: measured turns of the memory replay")
@@ -133,6 +143,18 @@ def bench_command(args) -> int:
             settings = settings.replace(context_limit=512)
         result = fidelity.run(settings, fillers_between=args.fillers, checkpoints=args.checkpoints, progress=_stderr)
         _print(result, args.json, fidelity.markdown)
+        return 0
+    if args.which == "concurrency":
+        from . import concurrency
+
+        result = concurrency.run(
+            Settings.from_env(),
+            parse_ints(args.concurrency),
+            max_new_tokens=args.max_new_tokens or 128,
+            max_batch=args.max_batch,
+            progress=_stderr,
+        )
+        _print(result, args.json, concurrency.markdown)
         return 0
     if args.which == "quant":
         from . import quant

@@ -5,21 +5,23 @@
 For each combination, `concurrency` sessions each submit a real prompt (the chat template
 around filler text, `context - max_new_tokens` tokens, checked with the format) to a single
 `Engine`, all at once, with session ids so every session's KV cache stays resident afterwards.
-That is what concurrency costs here: the app has one generation worker, so a second user does
-not run in parallel; their request waits in the queue, and their KV cache stays in memory
-between turns. The figures therefore show queueing and resident caches, not parallel
-activations.
+That is what concurrency costs here: the app's one worker runs up to `max_batch` requests
+(LLMWEB_MAX_BATCH; 4 on CPU, 8 on GPU) in each decode step, so that many hold their KV and
+activations at once, the rest wait in the queue, and every session's KV cache stays in memory
+between turns.
 
 Per combination we record
   - the prediction from the model config: weights + KV (`kv_bytes_per_token` x (prompt +
-    max_new_tokens) x sessions) + the engine's activation margin for the one running request
-    (`engine.predict_bytes`: a margin on its KV, a floor and one prefill chunk's attention scores), as admission control
-    computes it;
+    max_new_tokens) x sessions) + the engine's activation margin for each request of the batch
+    (`engine.predict_bytes`: a margin on its KV, a floor and one prefill chunk's attention
+    scores; min(sessions, max_batch) requests), as admission control computes it;
   - the measured peak: CUDA `max_memory_allocated` (and the engine's per-request peaks); CPU
     the process peak RSS (Linux VmHWM, reset before each batch; a sampling thread elsewhere),
     and the growth over the baseline taken just before the batch with all caches freed;
   - whether it fits the device: CUDA total memory minus `LLMWEB_MEM_MARGIN_MB`; CPU the
-    admission limit (`LLMWEB_MEM_LIMIT_MB`, default 80% of RAM).
+    admission limit (`LLMWEB_MEM_LIMIT_MB`, default 80% of RAM);
+  - the measured aggregate tok/s (all generated tokens / the combination's wall time) and the
+    TTFT p95 a user sees (queue wait + time to the first token).
 
 `run()` returns plain dicts; `markdown()`, `write_csv()` and `plot()` render them; the CLI
 writes CSV + PNG (+ the Markdown) under `settings.data_dir / "reports"` and prints the paths.
@@ -40,12 +42,14 @@ from ..config import Settings
 from ..errors import ConfigError, LlmwebError
 from ..telemetry import PeakMeter, current_bytes, release_memory
 from .common import SYSTEM, report_stem
+from .concurrency import percentile
 
 log = logging.getLogger(__name__)
 
-SINGLE_WORKER_NOTE = (
-    "Concurrency above 1 runs through the same single worker (one generation at a time): the "
-    "figures show queueing and resident KV caches (one per session), not parallel activations."
+BATCH_NOTE = (
+    "Concurrency runs through the one worker, up to max_batch requests per decode step: the "
+    "figures show the batch's KV and activations, queueing beyond it, and resident KV caches "
+    "(one per session)."
 )
 
 COLUMNS = [
@@ -70,6 +74,8 @@ COLUMNS = [
     "fits",
     "max_queue_wait_s",
     "batch_s",
+    "aggregate_tok_s",
+    "ttft_p95_s",
 ]
 
 _FILLER = (
@@ -123,13 +129,14 @@ def device_limit(settings: Settings, loaded) -> int:
     return int(total - settings.mem_margin_mb * 2**20)
 
 
-def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int) -> dict:
-    """Weights + resident KV of every session + the activation margin of the one running request."""
+def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int, max_batch: int = 1) -> dict:
+    """Weights + resident KV of every session + the activation margin of each request in the batch."""
     from ..engine import predict_bytes
 
     heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
-    per_session, activation = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
+    per_session, per_request = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
     kv = per_session * sessions
+    activation = per_request * min(sessions, max_batch)
     return {
         "predicted_weights_bytes": int(loaded.weights_bytes),
         "predicted_kv_bytes": int(kv),
@@ -149,7 +156,7 @@ def run(
 ) -> dict:
     """Measure every (context, concurrency) combination on one engine; return rows and the setup."""
     from .. import models
-    from ..engine import EngineLimits, GenerationRequest, local_engine
+    from ..engine import EngineLimits, GenerationRequest, auto_max_batch, local_engine
     from ..kvcache import KVStore
     from ..runtime import kv_budget_bytes
     from ..tokens import TemplateFormat
@@ -179,6 +186,7 @@ def run(
         mem_limit_bytes=limit if loaded.on_cpu else 0,
         mem_margin_bytes=settings.mem_margin_mb * 2**20,
         kv_reuse=True,
+        max_batch=settings.max_batch or auto_max_batch(loaded.on_cpu),
     )
     engine = local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token)
     rows: list[dict] = []
@@ -212,7 +220,8 @@ def run(
             "CUDA total memory - LLMWEB_MEM_MARGIN_MB" if not loaded.on_cpu else "LLMWEB_MEM_LIMIT_MB (0 = 80% of RAM)"
         ),
         "measured": method,
-        "note": SINGLE_WORKER_NOTE,
+        "max_batch": limits.max_batch,
+        "note": BATCH_NOTE,
         "total_s": round(time.perf_counter() - t_all, 1),
         "rows": rows,
     }
@@ -249,7 +258,7 @@ def _measure(
         if s.mem is not None:
             peak = max(peak, s.mem.cuda_peak_bytes or 0, s.mem.peak_rss_bytes or 0)
     prompt_tokens = max(len(p) for p in prompts)
-    pred = predict(loaded, prompt_tokens, max_new_tokens, len(prompts))
+    pred = predict(loaded, prompt_tokens, max_new_tokens, len(prompts), engine.limits.max_batch)
     growth = max(peak - baseline, 0)
     evicted = kv.evictions - evictions  # admission evicts idle caches when memory is short
     device_peak_predicted = baseline + pred["predicted_growth_bytes"]
@@ -271,6 +280,8 @@ def _measure(
         "fits": bool(refused == 0 and evicted == 0 and max(device_peak_predicted, peak) <= limit),
         "max_queue_wait_s": round(max((s.queue_wait_s for s in stats), default=0.0), 3),
         "batch_s": round(batch_s, 3),
+        "aggregate_tok_s": round(sum(s.generated_tokens for s in stats) / max(batch_s, 1e-9), 2),
+        "ttft_p95_s": round(percentile([s.queue_wait_s + s.ttft_s for s in stats], 95), 3),
     }
     kv.clear()
     return row, meter.method
@@ -290,8 +301,9 @@ def markdown(r: dict) -> str:
         f"## Capacity ({r['model']}, {r['quant']}, {r['device']}, {r['max_new_tokens']} new tokens per request)",
         "",
         f"| context | sessions | prompt tokens | predicted MiB (weights + KV + act) | {peak_name} MiB "
-        "| predicted growth MiB (KV + act) | measured growth MiB | resident KV MiB | max queue wait (s) | fits |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| predicted growth MiB (KV + act) | measured growth MiB | resident KV MiB | max queue wait (s) "
+        "| aggregate tok/s | TTFT p95 (s) | fits |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for x in r["rows"]:
         why = ([f"{x['refused']} refused"] if x["refused"] else []) + (
@@ -302,14 +314,17 @@ def markdown(r: dict) -> str:
             f"| {x['context']} | {x['concurrency']} | {x['prompt_tokens']} | {_mib(x['predicted_bytes'])} "
             f"| {_mib(x['measured_peak_bytes'])} | {_mib(x['predicted_growth_bytes'])} "
             f"| {_mib(x['measured_growth_bytes'])} | {_mib(x['resident_kv_bytes'])} "
-            f"| {x['max_queue_wait_s']:.2f} | {fits} |"
+            f"| {x['max_queue_wait_s']:.2f} | {x['aggregate_tok_s']:.1f} | {x['ttft_p95_s']:.2f} | {fits} |"
         )
     lines += [
         "",
         f"- Limit: {_mib(r['limit_bytes'])} MiB ({r['limit_source']}); the app's KV budget for all sessions' "
         f"caches: {_mib(r['kv_budget_bytes'])} MiB (not applied here, so every cache stays resident).",
         f"- Prediction: weights {_mib(r['weights_bytes'])} MiB + {r['kv_bytes_per_token']:,} KV bytes/token x "
-        "(prompt + new tokens) x sessions + the engine's activation margin for the one running request.",
+        "(prompt + new tokens) x sessions + the engine's activation margin for each request of the batch "
+        f"(max_batch {r['max_batch']}).",
+        "- Aggregate tok/s: all generated tokens / the combination's wall time; TTFT p95: queue wait + time to "
+        "the first token.",
         f"- Measured: {r['measured']}; growth = peak minus the baseline just before the batch (caches freed)."
         + (" On CPU the peak RSS also holds the Python/torch runtime, so compare growth with growth." if cpu else ""),
         "- Fits: the larger of (baseline + predicted growth) and the measured peak is under the limit, "
@@ -361,7 +376,7 @@ def plot(r: dict, path: Path) -> Path:
         axes[1].set_yscale("log")
     fig.suptitle(
         f"llmweb capacity: {r['model']} ({r['quant']}, {r['device']})\n"
-        "one worker: concurrency = queued requests + resident KV caches, not parallel activations",
+        f"one worker, up to {r['max_batch']} requests per decode step; the rest queue; every session's KV stays",
         fontsize=10,
     )
     fig.tight_layout()
