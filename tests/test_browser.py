@@ -1,11 +1,11 @@
 """The real app, served by `python -m llmweb serve`, driven in headless Debian chromium like a user.
 
-One server and one browser page for the first four tests; the steps run in file order and build
+One server and one browser page for the first five tests; the steps run in file order and build
 on each other (one conversation): a streamed answer with its stats, a stopped long answer, a
-question answered from an uploaded document with its cited source, and a reload that restores
-the chat. The last test starts its own server (LLMWEB_SINGLE_USER=0) and drives two visitors in
-two browser contexts: neither sees the other's chats or uploads, in the page or through the API,
-over reloads and an app restart.
+question answered from an uploaded document with its cited source, a reload that restores
+the chat, then a rename and a regenerated reply. The last test starts its own server
+(LLMWEB_SINGLE_USER=0) and drives two visitors in two browser contexts: neither sees the other's
+chats or uploads, in the page or through the API, over reloads and an app restart.
 Screenshots of each step go to test-artifacts/browser/ (git-ignored); a failing step also leaves
 `<step>-failure.png` and `<step>-failure.html` there.
 
@@ -562,6 +562,38 @@ def test_reload_restores_the_chat(page, server):
             ):
                 break
         shot(page, "reloaded.png")
+
+
+def test_rename_shows_in_the_list_and_regenerate_replaces_the_reply(page, server):
+    with step(page, "renamed"):
+        title = page.locator("#llmweb-title textarea, #llmweb-title input").first
+        title.fill("Capitals and rovers")
+        page.locator("#llmweb-rename").click()
+        poll(
+            lambda: "Capitals and rovers" in page.locator("#llmweb-conversations").inner_text(),
+            60,
+            "the renamed chat in the conversation list",
+            server,
+            page,
+        )
+    with step(page, "regenerated"):
+        reply, turn = ask(page, server, "Write two sentences about the sea.")
+        users, replies = user_texts(page), reply_texts(page)
+        stats_before = page.locator("#llmweb-stats").inner_text()
+        page.locator('#llmweb-chat button[aria-label="Retry"]').last.click()
+        poll(
+            lambda: page.locator("#llmweb-stats").inner_text() != stats_before,
+            REPLY_S,
+            "the stats panel to show the regenerated turn",
+            server,
+            page,
+        )
+        new = wait_stable(lambda: reply_texts(page), "the regenerated reply to settle", server, page, quiet_s=1.5)
+        assert user_texts(page) == users, "regenerate sends no new message"
+        assert len(new) == len(replies), f"one bot message for the turn, not two: {new}"
+        assert new[:-1] == replies[:-1] and is_real_text(new[-1]) and new[-1] != reply, (reply, new[-1])
+        assert stats_turn(page) == turn, "the same turn, answered again"
+        shot(page, "regenerated.png")
 
 
 # ---- two visitors, one server (its own app: per-browser owners on localhost)
