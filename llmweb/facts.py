@@ -48,6 +48,9 @@ _REMEMBER = re.compile(
     r"merk|vergiss nicht|erinner|기억|잊지|覚え|忘れないで|记住|記住|retiens|souviens|recuerda", re.I
 )
 _QUESTION = ("?", "？", "¿")
+# a detail worth a fact: 3+ digits (4471, 2019), a time (07:40), or a code with a letter before a
+# digit (Zanzibar-0815, v2); not a small count with a counter word after it (Korean "35번", "3개")
+_FACT_DETAIL = re.compile(r"\d{3,}|\d:\d\d|[^\W\d_]-?\d")
 
 
 @dataclass(frozen=True)
@@ -140,15 +143,15 @@ def is_fact(sentence: str) -> bool:
     """Does a user's sentence state a fact worth keeping word for word?
 
     In any language: a statement (not a question) that asks to be remembered, or that carries a
-    code or number a paraphrase would lose (`detail_terms` with a digit: "4471", "Zanzibar-7781",
-    "07:40", "2019"; not a one- or two-digit count). In English also the cue phrases ("my name",
-    "I prefer") and a first-person sentence with a name."""
+    code or number a paraphrase would lose (a `detail_terms` term with 3+ digits, a time or a code:
+    "4471", "Zanzibar-7781", "07:40", "2019"; not a small count, even with a counter: "35번").
+    In English also the cue phrases ("my name", "I prefer") and a first-person sentence with a name."""
     s = sentence.strip()
     if s.endswith(_QUESTION) or (len(s.split()) < 3 and len(s) < 8):  # CJK: few spaces, many characters
         return False
     if _FACT_CUES.search(s) or _REMEMBER.search(s):
         return True
-    if any(c.isdigit() for term in detail_terms(s) for c in term):
+    if any(_FACT_DETAIL.search(term) for term in detail_terms(s)):
         return True
     words = _WORD.findall(s)
     # otherwise: about the user (first person) and carrying a number or a name (a capitalised,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmweb import facts as facts_mod
 from llmweb.chat import Finished
 from llmweb.runtime import Runtime
@@ -161,6 +163,7 @@ def test_korean_facts_are_kept_by_their_numbers_or_a_request_to_remember():
             "제 이름은 민준이고, 이 이름을 기억해 주세요.",
             "사물함 번호가 뭐였죠?",  # a question
             "3개 주세요.",  # a small count, not a detail
+            "35번: 음악에 대해 짧게 말해 주세요.",  # a numbered request: the counter word makes "35번" no code
             "비행기는 금요일 07:40에 출발해요。그리고 좋아요！",
         ]
     )
@@ -195,3 +198,37 @@ def test_grounding_reads_names_with_umlauts_and_numbers_in_any_script_whole():
     assert facts_mod.ground("사물함 번호는 4471이다. 번호는 9999이다.", "제 사물함 번호는 4471이에요.").dropped == (
         "번호는 9999이다.",
     )
+
+
+FOREIGN_FACTS = {
+    # language: (the fact of turn 1, a filler asking for something short about a topic, the question)
+    "ko": ("제 사물함 번호는 4471이에요.", "{i}번: {topic}에 대해 짧게 말해 주세요.", "제 사물함 번호가 뭐였죠?"),
+    "de": ("Meine Schließfachnummer ist 4471.", "Frage {i}: Sag etwas Kurzes über {topic}.", "Wie war meine Nummer?"),
+}
+FOREIGN_TOPICS = {
+    "ko": ["날씨", "기차", "빵", "강", "음악", "체스", "차", "지도", "눈", "벌"],
+    "de": ["das Wetter", "Züge", "Brot", "Flüsse", "Musik", "Schach", "Tee", "Karten", "Schnee", "Bienen"],
+}
+
+
+@pytest.mark.parametrize("lang", sorted(FOREIGN_FACTS))
+def test_a_fact_stated_in_turn_1_in_korean_or_german_is_in_the_prompt_at_turn_40(tmp_path, fp32_model, lang):
+    fact, filler, question = FOREIGN_FACTS[lang]
+    rt = Runtime(
+        make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64, quant="fp32"),
+        loaded=fp32_model,
+    ).start(background=False)
+    try:
+        chat, conv = rt.chat, rt.store.create_conversation(LOCAL)
+        run(chat, conv, fact)
+        topics = FOREIGN_TOPICS[lang]
+        for i in range(38):
+            run(chat, conv, filler.format(i=i + 1, topic=topics[i % len(topics)]))
+        fin = run(chat, conv, question)
+        stored = rt.store.get(LOCAL, conv)
+        assert stored.summarized_upto > 1, "turn 1 left the window long ago"
+        assert f"- {fact}" in fin.prompt[0][1], "verbatim, as a kept fact"
+        assert fin.stats.sections["facts"] > 0 and any(f.text == fact for f in stored.facts)
+        assert fin.stats.gen.prompt_tokens + fin.stats.sections["reserve"] <= 512
+    finally:
+        rt.close()
