@@ -59,7 +59,9 @@ from .ui_format import (
 
 DOC_TYPES = [".txt", ".md", ".pdf", ".html", ".htm", ".docx"]
 WAIT_READY_S = 600.0
-STOP_WAIT_S = 5.0  # after Stop, how long to wait for the partial turn to be stored
+# after Stop, the most to wait for the partial turn to be stored: the worker stops within a step,
+# but a batch's step on a loaded CPU can take seconds (5 s was too short for the browser test there)
+STOP_WAIT_S = 30.0
 
 CSS = """
 .llmweb-bar {display:flex; height:18px; border-radius:4px; overflow:hidden; border:1px solid #d1d5db}
