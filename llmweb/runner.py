@@ -135,8 +135,8 @@ class LocalRunner:
                 ids = torch.tensor([seq.prompt[seq.filled : end]], device=self.device)  # (1, chunk)
                 logits = self._forward(input_ids=ids, cache=seq.cache)  # (1, vocab)
                 seq.filled = end
+                slot.stats.prefilled_tokens = end - seq.reused  # so far: a cancel between chunks reports it
                 if end == len(seq.prompt):
-                    slot.stats.prefilled_tokens = end - seq.reused
                     seq.last = seq.sampler(logits)
                     slot.ready = True
                     slot.record(seq.last)

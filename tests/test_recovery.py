@@ -213,9 +213,10 @@ def test_oom_after_tokens_streamed_restarts_the_reply_cleanly(oom_runtime):
     """An OOM mid-reply voids what was streamed: the retried reply is not glued to the partial one."""
     rt, plan = oom_runtime
     question = "What is the capital of France?"
-    plan.update(at=0, left=1)
+    runner = rt.engine.runner  # the fault hook counts this runner's forward passes
+    plan.update(at=runner.forwards, left=1)
     clean = rt.chat.ask(LOCAL, rt.store.create_conversation(LOCAL), question)
-    plan.update(at=4, left=1)  # prefill, then 3 decode steps: three tokens were streamed already
+    plan.update(at=runner.forwards + 4, left=1)  # prefill, then 3 decode steps: three tokens were streamed already
     conv = rt.store.create_conversation(LOCAL)
     finished = rt.chat.ask(LOCAL, conv, question)
     assert finished.stats.gen.oom_retry and rt.engine.counters.ooms == 2
