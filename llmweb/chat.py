@@ -27,7 +27,7 @@ from .config import Settings
 from .engine import Engine, GenerationRequest, Tokens, Waiting
 from .errors import ConfigError, InputError, LlmwebError
 from .records import Chunk, GenerationStats, Source, Turn, TurnStats
-from .store import DEFAULT_TITLE, Conversation, Store, new_id
+from .store import DEFAULT_TITLE, MAX_SYSTEM_PROMPT_CHARS, MEMORY_MODES, ChatSettings, Conversation, Store, new_id
 from .tokens import ChatFormat, render_prompt
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,26 @@ RECALL_MIN_SCORE = 0.40
 # Regenerate must give a new reply: with greedy decoding (LLMWEB_TEMPERATURE=0, the default) it
 # samples at this temperature instead, with a fresh seed.
 REGENERATE_TEMPERATURE = 0.7
+MAX_TEMPERATURE = 2.0  # a chat may sample this hot at most
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSettings:
+    """What one turn runs with: the chat's own settings over the configuration's (`Chat.turn_settings`)."""
+
+    system_prompt: str
+    temperature: float
+    budget: context.Budget  # max_new_tokens is the chat's reply cap
+    use_docs: bool
+    summaries: bool  # fold old turns into the rolling summary
+    recall: bool  # bring back earlier turns that left the window
+
+    @property
+    def memory(self) -> str:
+        """The memory mode in effect: one of store.MEMORY_MODES."""
+        return "recall" if self.recall else "summary" if self.summaries else "window"
 
 
 @dataclass(frozen=True)
@@ -146,7 +164,7 @@ class Chat:
         text: str,
         *,
         new: bool = False,
-        use_docs: bool = True,
+        use_docs: bool | None = None,
         seed: int | None = None,
         wait_summary: bool = False,
         redo: bool = False,
@@ -159,9 +177,11 @@ class Chat:
         turn is already folded into the summary. The session's KV cache needs nothing: the runner
         reuses only the longest common prefix of the new prompt with what it cached.
         `more=True` (continue) is the same for a reply cut by the length cap or stopped, except that
-        the prompt ends with that reply so far, and the reply grows from it."""
+        the prompt ends with that reply so far, and the reply grows from it.
+        The chat's own settings (`ChatSettings`: system prompt, temperature, reply cap, documents,
+        memory mode) apply over the configuration's; `use_docs` None follows the chat's."""
         s = self.settings
-        redone, budget = None, self.budget
+        redone = None
         partial: tuple[int, ...] = ()  # continue: the ids of the reply so far
         if redo or more:
             if conv_id is None or new:
@@ -173,11 +193,6 @@ class Chat:
             assert redone is not None
             if redone.stats is None or redone.stats.gen.finish_reason not in ("length", "cancelled"):
                 raise InputError("The last reply is complete: only a reply cut short or stopped can be continued.")
-            partial = tuple(reply_prefix_ids(self.fmt, redone.assistant))
-            reserve = min(budget.max_new_tokens + len(partial), budget.context_limit - 1)
-            if reserve - len(partial) < 1:
-                raise InputError("The last reply already fills this chat's context: it cannot go on.")
-            budget = replace(budget, max_new_tokens=reserve)  # room for the reply so far and its rest
         text = clean_message(text, s.max_message_chars)
         new = new or conv_id is None
         # read once: the whole turn plans from this snapshot (NotFound for another owner's id)
@@ -190,25 +205,39 @@ class Chat:
             conv = replace(conv, turns=[t for t in conv.turns if t.idx < redone.idx])
         conv_id = conv.id
         window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]]
+        mine = self.turn_settings(conv.settings)  # this chat's settings over the configuration's
+        base = budget = mine.budget
+        if more:
+            assert redone is not None
+            partial = tuple(reply_prefix_ids(self.fmt, redone.assistant))
+            reserve = min(budget.max_new_tokens + len(partial), budget.context_limit - 1)
+            if reserve - len(partial) < 1:
+                raise InputError("The last reply already fills this chat's context: it cannot go on.")
+            budget = replace(budget, max_new_tokens=reserve)  # room for the reply so far and its rest
+        if use_docs is None:
+            use_docs = mine.use_docs
+        # window only: the summary of an earlier mode stays stored, but is no longer in the prompt
+        summary_text = conv.summary if mine.summaries else ""
 
         # 1) retrieve: documents (shared + the owner's own), and earlier turns that left the window
         chunks: list[Chunk] = []
         if use_docs and self.library is not None and not self.library.is_empty(owner):
             chunks = self.library.search(owner, text, k=s.top_k, min_score=s.min_score)
-        recall = self.recall(conv, text) if s.recall and conv.summarized_upto > 0 and self.library is not None else []
+        recalling = mine.recall and conv.summarized_upto > 0 and self.library is not None
+        recall = self.recall(conv, text) if recalling else []
 
         # 2) plan (raises InputError with the numbers when the message cannot fit)
         plan = context.plan(
-            s.system_prompt, conv.summary, window, chunks, text, budget, self.fmt, recall=recall, facts=conv.facts
+            mine.system_prompt, summary_text, window, chunks, text, budget, self.fmt, recall=recall, facts=conv.facts
         )
 
         # 3) generate, with a smaller plan ready for an OOM retry
         def smaller() -> GenerationRequest | None:
-            reduced = reduced_budget(self.budget)
+            reduced = reduced_budget(base)
             try:
                 p = context.plan(
-                    s.system_prompt,
-                    conv.summary,
+                    mine.system_prompt,
+                    summary_text,
                     window,
                     chunks[: len(chunks) // 2],
                     text,
@@ -224,7 +253,7 @@ class Chat:
         request = GenerationRequest(
             prompt_ids=plan.ids + partial if partial else plan.ids,
             max_new_tokens=budget.max_new_tokens - len(partial),
-            temperature=s.temperature or (REGENERATE_TEMPERATURE if redo else 0.0),
+            temperature=mine.temperature or (REGENERATE_TEMPERATURE if redo else 0.0),
             top_p=s.top_p,
             repetition_penalty=s.repetition_penalty,
             seed=seed,
@@ -275,7 +304,7 @@ class Chat:
             notes.append(plan.left_out.capitalize() + ".")
 
         # 5) compress
-        self._maybe_compress(conv, Turn(text, reply), plan)
+        self._maybe_compress(conv, Turn(text, reply), plan, mine)
         if wait_summary:
             self.wait_background(conv_id)
         yield Finished(reply, stats, sources, notes, plan.messages, conv_id)
@@ -303,9 +332,9 @@ class Chat:
         )
 
     # ---- compression
-    def _maybe_compress(self, conv: Conversation, new: Turn, plan: context.ContextPlan) -> None:
+    def _maybe_compress(self, conv: Conversation, new: Turn, plan: context.ContextPlan, mine: TurnSettings) -> None:
         """`conv` as it was before this turn, and the turn just stored: no second read of the store."""
-        if not self.settings.summaries:
+        if not mine.summaries:
             return  # window only: old turns are left out (and reported), never folded
         conv_id, owner = conv.id, conv.owner
         window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]] + [new]
@@ -323,20 +352,20 @@ class Chat:
             job = threading.Thread(
                 target=self._fold,
                 name=f"summary-{conv_id[:8]}",
-                args=(owner, conv_id, conv.summary, window[:n], conv.summarized_upto),
+                args=(owner, conv_id, conv.summary, window[:n], conv.summarized_upto, mine.recall),
                 daemon=True,
             )
             self._jobs[conv_id] = job
         job.start()
 
-    def _fold(self, owner: str, conv_id: str, previous: str, turns: list[Turn], first: int) -> None:
+    def _fold(self, owner: str, conv_id: str, previous: str, turns: list[Turn], first: int, recall: bool) -> None:
         """Fold turns out of the window (`turns` are turn indices first, first + 1, ...): index them for
         recall, keep the user's facts, summarise."""
         try:
             upto = first + len(turns)
             if self.store.get(owner, conv_id).summarized_upto != first:
                 return  # an earlier fold finished after this turn read the chat; the next turn decides again
-            if self.settings.recall and self.library is not None:
+            if recall and self.library is not None:
                 self.recall_index(conv_id).add_chunks(
                     [
                         Chunk(
@@ -386,8 +415,9 @@ class Chat:
         try:
             conv = self.store.get(owner, conv_id)
             window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]]
+            mine = self.turn_settings(conv.settings)
             plan = context.plan(
-                self.settings.system_prompt, conv.summary, window, [], "", self.budget, self.fmt, facts=conv.facts
+                mine.system_prompt, conv.summary, window, [], "", mine.budget, self.fmt, facts=conv.facts
             )
         except LlmwebError:
             return
@@ -492,7 +522,79 @@ class Chat:
         for j in jobs:
             j.join(timeout)
 
+    # ---- per-chat settings
+    def turn_settings(self, chosen: ChatSettings) -> TurnSettings:
+        """What a turn of a chat with these settings runs with: each field the chat sets, else the
+        configuration's. Stored settings were checked against the limits when they were set; a
+        server restarted with lower limits still caps them here."""
+        s = self.settings
+        memory = chosen.memory or ("recall" if s.summaries and s.recall else "summary" if s.summaries else "window")
+        cap = self.budget.max_new_tokens
+        return TurnSettings(
+            system_prompt=s.system_prompt if chosen.system_prompt is None else chosen.system_prompt,
+            temperature=min(s.temperature if chosen.temperature is None else chosen.temperature, MAX_TEMPERATURE),
+            budget=replace(self.budget, max_new_tokens=min(chosen.max_new_tokens or cap, cap)),
+            use_docs=True if chosen.use_docs is None else chosen.use_docs,
+            summaries=memory != "window" and s.summaries,
+            recall=memory == "recall" and s.summaries and s.recall,
+        )
+
+    def set_settings(self, owner: str, conv_id: str, chosen: ChatSettings) -> ChatSettings:
+        """Store a chat's own settings, after checking them against this server's limits (an
+        `InputError` that names the limit, nothing changed). Returns what was stored."""
+        s = self.settings
+        prompt = chosen.system_prompt
+        if prompt is not None:
+            prompt = prompt.encode("utf-8", "replace").decode("utf-8")
+            prompt = _CONTROL.sub("", prompt).strip()
+            if len(prompt) > MAX_SYSTEM_PROMPT_CHARS:
+                raise InputError(
+                    f"This system prompt has {len(prompt):,} characters; the limit is {MAX_SYSTEM_PROMPT_CHARS:,}."
+                )
+            room = self.budget.context_limit // 4
+            if self.fmt.count(prompt) > room:
+                raise InputError(
+                    f"This system prompt takes {self.fmt.count(prompt):,} tokens; at most {room:,} (a quarter "
+                    "of this server's context) leave room for the chat. Make it shorter."
+                )
+        if chosen.temperature is not None and not 0 <= chosen.temperature <= MAX_TEMPERATURE:
+            raise InputError(f"The temperature must be between 0 and {MAX_TEMPERATURE} (0: the likeliest word).")
+        cap = self.budget.max_new_tokens
+        if chosen.max_new_tokens is not None and not 1 <= chosen.max_new_tokens <= cap:
+            raise InputError(
+                f"The reply cap must be between 1 and {cap:,} tokens: this server's limit "
+                "(LLMWEB_MAX_NEW_TOKENS, at most half the context)."
+            )
+        if chosen.memory is not None and chosen.memory not in MEMORY_MODES:
+            raise InputError(f"The memory mode must be one of {', '.join(MEMORY_MODES)}.")
+        if chosen.memory in ("summary", "recall") and not s.summaries:
+            raise InputError("This server keeps no summaries (LLMWEB_SUMMARIES=0): only window memory is available.")
+        if chosen.memory == "recall" and not s.recall:
+            raise InputError("This server recalls no earlier turns (LLMWEB_RECALL=0): pick window or summary.")
+        chosen = replace(chosen, system_prompt=prompt)
+        self.store.set_settings(owner, conv_id, chosen)
+        return chosen
+
     # ---- conversations
+    def import_json(self, owner: str, text: str) -> str:
+        """A new chat of `owner` from an export (`Store.import_json`: a bad file is an InputError and
+        stores nothing); its turns already folded into the summary are indexed for recall, as the
+        folds that made them did."""
+        conv_id = self.store.import_json(owner, text)
+        conv = self.store.get(owner, conv_id)
+        if conv.summarized_upto and self.library is not None and self.turn_settings(conv.settings).recall:
+            chunks = [
+                Chunk(
+                    text=f"User: {t.user}\nAssistant: {t.assistant}",
+                    source=f"turn {t.idx + 1}",
+                    doc_id=f"turn-{t.idx}",
+                    kind="recall",
+                )
+                for t in conv.turns[: conv.summarized_upto]
+            ]
+            self.recall_index(conv_id).add_chunks(chunks)
+        return conv_id
+
     def undo(self, owner: str, conv_id: str):
         """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is
         already folded into the summary. The session's KV cache is left as it is: the next prompt

@@ -35,6 +35,10 @@ Search: `search(owner, query)` reads an FTS5 index of every turn's text (migrati
 step by triggers, so no write method has to remember it; hits are scoped to the owner in the
 same query.
 
+Per-chat settings: `ChatSettings` (system prompt, temperature, reply cap, documents, memory mode)
+is a JSON object in the conversation's row (migration 4), holding only the fields the chat sets;
+chat.py checks them against the server's limits, the store only their shape.
+
 Missing conversations raise `NotFound` (a `LookupError` and an `LlmwebError`, so the UI can
 show its message as it is). Deleting something already gone is not an error.
 
@@ -136,12 +140,58 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             INSERT INTO turns_fts (rowid, user, assistant) VALUES (new.rowid, new.user, new.assistant);
         END""",
     ),
+    (  # 4: per-chat settings (system prompt, temperature, reply cap, documents, memory), a JSON object
+        # of the fields a chat overrides ('{}': every field from the server's configuration)
+        "ALTER TABLE conversations ADD COLUMN settings TEXT NOT NULL DEFAULT '{}'",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
 MAX_QUERY_CHARS = 500  # a search query may be this long
 HIT_START, HIT_END = "\x02", "\x03"  # around the matched words in `SearchHit.snippet`
+
+
+MEMORY_MODES = ("window", "summary", "recall")  # window only; + a rolling summary; + recall of old turns
+MAX_SYSTEM_PROMPT_CHARS = 4000  # a chat's own system prompt may be this long
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSettings:
+    """What one chat sets for itself; None = the server's configuration. The store checks only
+    the shape of each value; chat.py checks them against the server's limits before storing."""
+
+    system_prompt: str | None = None  # the persona; "" is a chat without one
+    temperature: float | None = None  # 0 = greedy
+    max_new_tokens: int | None = None  # the reply length cap
+    use_docs: bool | None = None  # answer from the documents when relevant
+    memory: str | None = None  # one of MEMORY_MODES
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the fields this chat sets."""
+        return {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ChatSettings:
+        """Read a stored or imported object; a value of the wrong kind is a ValueError."""
+        if not isinstance(d, dict):
+            raise ValueError("settings must be an object")
+        unknown = set(d) - set(cls.__slots__)
+        if unknown:
+            raise ValueError(f"unknown settings {sorted(unknown)}")
+        out = cls(**{k: v for k, v in d.items() if v is not None})
+        checks = (
+            ("system_prompt", lambda v: isinstance(v, str) and len(v) <= MAX_SYSTEM_PROMPT_CHARS),
+            ("temperature", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2),
+            ("max_new_tokens", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+            ("use_docs", lambda v: isinstance(v, bool)),
+            ("memory", lambda v: v in MEMORY_MODES),
+        )
+        for name, ok in checks:
+            value = getattr(out, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"bad {name} {value!r}")
+        return out
 
 
 class NotFound(LlmwebError, LookupError):
@@ -201,6 +251,7 @@ class Conversation:
     created: float = 0.0
     updated: float = 0.0
     owner: str = ""
+    settings: ChatSettings = field(default_factory=ChatSettings)
 
 
 class Store:
@@ -318,13 +369,13 @@ class Store:
     def get(self, owner: str, conv_id: str) -> Conversation:
         with self._read() as db:
             row = db.execute(
-                "SELECT title, summary, summarized_upto, created, updated FROM conversations "
+                "SELECT title, summary, summarized_upto, created, updated, settings FROM conversations "
                 "WHERE id = ? AND owner = ?",
                 (conv_id, owner),
             ).fetchone()
             if row is None:
                 raise _missing(conv_id)
-            title, summary, upto, created, updated = row
+            title, summary, upto, created, updated, settings = row
             turns = [
                 StoredTurn(idx, user, assistant, _stats(stats), _sources(sources), t_created)
                 for idx, user, assistant, stats, sources, t_created in db.execute(
@@ -334,7 +385,8 @@ class Store:
                 )
             ]
             facts = _facts(db, conv_id)
-        return Conversation(conv_id, title, summary, upto, turns, facts, created, updated, owner)
+        chosen = ChatSettings.from_dict(json.loads(settings))
+        return Conversation(conv_id, title, summary, upto, turns, facts, created, updated, owner, chosen)
 
     def add_turn(
         self,
@@ -454,6 +506,18 @@ class Store:
                 raise _missing(conv_id)
         return title
 
+    def set_settings(self, owner: str, conv_id: str, settings: ChatSettings) -> None:
+        """Store the chat's own settings (all of them: a field left None goes back to the
+        configuration). Does not touch `updated`. Another owner's conversation is `NotFound`."""
+        try:  # checked before the write
+            text = json.dumps(ChatSettings.from_dict(settings.to_dict()).to_dict())
+        except ValueError as e:
+            raise InputError(f"These chat settings cannot be stored ({e}).") from None
+        with self._write() as db:
+            cur = db.execute("UPDATE conversations SET settings = ? WHERE id = ? AND owner = ?", (text, conv_id, owner))
+            if cur.rowcount == 0:
+                raise _missing(conv_id)
+
     def delete(self, owner: str, conv_id: str) -> bool:
         """Delete a conversation with its turns and facts. False if it was already gone (or not the owner's)."""
         with self._write() as db:
@@ -561,6 +625,7 @@ class Store:
             "updated": conv.updated,
             "summary": conv.summary,
             "summarized_upto": conv.summarized_upto,
+            "settings": conv.settings.to_dict(),
             "turns": [
                 {
                     "idx": t.idx,
@@ -603,14 +668,16 @@ class Store:
             if not all(isinstance(v, str) for r in rows for v in r[:2]):
                 raise ValueError("turn text must be strings")
             facts = [(str(f["text"]), int(bool(f["pinned"])), float(f["created"])) for f in doc.get("facts", [])]
-            head = (str(doc["title"]), float(doc["created"]), float(doc["updated"]), str(doc["summary"]), upto)
+            settings = json.dumps(ChatSettings.from_dict(doc.get("settings", {})).to_dict())
+            times = (float(doc["created"]), float(doc["updated"]))
+            head = (str(doc["title"]), *times, str(doc["summary"]), upto, settings)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InputError(f"This file is not an llmweb conversation export ({e}).") from None
         conv_id = new_id()
         with self._write() as db:
             db.execute(
-                "INSERT INTO conversations (id, title, created, updated, summary, summarized_upto, owner) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO conversations (id, title, created, updated, summary, summarized_upto, settings, owner) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (conv_id, *head, owner),
             )
             _seen(db, owner, time.time())
@@ -634,6 +701,10 @@ class Store:
             f"_Exported from llmweb; started {_iso(conv.created)}, {len(conv.turns)} turns._",
             "",
         ]
+        chosen = conv.settings.to_dict()
+        if chosen:
+            out += ["## This chat's settings", ""]
+            out += [f"- {k.replace('_', ' ')}: {v!r}" for k, v in chosen.items()] + [""]
         if conv.summary:
             out += [f"## Summary of the first {conv.summarized_upto} turns", "", conv.summary, ""]
         pinned = [f for f in conv.facts if f.pinned]

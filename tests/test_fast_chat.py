@@ -330,3 +330,55 @@ def _plan(chat, text):
     from llmweb import context
 
     return context.plan("", "", [], [], text, chat.budget, chat.fmt)
+
+
+def test_a_chats_own_settings_reach_its_prompt_and_request_and_only_its_own(rig):
+    from llmweb.store import ChatSettings
+
+    chat, runner, fmt, store = rig
+    mine, other = store.create_conversation(OWNER), store.create_conversation(OWNER)
+    chat.set_settings(OWNER, mine, ChatSettings(system_prompt="You are a pirate.", temperature=0.5, max_new_tokens=7))
+    fin = chat.ask(OWNER, mine, "hello")
+    assert fin.prompt[0] == ("system", "You are a pirate.")
+    request = runner.requests[-1]
+    assert (request.temperature, request.max_new_tokens) == (0.5, 7)
+    assert fin.stats.sections["reserve"] == 7
+    plain = chat.ask(OWNER, other, "hello")
+    assert plain.prompt[0][1] == chat.settings.system_prompt and runner.requests[-1].max_new_tokens == 20
+    second = chat.ask(OWNER, mine, "again")
+    assert second.stats.gen.reused_tokens >= fin.stats.gen.prompt_tokens, "an unchanged persona keeps the KV prefix"
+    with pytest.raises(Exception, match="That conversation no longer exists"):
+        chat.set_settings("anon:stranger", mine, ChatSettings(system_prompt="mine now"))
+
+
+@pytest.mark.parametrize(
+    ("chosen", "words"),
+    [
+        ({"max_new_tokens": 21}, "reply cap must be between 1 and 20"),
+        ({"temperature": 2.5}, "temperature must be between 0 and 2"),
+        ({"system_prompt": "word " * 51}, "a quarter"),
+        ({"memory": "forever"}, "memory mode must be one of"),
+    ],
+)
+def test_chat_settings_past_the_servers_limits_are_refused_with_the_limit(rig, chosen, words):
+    from llmweb.store import ChatSettings
+
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    with pytest.raises(InputError, match=words):
+        chat.set_settings(OWNER, conv, ChatSettings(**chosen))
+    assert store.get(OWNER, conv).settings == ChatSettings(), "nothing stored"
+
+
+def test_window_memory_never_folds_and_recall_is_refused_when_the_server_has_none(rig):
+    from llmweb.store import ChatSettings
+
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    with pytest.raises(InputError, match="LLMWEB_RECALL=0"):
+        chat.set_settings(OWNER, conv, ChatSettings(memory="recall"))  # the rig's server runs without recall
+    chat.set_settings(OWNER, conv, ChatSettings(memory="window"))
+    for i in range(12):
+        fin = chat.ask(OWNER, conv, f"message {i} " + "x " * 12, wait_summary=True)
+    assert store.get(OWNER, conv).summarized_upto == 0 and not [r for r in runner.requests if r.background]
+    assert fin.stats.dropped_turns > 0, "window only: old turns are left out, and reported"

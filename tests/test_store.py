@@ -771,3 +771,62 @@ def test_the_last_turn_can_be_replied_again_or_removed_until_it_is_folded(store:
             call()
     assert store.get(A, conv) == before
     store._db.execute("INSERT INTO turns_fts(turns_fts) VALUES ('integrity-check')")
+
+
+def test_a_database_from_before_chat_settings_opens_without_loss(tmp_path: Path):
+    """tests/fixtures/schema3.sqlite3 was written by the previous release's store (schema 3: search)."""
+    import shutil
+
+    from llmweb.store import ChatSettings
+
+    path = tmp_path / "old.sqlite3"
+    shutil.copy(REPO / "tests" / "fixtures" / "schema3.sqlite3", path)
+    a, b = "anon:fixture-visitor-a", "user:fixture-b"
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        (info,) = s.list_conversations(a)
+        conv = s.get(a, info.id)
+        assert info.title == "Locker and cat" and conv.settings == ChatSettings()
+        assert [(t.user, t.assistant) for t in conv.turns] == [
+            ("Mein Schließfach hat die Nummer 5521.", "Notiert."),
+            ("제 고양이 이름은 나비예요.", "예쁜 이름이네요!"),
+            ("And the bike lock is Kestrel-19.", "Got it."),
+        ]
+        assert conv.turns[1].sources[0].source == "pets.md"
+        assert (conv.summary, conv.summarized_upto) == ("The user has a locker numbered 5521.", 1)
+        assert [(f.text, f.pinned) for f in conv.facts] == [("Mein Schließfach hat die Nummer 5521.", True)]
+        assert [h.idx for h in s.search(a, "Kestrel-19")] == [2] and s.search(a, "heron") == []
+        assert [h.title for h in s.search(b, "heron")] == ["The vault code is Heron-88."]
+        s.set_settings(a, info.id, ChatSettings(system_prompt="Du bist ein Pirat.", memory="window"))
+        assert s.get(a, info.id).settings.system_prompt == "Du bist ein Pirat."
+
+
+def test_chat_settings_are_the_owners_round_trip_through_export_and_refuse_bad_shapes(store: Store):
+    from llmweb.store import ChatSettings
+
+    conv = store.create_conversation(A)
+    store.add_turn(A, conv, "hello", "hi")
+    chosen = ChatSettings(system_prompt="You are a pirate. 🏴‍☠️", temperature=0.4, max_new_tokens=64, use_docs=False)
+    store.set_settings(A, conv, chosen)
+    assert store.get(A, conv).settings == chosen
+    with pytest.raises(NotFound):
+        store.set_settings(B, conv, ChatSettings(system_prompt="stolen"))
+    for bad in (ChatSettings(memory="everything"), ChatSettings(temperature=-1), ChatSettings(max_new_tokens=0)):
+        with pytest.raises(InputError):
+            store.set_settings(A, conv, bad)
+    assert store.get(A, conv).settings == chosen, "a refused change changes nothing"
+    exported = store.export_json(A, conv)
+    assert json.loads(exported)["settings"] == chosen.to_dict()
+    assert "You are a pirate." in store.export_markdown(A, conv)
+    copy = store.import_json(B, exported)
+    assert store.get(B, copy).settings == chosen and store.list_conversations(A)[0].id == conv
+    with pytest.raises(NotFound):
+        store.get(A, copy)
+    doc = json.loads(exported)
+    doc["settings"] = {"temperature": "hot"}
+    before = store.list_conversations(B)
+    with pytest.raises(InputError, match="not an llmweb conversation export"):
+        store.import_json(B, json.dumps(doc))
+    assert store.list_conversations(B) == before, "a bad file changes nothing"
+    del doc["settings"]  # an export from before settings
+    assert store.get(B, store.import_json(B, json.dumps(doc))).settings == ChatSettings()
