@@ -41,7 +41,7 @@ import gradio as gr
 from .accounts import gradio_auth
 from .chat import Delta, Finished, Queued, Started, clean_message
 from .errors import InputError, LlmwebError
-from .store import DEFAULT_TITLE, LOCAL_OWNER, Conversation, new_id
+from .store import DEFAULT_TITLE, LOCAL_OWNER, ChatSettings, Conversation, new_id
 from .ui_format import (
     NO_PLOT,
     SECTION_COLOURS,
@@ -123,6 +123,7 @@ class Layout:
     rename_btn: gr.Button
     export_md: gr.DownloadButton
     export_json: gr.DownloadButton
+    import_btn: gr.UploadButton
     delete_all_btn: gr.Button
     confirm_row: gr.Row
     confirm_all_btn: gr.Button
@@ -151,6 +152,13 @@ class Layout:
     add_fact_btn: gr.Button
     tokens_plot: gr.HTML
     memory_plot: gr.HTML
+    prompt_box: gr.Textbox
+    # this chat's settings
+    system_box: gr.Textbox
+    temperature: gr.Slider
+    reply_cap: gr.Number
+    memory_mode: gr.Radio
+    save_settings_btn: gr.Button
 
     def outputs(self, *names: str) -> list:
         return [getattr(self, n) for n in names]
@@ -192,6 +200,7 @@ def _sidebar() -> dict:
     with gr.Row():
         export_md = gr.DownloadButton("Export .md", size="sm")
         export_json = gr.DownloadButton("Export .json", size="sm")
+        import_btn = gr.UploadButton("Import .json", file_types=[".json"], size="sm", elem_id="llmweb-import")
     delete_all_btn = gr.Button("Delete all my data", size="sm", variant="stop", elem_id="llmweb-delete-all")
     with gr.Row(visible=False) as confirm_row:
         gr.Markdown("Delete every chat, fact and uploaded document of yours? This cannot be undone.")
@@ -209,6 +218,7 @@ def _sidebar() -> dict:
         rename_btn=rename_btn,
         export_md=export_md,
         export_json=export_json,
+        import_btn=import_btn,
         delete_all_btn=delete_all_btn,
         confirm_row=confirm_row,
         confirm_all_btn=confirm_all_btn,
@@ -263,10 +273,28 @@ def _panel_column() -> dict:
         with gr.Row():
             new_fact = gr.Textbox(placeholder="Something to remember, word for word", show_label=False, scale=3)
             add_fact_btn = gr.Button("Remember", size="sm", scale=1)
+    with gr.Accordion("This chat's settings", open=False, elem_id="llmweb-chat-settings"):
+        system_box = gr.Textbox(label="System prompt (persona)", lines=3, max_lines=10, elem_id="llmweb-system-prompt")
+        temperature = gr.Slider(0.0, 2.0, step=0.05, label="Temperature (0: the likeliest word)")
+        reply_cap = gr.Number(label="Reply length cap (tokens)", precision=0, minimum=1, elem_id="llmweb-reply-cap")
+        memory_mode = gr.Radio(
+            choices=[("Window only", "window"), ("+ summary", "summary"), ("+ summary + recall", "recall")],
+            label="Memory",
+            elem_id="llmweb-memory-mode",
+        )
+        save_settings_btn = gr.Button("Save for this chat", size="sm", elem_id="llmweb-save-settings")
+    with gr.Accordion("Prompt of the last turn", open=False, elem_id="llmweb-prompt-panel"):
+        prompt_box = gr.Textbox(show_label=False, lines=8, max_lines=30, interactive=False, elem_id="llmweb-prompt")
     gr.Markdown("### This chat, turn by turn")
     tokens_plot = gr.HTML(NO_PLOT, elem_id="llmweb-tokens-plot")
     memory_plot = gr.HTML(NO_PLOT, elem_id="llmweb-memory-plot")
     return dict(
+        prompt_box=prompt_box,
+        system_box=system_box,
+        temperature=temperature,
+        reply_cap=reply_cap,
+        memory_mode=memory_mode,
+        save_settings_btn=save_settings_btn,
         stats_md=stats_md,
         bar=bar,
         memory_md=memory_md,
@@ -320,6 +348,12 @@ class Panel(NamedTuple):
     fact_dd: Any
     tokens_plot: Any
     memory_plot: Any
+    prompt_box: Any  # the last turn's prompt, as sent (known only right after a turn)
+    use_docs: Any  # this chat's settings, each shown as its value in effect
+    system_box: Any
+    temperature: Any
+    reply_cap: Any
+    memory_mode: Any
 
     @classmethod
     def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
@@ -363,7 +397,7 @@ class Handlers:
         engine = self.runtime.engine
         return engine.limits.mem_limit_bytes if engine is not None else 0
 
-    def panel(self, owner: str, conv, notes: str = "") -> Panel:
+    def panel(self, owner: str, conv, notes: str = "", prompt: str = "") -> Panel:
         """Every component that shows a conversation, filled from the store."""
         stats = conv.turns[-1].stats if conv.turns else None
         tokens_df, memory_df = plot_frames(conv)
@@ -378,6 +412,32 @@ class Handlers:
             fact_dd=gr.update(choices=[(fact_label(f), f.id) for f in conv.facts], value=None),
             tokens_plot=line_chart_html(tokens_df, "tokens", "section", "Prompt tokens by section", SECTION_COLOURS),
             memory_plot=line_chart_html(memory_df, "MiB", "measure", "Memory"),
+            prompt_box=prompt,
+            **self._settings_shown(conv.settings),
+        )
+
+    def _settings_shown(self, chosen: ChatSettings) -> dict:
+        """The chat's settings in effect, as the panel shows them; before the model is loaded (no
+        budget yet), what the chat sets over the configuration."""
+        chat, s = self.runtime.chat, self.settings
+        if chat is not None:
+            mine = chat.turn_settings(chosen)
+            prompt, temperature, cap, memory = (
+                mine.system_prompt,
+                mine.temperature,
+                mine.budget.max_new_tokens,
+                mine.memory,
+            )
+        else:
+            prompt = s.system_prompt if chosen.system_prompt is None else chosen.system_prompt
+            temperature = s.temperature if chosen.temperature is None else chosen.temperature
+            cap, memory = chosen.max_new_tokens or s.max_new_tokens, chosen.memory
+        return dict(
+            use_docs=True if chosen.use_docs is None else chosen.use_docs,
+            system_box=prompt,
+            temperature=temperature,
+            reply_cap=cap,
+            memory_mode=memory,
         )
 
     def _open(self, owner: str, conv_id: str) -> Panel:
@@ -443,7 +503,7 @@ class Handlers:
 
     def _stream(self, owner: str, conv_id, shown: list[dict], events) -> Iterator[Panel]:
         """Show a turn's events: the queue position, then the reply as it grows, then the whole panel."""
-        notes = ""
+        notes, prompt = "", ""
         for event in events:
             if isinstance(event, Started):
                 conv_id = event.conv_id
@@ -454,8 +514,8 @@ class Handlers:
                 shown[-1] = {"role": "assistant", "content": event.text}
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Finished):
-                notes = " ".join(event.notes)
-        yield self.panel(owner, self.store.get(owner, conv_id), notes)
+                notes, prompt = " ".join(event.notes), event.prompt_text()
+        yield self.panel(owner, self.store.get(owner, conv_id), notes, prompt)
 
     @user_errors
     def after_stop(self, conv_id, history, token, request: gr.Request):
@@ -503,6 +563,32 @@ class Handlers:
         self._current(owner, conv_id)
         self.store.rename(owner, conv_id, title)
         return (*self.panel(owner, self.store.get(owner, conv_id)), "")
+
+    @user_errors
+    def save_settings(self, conv_id, system, temperature, cap, memory, use_docs, token, request: gr.Request) -> Panel:
+        """Keep the panel's settings with this chat (a value equal to the configuration's follows it).
+        A chat not stored yet is created now, so its first message already has them."""
+        chat, owner = self._chat(), self.owner(token, request)
+        default = chat.turn_settings(ChatSettings())
+        chosen = ChatSettings(
+            system_prompt=None if system is None or system == default.system_prompt else str(system),
+            temperature=None if temperature is None or temperature == default.temperature else float(temperature),
+            max_new_tokens=None if cap in (None, default.budget.max_new_tokens) else int(cap),
+            use_docs=None if bool(use_docs) == default.use_docs else bool(use_docs),
+            memory=None if not memory or memory == default.memory else str(memory),
+        )
+        if not conv_id or not self.store.exists(owner, conv_id):
+            conv_id = self.store.create_conversation(owner)
+        chat.set_settings(owner, conv_id, chosen)
+        return self.panel(owner, self.store.get(owner, conv_id), "Saved this chat's settings.")
+
+    @user_errors
+    def set_use_docs(self, conv_id, use_docs, token, request: gr.Request):
+        """The documents checkbox is a setting of the open chat: kept with it once it is stored."""
+        owner = self.owner(token, request)
+        if conv_id and self.store.exists(owner, conv_id):
+            conv = self.store.get(owner, conv_id)
+            self._chat().set_settings(owner, conv_id, dataclasses.replace(conv.settings, use_docs=bool(use_docs)))
 
     @user_errors
     def delete_chat(self, conv_id, token, request: gr.Request) -> Panel:
@@ -568,6 +654,24 @@ class Handlers:
         path = Path(tempfile.mkdtemp(prefix="llmweb-export-")) / f"conversation-{conv_id[:8]}.{kind}"
         path.write_text(text, encoding="utf-8")
         return str(path)
+
+    @user_errors
+    def import_chat(self, file, token, request: gr.Request) -> Panel:
+        """Import a JSON export as a new chat of the caller's and open it; a bad file is a toast and
+        changes nothing."""
+        owner = self.owner(token, request)
+        if not file:
+            raise InputError("Pick an llmweb .json export to import.")
+        path = Path(file if isinstance(file, str) else file.name)
+        if path.stat().st_size > self.settings.max_file_mb * 2**20:
+            raise InputError(f"That file is larger than {self.settings.max_file_mb} MB (LLMWEB_MAX_FILE_MB).")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError("That file is not text (UTF-8): it is not an llmweb .json export.") from None
+        conv_id = self._chat().import_json(owner, text)
+        conv = self.store.get(owner, conv_id)
+        return self.panel(owner, conv, f"Imported “{conv.title}” ({len(conv.turns)} turns).")
 
     # -- documents
     @user_errors
@@ -674,9 +778,13 @@ def build_app(runtime) -> gr.Blocks:
         renamed = dict(fn=h.rename, inputs=[ui.conv_state, ui.title_box] + me, outputs=shown + [ui.title_box])
         ui.rename_btn.click(**renamed, **private)
         ui.title_box.submit(**renamed, **private)
+        chosen = ui.outputs("conv_state", "system_box", "temperature", "reply_cap", "memory_mode", "use_docs")
+        ui.save_settings_btn.click(h.save_settings, chosen + me, shown, **private)
+        ui.use_docs.input(h.set_use_docs, [ui.conv_state, ui.use_docs] + me, None, **private)
         ui.delete_btn.click(h.delete_chat, [ui.conv_state] + me, shown, **private)
         ui.export_md.click(h.export_md, [ui.conv_state] + me, ui.export_md, **private)
         ui.export_json.click(h.export_json, [ui.conv_state] + me, ui.export_json, **private)
+        ui.import_btn.upload(h.import_chat, [ui.import_btn] + me, shown, **private)
         ui.delete_all_btn.click(lambda: gr.update(visible=True), None, ui.confirm_row, **private)
         ui.cancel_all_btn.click(lambda: gr.update(visible=False), None, ui.confirm_row, **private)
 

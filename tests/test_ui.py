@@ -6,16 +6,17 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
 import pytest
 
 from llmweb import context
-from llmweb.chat import Delta, Finished, Queued, Started
+from llmweb.chat import Chat, Delta, Finished, Queued, Started
 from llmweb.errors import BusyError, InputError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
-from llmweb.store import Store, new_id
+from llmweb.store import NotFound, Store, new_id
 from llmweb.ui import Handlers, Panel, build_app, new_owner_token, user_errors
 from llmweb.ui_format import (
     NO_PLOT,
@@ -28,6 +29,7 @@ from llmweb.ui_format import (
     stats_markdown,
 )
 from tests.conftest import make_settings
+from tests.fakes import FakeFormat
 
 MIB = 2**20
 
@@ -179,8 +181,18 @@ class FakeChat:
     """Like Chat: starts a conversation with its first turn, streams two deltas (or raises `error`),
     stores one turn per send, every store call scoped to the owner."""
 
-    def __init__(self, store):
+    def __init__(self, store, settings=None):
         self.store, self.error = store, None
+        # the per-chat settings are the real Chat's methods, over a small real budget
+        self.settings = settings
+        self.budget = context.Budget(
+            context_limit=400, max_new_tokens=64, summary_tokens=30, retrieved_tokens=40, user_tokens=60
+        )
+        self.fmt, self.library = FakeFormat(), None
+
+    turn_settings = Chat.turn_settings
+    set_settings = Chat.set_settings
+    import_json = Chat.import_json
 
     def send(self, owner, conv_id, text, use_docs=True, new=False, redo=False, more=False):
         if redo or more:  # regenerate: the last reply replaced by "Lyon"; continue: "… and more"
@@ -236,7 +248,7 @@ def runtime(tmp_path):
         library=SimpleNamespace(documents=lambda *owner: []),
         secret="s" * 64,
     )
-    rt.chat = FakeChat(store)
+    rt.chat = FakeChat(store, rt.settings)
     rt.wait_ready = lambda timeout=None: rt.chat
     yield rt
     store.close()
@@ -459,3 +471,84 @@ def test_delete_all_my_data_removes_only_the_callers_chats(runtime, monkeypatch)
     assert out[0] == "" and out[2]["choices"] == [], "A's page shows a blank chat and an empty list"
     assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == [] and mine
     assert [c.id for c in runtime.store.list_conversations(f"anon:{B_TOKEN}")] == [final[0]], "B keeps theirs"
+
+
+def _settings_inputs(panel: Panel, **changed) -> list:
+    """The settings panel's values as the page would send them on Save (conv, system, temperature, cap,
+    memory, documents), with some changed."""
+    values = dict(
+        system=panel.system_box,
+        temperature=panel.temperature,
+        cap=panel.reply_cap,
+        memory=panel.memory_mode,
+        use_docs=panel.use_docs,
+    )
+    values.update(changed)
+    return [panel.conv_state, *values.values()]
+
+
+def test_chat_settings_show_the_configuration_then_what_the_chat_saved_and_strangers_cannot(runtime):
+    from llmweb.store import ChatSettings
+
+    h = Handlers(runtime)
+    blank = h.new_chat(A_TOKEN, NOBODY)
+    assert (blank.system_box, blank.reply_cap, blank.memory_mode, blank.use_docs) == (
+        runtime.settings.system_prompt,
+        64,
+        "recall",
+        True,
+    ), "a new chat shows the configuration, capped by the server's budget"
+    saved = h.save_settings(*_settings_inputs(blank, system="You are a pirate.", cap=12), A_TOKEN, NOBODY)
+    assert saved.conv_state and saved.system_box == "You are a pirate." and saved.reply_cap == 12
+    conv = runtime.store.get(f"anon:{A_TOKEN}", saved.conv_state)
+    assert conv.settings == ChatSettings(system_prompt="You are a pirate.", max_new_tokens=12), "only what changed"
+    reopened = h.switch(saved.conv_state, A_TOKEN, NOBODY)
+    assert (reopened.system_box, reopened.reply_cap) == ("You are a pirate.", 12), "a reload shows them again"
+    with pytest.raises(gr.Error, match="reply cap must be between 1 and 64"):
+        h.save_settings(*_settings_inputs(saved, cap=65), A_TOKEN, NOBODY)
+    assert runtime.store.get(f"anon:{A_TOKEN}", saved.conv_state).settings == conv.settings, "nothing changed"
+    h.set_use_docs(saved.conv_state, False, A_TOKEN, NOBODY)
+    assert h.switch(saved.conv_state, A_TOKEN, NOBODY).use_docs is False
+    # another visitor: the same id is an unknown chat, and saving creates B's own instead
+    h.set_use_docs(saved.conv_state, True, B_TOKEN, NOBODY)  # not B's chat: nothing to keep it with
+    assert h.switch(saved.conv_state, A_TOKEN, NOBODY).use_docs is False
+    with pytest.raises(NotFound):
+        runtime.chat.set_settings(f"anon:{B_TOKEN}", saved.conv_state, ChatSettings(temperature=1.0))
+    theirs = h.save_settings(*_settings_inputs(saved, system="Stolen"), B_TOKEN, NOBODY)
+    assert theirs.conv_state != saved.conv_state
+    assert runtime.store.get(f"anon:{A_TOKEN}", saved.conv_state).settings.system_prompt == "You are a pirate."
+
+
+def test_import_of_an_export_reproduces_the_chat_for_its_importer_and_bad_files_change_nothing(runtime, tmp_path):
+    from llmweb.store import ChatSettings
+
+    h, a = Handlers(runtime), f"anon:{A_TOKEN}"
+    conv = _one_chat(h)
+    h.respond("And Italy?", [], conv, True, A_TOKEN, NOBODY).close()
+    *_, last = h.respond("And Spain?", [], conv, True, A_TOKEN, NOBODY)
+    runtime.store.set_summary(a, conv, "The user asks for capitals.", 1)
+    runtime.store.add_fact(a, conv, "I live in Lyon.", pinned=True)
+    runtime.chat.set_settings(a, conv, ChatSettings(system_prompt="Be brief.", temperature=0.3, memory="summary"))
+    exported = Path(h.export_json(conv, A_TOKEN, NOBODY))
+    opened = h.import_chat(str(exported), B_TOKEN, NOBODY)
+    assert opened.conv_state != conv and opened.stats_md.endswith("(2 turns).")
+    original, copy = runtime.store.get(a, conv), runtime.store.get(f"anon:{B_TOKEN}", opened.conv_state)
+    assert [(t.user, t.assistant, t.stats, t.sources) for t in copy.turns] == [
+        (t.user, t.assistant, t.stats, t.sources) for t in original.turns
+    ]
+    same = ("title", "summary", "summarized_upto", "settings")
+    assert [getattr(copy, k) for k in same] == [getattr(original, k) for k in same]
+    assert [(f.text, f.pinned) for f in copy.facts] == [("I live in Lyon.", True)]
+    assert opened.chatbot == h.switch(conv, A_TOKEN, NOBODY).chatbot and opened.system_box == "Be brief."
+    assert h.switch(opened.conv_state, A_TOKEN, NOBODY).conv_state == "", "B's copy is not A's"
+    before = (runtime.store.list_conversations(a), runtime.store.list_conversations(f"anon:{B_TOKEN}"))
+    for name, content in (
+        ("notes.json", b'{"hello": 1}'),
+        ("broken.json", exported.read_bytes()[:-20]),
+        ("binary.json", b"\xff\xfe\x00junk"),
+    ):
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        with pytest.raises(gr.Error, match="not an llmweb|not text"):
+            h.import_chat(str(bad), A_TOKEN, NOBODY)
+    assert (runtime.store.list_conversations(a), runtime.store.list_conversations(f"anon:{B_TOKEN}")) == before
