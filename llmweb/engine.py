@@ -3,7 +3,8 @@
 The engine speaks token ids. It knows nothing of text, chat templates, retrieval or the UI, and
 it does not import torch: it schedules (queue, fairness, priorities, admission of the whole batch,
 cancel, time limits, OOM retry) and a `Runner` runs the batch on the model one step at a time
-(runner.py: `LocalRunner`; tests use a scripted `FakeRunner`). `local_engine(...)` wires the two.
+(runner.py: `LocalRunner`; remote.py: `RemoteRunner`, an OpenAI-compatible server; tests use a
+scripted `FakeRunner`). `local_engine(...)` / `remote.remote_engine(...)` wire the two.
 
     submit(GenerationRequest) -> Handle       (bounded queue, and per owner; BusyError when full)
     for event in handle.events(): ...        Waiting(position) | Tokens(ids) | Restarted(reason);
@@ -101,10 +102,21 @@ class Tokens:
 class Restarted:
     """The ids streamed so far are void (`handle.generated` is empty again); a retry starts over."""
 
-    reason: str  # "oom": ran out of memory, retrying with the request's smaller fallback
+    reason: str  # "oom": ran out of memory; "context_length": a remote server refused the prompt's
+    # length (`GiveWay`); either way, retrying with the request's smaller fallback
 
 
 _DONE = object()
+
+
+class GiveWay(Exception):
+    """Raised by a runner's `prefill`: the backend refused the prompt as it is (a remote server's
+    "maximum context length"). The request retries once with its smaller `fallback`, as after an
+    out-of-memory pass (`Restarted(reason)`); without one, or on the retry, it fails with `message`."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason, self.message = reason, message
 
 
 class Handle:
@@ -311,7 +323,8 @@ class Slot:
     retried: bool = False  # this is the OOM retry of the request (its fallback)
     t0: float = dataclasses.field(default_factory=time.perf_counter)  # start of processing
     ready: bool = False  # the prompt is prefilled: the slot decodes with the batch
-    finish: str | None = None  # eos | length | cancelled | timeout: it leaves after this step
+    finish: str | None = None  # eos | length | cancelled | timeout | error: it leaves after this step
+    error: LlmwebError | None = None  # set by the runner with finish="error": this request alone fails
     generated: list[int] = dataclasses.field(default_factory=list)
     t_first: float | None = None
     t_last: float | None = None
@@ -584,6 +597,8 @@ class Engine:
             try:
                 if not self.runner.prefill(joining):
                     self._out_of_memory(joining)
+            except GiveWay as e:
+                self._give_way(joining, e)
             except BaseException as e:
                 self._fail([joining], e)
         # 2) decode: one batched forward pass
@@ -623,6 +638,8 @@ class Engine:
                 stats,
                 TimedOut(f"Stopped after {stats.total_s:.0f} s: the time limit per request is {slot.timeout:.0f} s."),
             )
+        elif slot.error is not None:  # its partial reply stays in `handle.generated`
+            slot.handle._finish(stats, slot.error)
         else:
             slot.handle._finish(stats)
 
@@ -674,6 +691,25 @@ class Engine:
                 "Try a shorter message or fewer documents."
             )
         victim.handle._finish(None, error)
+
+    def _give_way(self, victim: Slot, refusal: GiveWay) -> None:
+        """The backend refused `victim`'s prompt: it retries once with its `fallback`, else fails."""
+        self._remove(victim)
+        self.runner.release(victim, keep=False)
+        smaller = victim.request.fallback() if victim.request.fallback and not victim.retried else None
+        if smaller is None:
+            victim.handle._finish(None, LlmwebError(refusal.message))
+            return
+        smaller = _cap(smaller, self.limits.max_new_tokens)
+        log.warning(
+            "engine: %s; retrying request %s with %d prompt tokens (was %d)",
+            refusal.reason,
+            victim.handle.id,
+            len(smaller.prompt_ids),
+            len(victim.request.prompt_ids),
+        )
+        victim.handle._restart(refusal.reason)
+        self._begin(victim.handle, smaller, self.runner.predict(smaller), retried=True)
 
     # ---- admission: the whole batch's memory
     def _admit(self, handle: Handle) -> int | None:

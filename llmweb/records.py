@@ -119,6 +119,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens served from the session's KV cache
+    reuse_reported: bool = True  # False: a remote engine did not report its cached tokens (reused 0 = unknown)
     prefilled_tokens: int = 0  # prompt tokens computed this time
     queue_wait_s: float = 0.0
     ttft_s: float = 0.0  # from the start of processing to the first new token
