@@ -99,8 +99,9 @@ def replay_line(d: dict) -> str:
     """A replay row for people (without --json)."""
     if "error" in d:
         return f"[{d['turn']}] refused: {d['error']}\n"
+    reused = f"{d['reused_tokens']} reused" if d.get("reuse_reported", True) else "reuse not reported by the engine"
     return (
-        f"[{d['turn']}] {d['prompt_tokens']} prompt tokens ({d['reused_tokens']} reused), "
+        f"[{d['turn']}] {d['prompt_tokens']} prompt tokens ({reused}), "
         f"{d['generated_tokens']} generated, TTFT {d['ttft_s']:.2f} s\n{d['reply']}\n"
     )
 
@@ -117,6 +118,11 @@ def cmd_replay(args) -> int:
         for d in replay(runtime, users, prompt_text=args.prompt_text, seed=args.seed):
             refused += "error" in d
             print(json.dumps(d, ensure_ascii=False) if args.json else replay_line(d), flush=True)
+        if settings.engine_url:  # what this process holds while a server generates: no weights
+            import psutil
+
+            rss = psutil.Process().memory_info().rss
+            print(f"llmweb: process RSS {rss / 2**20:,.0f} MiB (remote engine {settings.engine_url})", file=sys.stderr)
     finally:
         runtime.close()
     if refused:

@@ -95,6 +95,12 @@ class Settings:
     queue_per_user: int = 2  # waiting requests per owner; more get the busy message
     anon_retention_days: float = 30.0  # purge anonymous owners idle this long; 0 = keep forever
     secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
+    # a remote engine (remote.py): an OpenAI-compatible server generates; this process loads the tokenizer only
+    engine_url: str = ""  # "" = the local model; else http(s)://host:port of vLLM, SGLang, llama.cpp, ...
+    engine_model: str = ""  # the server's model name; "" = the first it lists
+    engine_api_key: str = ""  # sent as a Bearer token
+    engine_concurrency: int = 8  # requests in flight to the server at once; more wait in the fair queue
+    engine_routing_header: str = "X-Session-Id"  # carries the hashed conversation id for a sticky router
     # the OpenAI-compatible API (api.py)
     api_keys: str = ""  # "alice:key1,bob:key2" or "key1,key2"; none: open on a loopback bind only
     api_max_body_kb: int = 2048  # largest request body accepted
@@ -120,6 +126,7 @@ class Settings:
             "max_file_mb",
             "max_message_chars",
             "api_max_body_kb",
+            "engine_concurrency",
         ):
             check(getattr(self, name) >= 1, f"LLMWEB_{name.upper()} must be >= 1")
         check(0 < self.history_low < self.history_high <= 1, "need 0 < LLMWEB_HISTORY_LOW < LLMWEB_HISTORY_HIGH <= 1")
@@ -142,6 +149,10 @@ class Settings:
             not self.reranker or Path(self.reranker).expanduser().is_dir(),
             f"LLMWEB_RERANKER must be the local folder of a cross-encoder model, not {self.reranker!r} "
             "(nothing is downloaded)",
+        )
+        check(
+            not self.engine_url or self.engine_url.split("://", 1)[0] in ("http", "https") and "://" in self.engine_url,
+            f"LLMWEB_ENGINE_URL must look like http://host:port, not {self.engine_url!r}",
         )
         if self.api_keys:
             from .accounts import parse_api_keys

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
@@ -51,6 +52,18 @@ def kv_budget_bytes(settings: Settings, loaded) -> int:
         free, _total = torch.cuda.mem_get_info()
         return max(int(free * 0.25), 64 * 2**20)
     return min(psutil.virtual_memory().total // 16, 2**30)
+
+
+REMOTE_RETRY_S = 5.0  # a remote engine that does not answer is checked again this often
+REMOTE_CHECK_S = 30.0  # ... and one that answers, this often (the status line follows it)
+
+
+def tokenizer_dir(settings: Settings, progress) -> Path:
+    """The embedded model's folder for its tokenizer: the converted copy (made once, as for the local model)."""
+    target = models.converted_dir(settings)
+    if (target / "tokenizer.json").is_file():
+        return target
+    return models.ensure_converted(settings, progress)
 
 
 ANON_PREFIXES = ("anon:", "api:")  # owners the retention purge may delete (never "user:" or the local one)
@@ -104,6 +117,7 @@ class Runtime:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
+        self._remote_ready = ""  # a remote engine's part of the status line
 
     # ---- start-up
     def start(self, background: bool = True) -> Runtime:
@@ -128,6 +142,8 @@ class Runtime:
         from .tokens import TemplateFormat
 
         s = self.settings
+        if s.engine_url:
+            return self._load_remote()
         try:
             t0 = time.perf_counter()
             loaded = self._preloaded or models.load(s, progress=self._progress)
@@ -167,6 +183,93 @@ class Runtime:
             self.status = f"Model failed to load: {e}"
         finally:
             self._ready.set()
+
+    def _load_remote(self) -> None:
+        """A remote engine generates (LLMWEB_ENGINE_URL): load the tokenizer only, no weights.
+
+        The server need not be up: the page comes up, the status line says it is unreachable, and
+        a background thread keeps checking (`_watch_remote`); requests meanwhile fail after the
+        runner's retries with a message that says so.
+        """
+        from transformers import AutoConfig, AutoTokenizer
+
+        from .chat import Chat
+        from .engine import EngineLimits
+        from .remote import RemoteConfig, remote_engine
+        from .tokens import TemplateFormat
+
+        s = self.settings
+        try:
+            t0 = time.perf_counter()
+            source = s.model or tokenizer_dir(s, self._progress)
+            self._progress(f"Loading the tokenizer of {s.model or models.EMBEDDED_NAME} (the engine is remote)…")
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            max_context = int(getattr(AutoConfig.from_pretrained(source), "max_position_embeddings", 0) or 2048)
+            budget = Budget.from_settings(s, max_context, on_cpu=False)  # the server's device, not ours
+            limits = EngineLimits(
+                queue_size=s.queue_size,
+                max_new_tokens=budget.max_new_tokens,
+                request_timeout_s=s.request_timeout_s,
+                admission_wait_s=s.admission_wait_s,
+                kv_reuse=s.kv_reuse,
+                queue_per_user=s.queue_per_user,
+                max_batch=s.engine_concurrency,
+            )
+            config = RemoteConfig(
+                url=s.engine_url,
+                model=s.engine_model,
+                api_key=s.engine_api_key,
+                routing_header=s.engine_routing_header,
+                read_timeout_s=min(s.request_timeout_s, 60.0),
+            )
+
+            def encode(text: str) -> list[int]:
+                return tokenizer.encode(text, add_special_tokens=False)
+
+            def decode(ids) -> str:
+                return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+            self.engine = remote_engine(config, encode, decode, limits)
+            self.budget = budget
+            self.chat = Chat(s, self.engine, TemplateFormat(tokenizer), self.store, budget, library=self.library)
+            if s.sample_docs:
+                self._seed_sample()
+            self._remote_ready = f"context {budget.context_limit} tokens · started in {time.perf_counter() - t0:.0f} s"
+            self._check_remote()
+            threading.Thread(target=self._watch_remote, name="llmweb-remote-watch", daemon=True).start()
+        except BaseException as e:  # shown in the UI's status line and raised to callers
+            log.exception("remote engine set-up failed")
+            self._error = e
+            self.status = f"Remote engine set-up failed: {e}"
+        finally:
+            self._ready.set()
+
+    def _check_remote(self) -> bool:
+        """Update the status line: which engine serves, and whether it answers now."""
+        from .remote import RemoteRunner
+
+        assert self.engine is not None and isinstance(self.engine.runner, RemoteRunner), "a remote engine"
+        server = self.engine.runner.server
+        why = server.reachable()
+        url = self.settings.engine_url
+        if why is None:
+            try:
+                name = server.model
+            except Exception as e:  # it answered /v1/models but not usefully: say so
+                name, why = "?", str(e)
+        if why is None:
+            self.status = f"Ready: remote engine {url} · model {name} · reachable · {self._remote_ready}."
+        else:
+            self.status = (
+                f"Ready, but the remote engine {url} is not reachable ({why}); retrying every "
+                f"{REMOTE_RETRY_S:.0f} s. Messages fail until it answers."
+            )
+        return why is None
+
+    def _watch_remote(self) -> None:
+        while not self._closing.is_set():
+            up = self._check_remote()
+            self._closing.wait(REMOTE_CHECK_S if up else REMOTE_RETRY_S)
 
     def wait_ready(self, timeout: float | None = None) -> Chat:
         if not self._ready.wait(timeout):

@@ -9,8 +9,8 @@ Knobs: `takes_ids` (else HTTP 400 for a list prompt, as transformers serve), `st
 for fields OpenAI does not define), `context` (HTTP 400 "maximum context length" past it),
 `statuses` (the next requests' error statuses, e.g. [429, 429]), `cut_after` (close the
 connection after that many text events, no [DONE]), `stall_s` (sleep before the first event),
-`delay_s` (between events). Every completion request's body and headers are kept in `requests`
-(probes included: `completions` leaves them out).
+`delay_s` (between events), `port` (0 = any free one). Every completion request's body and
+headers are kept in `requests` (probes included: `completions` leaves them out).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class FakeOpenAI:
         self.stall_s = knobs.pop("stall_s", 0.0)
         self.delay_s = knobs.pop("delay_s", 0.0)
         self.report_cache = knobs.pop("report_cache", True)
+        port = knobs.pop("port", 0)
         assert not knobs, f"unknown knobs {knobs}"
         self.requests: list[tuple[dict, dict]] = []
         self.in_flight = 0
@@ -64,7 +65,7 @@ class FakeOpenAI:
                     fake.requests.append((body, dict(self.headers)))
                 fake._complete(self, body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()

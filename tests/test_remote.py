@@ -190,3 +190,57 @@ def _wait(cond, timeout=5.0):
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+# ---- the app's wiring: LLMWEB_ENGINE_URL (the real tokenizer, no weights)
+
+
+@pytest.fixture
+def remote_settings(tmp_path):
+    from tests.conftest import make_settings
+
+    def _settings(url: str, **kw):
+        return make_settings(tmp_path, engine_url=url, engine_concurrency=2, request_timeout_s=10.0, **kw)
+
+    return _settings
+
+
+def test_runtime_with_an_engine_url_chats_through_the_server_without_loading_weights(remote_settings):
+    from llmweb.runtime import Runtime
+
+    server = FakeOpenAI("Hi! I am remote.")
+    rt = Runtime(remote_settings(server.url)).start(background=False)
+    try:
+        assert rt.loaded is None, "no model weights in this process"
+        assert "remote engine" in rt.status and "reachable" in rt.status and "fake-model" in rt.status
+        first = rt.wait_ready().ask("local", None, "Hello, who are you?")
+        assert first.reply == "Hi! I am remote." and first.stats.gen.reuse_reported
+        second = rt.wait_ready().ask("local", first.conv_id, "And again?")
+        body, headers = server.completions[-1]
+        assert isinstance(body["prompt"], list) and body["user"] == server.completions[0][0]["user"]
+        assert second.stats.gen.reused_tokens > 0, "the server's cached tokens came back as reused"
+        assert rt.engine is not None and rt.engine.limits.max_batch == 2
+    finally:
+        rt.close()
+        server.close()
+
+
+def test_runtime_comes_up_with_the_server_down_and_says_so(remote_settings, monkeypatch):
+    from llmweb import runtime as runtime_mod
+    from llmweb.runtime import Runtime
+
+    server = FakeOpenAI()
+    url = server.url
+    server.close()
+    monkeypatch.setattr(runtime_mod, "REMOTE_RETRY_S", 0.05)
+    rt = Runtime(remote_settings(url)).start(background=False)
+    try:
+        assert rt.ready and "not reachable" in rt.status and "retrying" in rt.status
+        back = FakeOpenAI("Back.", port=int(url.rsplit(":", 1)[1]))  # the server comes back
+        try:
+            _wait(lambda: "reachable ·" in rt.status)
+            assert rt.wait_ready().ask("local", None, "Hello?").reply == "Back."
+        finally:
+            back.close()
+    finally:
+        rt.close()
