@@ -136,6 +136,19 @@ def reply_prefix_ids(fmt: ChatFormat, text: str) -> list[int]:
     return list(full[head : len(full) - tail])
 
 
+def _recall_chunks(turns) -> list[Chunk]:
+    """Stored turns as recall passages, as a fold indexes them."""
+    return [
+        Chunk(
+            text=f"User: {t.user}\nAssistant: {t.assistant}",
+            source=f"turn {t.idx + 1}",
+            doc_id=f"turn-{t.idx}",
+            kind="recall",
+        )
+        for t in turns
+    ]
+
+
 def plan_sources(plan: context.ContextPlan) -> list[Source]:
     """The numbered sources of a plan: document chunks [1..n] as the prompt tags them, then recall."""
     used = list(plan.chunks) + list(plan.recall)
@@ -169,6 +182,7 @@ class Chat:
         wait_summary: bool = False,
         redo: bool = False,
         more: bool = False,
+        edit: int | None = None,
     ) -> Iterator[Started | Queued | Delta | Finished]:
         """One turn. `conv_id=None` starts a conversation with an id made here; `new=True` starts one
         with `conv_id`, which the caller must have made with `store.new_id()` (never a client's).
@@ -179,7 +193,11 @@ class Chat:
         `more=True` (continue) is the same for a reply cut by the length cap or stopped, except that
         the prompt ends with that reply so far, and the reply grows from it.
         The chat's own settings (`ChatSettings`: system prompt, temperature, reply cap, documents,
-        memory mode) apply over the configuration's; `use_docs` None follows the chat's."""
+        memory mode) apply over the configuration's; `use_docs` None follows the chat's.
+        `edit=k` sends `text` in place of turn k's message: the reply is planned from the turns
+        before k only (the session's KV cache reuses that prefix), and the turn is stored as a new
+        version of the chat from k on (`Store.edit_turn`: the old turns stay, as another version).
+        Refused when turn k is already folded into the summary."""
         s = self.settings
         redone = None
         partial: tuple[int, ...] = ()  # continue: the ids of the reply so far
@@ -203,6 +221,14 @@ class Chat:
         )
         if redone is not None:
             conv = replace(conv, turns=[t for t in conv.turns if t.idx < redone.idx])
+        if edit is not None:
+            if new or not 0 <= edit < len(conv.turns):
+                raise InputError("That message is no longer in this chat: reload it and try again.")
+            if edit < conv.summarized_upto:
+                raise InputError(
+                    "That message is already folded into this chat's summary, so it can no longer be edited."
+                )
+            conv = replace(conv, turns=conv.turns[:edit])
         conv_id = conv.id
         window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]]
         mine = self.turn_settings(conv.settings)  # this chat's settings over the configuration's
@@ -271,6 +297,8 @@ class Chat:
         def record(reply: str, stats: TurnStats) -> None:
             if redone is not None:
                 self.store.replace_last_reply(owner, conv_id, redone.idx, reply, stats, sources)
+            elif edit is not None:
+                self.store.edit_turn(owner, conv_id, edit, text, reply, stats, sources)
             else:
                 self.store.add_turn(owner, conv_id, text, reply, stats, sources, create=new)
 
@@ -583,17 +611,25 @@ class Chat:
         conv_id = self.store.import_json(owner, text)
         conv = self.store.get(owner, conv_id)
         if conv.summarized_upto and self.library is not None and self.turn_settings(conv.settings).recall:
-            chunks = [
-                Chunk(
-                    text=f"User: {t.user}\nAssistant: {t.assistant}",
-                    source=f"turn {t.idx + 1}",
-                    doc_id=f"turn-{t.idx}",
-                    kind="recall",
-                )
-                for t in conv.turns[: conv.summarized_upto]
-            ]
-            self.recall_index(conv_id).add_chunks(chunks)
+            self.recall_index(conv_id).add_chunks(_recall_chunks(conv.turns[: conv.summarized_upto]))
         return conv_id
+
+    def switch_version(self, owner: str, conv_id: str, fork: int, version: int) -> None:
+        """Make another version of the chat (from turn `fork` on) the active one. Its summary and
+        facts come back with it (the store keeps them per version); the recall index is brought in
+        step here: the other branch's folded turns from `fork` on leave it, this one's come back.
+        The KV cache needs nothing: the next prompt shares its prefix up to the fork."""
+        self.wait_background(conv_id)  # a fold in flight writes the branch it read
+        self.store.switch_version(owner, conv_id, fork, version)
+        if self.library is None:
+            return
+        conv = self.store.get(owner, conv_id)
+        index = self.recall_index(conv_id)
+        for doc_id in [d.doc_id for d in index.documents()]:
+            if doc_id.startswith("turn-") and int(doc_id.removeprefix("turn-")) >= fork:
+                index.remove(doc_id)
+        if self.turn_settings(conv.settings).recall and conv.summarized_upto > fork:
+            index.add_chunks(_recall_chunks(conv.turns[fork : conv.summarized_upto]))
 
     def undo(self, owner: str, conv_id: str):
         """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is

@@ -144,6 +144,18 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         # of the fields a chat overrides ('{}': every field from the server's configuration)
         "ALTER TABLE conversations ADD COLUMN settings TEXT NOT NULL DEFAULT '{}'",
     ),
+    (  # 5: versions of a chat from an edited turn on. `turns` always holds the active branch (so the
+        # planner, the summary, the FTS index and every other read see only it); each other version
+        # of a fork is kept here as one JSON body (its turns from `fork` on, its summary, the facts
+        # taken from those turns, the forks nested in it). The active version's row has body NULL.
+        """CREATE TABLE versions (
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            fork            INTEGER NOT NULL CHECK (fork >= 0),
+            version         INTEGER NOT NULL CHECK (version >= 0),
+            body            TEXT,
+            PRIMARY KEY (conversation_id, fork, version)
+        )""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -252,6 +264,7 @@ class Conversation:
     updated: float = 0.0
     owner: str = ""
     settings: ChatSettings = field(default_factory=ChatSettings)
+    versions: dict[int, tuple[int, int]] = field(default_factory=dict)  # fork turn -> (active version, count)
 
 
 class Store:
@@ -385,8 +398,9 @@ class Store:
                 )
             ]
             facts = _facts(db, conv_id)
+            versions = _versions(db, conv_id)
         chosen = ChatSettings.from_dict(json.loads(settings))
-        return Conversation(conv_id, title, summary, upto, turns, facts, created, updated, owner, chosen)
+        return Conversation(conv_id, title, summary, upto, turns, facts, created, updated, owner, chosen, versions)
 
     def add_turn(
         self,
@@ -469,6 +483,79 @@ class Store:
                 (assistant, stats_json, sources_json, now, conv_id, idx),
             )
             db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
+
+    # -- versions: an edited turn forks the chat; `turns` holds the active branch
+
+    def edit_turn(
+        self,
+        owner: str,
+        conv_id: str,
+        idx: int,
+        user: str,
+        assistant: str,
+        stats: TurnStats | None = None,
+        sources: Sequence[Source] = (),
+    ) -> None:
+        """Replace turn `idx` and every turn after it by one new turn (an edited message and its
+        reply), keeping what was there as another version of the chat from `idx` on; the new one
+        becomes the active version. Refused (InputError, nothing changed) when turn `idx` does not
+        exist or is folded into the summary."""
+        stats_json = json.dumps({} if stats is None else stats.to_dict())
+        sources_json = json.dumps([s.to_dict() for s in sources])
+        now = time.time()
+        with self._write() as db:
+            n, upto = _turn_count(db, owner, conv_id)
+            if not 0 <= idx < n:
+                raise InputError("That message is no longer in this chat: reload it and try again.")
+            if idx < upto:
+                raise InputError(
+                    "That message is already folded into this chat's summary, so it can no longer be edited."
+                )
+            group = _versions(db, conv_id).get(idx)
+            body = _stash(db, conv_id, idx)
+            if group is None:
+                db.execute("INSERT INTO versions VALUES (?, ?, 0, ?)", (conv_id, idx, body))
+                new_version = 1
+            else:
+                db.execute(
+                    "UPDATE versions SET body = ? WHERE conversation_id = ? AND fork = ? AND version = ?",
+                    (body, conv_id, idx, group[0]),
+                )
+                new_version = group[1]
+            db.execute("INSERT INTO versions VALUES (?, ?, ?, NULL)", (conv_id, idx, new_version))
+            db.execute(
+                "INSERT INTO turns (conversation_id, idx, user, assistant, stats, sources, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conv_id, idx, user, assistant, stats_json, sources_json, now),
+            )
+            db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
+            _seen(db, owner, now)
+
+    def switch_version(self, owner: str, conv_id: str, fork: int, version: int) -> None:
+        """Make `version` the active branch of the chat from turn `fork` on (its turns, summary and
+        facts come back; the branch that was active is kept as it was). Unknown is an InputError."""
+        with self._write() as db:
+            if not _owned(db, owner, conv_id):
+                raise _missing(conv_id)
+            group = _versions(db, conv_id).get(fork)
+            if group is None or not 0 <= version < group[1]:
+                raise InputError("That version of the chat no longer exists: reload it and try again.")
+            if version == group[0]:
+                return
+            (target,) = db.execute(
+                "SELECT body FROM versions WHERE conversation_id = ? AND fork = ? AND version = ?",
+                (conv_id, fork, version),
+            ).fetchone()
+            body = _stash(db, conv_id, fork)
+            db.execute(
+                "UPDATE versions SET body = ? WHERE conversation_id = ? AND fork = ? AND version = ?",
+                (body, conv_id, fork, group[0]),
+            )
+            db.execute(
+                "UPDATE versions SET body = NULL WHERE conversation_id = ? AND fork = ? AND version = ?",
+                (conv_id, fork, version),
+            )
+            _unstash(db, conv_id, fork, json.loads(target))
 
     def set_summary(self, owner: str, conv_id: str, summary: str, summarized_upto: int) -> None:
         """Record the rolling summary covering the oldest `summarized_upto` turns.
@@ -638,6 +725,7 @@ class Store:
                 for t in conv.turns
             ],
             "facts": [{"text": f.text, "pinned": f.pinned, "created": f.created} for f in conv.facts],
+            "versions": self._version_rows(owner, conv_id),
         }
         return json.dumps(doc, ensure_ascii=False, indent=1)
 
@@ -668,6 +756,7 @@ class Store:
             if not all(isinstance(v, str) for r in rows for v in r[:2]):
                 raise ValueError("turn text must be strings")
             facts = [(str(f["text"]), int(bool(f["pinned"])), float(f["created"])) for f in doc.get("facts", [])]
+            versions = _import_versions(doc.get("versions", []), len(turns))
             settings = json.dumps(ChatSettings.from_dict(doc.get("settings", {})).to_dict())
             times = (float(doc["created"]), float(doc["updated"]))
             head = (str(doc["title"]), *times, str(doc["summary"]), upto, settings)
@@ -690,7 +779,17 @@ class Store:
                 "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, ?, ?)",
                 [(conv_id, *f) for f in facts],
             )
+            db.executemany("INSERT INTO versions VALUES (?, ?, ?, ?)", [(conv_id, *v) for v in versions])
         return conv_id
+
+    def _version_rows(self, owner: str, conv_id: str) -> list[dict]:
+        with self._read() as db:
+            if not _owned(db, owner, conv_id):
+                raise _missing(conv_id)
+            rows = db.execute(
+                "SELECT fork, version, body FROM versions WHERE conversation_id = ? ORDER BY fork, version", (conv_id,)
+            ).fetchall()
+        return [{"fork": f, "version": v, "body": None if b is None else json.loads(b)} for f, v, b in rows]
 
     def export_markdown(self, owner: str, conv_id: str) -> str:
         """A readable transcript. Message text is included as written (it may contain Markdown)."""
@@ -803,6 +902,132 @@ def _seen(db: sqlite3.Connection, owner: str, now: float) -> None:
         "ON CONFLICT(owner) DO UPDATE SET last_seen = excluded.last_seen",
         (owner, now, now),
     )
+
+
+def _turn_count(db: sqlite3.Connection, owner: str, conv_id: str) -> tuple[int, int]:
+    """(turns, summarized_upto) of the owner's conversation; NotFound if it is not theirs."""
+    row = db.execute(
+        "SELECT (SELECT COUNT(*) FROM turns WHERE conversation_id = c.id), c.summarized_upto "
+        "FROM conversations c WHERE c.id = ? AND c.owner = ?",
+        (conv_id, owner),
+    ).fetchone()
+    if row is None:
+        raise _missing(conv_id)
+    return row[0], row[1]
+
+
+def _versions(db: sqlite3.Connection, conv_id: str) -> dict[int, tuple[int, int]]:
+    """fork -> (active version, number of versions)."""
+    return {
+        fork: (active, count)
+        for fork, active, count in db.execute(
+            "SELECT fork, MAX(CASE WHEN body IS NULL THEN version END), COUNT(*) FROM versions "
+            "WHERE conversation_id = ? GROUP BY fork",
+            (conv_id,),
+        )
+    }
+
+
+_TURN_COLUMNS = "user, assistant, stats, sources, created"
+
+
+def _stash(db: sqlite3.Connection, conv_id: str, fork: int) -> str:
+    """Take the active branch from turn `fork` on out of the live tables, as a version's JSON body:
+    its turns, its summary, the unpinned facts taken from those turns (not from earlier ones) and
+    the forks nested after `fork`. Only the turns and facts are removed; the caller sets what follows."""
+    turns = db.execute(
+        f"SELECT {_TURN_COLUMNS} FROM turns WHERE conversation_id = ? AND idx >= ? ORDER BY idx", (conv_id, fork)
+    ).fetchall()
+    earlier = [
+        r[0] for r in db.execute("SELECT user FROM turns WHERE conversation_id = ? AND idx < ?", (conv_id, fork))
+    ]
+    later = [t[0] for t in turns]
+    facts = [
+        (fid, text, created)
+        for fid, text, created in db.execute(
+            "SELECT id, text, created FROM facts WHERE conversation_id = ? AND pinned = 0 ORDER BY id", (conv_id,)
+        )
+        if any(text in u for u in later) and not any(text in u for u in earlier)
+    ]
+    nested = db.execute(
+        "SELECT fork, version, body FROM versions WHERE conversation_id = ? AND fork > ? ORDER BY fork, version",
+        (conv_id, fork),
+    ).fetchall()
+    summary, upto = db.execute("SELECT summary, summarized_upto FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+    db.execute("DELETE FROM turns WHERE conversation_id = ? AND idx >= ?", (conv_id, fork))
+    db.executemany("DELETE FROM facts WHERE id = ?", [(f[0],) for f in facts])
+    db.execute("DELETE FROM versions WHERE conversation_id = ? AND fork > ?", (conv_id, fork))
+    return json.dumps(
+        {
+            "turns": [list(t) for t in turns],
+            "summary": summary,
+            "summarized_upto": upto,
+            "facts": [[text, created] for _, text, created in facts],
+            "nested": [list(v) for v in nested],
+        }
+    )
+
+
+def _unstash(db: sqlite3.Connection, conv_id: str, fork: int, body: dict) -> None:
+    """Put a stashed version back as the active branch from turn `fork` on (the live tables hold no
+    turn from `fork` on: `_stash` took them)."""
+    db.executemany(
+        f"INSERT INTO turns (conversation_id, idx, {_TURN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        [(conv_id, i, *t) for i, t in enumerate(body["turns"], fork)],
+    )
+    db.execute(
+        "UPDATE conversations SET summary = ?, summarized_upto = ? WHERE id = ?",
+        (body["summary"], body["summarized_upto"], conv_id),
+    )
+    db.executemany(
+        "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, 0, ?)",
+        [(conv_id, text, created) for text, created in body["facts"]],
+    )
+    db.executemany("INSERT INTO versions VALUES (?, ?, ?, ?)", [(conv_id, *v) for v in body["nested"]])
+
+
+def _import_versions(rows: Any, n_turns: int) -> list[tuple[int, int, str | None]]:
+    """An export's version rows, checked: each fork has versions 0..k-1, exactly one of them active
+    (body null) at a fork inside the active turns, and every other body is a well-formed version."""
+    if not isinstance(rows, list):
+        raise TypeError("versions must be a list")
+    out: list[tuple[int, int, str | None]] = []
+    groups: dict[int, list[tuple[int, bool]]] = {}
+    for r in rows:
+        fork, version, body = int(r["fork"]), int(r["version"]), r["body"]
+        if body is not None:
+            _check_body(body)
+        groups.setdefault(fork, []).append((version, body is None))
+        out.append((fork, version, None if body is None else json.dumps(body)))
+    for fork, members in groups.items():
+        if sorted(v for v, _ in members) != list(range(len(members))) or sum(a for _, a in members) != 1:
+            raise ValueError(f"the versions at turn {fork + 1} are not numbered 0..n-1 with one active")
+        if not 0 <= fork < n_turns:
+            raise ValueError(f"versions at turn {fork + 1}, past the chat's turns")
+    return out
+
+
+def _check_body(body: Any) -> None:
+    if not isinstance(body, dict) or not isinstance(body.get("turns"), list):
+        raise TypeError("a version must be an object with turns")
+    for t in body["turns"]:
+        user, assistant, stats, sources, created = t
+        if not (isinstance(user, str) and isinstance(assistant, str)):
+            raise ValueError("turn text must be strings")
+        _stats_json(json.loads(stats))
+        [Source.from_dict(s) for s in json.loads(sources)]
+        float(created)
+    if not isinstance(body["summary"], str) or not 0 <= int(body["summarized_upto"]):
+        raise ValueError("a version's summary is malformed")
+    for text, created in body["facts"]:
+        if not isinstance(text, str):
+            raise ValueError("facts must be text")
+        float(created)
+    for nested in body["nested"]:
+        fork, version, inner = nested
+        int(fork), int(version)
+        if inner is not None:
+            _check_body(json.loads(inner))
 
 
 def _read_version(db: sqlite3.Connection) -> int:

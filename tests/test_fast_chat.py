@@ -382,3 +382,39 @@ def test_window_memory_never_folds_and_recall_is_refused_when_the_server_has_non
         fin = chat.ask(OWNER, conv, f"message {i} " + "x " * 12, wait_summary=True)
     assert store.get(OWNER, conv).summarized_upto == 0 and not [r for r in runner.requests if r.background]
     assert fin.stats.dropped_turns > 0, "window only: old turns are left out, and reported"
+
+
+def test_editing_turn_2_of_4_plans_from_turn_1_only_keeps_the_original_and_switching_back_restores_it(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    for i in range(4):
+        chat.ask(OWNER, conv, f"question {i}")
+    before = store.get(OWNER, conv).turns
+    fin = chat.ask(OWNER, conv, "question one, edited", edit=1)
+    assert [m for _, m in fin.prompt[1:]][:-1] == [before[0].user, before[0].assistant], "planned from turn 1 only"
+    assert fin.stats.turn == 2 and fin.stats.gen.reused_tokens >= len(fmt.system_ids(chat.settings.system_prompt))
+    got = store.get(OWNER, conv)
+    assert [t.user for t in got.turns] == ["question 0", "question one, edited"] and got.versions == {1: (1, 2)}
+    chat.switch_version(OWNER, conv, 1, 0)
+    assert store.get(OWNER, conv).turns == before, "the original, all 4 turns"
+    nxt = chat.ask(OWNER, conv, "question 4")
+    assert fin.prompt[1] == nxt.prompt[1] and ("user", "question 3") in nxt.prompt, "the next turn plans from it"
+    with pytest.raises(LookupError):
+        chat.switch_version("anon:stranger", conv, 1, 1)
+    with pytest.raises(LookupError):
+        chat.ask("anon:stranger", conv, "mine now", edit=1)
+    assert store.get(OWNER, conv).versions == {1: (0, 2)}
+
+
+def test_an_edit_of_a_folded_turn_is_refused_before_anything_runs(rig):
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    for i in range(3):
+        chat.ask(OWNER, conv, f"question {i}")
+    store.set_summary(OWNER, conv, "folded", 2)
+    n = len(runner.requests)
+    with pytest.raises(InputError, match="folded"):
+        chat.ask(OWNER, conv, "too late", edit=1)
+    with pytest.raises(InputError, match="no longer in this chat"):
+        chat.ask(OWNER, conv, "nowhere", edit=7)
+    assert len(runner.requests) == n and store.get(OWNER, conv).versions == {}

@@ -830,3 +830,75 @@ def test_chat_settings_are_the_owners_round_trip_through_export_and_refuse_bad_s
     assert store.list_conversations(B) == before, "a bad file changes nothing"
     del doc["settings"]  # an export from before settings
     assert store.get(B, store.import_json(B, json.dumps(doc))).settings == ChatSettings()
+
+
+def _texts(store: Store, owner: str, conv: str) -> list[str]:
+    return [t.user for t in store.get(owner, conv).turns]
+
+
+def test_an_edited_turn_forks_the_chat_and_each_version_comes_back_whole(store: Store):
+    conv = store.create_conversation(A)
+    for i in range(4):
+        store.add_turn(A, conv, f"q{i}", f"a{i}")
+    store.add_fact(A, conv, "q2", pinned=False)  # a fact taken from turn 3, as a fold would
+    store.edit_turn(A, conv, 1, "q1 edited", "a1 new")
+    assert _texts(store, A, conv) == ["q0", "q1 edited"] and store.get(A, conv).versions == {1: (1, 2)}
+    assert store.facts(A, conv) == [], "the fact of the other branch left with it"
+    assert [h.idx for h in store.search(A, "edited")] == [1]
+    assert store.search(A, "q3") == [], "search sees the active branch only"
+    store.add_turn(A, conv, "q2 on the new branch", "a2b")
+    store.edit_turn(A, conv, 1, "q1 third", "a1 third")
+    assert store.get(A, conv).versions == {1: (2, 3)}
+    store.switch_version(A, conv, 1, 0)
+    original = store.get(A, conv)
+    assert [(t.user, t.assistant) for t in original.turns] == [(f"q{i}", f"a{i}") for i in range(4)]
+    assert [f.text for f in original.facts] == ["q2"] and original.versions == {1: (0, 3)}
+    store.switch_version(A, conv, 1, 1)
+    assert _texts(store, A, conv) == ["q0", "q1 edited", "q2 on the new branch"]
+    store.set_summary(A, conv, "folded on branch 1", 2)
+    store.switch_version(A, conv, 1, 0)
+    assert (store.get(A, conv).summary, store.get(A, conv).summarized_upto) == ("", 0), "the summary follows"
+    store.switch_version(A, conv, 1, 1)
+    assert store.get(A, conv).summary == "folded on branch 1"
+    with pytest.raises(InputError, match="folded"):
+        store.edit_turn(A, conv, 1, "too late", "x")
+    for call in (
+        lambda: store.edit_turn(B, conv, 2, "mine now", "x"),
+        lambda: store.switch_version(B, conv, 1, 0),
+        lambda: store.export_json(B, conv),
+    ):
+        with pytest.raises(NotFound):
+            call()
+    with pytest.raises(InputError, match="no longer exists"):
+        store.switch_version(A, conv, 3, 0)
+    store._db.execute("INSERT INTO turns_fts(turns_fts) VALUES ('integrity-check')")
+
+
+def test_nested_versions_travel_with_their_branch_and_the_json_export_keeps_every_branch(store: Store):
+    conv = store.create_conversation(A)
+    for i in range(4):
+        store.add_turn(A, conv, f"q{i}", f"a{i}")
+    store.edit_turn(A, conv, 1, "b1", "x")  # fork at turn 2
+    store.add_turn(A, conv, "b2", "x")
+    store.add_turn(A, conv, "b3", "x")
+    store.edit_turn(A, conv, 2, "c2", "x")  # a fork inside the new branch, at turn 3
+    assert store.get(A, conv).versions == {1: (1, 2), 2: (1, 2)}
+    store.switch_version(A, conv, 1, 0)
+    assert store.get(A, conv).versions == {1: (0, 2)}, "the nested fork belongs to the other branch"
+    exported = store.export_json(A, conv)
+    assert "Exported" in store.export_markdown(A, conv) and "c2" not in store.export_markdown(A, conv)
+    copy = store.import_json(B, exported)
+    assert _texts(store, B, copy) == ["q0", "q1", "q2", "q3"] and store.get(B, copy).versions == {1: (0, 2)}
+    store.switch_version(B, copy, 1, 1)
+    assert _texts(store, B, copy) == ["q0", "b1", "c2"] and store.get(B, copy).versions == {1: (1, 2), 2: (1, 2)}
+    store.switch_version(B, copy, 2, 0)
+    assert _texts(store, B, copy) == ["q0", "b1", "b2", "b3"]
+    assert _texts(store, A, conv) == ["q0", "q1", "q2", "q3"], "the importer's switches are the importer's"
+    doc = json.loads(exported)
+    doc["versions"][1]["body"] = None  # two active versions at one fork
+    before = store.list_conversations(B)
+    with pytest.raises(InputError, match="not an llmweb conversation export"):
+        store.import_json(B, json.dumps(doc))
+    assert store.list_conversations(B) == before
+    store.delete(A, conv)
+    assert store._db.execute("SELECT COUNT(*) FROM versions WHERE conversation_id = ?", (conv,)).fetchone() == (0,)
