@@ -138,9 +138,17 @@ class Server:
         finally:
             conn.close()
 
-    def post(self, path: str, body: dict, headers: dict[str, str] | None = None, timeout: float | None = None):
-        """(connection, response) with status 200, headers read; raises HTTPStatus otherwise."""
-        conn = self.connect(timeout)
+    def post(
+        self,
+        path: str,
+        body: dict,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+        conn: http.client.HTTPConnection | None = None,
+    ):
+        """(connection, response) with status 200, headers read; raises HTTPStatus otherwise.
+        `conn`: a connection made with `connect` (so another thread can shut it meanwhile)."""
+        conn = conn or self.connect(timeout)
         try:
             conn.request("POST", self.base + path, body=json.dumps(body).encode(), headers=self.headers(headers))
             r = conn.getresponse()
@@ -401,7 +409,10 @@ class RemoteRunner:
                 return None
             try:
                 body, headers = self._body(request)
-                conn, response = self.server.post("/v1/completions", body, headers, timeout=cfg.read_timeout_s)
+                call.conn = self.server.connect(cfg.read_timeout_s)  # a cancel can shut it while we wait
+                if call.closed:
+                    return None
+                _, response = self.server.post("/v1/completions", body, headers, conn=call.conn)
             except (HTTPStatus, ConnectionError, TimeoutError) as e:
                 retry = not isinstance(e, HTTPStatus) or e.status in RETRY_STATUS
                 if not retry or attempt == cfg.retries:
@@ -411,7 +422,6 @@ class RemoteRunner:
                 log.info("remote: %s; retry %d/%d in %.1f s", e, attempt + 1, cfg.retries, wait)
                 self.sleep(wait)
                 continue
-            call.conn = conn
             with self._news:
                 call.accepted = True
                 self._news.notify_all()
