@@ -45,6 +45,7 @@ from .store import DEFAULT_TITLE, LOCAL_OWNER, ChatSettings, Conversation, new_i
 from .ui_format import (
     NO_PLOT,
     SECTION_COLOURS,
+    VERSION_MARKER,
     documents_markdown,
     fact_label,
     history_messages,
@@ -55,6 +56,7 @@ from .ui_format import (
     sections_html,
     stats_markdown,
     summary_markdown,
+    version_choices,
 )
 
 DOC_TYPES = [".txt", ".md", ".pdf", ".html", ".htm", ".docx"]
@@ -69,6 +71,14 @@ CSS = """
 .llmweb-legend span {display:inline-block; margin-right:10px; font-size:12px}
 .llmweb-legend i {display:inline-block; width:10px; height:10px; margin-right:3px; border-radius:2px}
 .llmweb-plot svg text {fill: currentColor}
+/* a phone (390 px): the chat first, its box and Stop on one line, the sidebar and panels after it */
+@media (max-width: 640px) {
+  #llmweb-chat-column {order: -1}
+  #llmweb-chat {height: 60vh !important}
+  #llmweb-input-row {flex-wrap: nowrap}
+  #llmweb-input-row > * {min-width: 0 !important}
+  #llmweb-send, #llmweb-stop {min-width: 64px !important; padding-left: 8px; padding-right: 8px}
+}
 """
 
 
@@ -130,6 +140,10 @@ class Layout:
     cancel_all_btn: gr.Button
     # chat column
     chatbot: gr.Chatbot
+    versions_row: gr.Row
+    version_dd: gr.Dropdown
+    prev_version_btn: gr.Button
+    next_version_btn: gr.Button
     msg: gr.Textbox
     send: gr.Button
     stop: gr.Button
@@ -174,11 +188,11 @@ def layout(status_text: Callable[[], str], secret: str) -> Layout:
         timer=gr.Timer(1.0),
     )
     with gr.Row():
-        with gr.Column(scale=1, min_width=220):
+        with gr.Column(scale=1, min_width=220, elem_id="llmweb-sidebar"):
             sidebar = _sidebar()
-        with gr.Column(scale=3):
+        with gr.Column(scale=3, elem_id="llmweb-chat-column"):
             chat = _chat_column()
-        with gr.Column(scale=2, min_width=300):
+        with gr.Column(scale=2, min_width=300, elem_id="llmweb-panel"):
             panel = _panel_column()
     return Layout(**top, **sidebar, **chat, **panel)
 
@@ -227,8 +241,12 @@ def _sidebar() -> dict:
 
 
 def _chat_column() -> dict:
-    chatbot = gr.Chatbot(label="Chat", height=560, elem_id="llmweb-chat", buttons=["copy"])
-    with gr.Row():
+    chatbot = gr.Chatbot(label="Chat", height=560, elem_id="llmweb-chat", buttons=["copy"], editable="user")
+    with gr.Row(visible=False, elem_id="llmweb-versions") as versions_row:
+        version_dd = gr.Dropdown(label="Versions of this chat", choices=[], scale=4, elem_id="llmweb-version")
+        prev_version_btn = gr.Button("‹", size="sm", scale=0, min_width=40, elem_id="llmweb-version-prev")
+        next_version_btn = gr.Button("›", size="sm", scale=0, min_width=40, elem_id="llmweb-version-next")
+    with gr.Row(elem_id="llmweb-input-row"):
         msg = gr.Textbox(
             placeholder="Ask anything (Enter to send)", show_label=False, scale=8, lines=1, max_lines=8, autofocus=True
         )
@@ -246,6 +264,10 @@ def _chat_column() -> dict:
             remove_btn = gr.Button("Remove", size="sm", scale=1)
     return dict(
         chatbot=chatbot,
+        versions_row=versions_row,
+        version_dd=version_dd,
+        prev_version_btn=prev_version_btn,
+        next_version_btn=next_version_btn,
         msg=msg,
         send=send,
         stop=stop,
@@ -354,6 +376,8 @@ class Panel(NamedTuple):
     temperature: Any
     reply_cap: Any
     memory_mode: Any
+    versions_row: Any  # the version switcher, shown when the chat has versions
+    version_dd: Any
 
     @classmethod
     def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
@@ -397,7 +421,14 @@ class Handlers:
         engine = self.runtime.engine
         return engine.limits.mem_limit_bytes if engine is not None else 0
 
-    def panel(self, owner: str, conv, notes: str = "", prompt: str = "") -> Panel:
+    @staticmethod
+    def _fork_shown(conv, fork: int | None) -> int | None:
+        """The fork the switcher shows: the one just used, else the latest."""
+        if fork in conv.versions:
+            return fork
+        return max(conv.versions) if conv.versions else None
+
+    def panel(self, owner: str, conv, notes: str = "", prompt: str = "", fork: int | None = None) -> Panel:
         """Every component that shows a conversation, filled from the store."""
         stats = conv.turns[-1].stats if conv.turns else None
         tokens_df, memory_df = plot_frames(conv)
@@ -405,6 +436,8 @@ class Handlers:
         return Panel(
             conv_state=conv.id,
             chatbot=history_messages(conv),
+            versions_row=gr.update(visible=bool(conv.versions)),
+            version_dd=gr.update(choices=version_choices(conv.versions), value=self._fork_shown(conv, fork)),
             conv_list=gr.update(choices=chats, value=conv.id or None),
             stats_md=stats_markdown(stats, self._mem_limit()) + (f"\n\n{notes}" if notes else ""),
             bar=sections_html(stats),
@@ -500,6 +533,46 @@ class Handlers:
         self._current(owner, conv_id)
         gone = self._chat().undo(owner, conv_id)
         return (*self.panel(owner, self.store.get(owner, conv_id), "Removed the last turn."), gone.user)
+
+    @user_errors
+    def edit(self, conv_id, use_docs, token, request: gr.Request, edited: gr.EditData) -> Iterator[Panel]:
+        """The chat's edit control on a user message: send the new text in place of that turn. The
+        chat forks there: the turns from it on stay, as another version (the switcher shows it)."""
+        chat, owner = self._chat(), self.owner(token, request)
+        conv = self._current(owner, conv_id)
+        messages = history_messages(conv)
+        index = edited.index if isinstance(edited.index, int) else edited.index[0]
+        turn = sum(1 for m in messages[:index] if m.get("role") == "user")
+        value = edited.value
+        text = value.get("content", "") if isinstance(value, dict) else value
+        text = VERSION_MARKER.sub("", text if isinstance(text, str) else "")
+        if not 0 <= turn < len(conv.turns) or messages[index].get("role") != "user":
+            raise InputError("Only your own messages can be edited.")
+        clean_message(text, self.settings.max_message_chars)
+        shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:turn]))
+        shown += [{"role": "user", "content": text}, {"role": "assistant", "content": "…"}]
+        events = chat.send(owner, conv_id, text, use_docs=bool(use_docs), edit=turn)
+        yield from self._stream(owner, conv_id, shown, events)  # the switcher then shows this fork (the latest)
+
+    @user_errors
+    def prev_version(self, conv_id, fork, token, request: gr.Request) -> Panel:
+        return self._step_version(conv_id, fork, -1, token, request)
+
+    @user_errors
+    def next_version(self, conv_id, fork, token, request: gr.Request) -> Panel:
+        return self._step_version(conv_id, fork, +1, token, request)
+
+    def _step_version(self, conv_id, fork, step: int, token, request) -> Panel:
+        """‹ or ›: show the previous or next version of the chat from the picked fork on."""
+        owner = self.owner(token, request)
+        conv = self._current(owner, conv_id)
+        if fork is None or int(fork) not in conv.versions:
+            raise InputError("Pick a version switch first (the turn whose message was edited).")
+        fork = int(fork)
+        active, count = conv.versions[fork]
+        self._chat().switch_version(owner, conv_id, fork, (active + step) % count)
+        conv = self.store.get(owner, conv_id)
+        return self.panel(owner, conv, f"Turn {fork + 1}: version {conv.versions[fork][0] + 1} of {count}.", fork=fork)
 
     def _stream(self, owner: str, conv_id, shown: list[dict], events) -> Iterator[Panel]:
         """Show a turn's events: the queue position, then the reply as it grows, then the whole panel."""
@@ -765,8 +838,11 @@ def build_app(runtime) -> gr.Blocks:
         ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], api_name="respond", **private)
         ev_retry = ui.chatbot.retry(h.regenerate, [ui.conv_state, ui.use_docs] + me, shown, **private)
         ev_more = ui.more_btn.click(h.continue_reply, [ui.conv_state, ui.use_docs] + me, shown, **private)
+        ev_edit = ui.chatbot.edit(h.edit, [ui.conv_state, ui.use_docs] + me, shown, **private)
+        for button, handler in ((ui.prev_version_btn, h.prev_version), (ui.next_version_btn, h.next_version)):
+            button.click(handler, [ui.conv_state, ui.version_dd] + me, shown, **private)
         ui.chatbot.undo(h.undo, [ui.conv_state] + me, shown + [ui.msg], **private)
-        ui.stop.click(None, None, None, cancels=[ev_submit, ev_send, ev_retry, ev_more]).then(
+        ui.stop.click(None, None, None, cancels=[ev_submit, ev_send, ev_retry, ev_more, ev_edit]).then(
             h.after_stop, [ui.conv_state, ui.chatbot] + me, shown, **private
         )
         ui.new_btn.click(h.new_chat, me, shown, **private)

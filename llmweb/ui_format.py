@@ -112,9 +112,11 @@ def sources_message(sources: Sequence[Source]) -> dict | None:
 def history_messages(conv) -> list[dict]:
     """A stored conversation as Chatbot messages: user, assistant (marked when stopped), sources."""
     out: list[dict] = []
+    versions = getattr(conv, "versions", {})
     for t in conv.turns:
         stopped = t.stats is not None and t.stats.stopped
-        out.append({"role": "user", "content": t.user})
+        marker = f"\n\n{version_marker(*versions[t.idx])}" if t.idx in versions else ""
+        out.append({"role": "user", "content": t.user + marker})
         out.append(
             {"role": "assistant", "content": (t.assistant or "") + (STOPPED if stopped else "") or "*(no reply)*"}
         )
@@ -122,6 +124,19 @@ def history_messages(conv) -> list[dict]:
         if src:
             out.append(src)
     return out
+
+
+def version_marker(active: int, count: int) -> str:
+    """The switcher's text on a message that has versions: "‹ 2/3 ›" (1-based)."""
+    return f"‹ {active + 1}/{count} ›"
+
+
+VERSION_MARKER = re.compile(r"\n\n‹ \d+/\d+ ›\s*$")  # what `history_messages` appends to a forked message
+
+
+def version_choices(versions: dict[int, tuple[int, int]]) -> list[tuple[str, int]]:
+    """The forks of a chat as (label, turn index) choices: "Turn 2 ‹ 2/3 ›"."""
+    return [(f"Turn {fork + 1} {version_marker(*group)}", fork) for fork, group in sorted(versions.items())]
 
 
 def fact_label(f) -> str:

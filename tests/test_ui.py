@@ -190,11 +190,21 @@ class FakeChat:
         )
         self.fmt, self.library = FakeFormat(), None
 
+    def wait_background(self, conv_id=None, timeout=None):
+        pass
+
+    switch_version = Chat.switch_version
     turn_settings = Chat.turn_settings
     set_settings = Chat.set_settings
     import_json = Chat.import_json
 
-    def send(self, owner, conv_id, text, use_docs=True, new=False, redo=False, more=False):
+    def send(self, owner, conv_id, text, use_docs=True, new=False, redo=False, more=False, edit=None):
+        if edit is not None:  # edit: the new message at turn `edit`, answered "Rome"
+            yield Started(conv_id)
+            stats = turn_stats(edit + 1)
+            self.store.edit_turn(owner, conv_id, edit, text, "Rome", stats)
+            yield Finished("Rome", stats, [], [], conv_id=conv_id)
+            return
         if redo or more:  # regenerate: the last reply replaced by "Lyon"; continue: "… and more"
             last = self.store.last_turn(owner, conv_id)
             reply = last.assistant + " and more" if more else "Lyon"
@@ -552,3 +562,37 @@ def test_import_of_an_export_reproduces_the_chat_for_its_importer_and_bad_files_
         with pytest.raises(gr.Error, match="not an llmweb|not text"):
             h.import_chat(str(bad), A_TOKEN, NOBODY)
     assert (runtime.store.list_conversations(a), runtime.store.list_conversations(f"anon:{B_TOKEN}")) == before
+
+
+def test_editing_turn_2_of_4_forks_the_chat_and_the_switcher_goes_back_to_all_4_turns(runtime):
+    h, a = Handlers(runtime), f"anon:{A_TOKEN}"
+    conv = _one_chat(h)
+    for q in ("Italy?", "Spain?", "Peru?"):
+        *_, last = h.respond(q, [], conv, True, A_TOKEN, NOBODY)
+    original = Panel(*last[:-1])
+    users = [m["content"] for m in original.chatbot if m["role"] == "user"]
+    assert users == ["Capital?", "Italy?", "Spain?", "Peru?"] and original.versions_row["visible"] is False
+    index = next(i for i, m in enumerate(original.chatbot) if m["content"] == "Italy?")
+    edited = SimpleNamespace(index=index, value="Italy, please?")
+    *_, forked = h.edit(conv, True, A_TOKEN, NOBODY, edited)
+    assert [m["content"] for m in forked.chatbot if m["role"] == "user"] == ["Capital?", "Italy, please?\n\n‹ 2/2 ›"]
+    assert forked.chatbot[-1]["content"] == "Rome" and forked.versions_row["visible"] is True
+    assert forked.version_dd["choices"] == [("Turn 2 ‹ 2/2 ›", 1)] and forked.version_dd["value"] == 1
+    back = h.prev_version(conv, 1, A_TOKEN, NOBODY)
+    assert [m["content"] for m in back.chatbot if m["role"] == "user"] == [
+        "Capital?",
+        "Italy?\n\n‹ 1/2 ›",
+        "Spain?",
+        "Peru?",
+    ]
+    assert back.stats_md.endswith("Turn 2: version 1 of 2.")
+    assert h.switch(conv, A_TOKEN, NOBODY).chatbot == back.chatbot, "a reload keeps the active version"
+    with pytest.raises(gr.Error, match="no longer exists"):
+        h.next_version(conv, 1, B_TOKEN, NOBODY)
+    with pytest.raises(gr.Error, match="no longer exists"):
+        list(h.edit(conv, True, B_TOKEN, NOBODY, edited))
+    assert runtime.store.get(a, conv).versions == {1: (0, 2)}, "a stranger changed nothing"
+    again = h.edit(conv, True, A_TOKEN, NOBODY, SimpleNamespace(index=index, value="Italy?\n\n‹ 1/2 › "))
+    *_, third = again
+    assert third.version_dd["choices"] == [("Turn 2 ‹ 3/3 ›", 1)], "the marker is not part of the message"
+    assert runtime.store.get(a, conv).turns[1].user == "Italy?"
