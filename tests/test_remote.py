@@ -244,3 +244,18 @@ def test_runtime_comes_up_with_the_server_down_and_says_so(remote_settings, monk
             back.close()
     finally:
         rt.close()
+
+
+def test_bench_ttft_with_an_engine_url_runs_one_mode_through_the_server(remote_settings):
+    from llmweb.bench import ttft
+
+    server = FakeOpenAI("Fine.")
+    try:
+        r = ttft.run(remote_settings(server.url, max_new_tokens=8), None, 6)
+    finally:
+        server.close()
+    assert list(r["modes"]) == ["reuse"] and r["model"] == "fake-model" and r["device"] == server.url
+    m = r["modes"]["reuse"]
+    assert len(m["ttft_s"]) == 6 and all(t > 0 for t in m["ttft_s"])
+    assert all(isinstance(u, int) for u in m["reused_tokens"][1:]) and m["reused_tokens"][-1] > 0
+    assert "fake-model" in ttft.markdown(r)

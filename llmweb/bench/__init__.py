@@ -58,6 +58,9 @@ def register(sub) -> None:
         "--max-batch", type=int, default=0, help="concurrency: the batched engine's max_batch (0 = LLMWEB_MAX_BATCH)"
     )
     b.add_argument("--reuse-only", action="store_true", help="TTFT: skip the full-prefill run (for long chats)")
+    b.add_argument(
+        "--engine-url", default=None, help="TTFT: run the chat through a remote engine (LLMWEB_ENGINE_URL) instead"
+    )
     b.add_argument("--replay-turns", type=int, default=200, help="suite: measured turns of the memory replay")
     b.add_argument(
         "--warmup-turns",
@@ -168,8 +171,8 @@ def bench_command(args) -> int:
     from . import ttft
     from .common import scratch_settings
 
-    settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 48)
-    loaded = models.load(settings, progress=_stderr)
+    settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 48, engine_url=args.engine_url)
+    loaded = None if settings.engine_url else models.load(settings, progress=_stderr)  # remote: the tokenizer only
     with tempfile.TemporaryDirectory(prefix="llmweb-bench-") as tmp:  # the chats never touch the user's database
         result = ttft.run(scratch_settings(settings, tmp), loaded, args.turns, full=not args.reuse_only)
     _print(result, args.json, ttft.markdown)

@@ -9,12 +9,17 @@ reuse, growing with history without it. Also per turn: how much of the prompt wa
 share of turns that prefill under 30% of their prompt), and which turns came right after a fold.
 Chats are stored in `settings.data_dir` and deleted afterwards; pass scratch settings
 (`common.scratch_settings`) to keep them out of the user's database.
+
+With `settings.engine_url` (`bench ttft --engine-url URL`) the chat runs through a remote engine
+(remote.py) and `loaded` is None: one mode only (the server keeps its own prefix cache whatever we
+do), TTFT as llmweb's user sees it (queue, HTTP, the server's prefill), and reused tokens as the
+server reported them, or `None` per turn where it reports nothing (then no prefill share either).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..store import LOCAL_OWNER as LOCAL
 from .common import describe_setup, scripted_turns
@@ -33,12 +38,16 @@ class ModeResult:
     replies: list[str]
     after_fold: list[bool]  # the summary changed since the previous turn
     per_turn_tokens: list[int]  # retrieved + recalled tokens in the prompt
+    reuse_reported: list[bool] = field(default_factory=list)  # False: a remote engine did not say
+    setup: dict = field(default_factory=dict)  # a remote engine's: url, model, context
 
     def ratio(self) -> float:
         return statistics.median(self.ttft_s[-LATE:]) / max(statistics.median(self.ttft_s[EARLY]), 1e-9)
 
     def low_prefill_share(self) -> float:
         """Share of turns (from turn 2) that prefilled under LOW_PREFILL of their prompt."""
+        if not all(self.reuse_reported):
+            return float("nan")
         pairs = list(zip(self.prompt_tokens, self.reused_tokens))[1:]
         return sum((p - r) < LOW_PREFILL * p for p, r in pairs) / max(len(pairs), 1)
 
@@ -51,6 +60,18 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
     res = ModeResult("reuse" if reuse else "full", [], [], [], [], [], [])
     try:
         chat = runtime.wait_ready()
+        if settings.engine_url:
+            from ..remote import RemoteRunner
+
+            assert runtime.engine is not None and isinstance(runtime.engine.runner, RemoteRunner)
+            assert runtime.budget is not None
+            res.setup = {
+                "engine_url": settings.engine_url,
+                "model": runtime.engine.runner.server.model,
+                "context_limit": runtime.budget.context_limit,
+                "max_new_tokens": runtime.budget.max_new_tokens,
+                "engine_concurrency": settings.engine_concurrency,
+            }
         conv, folded = None, 0
         try:
             for text in turns:
@@ -59,6 +80,7 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
                 res.ttft_s.append(g.ttft_s)
                 res.prompt_tokens.append(g.prompt_tokens)
                 res.reused_tokens.append(g.reused_tokens)
+                res.reuse_reported.append(g.reuse_reported)
                 res.replies.append(ev.reply)
                 res.after_fold.append(ev.stats.summarized_turns != folded)
                 res.per_turn_tokens.append(ev.stats.sections.get("retrieved", 0) + ev.stats.sections.get("recall", 0))
@@ -77,23 +99,26 @@ def run(settings, loaded, n_turns: int, full: bool = True) -> dict:
 
     turns = scripted_turns(n_turns)
     results = [run_mode(settings, loaded, turns, reuse=True)]
-    if full:
+    if full and not settings.engine_url:
         results.append(run_mode(settings, loaded, turns, reuse=False))
     same = sum(a == b for a, b in zip(results[0].replies, results[-1].replies))
-    budget = Budget.from_settings(settings, loaded.max_context, loaded.on_cpu)
+    if settings.engine_url:
+        setup = {**results[0].setup, "quant": "remote", "device": settings.engine_url, "kv_reuse": settings.kv_reuse}
+    else:
+        setup = describe_setup(settings, loaded, Budget.from_settings(settings, loaded.max_context, loaded.on_cpu))
     return {
         "bench": "ttft",
         "turns": n_turns,
-        **describe_setup(settings, loaded, budget),
+        **setup,
         "modes": {
             r.mode: {
                 "late_early_ratio": round(r.ratio(), 3),
                 "median_early_s": round(statistics.median(r.ttft_s[EARLY]), 4),
                 "median_last10_s": round(statistics.median(r.ttft_s[-LATE:]), 4),
-                "low_prefill_share": round(r.low_prefill_share(), 3),
+                "low_prefill_share": _round(r.low_prefill_share()),
                 "ttft_s": [round(x, 4) for x in r.ttft_s],
                 "prompt_tokens": r.prompt_tokens,
-                "reused_tokens": r.reused_tokens,
+                "reused_tokens": [u if ok else None for u, ok in zip(r.reused_tokens, r.reuse_reported)],
                 "after_fold": r.after_fold,
                 "retrieved_tokens": r.per_turn_tokens,
             }
@@ -120,7 +145,8 @@ def markdown(r: dict) -> str:
             reuse["ttft_s"],
         )
     ):
-        row = f"| {i + 1} | {p} | {u} | {p - u} | {x} | {'fold' if f else ''} | {a:.3f} |"
+        reused, prefilled = (u, p - u) if u is not None else ("not reported", "?")
+        row = f"| {i + 1} | {p} | {reused} | {prefilled} | {x} | {'fold' if f else ''} | {a:.3f} |"
         rows.append(row + (f" {full['ttft_s'][i]:.3f} |" if full else ""))
     named = [("reuse", reuse)] + ([("full prefill", full)] if full else [])
     return "\n".join(
@@ -133,7 +159,7 @@ def markdown(r: dict) -> str:
             "|---|---:|---:|---:|---:|",
             *(
                 f"| {name} | {m['median_early_s']:.3f} | {m['median_last10_s']:.3f} | {m['late_early_ratio']:.2f} "
-                f"| {m['low_prefill_share']:.0%} |"
+                f"| {_share(m['low_prefill_share'])} |"
                 for name, m in named
             ),
             "",
@@ -141,3 +167,11 @@ def markdown(r: dict) -> str:
             "",
         ]
     )
+
+
+def _round(x: float) -> float | None:
+    return None if x != x else round(x, 3)  # NaN (not reported) -> None in the JSON
+
+
+def _share(x: float | None) -> str:
+    return "not reported" if x is None else f"{x:.0%}"
