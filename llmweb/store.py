@@ -39,6 +39,12 @@ Per-chat settings: `ChatSettings` (system prompt, temperature, reply cap, docume
 is a JSON object in the conversation's row (migration 4), holding only the fields the chat sets;
 chat.py checks them against the server's limits, the store only their shape.
 
+Versions (migration 5): editing turn k (`edit_turn`) forks the chat there. `turns` always holds
+the ACTIVE branch, so every other read (the planner, folds, search, exports) sees only it; each
+other version is one JSON body in `versions` (its turns from k on, its summary, the unpinned facts
+taken from those turns, the forks nested in it), reached only through the owner's conversation.
+`switch_version` swaps bodies in one transaction.
+
 Missing conversations raise `NotFound` (a `LookupError` and an `LlmwebError`, so the UI can
 show its message as it is). Deleting something already gone is not an error.
 

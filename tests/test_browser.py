@@ -1,9 +1,11 @@
 """The real app, served by `python -m llmweb serve`, driven in headless Debian chromium like a user.
 
-One server and one browser page for the first five tests; the steps run in file order and build
-on each other (one conversation): a streamed answer with its stats, a stopped long answer, a
-question answered from an uploaded document with its cited source, a reload that restores
-the chat, then a rename and a regenerated reply. The last test starts its own server
+One server and one browser page for the first nine tests; the steps run in file order and build
+on each other: a streamed answer with its stats, a stopped long answer, a question answered from
+an uploaded document with its cited source, a reload that restores the chat, then a rename and a
+regenerated reply; then a new chat with its own system prompt (kept over a reload, in its
+prompt), the import of its export, an edit of turn 2 that forks the imported chat (the switcher
+goes back to the original, over a reload), and the page at a phone's width (390 px). The last test starts its own server
 (LLMWEB_SINGLE_USER=0) and drives two visitors in two browser contexts: neither sees the other's
 chats or uploads, in the page or through the API, over reloads and an app restart.
 Screenshots of each step go to test-artifacts/browser/ (git-ignored); a failing step also leaves
@@ -594,6 +596,173 @@ def test_rename_shows_in_the_list_and_regenerate_replaces_the_reply(page, server
         assert new[:-1] == replies[:-1] and is_real_text(new[-1]) and new[-1] != reply, (reply, new[-1])
         assert stats_turn(page) == turn, "the same turn, answered again"
         shot(page, "regenerated.png")
+
+
+# ---- this chat's settings, import, a phone's width (the same page and server)
+PERSONA = "You are Captain Quillon, a pirate who answers in one short sentence."
+SETTINGS_CAP = 24  # tokens: these replies are not what the tests check
+IMPORT_INPUT = 'input[data-testid="Import .json-upload-button"]'  # the Import button's hidden file input
+
+
+def open_accordion(page, panel: str, label: str, body: str) -> None:
+    if not page.locator(body).is_visible():
+        page.locator(panel).get_by_text(label, exact=True).first.click()
+    page.locator(body).wait_for(state="visible")
+
+
+def idle(page) -> None:
+    """Wait for the event in flight (if any) to finish: the chat's progress tracker hides."""
+    page.wait_for_timeout(1000)
+    page.locator("#llmweb-chat > [data-testid=status-tracker].hide").wait_for(state="attached", timeout=60_000)
+
+
+def field(page, elem_id: str):
+    return page.locator(f"#{elem_id} textarea, #{elem_id} input").first
+
+
+def test_a_chats_system_prompt_survives_a_reload_and_is_in_its_prompt(page, server):
+    with step(page, "chat-settings"):
+        page.get_by_role("button", name="New chat").click()
+        poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
+        idle(page)  # the new chat's panel must not land on the fields after they are filled
+        open_accordion(page, "#llmweb-chat-settings", "This chat's settings", "#llmweb-system-prompt")
+        for attempt in range(3):  # a late answer to "New chat" on a loaded machine may reset the fields
+            field(page, "llmweb-system-prompt").fill(PERSONA)
+            field(page, "llmweb-reply-cap").fill(str(SETTINGS_CAP))
+            page.locator("#llmweb-save-settings").click()
+            if attempt:
+                page.wait_for_timeout(3000)
+            poll(
+                lambda: "Saved this chat's settings." in page.locator("#llmweb-stats").inner_text(),
+                60,
+                "the settings to be saved",
+                server,
+                page,
+            )
+            idle(page)
+            if field(page, "llmweb-system-prompt").input_value() == PERSONA:
+                break
+        page.reload(wait_until="domcontentloaded")
+        wait_ready(page, server)
+        open_accordion(page, "#llmweb-chat-settings", "This chat's settings", "#llmweb-system-prompt")
+        poll(
+            lambda: field(page, "llmweb-system-prompt").input_value() == PERSONA,
+            60,
+            "the reloaded page to show this chat's system prompt",
+            server,
+            page,
+        )
+        assert field(page, "llmweb-reply-cap").input_value() == str(SETTINGS_CAP)
+        ask(page, server, "Hello!")
+        open_accordion(page, "#llmweb-prompt-panel", "Prompt of the last turn", "#llmweb-prompt")
+        prompt = poll(
+            lambda: t if "### system" in (t := field(page, "llmweb-prompt").input_value()) else "",
+            60,
+            "the prompt panel to show the last turn's prompt",
+            server,
+            page,
+        )
+        assert prompt.startswith(f"### system\n{PERSONA}"), prompt[:300]
+        assert "Hello!" in prompt
+        shot(page, "chat-settings.png")
+
+
+def test_import_of_an_export_reproduces_the_chat(page, server, tmp_path):
+    """The export is read from the server's own store (the page's download control needs two clicks);
+    the import goes through the page's Import button."""
+    from llmweb.store import LOCAL_OWNER, Store
+
+    with step(page, "imported"):
+        users, replies = user_texts(page), reply_texts(page)
+        with Store(server.log_path.parent / "llmweb.sqlite3") as store:
+            (conv,) = [c for c in store.list_conversations(LOCAL_OWNER) if c.n_turns == len(users)][:1]
+            exported = tmp_path / "chat.json"
+            exported.write_text(store.export_json(LOCAL_OWNER, conv.id), encoding="utf-8")
+        n_chats = len(page.locator("#llmweb-conversations label").all())
+        page.locator(IMPORT_INPUT).set_input_files(str(exported))
+        poll(
+            lambda: "Imported" in page.locator("#llmweb-stats").inner_text(),
+            60,
+            "the import to open the new chat",
+            server,
+            page,
+        )
+        assert len(page.locator("#llmweb-conversations label").all()) == n_chats + 1
+        assert user_texts(page) == users and reply_texts(page) == replies
+        open_accordion(page, "#llmweb-chat-settings", "This chat's settings", "#llmweb-system-prompt")
+        assert field(page, "llmweb-system-prompt").input_value() == PERSONA
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"format": "something else"}', encoding="utf-8")
+        page.locator(IMPORT_INPUT).set_input_files(str(bad))
+        page.locator(TOASTS).first.wait_for(state="visible", timeout=60_000)  # poll() fails on a toast
+        toasts = page.locator(TOASTS).all_inner_texts()
+        assert any("not an llmweb conversation export" in t for t in toasts), toasts
+        with contextlib.suppress(Exception):  # the next steps treat a toast as a failure: close it
+            page.locator('[data-testid="toast-close"]').first.click(timeout=5_000)
+        poll(lambda: not [t for t in page.locator(TOASTS).all_inner_texts() if t.strip()], 30, "the toast to close")
+        assert len(page.locator("#llmweb-conversations label").all()) == n_chats + 1, "nothing imported"
+        shot(page, "imported.png")
+
+
+MARKER = re.compile(r"\s*‹ \d+/\d+ ›\s*$")  # the version switcher's text on an edited message
+
+
+def plain_users(page) -> list[str]:
+    return [MARKER.sub("", t) for t in user_texts(page)]
+
+
+def test_editing_turn_2_of_4_forks_and_the_switcher_goes_back_to_all_4_turns_over_a_reload(page, server):
+    """In the imported chat (its own reply cap keeps these turns short)."""
+    with step(page, "edited"):
+        for text in ("Name a sea.", "Name a river.", "Name a lake."):
+            ask(page, server, text)
+        original = plain_users(page)
+        assert len(original) == 4, original
+        page.locator(USER_MSGS).nth(1).hover()
+        page.locator('#llmweb-chat button[aria-label="Edit"]').nth(1).click()
+        box = page.locator("#llmweb-chat textarea.edit-textarea")
+        box.fill("Name a mountain.")
+        page.locator('#llmweb-chat button[aria-label="Submit"]').first.click()
+        poll(
+            lambda: plain_users(page) == [original[0], "Name a mountain."],
+            REPLY_S,
+            "the edited turn 2 in place of turns 2 to 4",
+            server,
+            page,
+        )
+        poll(lambda: stats_turn(page) == 2, REPLY_S, "the stats panel to show the new turn 2", server, page)
+        assert user_texts(page)[1].endswith("‹ 2/2 ›") and page.locator("#llmweb-versions").is_visible()
+        page.locator("#llmweb-version-prev").click()
+        poll(lambda: plain_users(page) == original, 60, "the switcher to bring back all 4 turns", server, page)
+        assert user_texts(page)[1].endswith("‹ 1/2 ›")
+        page.reload(wait_until="domcontentloaded")
+        wait_ready(page, server)
+        poll(lambda: plain_users(page) == original, REPLY_S, "a reload to keep the active version", server, page)
+        shot(page, "edited.png")
+
+
+def test_at_390_px_the_chat_input_and_stop_are_reachable_without_horizontal_scrolling(server, browser, tmp_path):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=1, is_mobile=True)
+    try:
+        pg = open_page(context, server)
+        with step(pg, "phone"):
+            wait_ready(pg, server)
+            path = tmp_path / "phone-390.png"
+            pg.screenshot(path=str(path), full_page=False)
+            assert path.stat().st_size > 0
+            widths = pg.evaluate("() => [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+            assert widths[0] <= widths[1], f"horizontal scroll at 390 px: scrollWidth, clientWidth = {widths}"
+            for what, sel in (("message box", MESSAGE_BOX), ("Stop", "#llmweb-stop"), ("chat", "#llmweb-chat")):
+                box = pg.locator(sel).bounding_box()
+                assert box is not None, f"the {what} is not shown"
+                assert box["x"] >= 0 and box["x"] + box["width"] <= 390, f"the {what} is cut off: {box}"
+            stop = pg.locator("#llmweb-stop")
+            stop.scroll_into_view_if_needed()
+            assert stop.is_visible() and pg.locator(MESSAGE_BOX).is_visible()
+            (ARTIFACTS / "phone-390.png").parent.mkdir(parents=True, exist_ok=True)
+            (ARTIFACTS / "phone-390.png").write_bytes(path.read_bytes())
+    finally:
+        context.close()
 
 
 # ---- two visitors, one server (its own app: per-browser owners on localhost)
