@@ -259,3 +259,16 @@ def test_bench_ttft_with_an_engine_url_runs_one_mode_through_the_server(remote_s
     assert len(m["ttft_s"]) == 6 and all(t > 0 for t in m["ttft_s"])
     assert all(isinstance(u, int) for u in m["reused_tokens"][1:]) and m["reused_tokens"][-1] > 0
     assert "fake-model" in ttft.markdown(r)
+
+
+def test_owners_take_turns_in_the_engines_fair_queue_before_the_server_sees_them(make):
+    e, server, _ = make(reply="w" * 12, delay_s=0.01, engine={"max_batch": 1, "queue_per_user": 2})
+    first = e.submit(req(session_id="a0", owner="alice"))
+    _wait(lambda: server.in_flight == 1)
+    later = [e.submit(req(session_id=s, owner=o)) for s, o in (("a1", "alice"), ("a2", "alice"), ("b1", "bob"))]
+    for h in [first, *later]:
+        h.result()
+    from llmweb.remote import _hashed
+
+    order = {_hashed(s): s for s in ("a0", "a1", "a2", "b1")}
+    assert [order[b["user"]] for b, _ in server.completions] == ["a0", "b1", "a1", "a2"]
