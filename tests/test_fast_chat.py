@@ -418,3 +418,19 @@ def test_an_edit_of_a_folded_turn_is_refused_before_anything_runs(rig):
     with pytest.raises(InputError, match="no longer in this chat"):
         chat.ask(OWNER, conv, "nowhere", edit=7)
     assert len(runner.requests) == n and store.get(OWNER, conv).versions == {}
+
+
+def test_a_changed_system_prompt_costs_one_full_prefill_and_then_the_prefix_is_reused_again(rig):
+    from llmweb.store import ChatSettings
+
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    chat.ask(OWNER, conv, "first")
+    steady = chat.ask(OWNER, conv, "second")
+    assert steady.stats.gen.reused_tokens > 0
+    chat.set_settings(OWNER, conv, ChatSettings(system_prompt="You are a pirate now."))
+    changed = chat.ask(OWNER, conv, "third")
+    persona = len(fmt.system_ids("You are a pirate now."))
+    assert changed.stats.gen.reused_tokens < persona, "reused only up to where the system prompts differ"
+    after = chat.ask(OWNER, conv, "fourth")
+    assert after.stats.gen.reused_tokens >= changed.stats.gen.prompt_tokens, "only on the change"
