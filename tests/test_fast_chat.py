@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmweb import chat as chat_module
 from llmweb.chat import Chat, Delta, Finished
 from llmweb.context import Budget
 from llmweb.errors import InputError
@@ -434,3 +435,31 @@ def test_a_changed_system_prompt_costs_one_full_prefill_and_then_the_prefix_is_r
     assert changed.stats.gen.reused_tokens < persona, "reused only up to where the system prompts differ"
     after = chat.ask(OWNER, conv, "fourth")
     assert after.stats.gen.reused_tokens >= changed.stats.gen.prompt_tokens, "only on the change"
+
+
+def test_switching_versions_brings_the_recall_index_in_step_with_the_active_branch(rig, monkeypatch):
+    """The recall index holds the folded turns of the active branch only (a stand-in index, no embedder)."""
+    from types import SimpleNamespace
+
+    chat, runner, fmt, store = rig
+    index: dict[str, str] = {}  # doc_id -> text
+    fake = SimpleNamespace(
+        documents=lambda: [SimpleNamespace(doc_id=d) for d in index],
+        remove=lambda doc_id: index.pop(doc_id),
+        add_chunks=lambda chunks: index.update({c.doc_id: c.text for c in chunks}),
+    )
+    monkeypatch.setattr(chat, "recall_index", lambda conv_id: fake)
+    chat.library = SimpleNamespace(is_empty=lambda owner: True)
+    chat.settings = chat.settings.replace(recall=True)
+    conv = store.create_conversation(OWNER)
+    for i in range(4):
+        store.add_turn(OWNER, conv, f"q{i}", f"a{i}")
+    store.edit_turn(OWNER, conv, 1, "b1", "x")
+    store.add_turn(OWNER, conv, "b2", "x")
+    store.add_turn(OWNER, conv, "b3", "x")
+    store.set_summary(OWNER, conv, "folded b1 and b2", 3)  # as a fold of branch 2 would have...
+    fake.add_chunks(chat_module._recall_chunks(store.get(OWNER, conv).turns[:3]))  # ...indexed them
+    chat.switch_version(OWNER, conv, 1, 0)
+    assert sorted(index) == ["turn-0"], "the other branch's folded turns left the index"
+    chat.switch_version(OWNER, conv, 1, 1)
+    assert sorted(index) == ["turn-0", "turn-1", "turn-2"] and "b2" in index["turn-2"], "and came back with it"
