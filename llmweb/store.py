@@ -1008,7 +1008,7 @@ def _import_versions(rows: Any, n_turns: int) -> list[tuple[int, int, str | None
     for fork, members in groups.items():
         if sorted(v for v, _ in members) != list(range(len(members))) or sum(a for _, a in members) != 1:
             raise ValueError(f"the versions at turn {fork + 1} are not numbered 0..n-1 with one active")
-        if not 0 <= fork < n_turns:
+        if not 0 <= fork <= n_turns:  # == n_turns: the active version's turns were all undone
             raise ValueError(f"versions at turn {fork + 1}, past the chat's turns")
     return out
 

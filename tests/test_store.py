@@ -902,3 +902,17 @@ def test_nested_versions_travel_with_their_branch_and_the_json_export_keeps_ever
     assert store.list_conversations(B) == before
     store.delete(A, conv)
     assert store._db.execute("SELECT COUNT(*) FROM versions WHERE conversation_id = ?", (conv,)).fetchone() == (0,)
+
+
+def test_undoing_the_edited_turn_leaves_an_empty_version_that_still_exports_and_switches(store: Store):
+    conv = store.create_conversation(A)
+    for i in range(3):
+        store.add_turn(A, conv, f"q{i}", f"a{i}")
+    store.edit_turn(A, conv, 1, "b1", "x")
+    assert store.pop_last_turn(A, conv).user == "b1"
+    copy = store.import_json(B, store.export_json(A, conv))
+    assert _texts(store, B, copy) == ["q0"] and store.get(B, copy).versions == {1: (1, 2)}
+    store.switch_version(B, copy, 1, 0)
+    assert _texts(store, B, copy) == ["q0", "q1", "q2"]
+    store.switch_version(B, copy, 1, 1)
+    assert _texts(store, B, copy) == ["q0"]
