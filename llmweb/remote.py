@@ -262,6 +262,11 @@ class RemoteRunner:
     def snapshot(self) -> MemorySnapshot:
         return MemorySnapshot(rss_bytes=psutil.Process().memory_info().rss)  # this process only: no VRAM figures
 
+    def probe(self) -> Capabilities:
+        """What the server takes (asked once, then remembered): the status line shows it at start."""
+        sample = self.encode("Hello")
+        return self.server.capabilities(sample, self.decode_text(sample))
+
     # ---- the batch
     def start(self, slot: Slot) -> None:
         call = _Call()

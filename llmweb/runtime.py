@@ -249,16 +249,17 @@ class Runtime:
         from .remote import RemoteRunner
 
         assert self.engine is not None and isinstance(self.engine.runner, RemoteRunner), "a remote engine"
-        server = self.engine.runner.server
-        why = server.reachable()
+        runner = self.engine.runner
+        why = runner.server.reachable()
         url = self.settings.engine_url
         if why is None:
             try:
-                name = server.model
-            except Exception as e:  # it answered /v1/models but not usefully: say so
-                name, why = "?", str(e)
+                name, caps = runner.server.model, runner.probe()  # the probe runs once, then is remembered
+            except Exception as e:  # it answered /v1/models but not usefully (a wrong key, no model): say so
+                name, why = "?", f"{type(e).__name__}: {e}"
         if why is None:
-            self.status = f"Ready: remote engine {url} · model {name} · reachable · {self._remote_ready}."
+            prompts = "token-id prompts" if caps.ids else "text prompts"
+            self.status = f"Ready: remote engine {url} · model {name} · reachable · {prompts} · {self._remote_ready}."
         else:
             self.status = (
                 f"Ready, but the remote engine {url} is not reachable ({why}); retrying every "

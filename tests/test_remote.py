@@ -212,7 +212,8 @@ def test_runtime_with_an_engine_url_chats_through_the_server_without_loading_wei
     rt = Runtime(remote_settings(server.url)).start(background=False)
     try:
         assert rt.loaded is None, "no model weights in this process"
-        assert "remote engine" in rt.status and "reachable" in rt.status and "fake-model" in rt.status
+        assert "remote engine" in rt.status and "fake-model" in rt.status
+        assert "reachable · token-id prompts" in rt.status, "probed at start"
         first = rt.wait_ready().ask("local", None, "Hello, who are you?")
         assert first.reply == "Hi! I am remote." and first.stats.gen.reuse_reported
         second = rt.wait_ready().ask("local", first.conv_id, "And again?")

@@ -125,6 +125,7 @@ def test_killing_the_server_mid_reply_keeps_the_partial_reply_with_a_clear_error
     rt = Runtime(settings).start(background=False)
     try:
         chat = rt.wait_ready()
+        assert "reachable · text prompts" in rt.status, "transformers serve refuses token-id prompts: probed at start"
         conv_id, shown = None, ""
         events = chat.send("local", None, "Write a long story about a lighthouse keeper and the sea.")
         with pytest.raises(LlmwebError) as failed:
