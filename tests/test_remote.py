@@ -138,11 +138,12 @@ def test_a_silent_server_times_out_with_a_clear_error(make):
 
 
 def test_the_request_time_limit_stops_the_stream(make):
-    e, server, _ = make(reply="x" * 300, delay_s=0.02)
-    h = e.submit(req(n=300, timeout_s=0.2))
+    e, server, _ = make(reply="x" * 900, delay_s=0.02)  # 300 events: 6 s
+    e.submit(req(n=3)).result()  # the server is probed first, outside the timed request
+    h = e.submit(req(n=900, timeout_s=1.0))
     with pytest.raises(LlmwebError, match="time limit"):
         h.result()
-    assert 0 < len(h.generated) < 300
+    assert 0 < len(h.generated) < 900
     _wait(lambda: server.gone == 1)
 
 
@@ -165,7 +166,7 @@ def test_a_server_down_is_retried_then_reported_as_unreachable(make):
 
 
 def test_the_in_flight_cap_holds_and_the_queue_is_the_engines(make):
-    e, server, _ = make(reply="z" * 30, delay_s=0.01, engine={"max_batch": 2, "queue_size": 2, "queue_per_user": 1})
+    e, server, _ = make(reply="z" * 60, delay_s=0.05, engine={"max_batch": 2, "queue_size": 2, "queue_per_user": 1})
     handles = [e.submit(req(owner=o)) for o in "ab"]
     _wait(lambda: server.in_flight == 2)
     handles += [e.submit(req(owner=o)) for o in "cd"]  # they wait in the engine's queue
@@ -173,7 +174,7 @@ def test_the_in_flight_cap_holds_and_the_queue_is_the_engines(make):
         e.submit(req(owner="e"))
     assert [h.position for h in handles] == [0, 0, 1, 2]
     for h in handles:
-        assert decode(h.result()) == "z" * 30
+        assert decode(h.result()) == "z" * 60
     assert server.max_in_flight == 2
     assert max(h.stats.batch_size for h in handles) == 2
 
@@ -263,7 +264,7 @@ def test_bench_ttft_with_an_engine_url_runs_one_mode_through_the_server(remote_s
 
 
 def test_owners_take_turns_in_the_engines_fair_queue_before_the_server_sees_them(make):
-    e, server, _ = make(reply="w" * 12, delay_s=0.01, engine={"max_batch": 1, "queue_per_user": 2})
+    e, server, _ = make(reply="w" * 60, delay_s=0.05, engine={"max_batch": 1, "queue_per_user": 2})
     first = e.submit(req(session_id="a0", owner="alice"))
     _wait(lambda: server.in_flight == 1)
     later = [e.submit(req(session_id=s, owner=o)) for s, o in (("a1", "alice"), ("a2", "alice"), ("b1", "bob"))]
