@@ -500,6 +500,9 @@ class Handlers:
         chat, owner = self._chat(), self.owner(token, request)
         clean_message(message, self.settings.max_message_chars)
         conv_id = conv_id if conv_id and self.store.exists(owner, conv_id) else None  # None: a new chat
+        if conv_id is None and not use_docs:  # the box is this chat's setting: keep it from the first turn
+            conv_id = self.store.create_conversation(owner)
+            chat.set_settings(owner, conv_id, ChatSettings(use_docs=False))
         shown = list(history or []) + [{"role": "user", "content": message}, {"role": "assistant", "content": "…"}]
         for panel in self._stream(owner, conv_id, shown, chat.send(owner, conv_id, message, use_docs=bool(use_docs))):
             yield (*panel, "")

@@ -596,3 +596,13 @@ def test_editing_turn_2_of_4_forks_the_chat_and_the_switcher_goes_back_to_all_4_
     *_, third = again
     assert third.version_dd["choices"] == [("Turn 2 ‹ 3/3 ›", 1)], "the marker is not part of the message"
     assert runtime.store.get(a, conv).turns[1].user == "Italy?"
+
+
+def test_a_new_chat_sent_without_documents_keeps_the_box_unticked(runtime):
+    h = Handlers(runtime)
+    *_, final = h.respond("Capital?", [], "", False, A_TOKEN, NOBODY)
+    panel = Panel(*final[:-1])
+    assert panel.use_docs is False and [m["content"] for m in panel.chatbot][:2] == ["Capital?", "Paris"]
+    assert runtime.store.get(f"anon:{A_TOKEN}", panel.conv_state).settings.use_docs is False
+    (info,) = runtime.store.list_conversations(f"anon:{A_TOKEN}")
+    assert info.title == "Capital?" and info.n_turns == 1, "one chat, titled by its first message"
