@@ -207,7 +207,12 @@ class Server:
         return Capabilities(ids=takes_ids, extras=extras)
 
 
-_EXTRAS_PROBE = {"cache_salt": "probe", "repetition_penalty": 1.0, "add_special_tokens": False}
+_EXTRAS_PROBE = {
+    "cache_salt": "probe",
+    "repetition_penalty": 1.0,
+    "add_special_tokens": False,
+    "return_token_ids": True,
+}
 
 
 @dataclass(eq=False)
@@ -384,6 +389,7 @@ class RemoteRunner:
         if caps.extras:
             body["cache_salt"] = _hashed("owner:" + request.owner)
             body["add_special_tokens"] = False  # the chat template's tokens are in the prompt already
+            body["return_token_ids"] = True  # vLLM: the reply's own ids, not our re-tokenised text
             if request.repetition_penalty != 1.0:
                 body["repetition_penalty"] = request.repetition_penalty
         return body, headers

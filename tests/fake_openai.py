@@ -9,8 +9,10 @@ Knobs: `takes_ids` (else HTTP 400 for a list prompt, as transformers serve), `st
 for fields OpenAI does not define), `context` (HTTP 400 "maximum context length" past it),
 `statuses` (the next requests' error statuses, e.g. [429, 429]), `cut_after` (close the
 connection after that many text events, no [DONE]), `stall_s` (sleep before the first event),
-`delay_s` (between events), `port` (0 = any free one). Every completion request's body and
-headers are kept in `requests` (probes included: `completions` leaves them out).
+`delay_s` (between events), `port` (0 = any free one), `sends_ids` (honour vLLM's
+`return_token_ids`, with ids in this fake's own encoding: only for clients that use it). Every
+completion request's body and headers are kept in `requests` (probes included: `completions`
+leaves them out).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class FakeOpenAI:
         self.delay_s = knobs.pop("delay_s", 0.0)
         self.report_cache = knobs.pop("report_cache", True)
         port = knobs.pop("port", 0)
+        self.sends_ids = knobs.pop("sends_ids", False)  # answer return_token_ids (ids in this fake's encoding)
         assert not knobs, f"unknown knobs {knobs}"
         self.requests: list[tuple[dict, dict]] = []
         self.in_flight = 0
@@ -119,7 +122,10 @@ class FakeOpenAI:
             for n, piece in enumerate(pieces):
                 if self.cut_after is not None and n >= self.cut_after:
                     return  # the connection closes with no finish and no [DONE]
-                self._event(h, {"choices": [{"index": 0, "text": piece, "finish_reason": None}]})
+                choice = {"index": 0, "text": piece, "finish_reason": None}
+                if body.get("return_token_ids") and self.sends_ids:
+                    choice["token_ids"] = encode(piece)
+                self._event(h, {"choices": [choice]})
                 time.sleep(self.delay_s)
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(pieces)}
             if self.report_cache:

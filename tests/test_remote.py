@@ -41,11 +41,12 @@ def make():
 
 
 def test_token_ids_go_as_the_prompt_and_the_reply_streams_back_as_ids(make):
-    e, server, _ = make()
+    e, server, _ = make(sends_ids=True)
     h = e.submit(req(session_id="conv-1", owner="alice"))
     assert decode(h.result()) == "Hello there."
     body, headers = server.completions[0]
     assert body["prompt"] == PROMPT and body["stream"] is True and body["max_tokens"] == 64
+    assert body["return_token_ids"] is True and body["add_special_tokens"] is False
     assert h.stats.finish_reason == "eos" and h.stats.generated_tokens == len("Hello there.")
     assert h.stats.ttft_s > 0 and h.stats.mem is not None and h.stats.mem.cuda_allocated_bytes is None
 
@@ -274,3 +275,16 @@ def test_owners_take_turns_in_the_engines_fair_queue_before_the_server_sees_them
 
     order = {_hashed(s): s for s in ("a0", "a1", "a2", "b1")}
     assert [order[b["user"]] for b, _ in server.completions] == ["a0", "b1", "a1", "a2"]
+
+
+def test_the_replys_own_token_ids_win_over_its_text_when_the_server_sends_them():
+    from llmweb.remote import RemoteRunner, Server, _Call
+
+    runner = RemoteRunner(Server(RemoteConfig(url="http://127.0.0.1:1")), encode, decode)
+    call = _Call()
+    assert runner._chunk(call, {"choices": [{"text": "\n\n", "token_ids": [198]}]}) is False
+    assert runner._chunk(call, {"choices": [{"text": "ab"}]}) is False  # no ids: our tokenizer's
+    done = {"choices": [{"text": "", "finish_reason": "length"}], "timings": {"cache_n": 7}}
+    assert runner._chunk(call, done) is True  # llama.cpp's cache count
+    assert [ids for ids, _ in call.events] == [[198], encode("ab")]
+    assert call.finish == "length" and call.cached == 7
