@@ -320,7 +320,8 @@ class Slot:
     predicted: int  # admission's figure for this request's peak memory
     timeout: float
     stats: GenerationStats
-    retried: bool = False  # this is the OOM retry of the request (its fallback)
+    retried: bool = False  # this is the retry of the request (its fallback)
+    retry_reason: str = "oom"  # why: "oom", or the runner's `GiveWay` reason ("context_length")
     t0: float = dataclasses.field(default_factory=time.perf_counter)  # start of processing
     ready: bool = False  # the prompt is prefilled: the slot decodes with the batch
     finish: str | None = None  # eos | length | cancelled | timeout | error: it leaves after this step
@@ -567,7 +568,9 @@ class Engine:
             except ValueError:
                 return False
 
-    def _begin(self, handle: Handle, request: GenerationRequest, predicted: int, retried: bool) -> None:
+    def _begin(
+        self, handle: Handle, request: GenerationRequest, predicted: int, retried: bool, reason: str = "oom"
+    ) -> None:
         """Start a slot for the request; it prefills in the next steps, then joins the batch."""
         if not self.limits.kv_reuse and request.session_id is not None:
             request = dataclasses.replace(request, session_id=None)
@@ -576,7 +579,7 @@ class Engine:
             predicted_bytes=predicted,
             queue_wait_s=time.perf_counter() - handle.submitted,
         )
-        slot = Slot(handle, request, predicted, self._timeout(request), stats, retried=retried)
+        slot = Slot(handle, request, predicted, self._timeout(request), stats, retried=retried, retry_reason=reason)
         try:
             self.runner.start(slot)
         except BaseException as e:  # the request ends with it; the batch goes on
@@ -628,7 +631,8 @@ class Engine:
         self._remove(slot)
         self.runner.release(slot, keep=True)
         stats, n = slot.stats, len(slot.generated)
-        stats.finish_reason, stats.generated_tokens, stats.oom_retry = slot.finish or "", n, slot.retried
+        stats.finish_reason, stats.generated_tokens = slot.finish or "", n
+        stats.oom_retry = slot.retried and slot.retry_reason == "oom"
         stats.total_s = time.perf_counter() - slot.t0
         if n > 1 and slot.t_first is not None and slot.t_last is not None:
             stats.decode_tok_s = (n - 1) / max(slot.t_last - slot.t_first, 1e-9)
@@ -709,7 +713,7 @@ class Engine:
             len(victim.request.prompt_ids),
         )
         victim.handle._restart(refusal.reason)
-        self._begin(victim.handle, smaller, self.runner.predict(smaller), retried=True)
+        self._begin(victim.handle, smaller, self.runner.predict(smaller), retried=True, reason=refusal.reason)
 
     # ---- admission: the whole batch's memory
     def _admit(self, handle: Handle) -> int | None:

@@ -114,6 +114,7 @@ def test_maximum_context_length_retries_once_with_the_smaller_fallback(make):
     events = list(h.events())
     assert isinstance(events[0], Restarted) and events[0].reason == "context_length"
     assert decode(h.generated) == "Hello there." and all(isinstance(ev, Tokens) for ev in events[1:])
+    assert h.stats.oom_retry is False, "a context-length retry is not an out-of-memory one"
     assert [len(b["prompt"]) for b, _ in server.completions] == [len(PROMPT) + 50, 10]
 
 
