@@ -816,7 +816,9 @@ class Store:
         if pinned:
             out += ["## Pinned notes", ""] + [f"- {f.text}" for f in pinned] + [""]
         for t in conv.turns:
-            out += [f"## Turn {t.idx + 1}", "", "**You:**", "", t.user, "", "**Assistant:**", "", t.assistant, ""]
+            version = conv.versions.get(t.idx)
+            heading = f"## Turn {t.idx + 1}" + (f" (version {version[0] + 1} of {version[1]})" if version else "")
+            out += [heading, "", "**You:**", "", t.user, "", "**Assistant:**", "", t.assistant, ""]
             if t.sources:
                 out += ["Sources:", ""] + [f"- {s.label()}" for s in t.sources] + [""]
         return "\n".join(out)

@@ -886,7 +886,8 @@ def test_nested_versions_travel_with_their_branch_and_the_json_export_keeps_ever
     store.switch_version(A, conv, 1, 0)
     assert store.get(A, conv).versions == {1: (0, 2)}, "the nested fork belongs to the other branch"
     exported = store.export_json(A, conv)
-    assert "Exported" in store.export_markdown(A, conv) and "c2" not in store.export_markdown(A, conv)
+    markdown = store.export_markdown(A, conv)
+    assert "## Turn 2 (version 1 of 2)" in markdown and "q3" in markdown and "c2" not in markdown, "the active branch"
     copy = store.import_json(B, exported)
     assert _texts(store, B, copy) == ["q0", "q1", "q2", "q3"] and store.get(B, copy).versions == {1: (0, 2)}
     store.switch_version(B, copy, 1, 1)
