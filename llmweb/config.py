@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-QUANTS = ("4bit", "8bit", "bf16", "fp16", "fp32")
+QUANTS = ("auto", "4bit", "8bit", "int8-cpu", "bf16", "fp16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_CONTEXT_CAP = 2048  # tokens; prefill cost on CPU grows fast past this
 
@@ -35,7 +35,7 @@ class Settings:
     cache_dir: Path | None = None  # converted model copies; default data_dir/models
     # the model
     model: str = ""  # "" = the embedded SmolLM2-135M-Instruct; else a hub id or a local path
-    quant: str = "4bit"
+    quant: str = "auto"  # 4bit on CUDA, int8-cpu on the CPU (models.resolve_quant)
     device: str = "auto"
     offload: bool = False
     warmup: bool = False

@@ -5,9 +5,14 @@ The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
 safetensors copy under `settings.models_dir` (written to a temporary folder, then renamed, so
 an interrupted conversion never leaves a half copy); later starts load the copy in seconds.
 
-Quantisation (`LLMWEB_QUANT`): 4bit (NF4 + double quantisation, bf16 compute; the default),
-8bit, bf16, fp16, fp32. bitsandbytes runs on CPU as well as CUDA; where it cannot, we fall back
-to a float dtype and say why in `LoadedModel.notes`.
+Quantisation (`LLMWEB_QUANT`): `auto` (the default) is 4bit on CUDA and int8-cpu on the CPU;
+4bit (bitsandbytes NF4 + double quantisation, bf16 compute), 8bit (bitsandbytes LLM.int8),
+int8-cpu (torch's dynamic int8 linear layers: int8 weights per output channel, fbgemm/oneDNN
+kernels; CPU only), bf16, fp16, fp32. Why int8-cpu on the CPU: bitsandbytes' CPU path computes
+in bf16, which a CPU without bf16 instructions (AVX2 only, like our CI machine) emulates, so a
+4-bit decode step there was slower than fp32; int8 weights read 4x fewer bytes than fp32 per
+token with native int8 kernels (`bench decode`, README "Decode speed"). Where bitsandbytes
+cannot run, we fall back to a float dtype and say why in `LoadedModel.notes`.
 
 This module imports torch and transformers inside functions only: importing it is free.
 """
@@ -127,10 +132,45 @@ def resolve_device(settings: Settings) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_quant(quant: str, device: str) -> str:
+    """The quantisation to load: `auto` is 4bit on CUDA and int8-cpu on the CPU."""
+    if quant == "auto":
+        return "int8-cpu" if device == "cpu" else "4bit"
+    if quant == "int8-cpu" and device != "cpu":
+        raise ConfigError("LLMWEB_QUANT=int8-cpu runs on the CPU only; use 4bit or 8bit on a GPU (or auto).")
+    return quant
+
+
+def quantize_int8_cpu(model) -> None:
+    """Replace every nn.Linear with torch's dynamic int8 linear (int8 weights per output channel,
+    activations quantised per call), in place. torch marks torch.ao.quantization deprecated in
+    favour of torchao; it is here and fast in the pinned torch, so its warnings are silenced."""
+    import warnings
+
+    import torch
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+
+
+def weights_nbytes(model) -> int:
+    """Parameters and buffers, plus the packed weights of dynamic int8 layers (not parameters)."""
+    total = int(model.get_memory_footprint())
+    for module in model.modules():
+        packed = getattr(module, "_packed_params", None)
+        if packed is not None and hasattr(packed, "_weight_bias"):
+            weight, bias = packed._weight_bias()
+            total += weight.numel() * weight.element_size()
+            total += bias.numel() * bias.element_size() if bias is not None else 0
+    return total
+
+
 def _float_dtype(quant: str, device: str):
     import torch
 
-    if quant == "fp32":
+    if quant in ("fp32", "int8-cpu"):  # int8-cpu: loaded in fp32, then quantised
         return torch.float32
     if quant == "fp16":
         return torch.float16 if device != "cpu" else torch.bfloat16
@@ -201,10 +241,10 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
     device = resolve_device(settings)
     source: str | Path = settings.model or ensure_converted(settings, progress)
     name = settings.model or EMBEDDED_NAME
-    progress(f"Loading {name} ({settings.quant}) on {device}…")
+    quant = resolve_quant(settings.quant, device)
+    progress(f"Loading {name} ({quant}) on {device}…")
     tokenizer = AutoTokenizer.from_pretrained(source)
     notes: list[str] = []
-    quant = settings.quant
     try:
         if quant in ("4bit", "8bit"):
             import bitsandbytes  # noqa: F401  (fails here, clearly, when the platform lacks it)
@@ -218,6 +258,8 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         quant = fallback
         model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, quant, device))
     model.eval()
+    if quant == "int8-cpu":
+        quantize_int8_cpu(model)
     model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
     compute = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     dtype_bytes = torch.finfo(compute).bits // 8
@@ -229,7 +271,7 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         name=name,
         quant=quant,
         device=str(next(model.parameters()).device) if device != "cpu" else "cpu",
-        weights_bytes=int(model.get_memory_footprint()),
+        weights_bytes=weights_nbytes(model),
         max_context=int(getattr(model.config, "max_position_embeddings", 2048) or 2048),
         kv_bytes_per_token=kv_bytes_per_token(model.config, dtype_bytes),
         dtype_bytes=dtype_bytes,

@@ -40,11 +40,22 @@ import torch
 from transformers import DynamicCache
 
 from . import engine
+from .blockcache import BLOCK, new_cache
 from .engine import GenerationRequest, Slot, predict_bytes
 from .kvcache import KVStore, cache_nbytes, reusable
 from .telemetry import RssPeak, is_cuda, memory_snapshot, reset_peak, rss_bytes
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTiming:
+    """Where the decode steps' time went, summed since the runner started (bench decode reads it)."""
+
+    steps: int = 0  # batched decode passes
+    decode_s: float = 0.0  # in `decode`, all of it
+    forward_s: float = 0.0  # the model's forward pass
+    sample_s: float = 0.0  # sampling every row's next token (penalty, warpers, argmax/multinomial)
 
 
 @dataclass(eq=False)
@@ -74,6 +85,7 @@ class LocalRunner:
         mem_margin_bytes: int = 512 * 2**20,
         fault: Callable[[int], None] | None = None,
         gpu: Callable | None = None,
+        block_cache: bool = True,
     ):
         self.model = model
         self.device = device
@@ -83,7 +95,11 @@ class LocalRunner:
         self.mem_margin_bytes = mem_margin_bytes  # CUDA: keep this much free
         self.fault = fault  # test hook: called with the forward-pass index (this runner's count) before each
         self.forwards = 0
-        self._batch = _Batch(model.config)
+        self.timing = StepTiming()
+        # caches that grow in blocks (blockcache); False: transformers' DynamicCache (torch.cat per
+        # step), kept for `bench decode`'s before/after
+        self._new_cache = new_cache if block_cache else _dynamic_cache
+        self._batch = _Batch(model.config, self._new_cache)
         # e.g. @spaces.GPU on ZeroGPU Spaces: the GPU entry point is one busy period of the engine
         self._busy: Callable[[Callable[[], None]], None] = gpu(_call) if gpu is not None else _call
 
@@ -91,7 +107,7 @@ class LocalRunner:
     def predict(self, request: GenerationRequest) -> int:
         heads = getattr(getattr(self.model, "config", None), "num_attention_heads", 0) or 0
         kv, activation = predict_bytes(self.kv_bytes_per_token, heads, len(request.prompt_ids), request.max_new_tokens)
-        return kv + activation
+        return kv + activation + BLOCK * self.kv_bytes_per_token  # a cache grows a block at a time (blockcache)
 
     def held(self, slot: Slot) -> int:
         seq: _Seq = slot.state
@@ -148,6 +164,7 @@ class LocalRunner:
     def decode(self, slots: list[Slot]) -> bool:
         batch = self._batch
         length = batch.length
+        t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 for slot in slots:
@@ -159,7 +176,9 @@ class LocalRunner:
                 assert set(rows) == set(slots), "the decoding slots are the rows of the batch"
                 ids = torch.tensor([[slot.state.last] for slot in rows], device=self.device)  # (B, 1)
                 mask, positions = batch.mask_and_positions(self.device)  # (B, L+1), (B, 1); None: no pads
+                t1 = time.perf_counter()
                 logits = self._forward(input_ids=ids, cache=batch.cache, attention_mask=mask, position_ids=positions)
+                t2 = time.perf_counter()
                 rss = rss_bytes()
                 for i, slot in enumerate(rows):
                     seq: _Seq = slot.state
@@ -170,6 +189,12 @@ class LocalRunner:
             log.warning("runner: a batch of %d ran out of memory in decode: %s", len(slots), _first_line(e))
             batch.crop(length)
             return False
+        t3 = time.perf_counter()
+        timing = self.timing
+        timing.steps += 1
+        timing.decode_s += t3 - t0
+        timing.forward_s += t2 - t1
+        timing.sample_s += t3 - t2
         return True
 
     def release(self, slot: Slot, keep: bool) -> None:
@@ -196,7 +221,7 @@ class LocalRunner:
                 if held > reused:
                     cache.crop(-(held - reused))
                 return cache, reused
-        return DynamicCache(config=self.model.config), 0
+        return self._new_cache(self.model.config), 0
 
     def _keep(self, slot: Slot, seq: _Seq, cache) -> None:
         """Keep the cache for the session's next turn. Every generated token but the last was fed
@@ -228,12 +253,13 @@ class _Batch:
     Row i holds slots[i]'s tokens right-aligned in `length` columns; its first `pads[i]` columns
     are padding, masked out of attention. Every decode step appends one column to every row, so a
     row's pads stay the same until rows leave; then columns that are padding in every row left
-    are dropped. Joining and leaving copy the batch's KV once; a decode step does not (beyond
-    DynamicCache's own growth).
+    are dropped. Joining and leaving copy the batch's KV once; a decode step writes its column in
+    place (blockcache: one copy per BLOCK steps).
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, make_cache: Callable[[object], DynamicCache]) -> None:
         self.config = config  # the model's, to make caches of the right layers
+        self.make_cache = make_cache
         self.slots: list[Slot] = []
         self.pads: list[int] = []
         self.cache: DynamicCache | None = None
@@ -274,7 +300,7 @@ class _Batch:
                 _trim_left(own, pad)
             self.slots, self.pads, self.cache = [], [], None
             return own
-        own = DynamicCache(config=self.config)
+        own = self.make_cache(self.config)
         keep = [j for j in range(len(self.slots)) if j != i]
         trim = min(self.pads[j] for j in keep)
         index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
@@ -308,6 +334,10 @@ class _Batch:
             mask[i, :pad] = 0
         positions = torch.tensor([[length - pad] for pad in self.pads], device=device)
         return mask, positions
+
+
+def _dynamic_cache(config) -> DynamicCache:
+    return DynamicCache(config=config)
 
 
 def _call(work: Callable[[], None]) -> None:
@@ -354,7 +384,10 @@ class _Sampler:
             if request.top_p < 1.0:
                 procs.append(TopPLogitsWarper(request.top_p))
         self.procs = LogitsProcessorList(procs)
-        self.ids = torch.tensor([prompt], device=device)  # (1, n) grows by one per step
+        # prompt + generated ids, for the penalty: filled in place, one column per step
+        self._ids = torch.empty(1, len(prompt) + request.max_new_tokens + 1, dtype=torch.long, device=device)
+        self._ids[0, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self._n = len(prompt)
         self.gen = None
         if not self.greedy:
             self.gen = torch.Generator(device=device)
@@ -362,11 +395,13 @@ class _Sampler:
 
     def __call__(self, logits) -> int:
         """(1, vocab) logits -> the next id."""
-        scores = self.procs(self.ids, logits.float()) if len(self.procs) else logits.float()
+        scores = self.procs(self._ids[:, : self._n], logits.float()) if len(self.procs) else logits.float()
         if self.greedy:
             nxt = int(scores.argmax(dim=-1)[0])
         else:
             probs = torch.softmax(scores, dim=-1)
             nxt = int(torch.multinomial(probs, 1, generator=self.gen)[0, 0])
-        self.ids = torch.cat([self.ids, torch.tensor([[nxt]], device=self.ids.device)], dim=1)
+        if self._n < self._ids.shape[1]:
+            self._ids[0, self._n] = nxt
+            self._n += 1
         return nxt

@@ -15,7 +15,7 @@ from llmweb.config import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = REPO / "data" / "models"
-MODEL_FIXTURES = {"fp32_model", "nf4_model", "fmt"}  # a test that uses one of these loads the chat model
+MODEL_FIXTURES = {"fp32_model", "app_model", "fmt"}  # a test that uses one of these loads the chat model
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,9 +49,10 @@ def fp32_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def nf4_model(tmp_path_factory):
-    """The embedded model as the app runs it by default: 4-bit NF4."""
-    return _load("4bit", tmp_path_factory)
+def app_model(tmp_path_factory):
+    """The embedded model as the app loads it by default on this machine (`auto`: int8-cpu on the CPU;
+    4-bit NF4 is loaded and run by test_decode's bench test)."""
+    return _load("auto", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The OpenAI-compatible API of the launched app, driven with the official `openai` package: the real
-4-bit model, real SQLite, the UI and the API on one port (as `python -m llmweb serve` runs them).
+default model (int8-cpu on the CPU), real SQLite, the UI and the API on one port
+(as `python -m llmweb serve` runs them).
 
 A multi-user install with two keys (alice, bob); replies are kept short (max_tokens) and the
 context small, so the whole file takes a few minutes on two cores."""
@@ -24,7 +25,7 @@ WAIT_S = 300
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, nf4_model):
+def served(tmp_path_factory, app_model):
     settings = make_settings(
         tmp_path_factory.mktemp("api"),
         context_limit=1024,
@@ -38,7 +39,7 @@ def served(tmp_path_factory, nf4_model):
         queue_size=2,
         queue_per_user=1,
     )
-    runtime = Runtime(settings, loaded=nf4_model).start(background=True)
+    runtime = Runtime(settings, loaded=app_model).start(background=True)
     runtime.wait_ready(WAIT_S)
     demo, url = launch_app(runtime, server_port=None, quiet=True, prevent_thread_lock=True)
     yield runtime, url.rstrip("/") + "/v1"

@@ -14,9 +14,9 @@ from tests.conftest import make_settings
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, nf4_model):
+def served(tmp_path_factory, app_model):
     settings = make_settings(tmp_path_factory.mktemp("app"), max_new_tokens=48)
-    runtime = Runtime(settings, loaded=nf4_model).start(background=True)
+    runtime = Runtime(settings, loaded=app_model).start(background=True)
     demo = build_app(runtime)
     demo.queue(default_concurrency_limit=None, max_size=64)
     _app, url, _ = demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)

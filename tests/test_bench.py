@@ -90,7 +90,7 @@ def test_capacity_command_writes_table_csv_and_plot(tmp_path):
 def test_bench_concurrency_runs_the_serial_and_the_batched_engine_side_by_side(tmp_path):
     done = run_cli(tmp_path, "bench", "concurrency", "--concurrency", "1,2", "--max-new-tokens", "4", "--json")
     r = json.loads(done.stdout)
-    assert r["bench"] == "concurrency" and r["quant"] == "4bit" and r["max_batch"] == 4
+    assert r["bench"] == "concurrency" and r["quant"] == "int8-cpu" and r["max_batch"] == 4  # auto on the CPU
     rows = {(x["concurrency"], x["engine"]): x for x in r["rows"]}
     assert list(rows) == [(1, "serial"), (1, "batched"), (2, "serial"), (2, "batched")]
     for (k, _engine), x in rows.items():
@@ -137,7 +137,7 @@ def test_bench_without_a_subcommand_is_the_suite():
 
 
 @pytest.fixture(scope="module")
-def suite_result(nf4_model, tmp_path_factory):
+def suite_result(app_model, tmp_path_factory):
     settings = make_settings(tmp_path_factory.mktemp("suite"), device="cpu")
     return settings, suite.run(
         settings,
@@ -150,7 +150,7 @@ def suite_result(nf4_model, tmp_path_factory):
         replay_new_tokens=8,
         overhead_tokens=6,
         overhead_repeats=1,
-        loaded=nf4_model,
+        loaded=app_model,
     )
 
 

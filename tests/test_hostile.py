@@ -1,4 +1,4 @@
-"""Hostile input through the launched app (gradio_client, the real 4-bit model, real SQLite):
+"""Hostile input through the launched app (gradio_client, the real model as loaded by default, real SQLite):
 empty and huge messages, odd characters, a flood of concurrent callers, a client that leaves
 mid-stream, and bad uploads. Each gets a clear message or a normal answer; nothing hangs, the
 engine never runs two generations at once, and nothing is written outside the data dir."""
@@ -66,20 +66,20 @@ def spy_handles(monkeypatch, engine) -> list:
 
 
 @pytest.fixture(scope="module")
-def short_app(tmp_path_factory, nf4_model):
+def short_app(tmp_path_factory, app_model):
     """Short replies and a small queue (4 waiting), as a busy small server would be set up."""
     settings = make_settings(tmp_path_factory.mktemp("hostile"), max_new_tokens=8, queue_size=4)
-    runtime = Runtime(settings, loaded=nf4_model).start(background=False)
+    runtime = Runtime(settings, loaded=app_model).start(background=False)
     with serve(runtime) as (_demo, url):
         yield runtime, url
     runtime.close()
 
 
 @pytest.fixture(scope="module")
-def long_app(tmp_path_factory, nf4_model):
+def long_app(tmp_path_factory, app_model):
     """Long replies, so a stream can be left mid-way."""
     settings = make_settings(tmp_path_factory.mktemp("hostile-long"), max_new_tokens=400)
-    runtime = Runtime(settings, loaded=nf4_model).start(background=False)
+    runtime = Runtime(settings, loaded=app_model).start(background=False)
     with serve(runtime) as (_demo, url):
         yield runtime, url
     runtime.close()

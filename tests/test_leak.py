@@ -1,4 +1,4 @@
-"""Leak guards with the real model (4-bit, as the app runs it) on CPU.
+"""Leak guards with the real model (as the app loads it by default: int8-cpu on the CPU) on CPU.
 
 A long session must not grow memory request by request. We check it where it would start: live
 torch tensors (after `gc.collect()`, counted with `gc.get_objects()`) must not grow across 50
@@ -60,18 +60,18 @@ def created_caches(monkeypatch) -> list:
 
 
 @pytest.fixture(scope="module")
-def fmt4(nf4_model):
-    return TemplateFormat(nf4_model.tokenizer)
+def fmt4(app_model):
+    return TemplateFormat(app_model.tokenizer)
 
 
 @pytest.fixture
-def engine(nf4_model):
+def engine(app_model):
     e = local_engine(
-        nf4_model.model,
-        nf4_model.device,
+        app_model.model,
+        app_model.device,
         KVStore(256 * 2**20, ttl_s=600),
         EngineLimits(max_new_tokens=8),
-        nf4_model.kv_bytes_per_token,
+        app_model.kv_bytes_per_token,
     )
     yield e
     e.close()
@@ -84,7 +84,7 @@ def ask(engine, fmt, messages, session_id=None):
 
 
 def test_fifty_requests_without_sessions_leave_no_tensors_and_no_caches(engine, fmt4, created_caches):
-    for q in QUESTIONS:  # warm-up: one-off allocations (rotary tables, bnb buffers) happen here
+    for q in QUESTIONS:  # warm-up: one-off allocations (rotary tables, quantised-kernel buffers) happen here
         ask(engine, fmt4, [("user", q)])
     before = live_tensors()
     counts = []

@@ -54,9 +54,9 @@ def ui_handler(demo, trigger: str, name: str):
 # ---- restart
 
 
-def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, nf4_model):
+def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, app_model):
     settings = make_settings(tmp_path / "data", max_new_tokens=24)
-    first = Runtime(settings, loaded=nf4_model).start(background=False)
+    first = Runtime(settings, loaded=app_model).start(background=False)
     conv = first.store.create_conversation(LOCAL)
     sent = ["My name is Ada. What is the capital of France?", "And what is the capital of Italy?"]
     replies = []
@@ -64,7 +64,7 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, nf4_mod
         replies.append(first.chat.ask(LOCAL, conv, text).reply)
     first.close()
 
-    again = Runtime(settings, loaded=nf4_model).start(background=False)
+    again = Runtime(settings, loaded=app_model).start(background=False)
     try:
         stored = again.store.get(LOCAL, conv)
         assert [(t.user, t.assistant) for t in stored.turns] == list(zip(sent, replies))
@@ -175,7 +175,7 @@ def test_kill_9_during_turn_3_keeps_turns_1_and_2_whole(tmp_path):
 
 
 @pytest.fixture
-def oom_runtime(tmp_path, nf4_model):
+def oom_runtime(tmp_path, app_model):
     plan = {"at": 0, "left": 0}  # raise OOM at forward pass `at` of the next `left` requests
 
     def fault(index):
@@ -183,7 +183,7 @@ def oom_runtime(tmp_path, nf4_model):
             plan["left"] -= 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
-    rt = Runtime(make_settings(tmp_path / "data", max_new_tokens=24), fault=fault, loaded=nf4_model)
+    rt = Runtime(make_settings(tmp_path / "data", max_new_tokens=24), fault=fault, loaded=app_model)
     rt.start(background=False)
     yield rt, plan
     rt.close()
@@ -447,13 +447,13 @@ def test_offload_is_for_cuda_only_and_off_by_default(tmp_path, monkeypatch):
 # ---- login
 
 
-def test_auth_refuses_anonymous_callers_and_admits_the_user(tmp_path, nf4_model):
+def test_auth_refuses_anonymous_callers_and_admits_the_user(tmp_path, app_model):
     settings = make_settings(tmp_path / "data", auth="u:p", max_new_tokens=8)
     check = launch_kwargs(settings)["auth"]  # an async check (scrypt runs off the event loop)
     assert asyncio.run(check("u", "p")) and not asyncio.run(check("u", "x"))
     assert asyncio.run(launch_kwargs(settings.replace(auth="u:p:q"))["auth"]("u", "p:q")), "a password may hold ':'"
     assert launch_kwargs(settings.replace(auth=""))["auth"] is None
-    rt = Runtime(settings, loaded=nf4_model).start(background=False)
+    rt = Runtime(settings, loaded=app_model).start(background=False)
     try:
         with serve(rt) as (_demo, url):
             with pytest.raises(Exception, match="credentials were not provided"):

@@ -12,6 +12,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 and the relevance gate's calibration on the guide and installed packages' READMEs
   fidelity.py   `bench fidelity`: do early facts stay in the prompt? three memory modes
   capacity.py   `capacity`: measured peak memory vs prediction per context length and concurrency
+  decode.py     `bench decode`: decode and prefill tok/s before and after each decode optimisation, at
+                prompt lengths 32/512/1536, with the per-step time breakdown
   concurrency.py `bench concurrency`: 1, 2, 4, 8 chats at once, batched vs serial engine: aggregate and
                 per-request tok/s, TTFT p50/p95, peak memory
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
@@ -30,13 +32,13 @@ import sys
 
 from ..errors import ConfigError
 
-BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency"]
+BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency", "decode"]
 
 
 def register(sub) -> None:
     """Add the `bench` and `capacity` commands to the CLI's subparsers."""
     b = sub.add_parser(
-        "bench", help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency"
+        "bench", help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode"
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -71,9 +73,15 @@ def register(sub) -> None:
     b.add_argument("--replay-context", type=int, default=1024, help="suite: context limit of the memory replay")
     b.add_argument("--replay-new-tokens", type=int, default=16, help="suite: reply length in the memory replay")
     b.add_argument("--overhead-tokens", type=int, default=32, help="suite: new tokens per engine-overhead run")
-    b.add_argument("--repeats", type=int, default=3, help="suite: A/B repeats of the engine-overhead runs")
+    b.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="suite: A/B repeats of the engine-overhead runs; decode: repeats of every step",
+    )
     b.add_argument("--fillers", type=int, default=12, help="fidelity: filler turns before each checkpoint")
     b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
+    b.add_argument("--prompts", default="32,512,1536", help="decode: prompt lengths in tokens, comma-separated")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=bench_command)
 
@@ -158,6 +166,18 @@ def bench_command(args) -> int:
             progress=_stderr,
         )
         _print(result, args.json, concurrency.markdown)
+        return 0
+    if args.which == "decode":
+        from . import decode
+
+        result = decode.run(
+            Settings.from_env(),
+            parse_ints(args.prompts),
+            new_tokens=args.max_new_tokens or 64,
+            repeats=args.repeats,
+            progress=_stderr,
+        )
+        _print(result, args.json, decode.markdown)
         return 0
     if args.which == "quant":
         from . import quant
