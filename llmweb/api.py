@@ -450,7 +450,7 @@ class _Reply:
 
     def usage(self, f: Finished) -> Usage:
         g = f.stats.gen
-        return Usage(g.prompt_tokens, g.generated_tokens, g.reused_tokens)
+        return Usage(g.prompt_tokens, g.generated_tokens, g.reused_tokens if g.reuse_reported else None)
 
     def finish_reason(self, f: Finished) -> str:
         return finish_reason(f.stats.gen.finish_reason, self.scanner.stopped)

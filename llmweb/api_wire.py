@@ -376,15 +376,17 @@ class StopScanner:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the conversation's KV cache
+    cached_tokens: int | None = 0  # prompt tokens served from the conversation's KV cache; None: not reported
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.cached_tokens is not None:  # a remote engine that did not say: no invented figure
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
 
 
 @dataclass

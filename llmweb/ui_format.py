@@ -56,8 +56,13 @@ def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
     g, mem = s.gen, s.mem
     lines = [
         f"**Turn {s.turn}** · {g.finish_reason}",
-        f"- prompt **{g.prompt_tokens:,}** tokens: reused {g.reused_tokens:,} of {g.prompt_tokens:,} from this "
-        f"chat's cache, prefilled {g.prefilled_tokens:,}",
+        f"- prompt **{g.prompt_tokens:,}** tokens: "
+        + (
+            f"reused {g.reused_tokens:,} of {g.prompt_tokens:,} from this chat's cache, "
+            f"prefilled {g.prefilled_tokens:,}"
+            if g.reuse_reported
+            else "the engine server did not report how many it served from its prefix cache"
+        ),
         f"- generated **{g.generated_tokens:,}** tokens at {g.decode_tok_s:.1f} tok/s, "
         + ("alone" if g.batch_size <= 1 else f"in a batch of up to {g.batch_size} requests"),
         f"- first token after {g.ttft_s:.2f} s (queued {g.queue_wait_s:.2f} s); total {g.total_s:.1f} s",
@@ -68,7 +73,8 @@ def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
             f"peak {mib(mem.cuda_peak_bytes)}"
         )
     lines.append(f"- RSS {mib(mem.rss_bytes)} (peak this turn {mib(mem.peak_rss_bytes)})")
-    lines.append(f"- KV cache: this chat {mib(g.kv_session_bytes)}, all chats {mib(g.kv_store_bytes)}")
+    if g.kv_session_bytes or g.kv_store_bytes or g.reuse_reported:  # a remote engine's KV is the server's
+        lines.append(f"- KV cache: this chat {mib(g.kv_session_bytes)}, all chats {mib(g.kv_store_bytes)}")
     if s.dropped_turns or s.summarized_turns:
         lines.append(f"- history: {s.summarized_turns} turns summarised, {s.dropped_turns} left out")
     if g.oom_retry:

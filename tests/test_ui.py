@@ -77,6 +77,18 @@ def test_stats_markdown_reads_the_typed_record():
     assert "in a batch of up to 4 requests" in stats_markdown(batched)
 
 
+def test_a_remote_engine_that_does_not_report_its_cache_shows_no_invented_reuse_or_kv_figures():
+    remote = turn_stats()
+    g = remote.gen
+    g.reuse_reported, g.reused_tokens, g.kv_session_bytes, g.kv_store_bytes = False, 0, 0, 0
+    text = stats_markdown(remote)
+    assert "did not report" in text and "reused 0" not in text and "KV cache:" not in text
+    from llmweb.api_wire import Usage
+
+    assert "prompt_tokens_details" not in Usage(100, 7, None).to_dict()
+    assert Usage(100, 7, 40).to_dict()["prompt_tokens_details"] == {"cached_tokens": 40}
+
+
 def test_near_limit_turns_warn_in_plain_words():
     text = stats_markdown(turn_stats(prompt=900, dropped_turns=2), mem_limit_bytes=52 * MIB)
     assert "used 950 of 1,000 context tokens" in text
