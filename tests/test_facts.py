@@ -75,10 +75,10 @@ def run(chat, conv, text):
     return [e for e in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True) if isinstance(e, Finished)][0]
 
 
-def test_fact_from_turn_1_is_in_the_prompt_sixty_turns_later(tmp_path, fp32_model):
+def test_fact_from_turn_1_is_in_the_prompt_sixty_turns_later(tmp_path, app_model):
     rt = Runtime(
-        make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64, quant="fp32"),
-        loaded=fp32_model,
+        make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64),
+        loaded=app_model,
     ).start(background=False)
     try:
         chat, conv = rt.chat, rt.store.create_conversation(LOCAL)
@@ -212,11 +212,11 @@ FOREIGN_TOPICS = {
 
 
 @pytest.mark.parametrize("lang", sorted(FOREIGN_FACTS))
-def test_a_fact_stated_in_turn_1_in_korean_or_german_is_in_the_prompt_at_turn_40(tmp_path, fp32_model, lang):
+def test_a_fact_stated_in_turn_1_in_korean_or_german_is_in_the_prompt_at_turn_40(tmp_path, app_model, lang):
     fact, filler, question = FOREIGN_FACTS[lang]
     rt = Runtime(
-        make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64, quant="fp32"),
-        loaded=fp32_model,
+        make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64),
+        loaded=app_model,
     ).start(background=False)
     try:
         chat, conv = rt.chat, rt.store.create_conversation(LOCAL)
