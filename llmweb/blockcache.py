@@ -29,7 +29,8 @@ class BlockLayer(DynamicLayer):
     def __init__(self, **kwargs) -> None:
         self._k: torch.Tensor | None = None  # (batch, heads, capacity, head_dim)
         self._v: torch.Tensor | None = None
-        self._n = 0  # tokens filled
+        self._n = 0  # tokens filled in _k
+        self._nv = 0  # ... and in _v: the same except between `layer.keys = ...` and `layer.values = ...`
         super().__init__(**kwargs)
 
     # the filled part, as a view: what the model and everyone else reads
@@ -44,11 +45,13 @@ class BlockLayer(DynamicLayer):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self._v is None else self._v[:, :, : self._n]
+        return None if self._v is None else self._v[:, :, : self._nv]
 
     @values.setter
     def values(self, t: torch.Tensor | None) -> None:
-        self._v = t  # `keys` holds the length; both are always set together
+        # its own length: `layer.keys = f(layer.keys); layer.values = f(layer.values)` must read the old values
+        self._v = t
+        self._nv = 0 if t is None or t.dim() < 3 else t.shape[-2]
 
     @property
     def capacity(self) -> int:
@@ -57,20 +60,21 @@ class BlockLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self._k = self._v = None
-        self._n = 0
+        self._n = self._nv = 0
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, new = self._n, key_states.shape[-2]
+        assert self._nv == n, f"keys hold {n} tokens but values {self._nv}"
         if self._k is None or self.capacity < n + new or self._k.shape[0] != key_states.shape[0]:
             self._k = _grown(self._k, n, key_states)
             self._v = _grown(self._v, n, value_states)
         assert self._k is not None and self._v is not None
         self._k[:, :, n : n + new] = key_states
         self._v[:, :, n : n + new] = value_states
-        self._n = n + new
+        self._n = self._nv = n + new
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -80,11 +84,11 @@ class BlockLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes the number of tokens to remove as a negative int, not {tokens_to_remove}")
         if self.is_initialized:
-            self._n = max(self._n + tokens_to_remove, 0)
+            self._n = self._nv = max(self._n + tokens_to_remove, 0)
 
     def reset(self) -> None:
         self._k = self._v = None
-        self._n = 0
+        self._n = self._nv = 0
         self.is_initialized = False
 
 

@@ -68,6 +68,20 @@ def test_assigning_keys_adopts_the_tensor_and_the_next_update_does_not_write_int
     assert layer.get_seq_length() == 11 and torch.equal(layer.keys[:, :, :10], row_k)
 
 
+def test_keys_and_values_are_reassigned_one_after_the_other_as_the_batch_does():
+    """`_Batch.leave` sets `layer.keys = f(layer.keys)`, then `layer.values = f(layer.values)`:
+    reading the values in between must see all of them (the bench caught a cut there)."""
+    ours, theirs = BlockLayer(), DynamicLayer()
+    for layer in (ours, theirs):
+        layer.update(*kv(20, batch=2))
+        layer.keys = layer.keys.index_select(0, torch.tensor([1]))[:, :, 5:]
+        layer.values = layer.values.index_select(0, torch.tensor([1]))[:, :, 5:]
+    assert ours.keys.shape == ours.values.shape == (1, 3, 15, 8)
+    assert torch.equal(ours.values, theirs.values) and torch.equal(ours.keys, theirs.keys)
+    k, v = kv(1, seed=3)
+    assert torch.equal(ours.update(k, v)[1], theirs.update(k, v)[1])
+
+
 def test_auto_is_4bit_on_cuda_and_int8_on_the_cpu():
     assert models.resolve_quant("auto", "cpu") == "int8-cpu"
     assert models.resolve_quant("auto", "cuda") == "4bit"
