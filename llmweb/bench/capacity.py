@@ -131,10 +131,12 @@ def device_limit(settings: Settings, loaded) -> int:
 
 def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int, max_batch: int = 1) -> dict:
     """Weights + resident KV of every session + the activation margin of each request in the batch."""
+    from ..blockcache import BLOCK
     from ..engine import predict_bytes
 
     heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
     per_session, per_request = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
+    per_session += BLOCK * loaded.kv_bytes_per_token  # a cache grows a block at a time (blockcache): its spare room
     kv = per_session * sessions
     activation = per_request * min(sessions, max_batch)
     return {
