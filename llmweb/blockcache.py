@@ -11,7 +11,9 @@ the filled part (a view), so the model, cropping, the batch's join and leave and
 store work unchanged; assigning `layer.keys = t` adopts `t` as the buffer (full, no spare room).
 
 The memory a layer holds is its buffer: `kvcache.cache_nbytes` counts storage, not the view, and
-admission adds one block per request (`engine.predict_bytes`).
+admission adds one block per running request (`LocalRunner.predict`). A cache that goes to the
+session store is `compact`ed first (one copy per turn, after the reply): an idle chat holds its
+tokens and room for KEEP_ROOM more, so its next message is still written in place.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 BLOCK = 256  # tokens of spare room a buffer gets when it grows
+KEEP_ROOM = 64  # tokens of spare room an idle session's cache keeps (`compact`)
 
 
 class BlockLayer(DynamicLayer):
@@ -100,6 +103,19 @@ def _grown(old: torch.Tensor | None, n: int, new: torch.Tensor) -> torch.Tensor:
     if old is not None and n:
         buf[:, :, :n] = old[:, :, :n]
     return buf
+
+
+def compact(cache: DynamicCache, room: int = KEEP_ROOM) -> None:
+    """Cut every block layer's spare room down to `room` tokens (one copy of the filled part), for a
+    cache that goes idle in the session store: room for a typical next message, so the next turn's
+    prefill still writes in place and its time to first token pays no copy."""
+    for layer in cache.layers:
+        if isinstance(layer, BlockLayer) and layer._k is not None and layer._v is not None:
+            n = layer._n
+            if layer.capacity > n + room:
+                keys, values = (t.new_empty(*t.shape[:2], n + room, t.shape[3]) for t in (layer._k, layer._v))
+                keys[:, :, :n], values[:, :, :n] = layer._k[:, :, :n], layer._v[:, :, :n]
+                layer._k, layer._v = keys, values
 
 
 def new_cache(config) -> DynamicCache:

@@ -40,7 +40,7 @@ import torch
 from transformers import DynamicCache
 
 from . import engine
-from .blockcache import BLOCK, new_cache
+from .blockcache import BLOCK, compact, new_cache
 from .engine import GenerationRequest, Slot, predict_bytes
 from .kvcache import KVStore, cache_nbytes, reusable
 from .telemetry import RssPeak, is_cuda, memory_snapshot, reset_peak, rss_bytes
@@ -235,6 +235,7 @@ class LocalRunner:
         assert cache.get_seq_length() == len(held_ids), (
             f"cache {cache.get_seq_length()} != ids {len(held_ids)} ({finish})"
         )
+        compact(cache)  # an idle session holds its tokens and a little room, not a block
         slot.stats.kv_session_bytes = cache_nbytes(cache)
         if slot.request.session_id:
             self.kv.put(slot.request.session_id, held_ids, cache, slot.stats.kv_session_bytes)

@@ -18,7 +18,7 @@ import pytest
 from llmweb import bench
 from llmweb.bench import capacity, memory, suite
 from llmweb.bench.common import write_reports
-from llmweb.blockcache import BLOCK
+from llmweb.blockcache import KEEP_ROOM
 from llmweb.cli import build_parser
 from tests.conftest import MODEL_CACHE, REPO, make_settings
 
@@ -81,8 +81,8 @@ def test_capacity_command_writes_table_csv_and_plot(tmp_path):
         )
         assert int(r["measured_peak_bytes"]) >= int(r["measured_baseline_bytes"]) > 0
         # every session's cache stays resident: prompt + reply - 1 tokens each, in fp32 (int8-cpu computes in
-        # fp32: 46,080 B/token), in buffers with up to a block of spare room (blockcache)
-        assert 0 < int(r["resident_kv_bytes"]) <= k * (prompt + 8 + BLOCK) * 46_080
+        # fp32: 46,080 B/token), with up to KEEP_ROOM tokens of room for the next message (blockcache)
+        assert 0 < int(r["resident_kv_bytes"]) <= k * (prompt + 8 + KEEP_ROOM) * 46_080
         assert int(r["resident_kv_bytes"]) >= k * (context - 8 - 16) * 46_080
     kv = {(int(r["context"]), int(r["concurrency"])): int(r["predicted_kv_bytes"]) for r in rows}
     assert kv[(512, 2)] > kv[(512, 1)] > kv[(256, 1)]

@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from llmweb import models
-from llmweb.blockcache import BLOCK, BlockLayer, new_cache
+from llmweb.blockcache import BLOCK, KEEP_ROOM, BlockLayer, compact, new_cache
 from llmweb.engine import Engine, EngineLimits, GenerationRequest
 from llmweb.errors import ConfigError
 from llmweb.kvcache import KVStore, cache_nbytes
@@ -53,6 +53,21 @@ def test_block_layer_grows_a_block_at_a_time_and_counts_its_buffer():
     cache = new_cache(_config())
     cache.layers[0].update(*kv(10))
     assert cache_nbytes(cache) == 2 * BLOCK * 3 * 8 * 4, "the memory a cache holds is its buffer, not its length"
+
+
+def test_compact_keeps_the_tokens_and_a_little_room_for_the_next_message():
+    cache = new_cache(_config())
+    cache.layers[0].update(*kv(10))
+    before = cache.layers[0].keys.clone()
+    compact(cache)
+    layer = cache.layers[0]
+    assert layer.capacity == 10 + KEEP_ROOM and torch.equal(layer.keys, before)
+    assert cache_nbytes(cache) == 2 * (10 + KEEP_ROOM) * 3 * 8 * 4, "an idle cache holds its tokens and the room"
+    buffer = layer._k
+    layer.update(*kv(KEEP_ROOM))  # the next message fits the room: written in place
+    assert layer._k is buffer and layer.get_seq_length() == 10 + KEEP_ROOM
+    layer.update(*kv(1))  # past it, the buffer grows a block again
+    assert layer._k is not buffer and layer.capacity == BLOCK
 
 
 def test_assigning_keys_adopts_the_tensor_and_the_next_update_does_not_write_into_it():

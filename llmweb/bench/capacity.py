@@ -131,12 +131,13 @@ def device_limit(settings: Settings, loaded) -> int:
 
 def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int, max_batch: int = 1) -> dict:
     """Weights + resident KV of every session + the activation margin of each request in the batch."""
-    from ..blockcache import BLOCK
+    from ..blockcache import BLOCK, KEEP_ROOM
     from ..engine import predict_bytes
 
     heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
     per_session, per_request = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
-    per_session += BLOCK * loaded.kv_bytes_per_token  # a cache grows a block at a time (blockcache): its spare room
+    per_session += KEEP_ROOM * loaded.kv_bytes_per_token  # an idle cache's room for the next message (blockcache)
+    per_request += BLOCK * loaded.kv_bytes_per_token  # a running cache's spare room, a block at most
     kv = per_session * sessions
     activation = per_request * min(sessions, max_batch)
     return {
