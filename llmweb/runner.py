@@ -54,7 +54,7 @@ class StepTiming:
 
     steps: int = 0  # batched decode passes
     decode_s: float = 0.0  # in `decode`, all of it
-    forward_s: float = 0.0  # the model's forward pass
+    forward_s: float = 0.0  # the model's forward pass (then the RSS read: runner other)
     sample_s: float = 0.0  # sampling every row's next token (penalty, warpers, argmax/multinomial)
 
 
@@ -178,8 +178,8 @@ class LocalRunner:
                 mask, positions = batch.mask_and_positions(self.device)  # (B, L+1), (B, 1); None: no pads
                 t1 = time.perf_counter()
                 logits = self._forward(input_ids=ids, cache=batch.cache, attention_mask=mask, position_ids=positions)
-                t2 = time.perf_counter()
                 rss = rss_bytes()
+                t2 = time.perf_counter()
                 for i, slot in enumerate(rows):
                     seq: _Seq = slot.state
                     seq.last = seq.sampler(logits[i : i + 1])
@@ -235,7 +235,8 @@ class LocalRunner:
         assert cache.get_seq_length() == len(held_ids), (
             f"cache {cache.get_seq_length()} != ids {len(held_ids)} ({finish})"
         )
-        compact(cache)  # an idle session holds its tokens and a little room, not a block
+        if slot.request.session_id:
+            compact(cache)  # an idle session holds its tokens and a little room, not a block
         slot.stats.kv_session_bytes = cache_nbytes(cache)
         if slot.request.session_id:
             self.kv.put(slot.request.session_id, held_ids, cache, slot.stats.kv_session_bytes)
