@@ -111,7 +111,10 @@ def run(
                         continue
                     answer = facts[fact][2]
                     prompt = fin.prompt_text()
-                    prompt_without_question = prompt[: prompt.rfind(text)] if text in prompt else prompt
+                    # the question itself cannot count (an answer word in it would); everything
+                    # else can, recalled turns included (the planner places them after it)
+                    at = prompt.rfind(text)
+                    prompt_without_question = prompt[:at] + prompt[at + len(text) :] if at >= 0 else prompt
                     checks.append(
                         Check(
                             mode,
