@@ -116,11 +116,14 @@ def reduced_budget(b: context.Budget) -> context.Budget:
     )
 
 
-def _covered(passage: Chunk, known: set[str]) -> bool:
-    """Does the summary + facts vocabulary already hold every detail (`facts.detail_terms`) of the
-    turn's user text? A turn without such details is covered by the summary's paraphrase of it."""
+def _covered(passage: Chunk, known: set[str], known_stems: set[str]) -> bool:
+    """Does the summary + facts vocabulary (`known`, and its `facts.stems`) already carry what the
+    turn's user text said? Every detail (`facts.detail_terms`: names, codes, numbers) must be in it,
+    and every statement the user made about themselves mostly (`facts.unkept_statements`: "I play
+    the cello in a quartet." has no detail, and a small summary drops it whole). A turn that only
+    asked or asked for something is covered by the summary's paraphrase of it."""
     user_text = passage.text.split("\nAssistant:")[0].removeprefix("User:")
-    return facts.detail_terms(user_text) <= known
+    return facts.detail_terms(user_text) <= known and not facts.unkept_statements(user_text, known_stems)
 
 
 def reply_prefix_ids(fmt: ChatFormat, text: str) -> list[int]:
@@ -467,14 +470,16 @@ class Chat:
         """Earlier turns of this chat that left the window, when the message is about one of them.
 
         Only confident matches (RECALL_MIN_SCORE) that bring back details (`facts.detail_terms`:
-        names, codes, numbers) the facts and the summary do not carry: the rest is in the prompt
-        already, verbatim or paraphrased, and a recalled passage costs prefill now and a re-prefill
-        of the reply after it next turn (`bench ttft`: a scripted chat that returns to its topics
+        names, codes, numbers) or statements about the user (`facts.unkept_statements`) that the
+        facts and the summary do not carry: the rest is in the prompt already, verbatim or
+        paraphrased, and a recalled passage costs prefill now and a re-prefill of the reply after
+        it next turn (`bench ttft`: a scripted chat that returns to its topics
         recalled ~170 tokens every turn after the first fold, late/early TTFT 8.9).
         """
         hits = self.recall_index(conv.id).search(text, k=self.settings.recall_k, min_score=RECALL_MIN_SCORE)
-        known = facts.vocabulary(" ".join([conv.summary, *(f.text for f in conv.facts)]))
-        return [c for c in hits if not _covered(c, known)]
+        memory = " ".join([conv.summary, *(f.text for f in conv.facts)])
+        known, known_stems = facts.vocabulary(memory), facts.stems(memory)
+        return [c for c in hits if not _covered(c, known, known_stems)]
 
     def recall_index(self, conv_id: str):
         from .retrieval import Index

@@ -128,6 +128,63 @@ def vocabulary(text: str) -> set[str]:
     return {w.strip(".,:/-'’").lower() for w in _TOKEN.findall(text)} | _vocabulary(text)
 
 
+# the user speaking about themselves: a subject or possessive pronoun ("I", "my", "we"), not an
+# object ("tell me about bread" is a request), in the languages our users write; CJK pronouns are
+# not space-delimited words, so no \b around them
+_SELF = re.compile(
+    r"\b(?:i|i'm|i've|i'd|i'll|my|mine|we|we're|we've|our|ich|mein\w*|wir|unser\w*|je|j'|mon|ma|mes|nous|notre"
+    r"|nos|yo|mi|mis|nosotros|nuestr\w*)\b|저는|제가|나는|내가|私|僕|我",
+    re.I,
+)
+# English function words a statement's content leaves out (with _COMMON)
+_FUNCTION = set(
+    """is am are was were be been being have has had do does did will would can could should shall may
+might must very really just too quite than into onto over under out up down off only own more much such
+really always never often sometimes usually still even again""".split()
+)
+
+
+def _stem(word: str) -> str:
+    """A crude English stem, so that "plays", "playing" and "played" meet "play" ("cellos" "cello")."""
+    for suffix in ("ing", "ed", "es", "s"):
+        if len(word) > len(suffix) + 3 and word.endswith(suffix):
+            return word[: -len(suffix)]
+    return word
+
+
+def stems(text: str) -> set[str]:
+    """The stems of every word of `text`, lower-cased (what `unkept_statements` compares against)."""
+    return {_stem(w) for w in vocabulary(text)}
+
+
+def unkept_statements(text: str, known: set[str]) -> list[str]:
+    """The user's statements about themselves in `text` that a summary did not keep.
+
+    A statement is a sentence that is not a question and speaks in the first person ("I play the
+    cello in a quartet."); it is unkept when at least half of its content words (not function or
+    common words, not numbers, 3+ characters; compared by `stems`) are missing from `known`. Such a
+    sentence carries no detail term (`detail_terms`) a paraphrase loses, yet a small model's summary
+    often drops it whole; recall (chat.py) brings its turn back when a message asks about it.
+    """
+    out = []
+    for s in sentences(text):
+        if s.endswith(_QUESTION) or not _SELF.search(s):
+            continue
+        words = {w.strip(".,:/-'’").lower() for w in _TOKEN.findall(s)}
+        content = {
+            _stem(w)
+            for w in words
+            if len(w) >= 3
+            and not any(c.isdigit() for c in w)
+            and w not in _COMMON
+            and w not in _FUNCTION
+            and not _SELF.fullmatch(w)
+        }
+        if content and 2 * len(content - known) >= len(content):
+            out.append(s)
+    return out
+
+
 def ground(summary: str, source: str) -> Grounded:
     """Keep only summary sentences whose names, numbers and dates all occur in `source`."""
     vocab = _vocabulary(source)

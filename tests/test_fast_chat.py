@@ -194,15 +194,40 @@ def test_after_a_fold_the_next_turn_prefills_only_its_message(rig):
 
 def test_recall_skips_turns_the_facts_already_carry(rig, monkeypatch):
     from llmweb.chat import _covered
+    from llmweb.facts import stems, vocabulary
     from llmweb.records import Chunk
 
+    def covered(chunk, memory):
+        return _covered(chunk, vocabulary(memory), stems(memory))
+
     turn = Chunk("User: My dog is called Pixel, a border collie.\nAssistant: Nice!", "turn 1", kind="recall")
-    assert _covered(turn, {"pixel"}) and not _covered(turn, {"tromsø"})
+    assert covered(turn, "- My dog is called Pixel, a border collie.")
+    assert not covered(turn, "The user was born in Tromsø."), "the name and the statement are both lost"
     plain = Chunk("User: Question 2: tell me about bread. Keep it short.\nAssistant: Flour.", "turn 2", kind="recall")
-    assert _covered(plain, set()), "a turn without details is covered by the summary's paraphrase"
+    assert covered(plain, ""), "a turn that only asked is covered by the summary's paraphrase"
     coded = Chunk("User: Set retry_limit to 3 and port 8443 in Oslo.\nAssistant: Done.", "turn 3", kind="recall")
-    assert not _covered(coded, {"oslo", "8443"}), "an identifier the summary lost is worth recalling"
-    assert _covered(coded, {"oslo", "8443", "retry_limit"})
+    assert not covered(coded, "Oslo, port 8443."), "an identifier the summary lost is worth recalling"
+    assert covered(coded, "Oslo, port 8443, retry_limit.")
+    # a statement about the user with no detail term: recalled while the summary lacks it
+    cello = Chunk("User: I play the cello in a quartet.\nAssistant: Lovely!", "turn 4", kind="recall")
+    assert not covered(cello, "The user talked about jazz music and trains.")
+    assert covered(cello, "The user plays cello in a string quartet."), "kept in other words: covered"
+
+
+def test_unkept_statements_are_the_users_own_words_a_summary_dropped():
+    from llmweb.facts import stems, unkept_statements
+
+    text = "I play the cello in a quartet. Which instrument suits jazz? Tell me about bees."
+    assert unkept_statements(text, stems("The user asked about jazz.")) == ["I play the cello in a quartet."]
+    assert unkept_statements(text, stems("The user plays the cello in a quartet.")) == []
+    # half of the content words missing is enough; one of four is not
+    assert unkept_statements("My brother repairs old clocks.", stems("brother repaired clocks")) == []
+    assert unkept_statements("My brother repairs old clocks.", stems("brother")) != []
+    # not about the user, or a question: never a statement to recall
+    assert unkept_statements("Bees make honey from nectar.", set()) == []
+    assert unkept_statements("Do I need a visa for Peru?", set()) == []
+    # other languages: the first person is seen, so the statement is recalled rather than lost
+    assert unkept_statements("Ich spiele Cello in einem Quartett.", stems("Jazz")) != []
 
 
 def test_detail_terms_in_any_script():

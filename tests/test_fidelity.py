@@ -62,3 +62,16 @@ def test_a_fact_that_left_the_window_is_kept_by_the_summary_modes(tmp_path, fp32
     text = bf.markdown(r)
     assert "| window | 8 | 0% |" in text and "| window+summary | 8 | 100% |" in text
     assert not any(tmp_path.glob("llmweb-fidelity-*")), "the modes' data dirs are temporary"
+
+
+def test_a_statement_without_details_comes_back_by_recall(tmp_path, fp32_model):
+    # "I play the cello in a quartet." has no name, number or code: it is not kept as a fact, and
+    # the 16-token summary cannot carry it. Only recall (the user's own statement, which the
+    # summary does not hold) brings it back when the question is about it.
+    settings = make_settings(tmp_path, context_limit=256, max_new_tokens=16, summary_tokens=16, quant="fp32")
+    cello = [f for f in bf.FACTS if f[2] == "cello"]
+    r = bf.run(settings, loaded=fp32_model, fillers_between=6, checkpoints=1, facts=cello, progress=lambda *_: None)
+    window, summary, recall = (r["modes"][m] for m in bf.MODES)
+    assert window["fact_in_prompt_rate"] == 0.0, "the window alone has lost the statement"
+    assert summary["fact_in_prompt_rate"] == 0.0, "not a fact, and the short summary dropped it"
+    assert recall["fact_in_prompt_rate"] == 1.0, "recall brings the turn back"
