@@ -129,6 +129,18 @@ def test_bench_ttft_still_works(tmp_path):
     assert all(n == 0 for n in r["modes"]["full"]["reused_tokens"])
 
 
+def test_bench_ttft_scripts():
+    from llmweb.bench import fidelity, ttft
+
+    facts = ttft.script_turns("facts", 200)
+    assert facts == [text for text, _ in fidelity.script(fillers_between=12, checkpoints=3)] and len(facts) == 76
+    assert ttft.script_turns("facts", 12) == facts[:12]
+    assert ttft.script_turns("topics", 3)[0].startswith("Question 1:")
+    args = build_parser().parse_args(["bench", "ttft", "--script", "facts", "--turns", "76"])
+    assert (args.script, args.turns) == ("facts", 76)
+    assert build_parser().parse_args(["bench", "ttft"]).script == "topics"
+
+
 def test_bench_without_a_subcommand_is_the_suite():
     args = build_parser().parse_args(["bench"])
     assert args.which == "all" and args.turns == 40 and args.chunks is None and args.replay_turns == 200

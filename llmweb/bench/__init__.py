@@ -61,6 +61,13 @@ def register(sub) -> None:
     )
     b.add_argument("--reuse-only", action="store_true", help="TTFT: skip the full-prefill run (for long chats)")
     b.add_argument(
+        "--script",
+        default="topics",
+        choices=["topics", "facts"],
+        help="TTFT: the scripted chat: topics (questions returning to 20 topics) or facts (fidelity's chat: "
+        "statements about the user, fillers, questions about them; 76 turns, so pass --turns 76)",
+    )
+    b.add_argument(
         "--engine-url", default=None, help="TTFT: run the chat through a remote engine (LLMWEB_ENGINE_URL) instead"
     )
     b.add_argument("--replay-turns", type=int, default=200, help="suite: measured turns of the memory replay")
@@ -194,7 +201,9 @@ def bench_command(args) -> int:
     settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 48, engine_url=args.engine_url)
     loaded = None if settings.engine_url else models.load(settings, progress=_stderr)  # remote: the tokenizer only
     with tempfile.TemporaryDirectory(prefix="llmweb-bench-") as tmp:  # the chats never touch the user's database
-        result = ttft.run(scratch_settings(settings, tmp), loaded, args.turns, full=not args.reuse_only)
+        result = ttft.run(
+            scratch_settings(settings, tmp), loaded, args.turns, full=not args.reuse_only, script=args.script
+        )
     _print(result, args.json, ttft.markdown)
     return 0
 

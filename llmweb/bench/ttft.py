@@ -93,11 +93,28 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
     return res
 
 
-def run(settings, loaded, n_turns: int, full: bool = True) -> dict:
+SCRIPTS = ("topics", "facts")
+
+
+def script_turns(script: str, n_turns: int) -> list[str]:
+    """The user messages of a scripted chat: "topics" (questions that come back to 20 topics; no
+    statement about the user, so recall has nothing to bring back) or "facts" (fidelity's chat:
+    ten statements about the user, filler questions, then questions about each statement, which
+    recall answers once the statement has left the window), at most `n_turns` of them."""
+    if script == "facts":
+        from .fidelity import script as fidelity_script
+
+        return [text for text, _ in fidelity_script(fillers_between=12, checkpoints=3)][:n_turns]
+    assert script == "topics", f"unknown script {script!r}"
+    return scripted_turns(n_turns)
+
+
+def run(settings, loaded, n_turns: int, full: bool = True, script: str = "topics") -> dict:
     """Both modes side by side (`full=False`: reuse only, for long runs)."""
     from ..context import Budget
 
-    turns = scripted_turns(n_turns)
+    turns = script_turns(script, n_turns)
+    n_turns = len(turns)
     results = [run_mode(settings, loaded, turns, reuse=True)]
     if full and not settings.engine_url:
         results.append(run_mode(settings, loaded, turns, reuse=False))
@@ -109,6 +126,7 @@ def run(settings, loaded, n_turns: int, full: bool = True) -> dict:
     return {
         "bench": "ttft",
         "turns": n_turns,
+        "script": script,
         **setup,
         "modes": {
             r.mode: {
@@ -151,7 +169,8 @@ def markdown(r: dict) -> str:
     named = [("reuse", reuse)] + ([("full prefill", full)] if full else [])
     return "\n".join(
         [
-            f"## TTFT over {r['turns']} turns ({r['model']}, {r['quant']}, {r['device']}, defaults on)",
+            f"## TTFT over {r['turns']} turns of the {r.get('script', 'topics')!r} chat "
+            f"({r['model']}, {r['quant']}, {r['device']}, defaults on)",
             "",
             *rows,
             "",
@@ -163,6 +182,8 @@ def markdown(r: dict) -> str:
                 for name, m in named
             ),
             "",
+            f"Turns with retrieved or recalled text: {sum(x > 0 for x in reuse['retrieved_tokens'])} "
+            f"of {len(reuse['retrieved_tokens'])}",
             f"Replies identical in both modes: {r['identical_replies']}" if full else "",
             "",
         ]
