@@ -19,7 +19,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from . import context, facts, summary
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # fidelity script's messages (filler -> planted fact: max 0.38; question -> filler: max 0.36) and
 # kept 6 of 10 questions about a planted fact (the others' facts are in the facts block anyway).
 RECALL_MIN_SCORE = 0.40
+RECALL_CANDIDATES = 4  # recall looks at this many passages per turn it may recall
 # Regenerate must give a new reply: with greedy decoding (LLMWEB_TEMPERATURE=0, the default) it
 # samples at this temperature instead, with a fresh seed.
 REGENERATE_TEMPERATURE = 0.7
@@ -139,17 +140,18 @@ def reply_prefix_ids(fmt: ChatFormat, text: str) -> list[int]:
     return list(full[head : len(full) - tail])
 
 
-def _recall_chunks(turns) -> list[Chunk]:
-    """Stored turns as recall passages, as a fold indexes them."""
-    return [
-        Chunk(
-            text=f"User: {t.user}\nAssistant: {t.assistant}",
-            source=f"turn {t.idx + 1}",
-            doc_id=f"turn-{t.idx}",
-            kind="recall",
-        )
-        for t in turns
-    ]
+def _recall_chunks(turns: Iterable[tuple[int, Turn]]) -> list[Chunk]:
+    """Turns (index, turn) as recall passages, two per turn under the turn's doc_id: the whole turn,
+    and the user's words alone. A question about what the user said ("Which instrument do I
+    play?") matches their words, and a small model's long reply beside them can pull the whole
+    turn's score under RECALL_MIN_SCORE (0.39 for "I play the cello in a quartet." in `bench
+    fidelity`); a question about the reply matches the whole turn."""
+    out = []
+    for i, t in turns:
+        whole = f"User: {t.user}\nAssistant: {t.assistant}"
+        for text in (whole, f"User: {t.user}"):
+            out.append(Chunk(text=text, source=f"turn {i + 1}", doc_id=f"turn-{i}", kind="recall"))
+    return out
 
 
 def plan_sources(plan: context.ContextPlan) -> list[Source]:
@@ -397,17 +399,7 @@ class Chat:
             if self.store.get(owner, conv_id).summarized_upto != first:
                 return  # an earlier fold finished after this turn read the chat; the next turn decides again
             if recall and self.library is not None:
-                self.recall_index(conv_id).add_chunks(
-                    [
-                        Chunk(
-                            text=f"User: {t.user}\nAssistant: {t.assistant}",
-                            source=f"turn {i + 1}",
-                            doc_id=f"turn-{i}",
-                            kind="recall",
-                        )
-                        for i, t in enumerate(turns, first)
-                    ]
-                )
+                self.recall_index(conv_id).add_chunks(_recall_chunks(enumerate(turns, first)))
             source = previous + "\n" + "\n".join(f"{t.user}\n{t.assistant}" for t in turns)
             try:
                 grounded = facts.ground(self.write_summary(previous, turns), source)
@@ -476,10 +468,16 @@ class Chat:
         it next turn (`bench ttft`: a scripted chat that returns to its topics
         recalled ~170 tokens every turn after the first fold, late/early TTFT 8.9).
         """
-        hits = self.recall_index(conv.id).search(text, k=self.settings.recall_k, min_score=RECALL_MIN_SCORE)
+        k = self.settings.recall_k
+        # covered turns must not take the places of those that are not (a question asked before
+        # matches itself best), and a turn's two passages count once: look past the first k
+        hits = self.recall_index(conv.id).search(text, k=RECALL_CANDIDATES * k, min_score=RECALL_MIN_SCORE)
         memory = " ".join([conv.summary, *(f.text for f in conv.facts)])
         known, known_stems = facts.vocabulary(memory), facts.stems(memory)
-        return [c for c in hits if not _covered(c, known, known_stems)]
+        best: dict[str, Chunk] = {}
+        for c in hits:  # best first: a turn's better-matching passage
+            best.setdefault(c.doc_id, c)
+        return [c for c in best.values() if not _covered(c, known, known_stems)][:k]
 
     def recall_index(self, conv_id: str):
         from .retrieval import Index
@@ -616,7 +614,8 @@ class Chat:
         conv_id = self.store.import_json(owner, text)
         conv = self.store.get(owner, conv_id)
         if conv.summarized_upto and self.library is not None and self.turn_settings(conv.settings).recall:
-            self.recall_index(conv_id).add_chunks(_recall_chunks(conv.turns[: conv.summarized_upto]))
+            folded = conv.turns[: conv.summarized_upto]
+            self.recall_index(conv_id).add_chunks(_recall_chunks((t.idx, t.as_turn()) for t in folded))
         return conv_id
 
     def switch_version(self, owner: str, conv_id: str, fork: int, version: int) -> None:
@@ -634,7 +633,7 @@ class Chat:
             if doc_id.startswith("turn-") and int(doc_id.removeprefix("turn-")) >= fork:
                 index.remove(doc_id)
         if self.turn_settings(conv.settings).recall and conv.summarized_upto > fork:
-            index.add_chunks(_recall_chunks(conv.turns[fork : conv.summarized_upto]))
+            index.add_chunks(_recall_chunks((t.idx, t.as_turn()) for t in conv.turns[fork : conv.summarized_upto]))
 
     def undo(self, owner: str, conv_id: str):
         """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is

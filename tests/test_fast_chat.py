@@ -214,6 +214,43 @@ def test_recall_skips_turns_the_facts_already_carry(rig, monkeypatch):
     assert covered(cello, "The user plays cello in a string quartet."), "kept in other words: covered"
 
 
+def test_recall_looks_past_covered_turns_and_counts_a_turn_once(rig, monkeypatch):
+    """A stand-in index (no embedder) returns passages best first: the question asked before
+    (covered: it only asked) must not take the place of the statement, and a turn's two passages
+    (the whole turn, the user's words) are one turn."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from llmweb.chat import RECALL_CANDIDATES, RECALL_MIN_SCORE, _recall_chunks
+    from llmweb.records import Turn
+
+    chat, runner, fmt, store = rig
+    chunks = _recall_chunks(
+        [
+            (0, Turn("I play the cello in a quartet.", "A long reply about something else entirely.")),
+            (1, Turn("My dog is called Pixel.", "Nice.")),
+            (7, Turn("Which instrument do I play?", "The guitar.")),
+        ]
+    )
+    assert [c.doc_id for c in chunks] == ["turn-0"] * 2 + ["turn-1"] * 2 + ["turn-7"] * 2
+    assert chunks[1].text == "User: I play the cello in a quartet." and "Assistant:" in chunks[0].text
+    by_rank = [chunks[4], chunks[5], chunks[1], chunks[0], chunks[3]]  # the asked question first
+    asked = {}
+
+    def search(text, k, min_score):
+        asked.update(k=k, min_score=min_score)
+        return [replace(c, score=0.9 - 0.1 * n) for n, c in enumerate(by_rank)][:k]
+
+    monkeypatch.setattr(chat, "recall_index", lambda conv_id: SimpleNamespace(search=search))
+    conv = SimpleNamespace(id="c", summary="The user talked about music.", facts=[])
+    got = chat.recall(conv, "Which instrument do I play?")
+    assert asked == {"k": RECALL_CANDIDATES * chat.settings.recall_k, "min_score": RECALL_MIN_SCORE}
+    assert [c.text for c in got] == ["User: I play the cello in a quartet.", "User: My dog is called Pixel."]
+    assert len({c.doc_id for c in got}) == len(got), "one passage per turn"
+    monkeypatch.setattr(chat, "settings", chat.settings.replace(recall_k=1))
+    assert [c.doc_id for c in chat.recall(conv, "Which instrument do I play?")] == ["turn-0"]
+
+
 def test_unkept_statements_are_the_users_own_words_a_summary_dropped():
     from llmweb.facts import stems, unkept_statements
 
@@ -486,7 +523,8 @@ def test_switching_versions_brings_the_recall_index_in_step_with_the_active_bran
     store.add_turn(OWNER, conv, "b2", "x")
     store.add_turn(OWNER, conv, "b3", "x")
     store.set_summary(OWNER, conv, "folded b1 and b2", 3)  # as a fold of branch 2 would have...
-    fake.add_chunks(chat_module._recall_chunks(store.get(OWNER, conv).turns[:3]))  # ...indexed them
+    folded = store.get(OWNER, conv).turns[:3]
+    fake.add_chunks(chat_module._recall_chunks((t.idx, t.as_turn()) for t in folded))  # ...indexed them
     chat.switch_version(OWNER, conv, 1, 0)
     assert sorted(index) == ["turn-0"], "the other branch's folded turns left the index"
     chat.switch_version(OWNER, conv, 1, 1)
