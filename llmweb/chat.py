@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 # fidelity script's messages (filler -> planted fact: max 0.38 as a whole turn; as the user's words
 # alone, one pair passes, 0.415 "green tea" -> "My favourite colour is teal.", a fact, so covered;
 # question -> filler: max 0.36) and kept 9 of 10 questions about a planted fact by the user's
-# words (6 of 10 by whole turns; the one lost, "Which company do I work for?", is a fact).
+# words (the earlier calibration on whole turns with the model's replies kept 6 of 10; the one
+# lost now, "Which company do I work for?", is a fact).
 RECALL_MIN_SCORE = 0.40
 RECALL_CANDIDATES = 4  # recall looks at this many passages per turn it may recall
 # Regenerate must give a new reply: with greedy decoding (LLMWEB_TEMPERATURE=0, the default) it
@@ -119,14 +120,14 @@ def reduced_budget(b: context.Budget) -> context.Budget:
     )
 
 
-def _covered(passage: Chunk, known: set[str], known_stems: set[str]) -> bool:
-    """Does the summary + facts vocabulary (`known`, and its `facts.stems`) already carry what the
+def _covered(passage: Chunk, known: set[str]) -> bool:
+    """Does the summary + facts vocabulary (`known`, `facts.vocabulary`) already carry what the
     turn's user text said? Every detail (`facts.detail_terms`: names, codes, numbers) must be in it,
     and every statement the user made about themselves mostly (`facts.unkept_statements`: "I play
     the cello in a quartet." has no detail, and a small summary drops it whole). A turn that only
     asked or asked for something is covered by the summary's paraphrase of it."""
     user_text = passage.text.split("\nAssistant:")[0].removeprefix("User:")
-    return facts.detail_terms(user_text) <= known and not facts.unkept_statements(user_text, known_stems)
+    return facts.detail_terms(user_text) <= known and not facts.unkept_statements(user_text, known)
 
 
 def reply_prefix_ids(fmt: ChatFormat, text: str) -> list[int]:
@@ -467,19 +468,18 @@ class Chat:
         names, codes, numbers) or statements about the user (`facts.unkept_statements`) that the
         facts and the summary do not carry: the rest is in the prompt already, verbatim or
         paraphrased, and a recalled passage costs prefill now and a re-prefill of the reply after
-        it next turn (`bench ttft`: a scripted chat that returns to its topics
-        recalled ~170 tokens every turn after the first fold, late/early TTFT 8.9).
+        it next turn (`bench ttft`: a scripted chat that returns to its topics recalled ~170
+        tokens every turn after the first fold, late/early TTFT 8.9).
         """
         k = self.settings.recall_k
         # covered turns must not take the places of those that are not (a question asked before
         # matches itself best), and a turn's two passages count once: look past the first k
         hits = self.recall_index(conv.id).search(text, k=RECALL_CANDIDATES * k, min_score=RECALL_MIN_SCORE)
-        memory = " ".join([conv.summary, *(f.text for f in conv.facts)])
-        known, known_stems = facts.vocabulary(memory), facts.stems(memory)
+        known = facts.vocabulary(" ".join([conv.summary, *(f.text for f in conv.facts)]))
         best: dict[str, Chunk] = {}
         for c in hits:  # best first: a turn's better-matching passage
             best.setdefault(c.doc_id, c)
-        return [c for c in best.values() if not _covered(c, known, known_stems)][:k]
+        return [c for c in best.values() if not _covered(c, known)][:k]
 
     def recall_index(self, conv_id: str):
         from .retrieval import Index

@@ -140,7 +140,7 @@ _SELF = re.compile(
 _FUNCTION = set(
     """is am are was were be been being have has had do does did will would can could should shall may
 might must very really just too quite than into onto over under out up down off only own more much such
-really always never often sometimes usually still even again""".split()
+always never often sometimes usually still even again""".split()
 )
 
 
@@ -152,20 +152,17 @@ def _stem(word: str) -> str:
     return word
 
 
-def stems(text: str) -> set[str]:
-    """The stems of every word of `text`, lower-cased (what `unkept_statements` compares against)."""
-    return {_stem(w) for w in vocabulary(text)}
-
-
 def unkept_statements(text: str, known: set[str]) -> list[str]:
     """The user's statements about themselves in `text` that a summary did not keep.
 
     A statement is a sentence that is not a question and speaks in the first person ("I play the
     cello in a quartet."); it is unkept when at least half of its content words (not function or
-    common words, not numbers, 3+ characters; compared by `stems`) are missing from `known`. Such a
-    sentence carries no detail term (`detail_terms`) a paraphrase loses, yet a small model's summary
-    often drops it whole; recall (chat.py) brings its turn back when a message asks about it.
+    common words, not numbers, 3+ characters; compared by a crude stem) are missing from `known` (a
+    `vocabulary`). Such a sentence carries no detail term (`detail_terms`) a paraphrase loses, yet
+    a small model's summary often drops it whole; recall (chat.py) brings its turn back when a
+    message asks about it.
     """
+    known_stems = {_stem(w) for w in known}
     out = []
     for s in sentences(text):
         if s.endswith(_QUESTION) or not _SELF.search(s):
@@ -180,7 +177,7 @@ def unkept_statements(text: str, known: set[str]) -> list[str]:
             and w not in _FUNCTION
             and not _SELF.fullmatch(w)
         }
-        if content and 2 * len(content - known) >= len(content):
+        if content and 2 * len(content - known_stems) >= len(content):
             out.append(s)
     return out
 

@@ -194,11 +194,11 @@ def test_after_a_fold_the_next_turn_prefills_only_its_message(rig):
 
 def test_recall_skips_turns_the_facts_already_carry(rig, monkeypatch):
     from llmweb.chat import _covered
-    from llmweb.facts import stems, vocabulary
+    from llmweb.facts import vocabulary
     from llmweb.records import Chunk
 
     def covered(chunk, memory):
-        return _covered(chunk, vocabulary(memory), stems(memory))
+        return _covered(chunk, vocabulary(memory))
 
     turn = Chunk("User: My dog is called Pixel, a border collie.\nAssistant: Nice!", "turn 1", kind="recall")
     assert covered(turn, "- My dog is called Pixel, a border collie.")
@@ -252,19 +252,19 @@ def test_recall_looks_past_covered_turns_and_counts_a_turn_once(rig, monkeypatch
 
 
 def test_unkept_statements_are_the_users_own_words_a_summary_dropped():
-    from llmweb.facts import stems, unkept_statements
+    from llmweb.facts import unkept_statements, vocabulary
 
     text = "I play the cello in a quartet. Which instrument suits jazz? Tell me about bees."
-    assert unkept_statements(text, stems("The user asked about jazz.")) == ["I play the cello in a quartet."]
-    assert unkept_statements(text, stems("The user plays the cello in a quartet.")) == []
+    assert unkept_statements(text, vocabulary("The user asked about jazz.")) == ["I play the cello in a quartet."]
+    assert unkept_statements(text, vocabulary("The user plays the cello in a quartet.")) == []
     # half of the content words missing is enough; one of four is not
-    assert unkept_statements("My brother repairs old clocks.", stems("brother repaired clocks")) == []
-    assert unkept_statements("My brother repairs old clocks.", stems("brother")) != []
+    assert unkept_statements("My brother repairs old clocks.", vocabulary("brother repaired clocks")) == []
+    assert unkept_statements("My brother repairs old clocks.", vocabulary("brother")) != []
     # not about the user, or a question: never a statement to recall
     assert unkept_statements("Bees make honey from nectar.", set()) == []
     assert unkept_statements("Do I need a visa for Peru?", set()) == []
     # other languages: the first person is seen, so the statement is recalled rather than lost
-    assert unkept_statements("Ich spiele Cello in einem Quartett.", stems("Jazz")) != []
+    assert unkept_statements("Ich spiele Cello in einem Quartett.", vocabulary("Jazz")) != []
 
 
 def test_detail_terms_in_any_script():

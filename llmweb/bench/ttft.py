@@ -93,9 +93,6 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
     return res
 
 
-SCRIPTS = ("topics", "facts")
-
-
 def script_turns(script: str, n_turns: int) -> list[str]:
     """The user messages of a scripted chat: "topics" (questions that come back to 20 topics; no
     statement about the user, so recall has nothing to bring back) or "facts" (fidelity's chat:
