@@ -6,7 +6,7 @@ happens at import: the model loads in the background once the server is up.
 
 import sys
 
-from llmweb.cli import main
+from llmweb.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve", *sys.argv[1:]]))

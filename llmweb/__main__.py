@@ -1,7 +1,7 @@
-"""`python -m llmweb ...`: see cli.py."""
+"""`python -m llmweb ...`: see cli/main.py."""
 
 import sys
 
-from .cli import main
+from llmweb.cli.main import main
 
 sys.exit(main())

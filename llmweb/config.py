@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from llmweb.errors import ConfigError, InputError
 
 QUANTS = ("auto", "4bit", "8bit", "int8-cpu", "bf16", "fp16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
@@ -95,13 +96,13 @@ class Settings:
     queue_per_user: int = 2  # waiting requests per owner; more get the busy message
     anon_retention_days: float = 30.0  # purge anonymous owners idle this long; 0 = keep forever
     secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
-    # a remote engine (remote.py): an OpenAI-compatible server generates; this process loads the tokenizer only
+    # a remote engine (engine/remote.py): an OpenAI-compatible server generates; this process loads the tokenizer only
     engine_url: str = ""  # "" = the local model; else http(s)://host:port of vLLM, SGLang, llama.cpp, ...
     engine_model: str = ""  # the server's model name; "" = the first it lists
     engine_api_key: str = ""  # sent as a Bearer token
     engine_concurrency: int = 8  # requests in flight to the server at once; more wait in the fair queue
     engine_routing_header: str = "X-Session-Id"  # carries the hashed conversation id for a sticky router
-    # the OpenAI-compatible API (api.py)
+    # the OpenAI-compatible API (web/api.py)
     api_keys: str = ""  # "alice:key1,bob:key2" or "key1,key2"; none: open on a loopback bind only
     api_max_body_kb: int = 2048  # largest request body accepted
 
@@ -155,8 +156,6 @@ class Settings:
             f"LLMWEB_ENGINE_URL must look like http://host:port, not {self.engine_url!r}",
         )
         if self.api_keys:
-            from .accounts import parse_api_keys
-
             parse_api_keys(self.api_keys)  # ConfigError with the entry's number, never the key
 
     @property
@@ -237,3 +236,37 @@ def _parse(f: dataclasses.Field, raw: str):
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from None
     return raw
+
+
+# -- user names and the LLMWEB_API_KEYS spec (config checks them; web/accounts.py uses them) -------
+
+MAX_USERNAME_CHARS = 64
+USERNAME_RE = re.compile(rf"[A-Za-z0-9._@-]{{1,{MAX_USERNAME_CHARS}}}")  # ASCII only: no look-alike names
+
+
+def check_username(name: str) -> str:
+    if not isinstance(name, str) or not USERNAME_RE.fullmatch(name):
+        shown = name[:MAX_USERNAME_CHARS] + "..." if isinstance(name, str) and len(name) > MAX_USERNAME_CHARS else name
+        raise InputError(f"user name {shown!r} is not valid: use 1-{MAX_USERNAME_CHARS} letters, digits or . _ - @")
+    return name
+
+
+def parse_api_keys(spec: str) -> list[tuple[str | None, str]]:
+    """`LLMWEB_API_KEYS`: "alice:key1,bob:key2" (a key of a user) or "key1,key2" (keys of no user),
+    as (name or None, key). Messages never show a key."""
+    out: list[tuple[str | None, str]] = []
+    seen: set[str] = set()
+    for n, item in enumerate(spec.split(",") if spec.strip() else [], 1):
+        name, sep, key = item.strip().rpartition(":")
+        if not key or any(c.isspace() for c in key):
+            raise ConfigError(f"LLMWEB_API_KEYS: entry {n} has an empty key or one with spaces")
+        if sep:
+            try:
+                check_username(name.strip())
+            except InputError as e:
+                raise ConfigError(f"LLMWEB_API_KEYS: entry {n}: {e}") from None
+        if key in seen:
+            raise ConfigError(f"LLMWEB_API_KEYS: entry {n} repeats a key")
+        seen.add(key)
+        out.append((name.strip() if sep else None, key))
+    return out

@@ -1,6 +1,6 @@
 """Domain errors. Each carries one sentence fit to show a user as it is.
 
-They become `gr.Error` in ui.py and an exit message in cli.py, nowhere else.
+They become `gr.Error` in web/ui.py and an exit message in cli/main.py, nowhere else.
 """
 
 

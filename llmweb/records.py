@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+LOCAL_OWNER = "local"  # the one owner of a single-user install, and of data from before owners existed
+
 
 @dataclass(frozen=True, slots=True)
 class Turn:

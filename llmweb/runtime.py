@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from . import models
-from .config import SAMPLE_DIR, Settings
-from .context import Budget
-from .errors import ConfigError, LlmwebError
-from .kvcache import KVStore
-from .store import Store
+from llmweb.chat.context import Budget
+from llmweb.config import SAMPLE_DIR, Settings
+from llmweb.engine import models
+from llmweb.engine.kvcache import KVStore
+from llmweb.errors import ConfigError, LlmwebError
+from llmweb.store.db import Store
 
 if TYPE_CHECKING:
-    from .chat import Chat
-    from .engine import Engine
-    from .library import Library
+    from llmweb.chat.session import Chat
+    from llmweb.engine.scheduler import Engine
+    from llmweb.retrieval.library import Library
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +137,10 @@ class Runtime:
         log.info(message)
 
     def _load(self) -> None:
-        from .chat import Chat
-        from .engine import EngineLimits, auto_max_batch, local_engine
-        from .tokens import TemplateFormat
+        from llmweb.chat.session import Chat
+        from llmweb.chat.tokens import TemplateFormat
+        from llmweb.engine.local import local_engine
+        from llmweb.engine.scheduler import EngineLimits, auto_max_batch
 
         s = self.settings
         if s.engine_url:
@@ -193,10 +194,10 @@ class Runtime:
         """
         from transformers import AutoConfig, AutoTokenizer
 
-        from .chat import Chat
-        from .engine import EngineLimits
-        from .remote import RemoteConfig, remote_engine
-        from .tokens import TemplateFormat
+        from llmweb.chat.session import Chat
+        from llmweb.chat.tokens import TemplateFormat
+        from llmweb.engine.remote import RemoteConfig, remote_engine
+        from llmweb.engine.scheduler import EngineLimits
 
         s = self.settings
         try:
@@ -246,7 +247,7 @@ class Runtime:
 
     def _check_remote(self) -> bool:
         """Update the status line: which engine serves, and whether it answers now."""
-        from .remote import RemoteRunner
+        from llmweb.engine.remote import RemoteRunner
 
         assert self.engine is not None and isinstance(self.engine.runner, RemoteRunner), "a remote engine"
         runner = self.engine.runner
@@ -307,7 +308,7 @@ class Runtime:
         """The document library (shared + per-owner private), built on first use."""
         with self._library_lock:
             if self._library is None:
-                from .library import Library
+                from llmweb.retrieval.library import Library
 
                 self._library = Library(self.settings)
             return self._library

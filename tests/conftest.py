@@ -36,7 +36,7 @@ def settings(tmp_path) -> Settings:
 
 
 def _load(quant: str, tmp_path_factory):
-    from llmweb import models
+    from llmweb.engine import models
 
     logging.getLogger("llmweb").setLevel(logging.INFO)
     return models.load(make_settings(tmp_path_factory.mktemp(f"load-{quant}"), quant=quant, device="cpu"))
@@ -57,6 +57,6 @@ def app_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fmt(fp32_model):
-    from llmweb.tokens import TemplateFormat
+    from llmweb.chat.tokens import TemplateFormat
 
     return TemplateFormat(fp32_model.tokenizer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from llmweb.kvcache import reusable
+from llmweb.engine.kvcache import reusable
 
 
 class FakeFormat:
@@ -178,8 +178,8 @@ class FakeRunner:
 
 def fake_engine(runner: FakeRunner | None = None, **limits):
     """The real Engine (scheduler) over a FakeRunner: (engine, runner)."""
-    from llmweb.engine import Engine, EngineLimits
-    from llmweb.kvcache import KVStore
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.scheduler import Engine, EngineLimits
 
     runner = runner or FakeRunner()
     return Engine(runner, KVStore(1 << 30, 600), EngineLimits(**limits)), runner

@@ -8,8 +8,8 @@ import pytest
 from gradio_client import Client
 
 from llmweb.runtime import Runtime
-from llmweb.store import LOCAL_OWNER as LOCAL
-from llmweb.ui import build_app
+from llmweb.store.db import LOCAL_OWNER as LOCAL
+from llmweb.web.ui import build_app
 from tests.conftest import make_settings
 
 
@@ -45,7 +45,7 @@ def test_ui_panel_and_plots_update_after_each_turn(served):
     """The Send button's handler on the real model: the stats panel and the session plots per turn."""
     from types import SimpleNamespace
 
-    from llmweb.ui import Handlers, Panel
+    from llmweb.web.ui import Handlers, Panel
 
     runtime, _url = served
     h = Handlers(runtime)

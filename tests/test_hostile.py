@@ -19,10 +19,10 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from llmweb.library import LOCAL_OWNER
+from llmweb.retrieval.library import LOCAL_OWNER
 from llmweb.runtime import Runtime
-from llmweb.store import LOCAL_OWNER as LOCAL
-from llmweb.ui import build_app, launch_kwargs
+from llmweb.store.db import LOCAL_OWNER as LOCAL
+from llmweb.web.ui import build_app, launch_kwargs
 from tests.conftest import make_settings
 
 WAIT_S = 300  # generous: the CI machine has 2 cores and other suites may run at the same time
@@ -243,7 +243,7 @@ def test_dropped_http_connection_mid_stream_stops_the_engine_request(long_app, m
 def test_a_caller_that_leaves_while_queued_never_runs(long_app, monkeypatch):
     """The chat stream says "queued" every half second, so whoever streams it (the UI's handler)
     gets the chance to notice its client left; closing it then withdraws the request unrun."""
-    from llmweb.chat import Delta, Queued, Started
+    from llmweb.chat.session import Delta, Queued, Started
 
     runtime, _url = long_app
     # a batch of one: the dragon fills it, so the poem waits in the queue (with a bigger batch it

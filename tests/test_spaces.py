@@ -6,7 +6,7 @@ import argparse
 import sys
 import types
 
-from llmweb.cli import serve_settings
+from llmweb.cli.main import serve_settings
 from llmweb.runtime import gpu_entry
 
 
@@ -58,9 +58,10 @@ def test_gpu_entry_uses_spaces_gpu_when_present(monkeypatch):
 
 
 def test_the_engine_runs_generations_through_the_gpu_entry(fp32_model, fmt):
-    from llmweb.engine import EngineLimits, GenerationRequest, local_engine
-    from llmweb.kvcache import KVStore
-    from llmweb.tokens import render_prompt
+    from llmweb.chat.tokens import render_prompt
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.local import local_engine
+    from llmweb.engine.scheduler import EngineLimits, GenerationRequest
 
     calls = []
 

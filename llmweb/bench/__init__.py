@@ -20,7 +20,7 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
 
 The contract: a benchmark changes engine settings only through public configuration (a Runtime
 built from `settings.replace(...)`, or an `Engine` of its own from `EngineLimits`); it never
-changes a running engine. Measurement helpers (peak meters, live tensors) live in telemetry.py.
+changes a running engine. Measurement helpers (peak meters, live tensors) live in engine/telemetry.py.
 This module only builds the argument parsers (`register`); each command imports its benchmark
 when it runs, so nothing heavy happens at import.
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..errors import ConfigError
+from llmweb.errors import ConfigError
 
 BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency", "decode"]
 
@@ -117,7 +117,7 @@ def _print(result: dict, as_json: bool, markdown) -> None:
 
 
 def bench_command(args) -> int:
-    from ..config import Settings
+    from llmweb.config import Settings
 
     if args.which == "all":
         from . import suite
@@ -194,7 +194,8 @@ def bench_command(args) -> int:
     assert args.which == "ttft", f"unknown benchmark {args.which!r}"
     import tempfile
 
-    from .. import models
+    from llmweb.engine import models
+
     from . import ttft
     from .common import scratch_settings
 
@@ -209,7 +210,8 @@ def bench_command(args) -> int:
 
 
 def capacity_command(args) -> int:
-    from ..config import Settings
+    from llmweb.config import Settings
+
     from . import capacity
 
     settings = Settings.from_env()

@@ -38,9 +38,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..config import Settings
-from ..errors import ConfigError, LlmwebError
-from ..telemetry import PeakMeter, current_bytes, release_memory
+from llmweb.config import Settings
+from llmweb.engine.telemetry import PeakMeter, current_bytes, release_memory
+from llmweb.errors import ConfigError, LlmwebError
+
 from .common import SYSTEM, report_stem
 from .concurrency import percentile
 
@@ -90,7 +91,7 @@ _FILLER = (
 
 def filler_prompt(fmt, target_tokens: int, tag: str = "", system: str = SYSTEM) -> list[int]:
     """The longest real prompt (system + one user message of filler text) of at most `target_tokens`."""
-    from ..tokens import render_prompt
+    from llmweb.chat.tokens import render_prompt
 
     def ids_for(n_words: int) -> list[int]:
         words = [_FILLER[i % len(_FILLER)] for i in range(n_words)]
@@ -120,7 +121,7 @@ def filler_prompt(fmt, target_tokens: int, tag: str = "", system: str = SYSTEM) 
 def device_limit(settings: Settings, loaded) -> int:
     """CUDA: total device memory minus the margin; CPU: the admission limit (LLMWEB_MEM_LIMIT_MB)."""
     if loaded.on_cpu:
-        from ..runtime import cpu_mem_limit_bytes
+        from llmweb.runtime import cpu_mem_limit_bytes
 
         return cpu_mem_limit_bytes(settings)
     import torch
@@ -131,8 +132,8 @@ def device_limit(settings: Settings, loaded) -> int:
 
 def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int, max_batch: int = 1) -> dict:
     """Weights + resident KV of every session + the activation margin of each request in the batch."""
-    from ..blockcache import BLOCK, KEEP_ROOM
-    from ..engine import predict_bytes
+    from llmweb.engine.blockcache import BLOCK, KEEP_ROOM
+    from llmweb.engine.scheduler import predict_bytes
 
     heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
     per_session, per_request = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
@@ -158,11 +159,12 @@ def run(
     progress: Callable[[str], None] = log.info,
 ) -> dict:
     """Measure every (context, concurrency) combination on one engine; return rows and the setup."""
-    from .. import models
-    from ..engine import EngineLimits, GenerationRequest, auto_max_batch, local_engine
-    from ..kvcache import KVStore
-    from ..runtime import kv_budget_bytes
-    from ..tokens import TemplateFormat
+    from llmweb.chat.tokens import TemplateFormat
+    from llmweb.engine import models
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.local import local_engine
+    from llmweb.engine.scheduler import EngineLimits, GenerationRequest, auto_max_batch
+    from llmweb.runtime import kv_budget_bytes
 
     contexts, concurrencies = sorted(set(contexts)), sorted(set(concurrencies))
     if not contexts or not concurrencies or min(contexts) < 1 or min(concurrencies) < 1:
@@ -234,7 +236,7 @@ def _measure(
     engine, kv, loaded, prompts: list[list[int]], context: int, max_new_tokens: int, limit: int, kv_budget: int
 ) -> tuple[dict, str]:
     """One batch: `prompts` submitted at once to `engine`, whose KV store `kv` (ours) starts empty."""
-    from ..engine import GenerationRequest
+    from llmweb.engine.scheduler import GenerationRequest
 
     kv.clear()
     release_memory(loaded.device)

@@ -60,15 +60,16 @@ def scratch_settings(settings, folder: str | Path):
 
 def prompt_ids(loaded, text: str) -> list[int]:
     """The chat template around one user message, after the short system prompt."""
-    from ..tokens import TemplateFormat, render_prompt
+    from llmweb.chat.tokens import TemplateFormat, render_prompt
 
     return render_prompt(TemplateFormat(loaded.tokenizer), SYSTEM, [("user", text)])
 
 
 def timing_engine(loaded, new_tokens: int):
     """An Engine of its own (public constructor) for timing one request at a time: no KV reuse."""
-    from ..engine import EngineLimits, local_engine
-    from ..kvcache import KVStore
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.local import local_engine
+    from llmweb.engine.scheduler import EngineLimits
 
     return local_engine(
         loaded.model,
@@ -81,7 +82,7 @@ def timing_engine(loaded, new_tokens: int):
 
 def engine_decode(engine, ids: list[int], new_tokens: int) -> tuple[float, float, int]:
     """(decode tokens/s, TTFT s, generated tokens) of one request; no stop ids, so always new_tokens."""
-    from ..engine import GenerationRequest
+    from llmweb.engine.scheduler import GenerationRequest
 
     h = engine.submit(GenerationRequest(ids, new_tokens))
     h.result()
@@ -95,7 +96,7 @@ def describe_setup(settings, loaded, budget=None) -> dict:
     """The hardware, model, quantisation and the settings that shape the figures."""
     import torch
 
-    from ..runtime import cpu_mem_limit_bytes, kv_budget_bytes
+    from llmweb.runtime import cpu_mem_limit_bytes, kv_budget_bytes
 
     env = {
         "model": loaded.name,

@@ -22,9 +22,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from ..config import Settings
-from ..errors import ConfigError
-from ..telemetry import PeakMeter, current_bytes, release_memory
+from llmweb.config import Settings
+from llmweb.engine.telemetry import PeakMeter, current_bytes, release_memory
+from llmweb.errors import ConfigError
+
 from .common import prompt_ids, scripted_turns
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ def run(
     progress: Callable[[str], None] = log.info,
 ) -> dict:
     """Measure every concurrency on the serial and the batched engine; return rows and the setup."""
-    from .. import models
-    from ..engine import auto_max_batch
+    from llmweb.engine import models
+    from llmweb.engine.scheduler import auto_max_batch
 
     concurrencies = sorted(set(concurrencies))
     if not concurrencies or min(concurrencies) < 1:
@@ -82,8 +83,9 @@ def run(
 
 def _measure(loaded, prompts: list[list[int]], max_new_tokens: int, max_batch: int) -> dict:
     """All `prompts` at once on a fresh engine with this `max_batch`; its figures."""
-    from ..engine import EngineLimits, GenerationRequest, local_engine
-    from ..kvcache import KVStore
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.local import local_engine
+    from llmweb.engine.scheduler import EngineLimits, GenerationRequest
 
     limits = EngineLimits(
         queue_size=len(prompts),

@@ -54,16 +54,16 @@ def steps_for(device: str) -> list[Step]:
 
 def prompt_of(loaded, length: int) -> list[int]:
     """Exactly `length` ids: the chat template around a long user message, cut to length."""
-    from ..tokens import TemplateFormat, render_prompt
+    from llmweb.chat.tokens import TemplateFormat, render_prompt
 
     ids = render_prompt(TemplateFormat(loaded.tokenizer), SYSTEM, [("user", TEXT * (length // 30 + 2))])
     return ids[:length]
 
 
 def _engine(loaded, block_cache: bool, new_tokens: int):
-    from ..engine import Engine, EngineLimits
-    from ..kvcache import KVStore
-    from ..runner import LocalRunner
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.local import LocalRunner
+    from llmweb.engine.scheduler import Engine, EngineLimits
 
     kv = KVStore(0, 1)
     runner = LocalRunner(loaded.model, loaded.device, kv, loaded.kv_bytes_per_token, block_cache=block_cache)
@@ -71,7 +71,7 @@ def _engine(loaded, block_cache: bool, new_tokens: int):
 
 
 def _one(engine, runner, ids: list[int], new_tokens: int) -> dict:
-    from ..engine import GenerationRequest
+    from llmweb.engine.scheduler import GenerationRequest
 
     before = dict(vars(runner.timing))
     h = engine.submit(GenerationRequest(ids, new_tokens))
@@ -101,7 +101,7 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
     """Every step at every prompt length, interleaved; medians of `repeats`."""
     import torch
 
-    from .. import models
+    from llmweb.engine import models
 
     device = models.resolve_device(settings)
     steps = steps_for(device)

@@ -15,7 +15,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..store import LOCAL_OWNER as LOCAL
+from llmweb.store.db import LOCAL_OWNER as LOCAL
+
 from .common import scratch_settings
 
 FACTS = [
@@ -88,8 +89,8 @@ def run(
     facts: Sequence[tuple[str, str, str]] = FACTS,
 ) -> dict:
     """Plant `facts` (statement, question, answer), then ask about each at every checkpoint, in every mode."""
-    from ..chat import Finished
-    from ..runtime import Runtime
+    from llmweb.chat.session import Finished
+    from llmweb.runtime import Runtime
 
     turns = script(fillers_between, checkpoints, facts)
     checks: list[Check] = []

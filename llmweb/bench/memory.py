@@ -14,8 +14,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-from ..store import LOCAL_OWNER as LOCAL
-from ..telemetry import live_tensors, private_bytes, release_memory
+from llmweb.engine.telemetry import live_tensors, private_bytes, release_memory
+from llmweb.store.db import LOCAL_OWNER as LOCAL
+
 from .common import scripted_turns
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,8 @@ def run(
 
     `settings.data_dir` should be a scratch folder: the chat is stored there (and deleted after).
     """
-    from ..chat import Finished
-    from ..runtime import Runtime
+    from llmweb.chat.session import Finished
+    from llmweb.runtime import Runtime
 
     s = settings.replace(
         context_limit=context,

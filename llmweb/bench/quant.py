@@ -16,7 +16,7 @@ PROMPT = "Write a long story about a lighthouse."
 def run(settings, quants=None, new_tokens: int = 64, repeats: int = 3) -> dict:
     """Weights size and decode speed of each quantisation, same prompt, one process (by default
     fp32, 4bit and, on the CPU, int8-cpu)."""
-    from .. import models
+    from llmweb.engine import models
 
     if quants is None:
         quants = ("fp32", "4bit", "int8-cpu") if models.resolve_device(settings) == "cpu" else ("fp32", "bf16", "4bit")

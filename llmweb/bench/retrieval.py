@@ -40,11 +40,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import hybrid
-from ..config import REPO_DIR, SAMPLE_DIR, Settings
-from ..hybrid import Evidence, Gate
-from ..records import Chunk
-from ..retrieval import Embedder, Index
+from llmweb.config import REPO_DIR, SAMPLE_DIR, Settings
+from llmweb.records import Chunk
+from llmweb.retrieval import hybrid
+from llmweb.retrieval.hybrid import Evidence, Gate
+from llmweb.retrieval.index import Embedder, Index
 
 SEED = 1234
 DOCS = 50  # the corpus is split into this many files (or fewer for small runs)

@@ -43,8 +43,8 @@ def run(
     progress: Callable[[str], None] = log.info,
 ) -> dict:
     """All benchmarks on one loaded model; chats run in a temporary data dir."""
-    from .. import models
-    from ..context import Budget
+    from llmweb.chat.context import Budget
+    from llmweb.engine import models
 
     t_all = time.perf_counter()
     loaded = loaded or models.load(settings, progress=progress)

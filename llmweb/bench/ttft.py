@@ -11,7 +11,7 @@ Chats are stored in `settings.data_dir` and deleted afterwards; pass scratch set
 (`common.scratch_settings`) to keep them out of the user's database.
 
 With `settings.engine_url` (`bench ttft --engine-url URL`) the chat runs through a remote engine
-(remote.py) and `loaded` is None: one mode only (the server keeps its own prefix cache whatever we
+(engine/remote.py) and `loaded` is None: one mode only (the server keeps its own prefix cache whatever we
 do), TTFT as llmweb's user sees it (queue, HTTP, the server's prefill), and reused tokens as the
 server reported them, or `None` per turn where it reports nothing (then no prefill share either).
 """
@@ -21,7 +21,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from ..store import LOCAL_OWNER as LOCAL
+from llmweb.store.db import LOCAL_OWNER as LOCAL
+
 from .common import describe_setup, scripted_turns
 
 EARLY = slice(1, 6)  # turns 2-6
@@ -54,14 +55,14 @@ class ModeResult:
 
 def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
     """One chat of `turns` on a Runtime of its own, with session KV reuse on or off."""
-    from ..runtime import Runtime
+    from llmweb.runtime import Runtime
 
     runtime = Runtime(settings.replace(kv_reuse=reuse), loaded=loaded).start(background=False)
     res = ModeResult("reuse" if reuse else "full", [], [], [], [], [], [])
     try:
         chat = runtime.wait_ready()
         if settings.engine_url:
-            from ..remote import RemoteRunner
+            from llmweb.engine.remote import RemoteRunner
 
             assert runtime.engine is not None and isinstance(runtime.engine.runner, RemoteRunner)
             assert runtime.budget is not None
@@ -108,7 +109,7 @@ def script_turns(script: str, n_turns: int) -> list[str]:
 
 def run(settings, loaded, n_turns: int, full: bool = True, script: str = "topics") -> dict:
     """Both modes side by side (`full=False`: reuse only, for long runs)."""
-    from ..context import Budget
+    from llmweb.chat.context import Budget
 
     turns = script_turns(script, n_turns)
     n_turns = len(turns)

@@ -1,0 +1,342 @@
+"""The context planner: what goes into this turn's prompt, and what is left out and why.
+
+`plan(...)` is a pure function of the conversation and a `Budget`: no torch, no I/O, no model.
+It measures every section by rendering it with the `ChatFormat` (never by estimating) and
+returns a `ContextPlan` whose `ids` are exactly the prompt the engine will run.
+
+Prompt layout (one chat message per line):
+
+    system     system prompt + "\\n\\nSummary of the conversation so far:\\n" + summary
+               + "\\n\\nFacts the user stated (verbatim):\\n- ..." (the user's facts)
+    user       oldest kept turn            } history: whole turns, the newest ones,
+    assistant  ...                         } contiguous up to the last turn
+    user       [earlier passages] + [numbered sources] + the user's text
+    (generation prompt)
+
+The system message is a stable prefix between summary updates, and per-turn material (the
+retrieved chunks, the recalled passages) sits in the current user message, after the history,
+so the session's KV cache can reuse everything before it.
+
+Guarantees: len(ids) + max_new_tokens <= context_limit; the system prompt is first and whole;
+turns are never split; the user's message is never cut (too long -> `InputError` with the
+numbers). Pinned facts are never left out (with the system prompt, the message and the reply
+reserve they are the fixed part; chat/session.py keeps them under their cap when they are pinned). What
+does not fit is left out whole and reported: old turns, chunks, unpinned facts (oldest first),
+the tail of the summary. Priority when room is short: system + pinned facts + user + reply
+reserve, then the newest two turns, then unpinned facts, then the summary, then retrieved text,
+then history.
+
+It must not call the model, touch the store, or decide when to summarise: chat/summary.py does that,
+from `ContextPlan.history_room`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llmweb.chat.facts import facts_block
+from llmweb.chat.summary import cap_text
+from llmweb.chat.tokens import ChatFormat
+from llmweb.config import CPU_CONTEXT_CAP, Settings
+from llmweb.errors import ConfigError, InputError
+from llmweb.records import Chunk, Turn
+
+SUMMARY_HEADER = "Summary of the conversation so far:"
+RECALL_HEADER = "Earlier in this conversation:"
+SOURCES_HEADER = "Sources:"
+
+OVER_BUDGET = "over the retrieved-text budget"
+NO_ROOM = "no room left in the context"
+
+PROTECTED_TURNS = 2  # the newest turns, kept verbatim before the summary and retrieved text get room
+SECTIONS = ("system", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Token limits for one prompt. `max_new_tokens` is both the generation cap and the reserve."""
+
+    context_limit: int
+    max_new_tokens: int
+    summary_tokens: int
+    retrieved_tokens: int
+    user_tokens: int
+    facts_tokens: int = 0  # the user's facts; pinned ones are kept even past it (chat/session.py caps pinning)
+
+    def __post_init__(self) -> None:
+        if self.context_limit < 2:
+            raise ConfigError(f"the context limit must be at least 2 tokens, not {self.context_limit}")
+        if not 1 <= self.max_new_tokens < self.context_limit:
+            raise ConfigError(
+                f"max_new_tokens ({self.max_new_tokens}) must be at least 1 and below "
+                f"the context limit ({self.context_limit})"
+            )
+        if min(self.summary_tokens, self.retrieved_tokens, self.facts_tokens) < 0 or self.user_tokens < 1:
+            raise ConfigError("summary, facts and retrieved-text budgets must be >= 0 and the user budget >= 1")
+
+    @classmethod
+    def from_settings(cls, settings: Settings, model_max: int, on_cpu: bool) -> Budget:
+        """Resolve the settings against the loaded model.
+
+        context_limit 0 means the model's maximum, capped at CPU_CONTEXT_CAP on CPU; an explicit
+        limit is kept as given, but never above the model's maximum. max_new_tokens is clamped to
+        half the context, so at least half is left for the prompt.
+        """
+        if model_max < 2:
+            raise ConfigError(f"the model reports a context length of {model_max} tokens, which is unusable")
+        limit = settings.context_limit or model_max
+        if not settings.context_limit and on_cpu:
+            limit = min(limit, CPU_CONTEXT_CAP)
+        limit = min(limit, model_max)
+        return cls(
+            context_limit=limit,
+            max_new_tokens=min(settings.max_new_tokens, limit // 2),
+            summary_tokens=settings.summary_tokens,
+            retrieved_tokens=settings.retrieved_tokens,
+            user_tokens=settings.user_tokens,
+            facts_tokens=settings.facts_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ContextPlan:
+    """One turn's prompt, itemised. All counts are tokens measured by rendering with the format."""
+
+    ids: tuple[int, ...]  # the whole prompt, generation prompt included
+    messages: tuple[tuple[str, str], ...]  # (role, text), system first, the composed user message last
+    sections: dict[str, int]  # keys: SECTIONS; all but "reserve" sum to len(ids)
+    context_limit: int
+    kept_turns: int  # how many of the newest turns are in
+    dropped_turns: int  # oldest turns left out for lack of room (they should have been summarised)
+    chunks: tuple[Chunk, ...]  # document chunks used, in prompt order: chunks[i] is tagged [i + 1]
+    recall: tuple[Chunk, ...]  # earlier passages of this conversation used, in prompt order
+    dropped_chunks: tuple[tuple[Chunk, str], ...]  # (chunk or recalled passage, reason), best score first
+    summary: str  # the summary as placed in the prompt (maybe cut)
+    summary_tokens: int  # tokens of that summary text (fmt.count)
+    summary_cut: int  # tokens cut from the end of the given summary (0 = whole)
+    history_room: int  # tokens history could use this turn (for summary.turns_to_fold)
+    facts: tuple = ()  # the facts placed, oldest first (every pinned one)
+    dropped_facts: tuple = ()  # unpinned facts left out for lack of room, oldest first
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sections["reserve"]
+
+    @property
+    def free(self) -> int:
+        """Tokens of the context neither in the prompt nor reserved for the reply."""
+        return self.context_limit - len(self.ids) - self.max_new_tokens
+
+    @property
+    def left_out(self) -> str:
+        """One line for the UI, e.g. "left out: 3 old turns (no room), 2 chunks (over the
+        retrieved-text budget)"; "" when nothing was left out."""
+        parts = []
+        if self.dropped_turns:
+            parts.append(f"{_n(self.dropped_turns, 'old turn')} (no room)")
+        groups: dict[tuple[str, str], int] = {}
+        for chunk, reason in self.dropped_chunks:
+            noun = "earlier passage" if chunk.kind == "recall" else "chunk"
+            groups[(noun, reason)] = groups.get((noun, reason), 0) + 1
+        parts += [f"{_n(n, noun)} ({reason})" for (noun, reason), n in groups.items()]
+        if self.dropped_facts:
+            parts.append(f"{_n(len(self.dropped_facts), 'older unpinned fact')} (over the facts budget)")
+        if self.summary_cut:
+            parts.append(f"the last {_n(self.summary_cut, 'token')} of the summary")
+        return "left out: " + ", ".join(parts) if parts else ""
+
+
+def _n(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def system_message(system: str, summary: str, facts: Sequence = ()) -> str:
+    """The system message: the system prompt, the running summary, then the user's facts."""
+    blocks = [system, f"{SUMMARY_HEADER}\n{summary}" if summary else "", facts_block(facts)]
+    return "\n\n".join(b for b in blocks if b)
+
+
+def compose_user_message(user_message: str, chunks: Sequence[Chunk] = (), recall: Sequence[Chunk] = ()) -> str:
+    """The current user message: the user's text as given, then earlier passages and numbered sources.
+
+    The user's text comes first on purpose. History keeps only that text, so next turn the
+    session's KV cache still matches up to its end, and only the reply after it is prefilled
+    again; with the passages first, all of them would be prefilled again every turn.
+    """
+    parts = [user_message]
+    if recall:
+        parts.append(RECALL_HEADER + "\n" + "\n\n".join(f"({c.label()}) {c.text.strip()}" for c in recall))
+    if chunks:
+        parts.append(
+            SOURCES_HEADER
+            + "\n"
+            + "\n\n".join(f"[{i}] {c.label()}:\n{c.text.strip()}" for i, c in enumerate(chunks, 1))
+        )
+    return "\n\n".join(parts)
+
+
+def turn_tokens(fmt: ChatFormat, turn: Turn) -> int:
+    """A turn's rendered size in history (what summary.turns_to_fold counts)."""
+    return len(fmt.message_ids("user", turn.user)) + len(fmt.message_ids("assistant", turn.assistant))
+
+
+def plan(
+    system: str,
+    summary: str,
+    turns: Sequence[Turn],
+    chunks: Sequence[Chunk],
+    user_message: str,
+    budget: Budget,
+    fmt: ChatFormat,
+    recall: Sequence[Chunk] = (),
+    facts: Sequence = (),
+) -> ContextPlan:
+    """Plan this turn's prompt within `budget`; see the module docstring for layout and guarantees.
+
+    `turns` are the turns in the window, oldest first (those folded into `summary` are not
+    passed). `chunks` are retrieved document chunks and `recall` earlier passages of this
+    conversation; they share `retrieved_tokens` and are taken whole, best score first. `facts`
+    (objects with `.text` and `.pinned`, oldest first) are the user's facts: all pinned ones, then
+    the newest unpinned ones within `facts_tokens`.
+    Raises InputError when the user's message is over `user_tokens`, or when the system prompt,
+    the pinned facts, the message and the reply reserve alone do not fit in the context.
+    """
+    limit, reserve = budget.context_limit, budget.max_new_tokens
+
+    # 1) the user's message and the system prompt: refused if too long, never cut
+    n_user = fmt.count(user_message)
+    if n_user > budget.user_tokens:
+        raise InputError(
+            f"Your message is {n_user:,} tokens; the limit is {budget.user_tokens:,}. "
+            "Shorten it or split it into parts."
+        )
+    n_system = len(fmt.system_ids(system))
+    pinned = [f for f in facts if f.pinned]
+    n_pinned = _facts_cost(fmt, system, pinned, n_system)
+    gen = fmt.generation_prompt_ids()
+    bare_user = len(fmt.message_ids("user", user_message))
+    fixed = n_system + n_pinned + bare_user + len(gen) + reserve
+    if fixed > limit:
+        pins = f", your pinned facts ({n_pinned:,})" if n_pinned else ""
+        raise InputError(
+            f"Your message is {n_user:,} tokens; with the system prompt ({n_system:,}){pins} and "
+            f"the room kept for the reply ({reserve:,}) this turn needs {fixed:,} tokens, but the "
+            f"context limit is {limit:,}. Shorten your message."
+        )
+    left = limit - fixed
+
+    # the newest turns outrank the summary and retrieved text: keep room for them first
+    protected = 0
+    for turn in list(reversed(turns))[:PROTECTED_TURNS]:
+        cost = turn_tokens(fmt, turn)
+        if protected + cost > left:
+            break
+        protected += cost
+
+    # 2) the user's facts: the newest unpinned ones that fit next to the pinned ones (whole facts)
+    kept_facts = set(map(id, pinned))
+    n_facts = n_pinned
+    room = min(budget.facts_tokens, n_pinned + left - protected)
+    for fact in reversed([f for f in facts if not f.pinned]):
+        trial = [f for f in facts if id(f) in kept_facts or f is fact]
+        cost = _facts_cost(fmt, system, trial, n_system)
+        if cost <= room:
+            kept_facts.add(id(fact))
+            n_facts = cost
+    used_facts = [f for f in facts if id(f) in kept_facts]
+    dropped_facts = tuple(f for f in facts if id(f) not in kept_facts)
+    left -= n_facts - n_pinned
+
+    # 3) the running summary: ours, so it is cut (at a sentence end) rather than refused
+    given = summary.strip()
+    used_summary = cap_text(given, budget.summary_tokens, fmt.count) if given else ""
+    n_summary = _summary_cost(fmt, system, used_summary, used_facts, n_system + n_facts)
+    while used_summary and n_summary > left - protected:
+        used_summary = cap_text(used_summary, fmt.count(used_summary) - (n_summary - (left - protected)), fmt.count)
+        n_summary = _summary_cost(fmt, system, used_summary, used_facts, n_system + n_facts)
+    left -= n_summary
+
+    # 4) retrieved text: recalled passages and document chunks share one budget; whole, best first
+    cap = min(budget.retrieved_tokens, left - protected)
+    pool = sorted([(c, True) for c in recall] + [(c, False) for c in chunks], key=lambda p: -p[0].score)
+    docs: list[Chunk] = []
+    recs: list[Chunk] = []
+    dropped: list[tuple[Chunk, str]] = []
+    n_retrieved_all = 0
+    for chunk, is_recall in pool:
+        trial_docs = docs if is_recall else docs + [chunk]
+        trial_recs = recs + [chunk] if is_recall else recs
+        cost = len(fmt.message_ids("user", compose_user_message(user_message, trial_docs, trial_recs))) - bare_user
+        if cost <= cap:
+            docs, recs, n_retrieved_all = trial_docs, trial_recs, cost
+        else:
+            dropped.append((chunk, OVER_BUDGET if cost > budget.retrieved_tokens else NO_ROOM))
+    left -= n_retrieved_all
+
+    # 5) history: the newest whole turns that fit in what is left
+    history_room = left
+    kept: list[list[int]] = []  # per turn: its user + assistant ids, newest first
+    n_history = 0
+    for turn in reversed(turns):
+        seg = list(fmt.message_ids("user", turn.user)) + list(fmt.message_ids("assistant", turn.assistant))
+        if n_history + len(seg) > left:
+            break
+        kept.append(seg)
+        n_history += len(seg)
+    kept.reverse()
+    kept_turns = turns[len(turns) - len(kept) :] if kept else []
+
+    # 6) assemble, and check the sums against the ids
+    sys_text = system_message(system, used_summary, used_facts)
+    final_text = compose_user_message(user_message, docs, recs)
+    messages = [("system", sys_text)]
+    for turn in kept_turns:
+        messages += [("user", turn.user), ("assistant", turn.assistant)]
+    messages.append(("user", final_text))
+    ids = list(fmt.system_ids(sys_text))
+    for seg in kept:
+        ids += seg
+    final_ids = fmt.message_ids("user", final_text)
+    ids += list(final_ids) + list(gen)
+
+    n_docs_only = len(fmt.message_ids("user", compose_user_message(user_message, docs)))
+    sections = {
+        "system": n_system,
+        "summary": n_summary,
+        "facts": n_facts,
+        "history": n_history,
+        "recall": len(final_ids) - n_docs_only,
+        "retrieved": n_docs_only - bare_user,
+        "user": bare_user + len(gen),
+        "reserve": reserve,
+    }
+    assert sum(v for k, v in sections.items() if k != "reserve") == len(ids), "sections do not add up to the prompt"
+    assert len(ids) + reserve <= limit, f"planned {len(ids)} + {reserve} tokens over the limit {limit}"
+    n_used_summary = fmt.count(used_summary) if used_summary else 0
+    return ContextPlan(
+        ids=tuple(ids),
+        messages=tuple(messages),
+        sections=sections,
+        context_limit=limit,
+        kept_turns=len(kept),
+        dropped_turns=len(turns) - len(kept),
+        chunks=tuple(docs),
+        recall=tuple(recs),
+        dropped_chunks=tuple(dropped),
+        summary=used_summary,
+        summary_tokens=n_used_summary,
+        summary_cut=(fmt.count(given) - n_used_summary) if given else 0,
+        history_room=history_room,
+        facts=tuple(used_facts),
+        dropped_facts=dropped_facts,
+    )
+
+
+def _facts_cost(fmt: ChatFormat, system: str, facts: Sequence, n_system: int) -> int:
+    return len(fmt.system_ids(system_message(system, "", facts))) - n_system if facts else 0
+
+
+def _summary_cost(fmt: ChatFormat, system: str, summary: str, facts: Sequence, n_without: int) -> int:
+    """What the summary adds to the system message that already holds the system prompt and facts."""
+    return len(fmt.system_ids(system_message(system, summary, facts))) - n_without if summary else 0

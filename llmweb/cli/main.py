@@ -1,0 +1,180 @@
+"""Command line: `python -m llmweb serve | replay | ingest | search | bench | capacity`.
+
+Settings come from `LLMWEB_*` variables; flags override them. Domain errors end the command
+with their message and exit status 2, never a traceback; `replay` is the exception per turn: a
+refused turn is reported in its row, the script goes on, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from llmweb.config import Settings
+from llmweb.errors import LlmwebError
+from llmweb.store.db import LOCAL_OWNER as LOCAL
+
+log = logging.getLogger("llmweb")
+
+
+def on_spaces(env=os.environ) -> bool:
+    return env.get("SYSTEM") == "spaces"
+
+
+def serve_settings(args, env=os.environ) -> Settings:
+    """Settings for `serve`: on Hugging Face Spaces, bind 0.0.0.0 and keep data in a writable dir."""
+    overrides = {"host": args.host, "port": args.port}
+    if on_spaces(env):
+        overrides["host"] = args.host or "0.0.0.0"
+        if "LLMWEB_DATA_DIR" not in env:
+            overrides["data_dir"] = Path("/data/llmweb") if os.access("/data", os.W_OK) else Path("/tmp/llmweb")
+    return Settings.from_env(env, **overrides)
+
+
+def cmd_serve(args) -> int:
+    from llmweb.runtime import Runtime
+
+    settings = serve_settings(args)
+    runtime = Runtime(settings).start(background=True)
+    print(f"llmweb: serving on http://{settings.host}:{settings.port} (OpenAI-compatible API under /v1)", flush=True)
+    launch_app(runtime)
+    return 0
+
+
+def launch_app(runtime, **overrides):
+    """Serve the web UI and the OpenAI-compatible API (web/api.py) on one port: Gradio's FastAPI app with
+    the API's routes in front of its own. Blocks, unless `prevent_thread_lock=True` (tests); returns
+    (demo, url)."""
+    from llmweb.web.api import api_routes
+    from llmweb.web.ui import build_app, launch_kwargs
+
+    demo = build_app(runtime)
+    demo.queue(default_concurrency_limit=None, max_size=runtime.settings.queue_size * 8)
+    kw = {**launch_kwargs(runtime.settings), "app_kwargs": {"routes": api_routes(runtime)}, **overrides}
+    _app, url, _ = demo.launch(**kw)
+    return demo, url
+
+
+def read_script(path: Path) -> list[str]:
+    users = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            users.append(json.loads(line)["user"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise LlmwebError(f'{path}:{n}: expected a JSON object like {{"user": "..."}}') from None
+    return users
+
+
+def replay(
+    runtime, users: list, *, prompt_text: bool = False, conv_id: str | None = None, seed: int | None = None
+) -> Iterator[dict]:
+    """Run a scripted conversation through the chat path; yield one dict per message of the script.
+
+    `turn` is the message's place in the script (1-based). A message the chat refuses (empty, too
+    long, not text, the model busy or out of memory: any LlmwebError) yields
+    `{"turn", "user", "error"}` with the user's message, and the script goes on with the next one.
+    """
+    chat = runtime.wait_ready()
+    for n, user in enumerate(users, 1):
+        try:
+            event = chat.ask(LOCAL, conv_id, user, wait_summary=True, seed=seed)  # the first turn creates the chat
+        except LlmwebError as e:
+            yield {"turn": n, "user": user, "error": str(e)}
+            continue
+        conv_id = event.conv_id
+        d = {**event.stats.to_dict(), "turn": n, "reply": event.reply, "sources": [s.to_dict() for s in event.sources]}
+        if prompt_text:
+            d["prompt_text"] = event.prompt_text()
+        yield d
+
+
+def replay_line(d: dict) -> str:
+    """A replay row for people (without --json)."""
+    if "error" in d:
+        return f"[{d['turn']}] refused: {d['error']}\n"
+    reused = f"{d['reused_tokens']} reused" if d.get("reuse_reported", True) else "reuse not reported by the engine"
+    return (
+        f"[{d['turn']}] {d['prompt_tokens']} prompt tokens ({reused}), "
+        f"{d['generated_tokens']} generated, TTFT {d['ttft_s']:.2f} s\n{d['reply']}\n"
+    )
+
+
+def cmd_replay(args) -> int:
+    """Exit status 0 when every turn ran, 1 when any turn was refused (each in its row)."""
+    from llmweb.runtime import Runtime
+
+    settings = Settings.from_env()
+    users = read_script(Path(args.file))
+    runtime = Runtime(settings).start(background=False)
+    refused = 0
+    try:
+        for d in replay(runtime, users, prompt_text=args.prompt_text, seed=args.seed):
+            refused += "error" in d
+            print(json.dumps(d, ensure_ascii=False) if args.json else replay_line(d), flush=True)
+        if settings.engine_url:  # what this process holds while a server generates: no weights
+            import psutil
+
+            rss = psutil.Process().memory_info().rss
+            print(f"llmweb: process RSS {rss / 2**20:,.0f} MiB (remote engine {settings.engine_url})", file=sys.stderr)
+    finally:
+        runtime.close()
+    if refused:
+        print(f"llmweb: {refused} of {len(users)} turns were refused", file=sys.stderr)
+    return 1 if refused else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m llmweb", description="llmweb: long local-LLM chat sessions")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command")
+
+    s = sub.add_parser("serve", help="serve the web app (default)")
+    s.add_argument("--host", default=None)
+    s.add_argument("--port", type=int, default=None)
+    s.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("replay", help='run a scripted conversation (JSON lines of {"user": ...})')
+    r.add_argument("file")
+    r.add_argument("--json", action="store_true", help="one JSON object per turn")
+    r.add_argument("--prompt-text", action="store_true", help="include each turn's full prompt text")
+    r.add_argument("--seed", type=int, default=None)
+    r.set_defaults(func=cmd_replay)
+
+    from llmweb import bench
+    from llmweb.cli import docs as docs_cli
+    from llmweb.cli import user
+
+    docs_cli.add_parsers(sub)
+    user.add_parser(sub)  # user add | remove | list | key
+    bench.register(sub)  # bench, capacity
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-v", "--verbose"):
+        argv = ["serve"] + argv
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(argv + ["serve"])
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from llmweb.engine.models import configure_allocator
+
+    configure_allocator()
+    try:
+        return args.func(args)
+    except LlmwebError as e:
+        print(f"llmweb: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

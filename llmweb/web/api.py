@@ -1,0 +1,569 @@
+"""The OpenAI-compatible API, on the UI's port: `GET /v1/models`, `POST /v1/chat/completions`.
+
+`api_routes(runtime)` returns the routes; cli/main.py hands them to Gradio's FastAPI app
+(`launch(app_kwargs={"routes": ...})`), so `python -m llmweb serve` serves both on one port. This
+module is transport only: who is calling (bearer keys, web/accounts.py), reading a bounded body,
+events to JSON or server-sent events (web/api_wire.py), errors to status codes. The turn itself is
+the chat path's: stateful requests run `Chat.send` (history, summary, facts, recall, retrieval,
+the store: the conversation shows in its owner's list), stateless ones `StatelessChat.send`
+(chat/stateless.py: the client's messages fitted into the budget). Both go through the one engine
+queue, so a full queue is a 429 here as it is a "busy" message in the UI.
+
+Owners follow web/ui.py: a key of user alice acts for "user:alice" (her conversations in the UI); a
+key of no user for "key:<tag>"; a single-user install for LOCAL_OWNER. Without keys the API is
+open only on a loopback bind without login; then, on a multi-user install, a conversation's own
+id is its owner ("api:<id>"), as for gradio_client callers.
+
+A chat turn blocks (it waits on the engine), so each request's turn runs on its own thread
+(`_Pump`), and the event loop only moves its events. A client that disconnects (streaming or
+not) cancels its engine request at once: it stops within a token, and a stateful turn keeps the
+partial reply, marked as stopped, as the UI's Stop button does.
+
+Sampling (temperature, top_p, max_tokens) reaches the engine through `_EngineView`, the engine
+as one request's turn sees it; `stop` strings are found in the decoded text (StopScanner), and
+the request is cancelled at the first one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from llmweb.chat.session import Delta, Finished, Queued, Started
+from llmweb.chat.stateless import Fitted, StatelessChat
+from llmweb.errors import (
+    AdmissionError,
+    BusyError,
+    Cancelled,
+    ConfigError,
+    InputError,
+    LlmwebError,
+    OutOfMemory,
+    TimedOut,
+)
+from llmweb.store.db import LOCAL_OWNER, NotFound, new_id
+from llmweb.web.accounts import ApiKeys
+from llmweb.web.api_wire import (
+    MODEL_ID,
+    NEW_CONVERSATION,
+    ApiError,
+    ChatRequest,
+    Completion,
+    StopScanner,
+    Usage,
+    finish_reason,
+    model_object,
+    models_list,
+    parse_json,
+    parse_request,
+    sse,
+)
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 2  # what a 429 / 503 tells the client to wait
+OPEN_STATELESS_OWNER = "api:stateless"  # open API on a multi-user install, no conversation
+ENDPOINTS = "GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions"
+
+
+def api_routes(runtime) -> list:
+    """The API's routes, to put in front of Gradio's own (they take precedence)."""
+    api = OpenAIApi(runtime)
+    router = APIRouter()
+    router.add_api_route("/v1/models", api.models, methods=["GET"], include_in_schema=False)
+    router.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"], include_in_schema=False)
+    router.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"], include_in_schema=False)
+    router.add_api_route(
+        "/v1/{path:path}", api.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
+    )
+    return list(router.routes)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is asking. owner=None: the open API on a multi-user install (each conversation is its own owner)."""
+
+    owner: str | None
+
+    def of_conversation(self, conv_id: str) -> str:
+        return self.owner or f"api:{conv_id}"
+
+
+class OpenAIApi:
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.settings = runtime.settings
+        self.keys = ApiKeys.from_settings(self.settings)
+        self.created = int(time.time())
+        self._stateless: StatelessChat | None = None
+        self._lock = threading.Lock()
+        if not self.keys.configured and not self._open():
+            log.warning(
+                "the OpenAI-compatible API (/v1) refuses every request: it needs keys when the server is "
+                "bound to %s%s (LLMWEB_API_KEYS, or `python -m llmweb user key NAME`)",
+                self.settings.host,
+                " with login on" if self.settings.login else "",
+            )
+
+    # ---- who is asking
+    def _open(self) -> bool:
+        return self.settings.on_loopback and not self.settings.login
+
+    def caller(self, headers) -> Caller:
+        """The caller's owner from `Authorization: Bearer <key>`; ApiError 401 without a valid key
+        where one is needed. Without keys (loopback only), whatever key a client sends is ignored."""
+        single = self.settings.is_single_user
+        if not self.keys.configured:
+            if not self._open():
+                raise ApiError(
+                    401,
+                    "This server's API needs an API key: it is reachable from other machines or has login on, "
+                    "and no keys are set (LLMWEB_API_KEYS, or `python -m llmweb user key NAME`).",
+                    type="authentication_error",
+                    code="api_key_required",
+                )
+            return Caller(LOCAL_OWNER if single else None)
+        scheme, _, key = (headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(
+                401,
+                "Missing API key: send the header Authorization: Bearer <your key>.",
+                type="authentication_error",
+                code="missing_api_key",
+            )
+        who = self.keys.lookup(key.strip())
+        if who is None:
+            raise ApiError(401, "Incorrect API key.", type="authentication_error", code="invalid_api_key")
+        if single:
+            return Caller(LOCAL_OWNER)
+        return Caller(f"user:{who.name}" if who.name else f"key:{who.tag}")
+
+    def model_names(self) -> list[str]:
+        loaded = getattr(self.runtime, "loaded", None)
+        name = getattr(loaded, "name", None)
+        return [MODEL_ID] + ([name] if isinstance(name, str) and name and name != MODEL_ID else [])
+
+    # ---- routes
+    async def models(self, request: Request) -> Response:
+        try:
+            self.caller(request.headers)
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse(models_list([MODEL_ID], self.created))
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        try:
+            self.caller(request.headers)
+            if model_id not in self.model_names():
+                message = f"The model {model_id[:100]!r} does not exist here."
+                raise ApiError(404, message, type="not_found_error", code="model_not_found")
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse(model_object(model_id, self.created))
+
+    async def unknown(self, request: Request, path: str) -> Response:
+        known = {"models": "GET", "chat/completions": "POST"}
+        if path in known:
+            e = ApiError(405, f"Use {known[path]} for /v1/{path}.", code="method_not_allowed")
+        else:
+            e = ApiError(404, f"Unknown endpoint /v1/{path[:100]}; this server has {ENDPOINTS}.", code="unknown_url")
+        return error_response(e)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            caller = self.caller(request.headers)
+            body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
+            req = parse_request(body, self.model_names(), self.settings.max_message_chars, request.headers)
+            turn = self.start(caller, req)
+            pump = _Pump(turn.events, turn.view)
+            try:
+                early = await pump.until_started()
+            except BaseException:
+                pump.close()
+                raise
+        except ApiError as e:
+            return error_response(e)
+        except LlmwebError as e:
+            return error_response(api_error(e))
+        fitted = next((e for e in early if isinstance(e, Fitted)), None)
+        reply = _Reply(req, turn, fitted, Completion(req.model, "chatcmpl-" + secrets.token_hex(12)))
+        if req.stream:
+            return _EventStream(reply.stream(pump), on_close=pump.close, headers=reply.headers(None))
+        return await reply.whole(pump, request)
+
+    # ---- the turn
+    def start(self, caller: Caller, req: ChatRequest) -> _Turn:
+        """Start the chat turn for `req` (nothing runs until its events are read)."""
+        try:
+            chat = self.runtime.wait_ready(0)
+        except LlmwebError as e:
+            raise ApiError(503, str(e), type="server_error", code="model_unavailable", headers=_retry()) from None
+        cap = chat.budget.max_new_tokens
+        max_tokens = min(req.max_tokens or cap, cap)
+        view = _EngineView(chat.engine, req.temperature, req.top_p, max_tokens)
+        notes = []
+        if req.max_tokens is not None and req.max_tokens > cap:
+            notes.append(f"max_tokens was capped at {cap} (the reply budget, LLMWEB_MAX_NEW_TOKENS).")
+        if req.stateful:
+            new = req.conversation_id == NEW_CONVERSATION
+            conv_id = new_id() if new else str(req.conversation_id)
+            owner = caller.of_conversation(conv_id)
+            if not new and not chat.store.exists(owner, conv_id):
+                raise ApiError(
+                    404,
+                    'There is no conversation with this id for your key. Start one with conversation_id "new".',
+                    type="not_found_error",
+                    code="conversation_not_found",
+                    param="conversation_id",
+                )
+            # the chat's own turn, over this request's view of the engine (a shallow copy: the
+            # chat's stores, caches and summary jobs are shared; only `engine` differs)
+            turn_chat = copy.copy(chat)
+            turn_chat.engine = view
+            use_docs = True if req.use_docs is None else req.use_docs
+            events = turn_chat.send(owner, conv_id, req.messages[0].text, new=new, use_docs=use_docs, seed=req.seed)
+            return _Turn(events, view, "stateful", conv_id, max_tokens, notes)
+        owner = caller.owner or OPEN_STATELESS_OWNER
+        events = self.stateless(chat).send(
+            owner,
+            [(m.role, m.text) for m in req.messages],
+            view,
+            max_tokens=max_tokens,
+            use_docs=bool(req.use_docs),
+            seed=req.seed,
+        )
+        return _Turn(events, view, "stateless", None, max_tokens, notes)
+
+    def stateless(self, chat) -> StatelessChat:
+        with self._lock:
+            if self._stateless is None:
+                self._stateless = StatelessChat(
+                    self.settings, chat.fmt, chat.budget, chat.write_summary, chat.summary_cap(), chat.library
+                )
+            return self._stateless
+
+
+@dataclass
+class _Turn:
+    events: Iterator
+    view: _EngineView
+    mode: str  # stateful | stateless
+    conv_id: str | None
+    max_tokens: int
+    notes: list[str]
+
+
+class _EngineView:
+    """The engine as one API request's turn sees it: the request's temperature, top_p and max_tokens
+    applied to its reply (summary jobs pass as they are), and a hand on the reply's handle."""
+
+    def __init__(self, engine, temperature: float | None, top_p: float | None, max_tokens: int):
+        self.engine = engine
+        self.temperature, self.top_p, self.max_tokens = temperature, top_p, max_tokens
+        self.handle = None
+        self._cancelled = False
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the engine's
+        return getattr(self.engine, name)
+
+    def _apply(self, request):
+        changes: dict[str, Any] = {"max_new_tokens": min(request.max_new_tokens, self.max_tokens)}
+        if self.temperature is not None:
+            changes["temperature"] = self.temperature
+        if self.top_p is not None:
+            changes["top_p"] = self.top_p
+        if request.fallback is not None:  # the OOM retry keeps the request's sampling too
+            fallback = request.fallback
+            changes["fallback"] = lambda: (lambda r: None if r is None else self._apply(r))(fallback())
+        return replace(request, **changes)
+
+    def submit(self, request):
+        if request.background:
+            return self.engine.submit(request)
+        handle = self.engine.submit(self._apply(request))
+        self.handle = handle
+        if self._cancelled:
+            handle.cancel()
+        return handle
+
+    def cancel(self) -> None:
+        """Stop the reply within a token (or before it starts)."""
+        self._cancelled = True
+        if self.handle is not None:
+            self.handle.cancel()
+
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class _Pump:
+    """Runs one blocking chat turn on its own thread and hands its events to the event loop.
+    `close()` (client gone) cancels the engine request and ends the turn after its next event."""
+
+    def __init__(self, events: Iterator, view: _EngineView):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._stop = threading.Event()
+        self._view = view
+        self._thread = threading.Thread(target=self._run, args=(events,), name="llmweb-api-turn", daemon=True)
+        self._thread.start()
+
+    def _run(self, events: Iterator) -> None:
+        try:
+            for event in events:
+                self._put(event)
+                if self._stop.is_set():
+                    break
+        except BaseException as e:  # handed to the request; the turn's own `finally` already ran
+            self._put(_Failed(e))
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()  # a turn left early: the chat cancels its request and keeps the partial reply
+            self._put(_END)
+
+    def _put(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            self._stop.set()
+
+    async def next(self):
+        """The next event; None at the end; raises the turn's error."""
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)  # stays ended
+            return None
+        if isinstance(item, _Failed):
+            raise item.error
+        return item
+
+    async def until_started(self) -> list:
+        """The events before `Started` (a stateless turn's `Fitted`); the turn's errors until then."""
+        early: list = []
+        while True:
+            event = await self.next()
+            if event is None:
+                raise ApiError(500, "The chat turn ended before it started.", type="server_error")
+            if isinstance(event, Started):
+                return early
+            early.append(event)
+
+    def cancel_reply(self) -> None:
+        """Stop the engine request (a stop string): the turn still finishes, with its stats."""
+        self._view.cancel()
+
+    def close(self) -> None:
+        """The client is gone: stop the engine request and end the turn."""
+        self._stop.set()
+        self._view.cancel()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that call `on_close` however the response ends (done, client gone, error)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close, headers: dict[str, str]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _Reply:
+    """One response being written: the request, its turn, the reply text as stop strings allow it."""
+
+    def __init__(self, req: ChatRequest, turn: _Turn, fitted: Fitted | None, completion: Completion):
+        self.req, self.turn, self.fitted, self.c = req, turn, fitted, completion
+        self.scanner = StopScanner(req.stop)
+        self.cut = ""  # the reply up to the stop string, once one appeared
+
+    def headers(self, finished: Finished | None) -> dict[str, str]:
+        h = {"X-Llmweb-Mode": self.turn.mode}
+        if self.turn.conv_id:
+            h["X-Llmweb-Conversation-Id"] = self.turn.conv_id
+        report = self.report(finished)
+        for name in ("summarized_messages", "left_out_messages", "summary_cached"):
+            if name in report:
+                h["X-Llmweb-" + name.replace("_", "-").title()] = str(report[name]).lower()
+        return h
+
+    def report(self, finished: Finished | None) -> dict[str, Any]:
+        """What was summarised and left out: known before generation in stateless mode, after it in stateful."""
+        if self.fitted is not None:
+            return self.fitted.fit.report()
+        if finished is None:
+            return {}
+        st = finished.stats
+        return {
+            "summarized_messages": 2 * st.summarized_turns,
+            "left_out_messages": 2 * st.dropped_turns,
+            "summary_tokens": st.summary_tokens,
+        }
+
+    def extension(self, f: Finished) -> dict[str, Any]:
+        st = f.stats
+        return {
+            "mode": self.turn.mode,
+            "conversation_id": self.turn.conv_id,
+            "sections": dict(st.sections),
+            "context_limit": st.context_limit,
+            "max_tokens": self.turn.max_tokens,
+            **self.report(f),
+            "sources": [s.to_dict() for s in f.sources],
+            "notes": self.turn.notes + list(f.notes),
+            "stop": self.scanner.stopped,
+            "stats": st.to_dict(),
+        }
+
+    def on_delta(self, text: str) -> str:
+        """What of the reply so far may be shown; cancels the request at a stop string."""
+        shown, stopped = self.scanner.scan(text.lstrip())
+        if stopped and not self.cut:
+            self.cut = shown
+            self.turn.view.cancel()
+        return self.cut if self.scanner.stopped else shown
+
+    def content(self, f: Finished) -> str:
+        text = self.cut if self.scanner.stopped else f.reply
+        return self.scanner.scan(text, final=True)[0].strip()
+
+    def usage(self, f: Finished) -> Usage:
+        g = f.stats.gen
+        return Usage(g.prompt_tokens, g.generated_tokens, g.reused_tokens if g.reuse_reported else None)
+
+    def finish_reason(self, f: Finished) -> str:
+        return finish_reason(f.stats.gen.finish_reason, self.scanner.stopped)
+
+    async def whole(self, pump: _Pump, request: Request) -> Response:
+        """A response without streaming; a client that leaves first cancels the request."""
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while True:
+                step = asyncio.ensure_future(pump.next())
+                await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    pump.close()
+                    return Response(status_code=499)  # nobody reads it
+                try:
+                    event = step.result()
+                except LlmwebError as e:
+                    return error_response(api_error(e))
+                if event is None:
+                    return error_response(ApiError(500, "The chat turn ended without a reply.", type="server_error"))
+                if isinstance(event, Delta):
+                    self.on_delta(event.text)
+                elif isinstance(event, Finished):
+                    content, reason = self.content(event), self.finish_reason(event)
+                    body = self.c.response(content, reason, self.usage(event), self.extension(event))
+                    return JSONResponse(body, headers=self.headers(event))
+        finally:
+            gone.cancel()
+
+    async def stream(self, pump: _Pump) -> AsyncIterator[bytes]:
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+        usage = self.req.include_usage
+        yield sse(self.c.chunk({"role": "assistant", "content": ""}, include_usage=usage))
+        sent = ""
+        while True:
+            try:
+                event = await pump.next()
+            except LlmwebError as e:  # after the headers: an error event, as OpenAI streams do
+                yield sse(api_error(e).body())
+                return
+            if event is None:
+                yield sse(ApiError(500, "The chat turn ended without a reply.", type="server_error").body())
+                return
+            if isinstance(event, Queued):
+                yield f": waiting, {event.position} ahead\n\n".encode()  # keeps proxies open; notices a client gone
+            elif isinstance(event, Delta):
+                shown = self.on_delta(event.text)
+                if len(shown) > len(sent) and shown.startswith(sent):
+                    yield sse(self.c.chunk({"content": shown[len(sent) :]}, include_usage=usage))
+                    sent = shown
+            elif isinstance(event, Finished):
+                final = self.content(event)
+                if len(final) > len(sent) and final.startswith(sent):
+                    yield sse(self.c.chunk({"content": final[len(sent) :]}, include_usage=usage))
+                reason = self.finish_reason(event)
+                yield sse(self.c.chunk({}, reason, include_usage=usage, extension=self.extension(event)))
+                if usage:
+                    yield sse(self.c.chunk(None, usage=self.usage(event), include_usage=True))
+                yield sse("[DONE]")
+                return
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is already read: what comes next is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def read_body(request: Request, cap: int) -> bytes:
+    """The request body, refused (413) past `cap` bytes, whatever Content-Length says."""
+    too_big = ApiError(
+        413,
+        f"The request body is over {cap // 1024:,} KB (LLMWEB_API_MAX_BODY_KB). Send fewer or shorter messages.",
+        code="request_too_large",
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > cap:
+        raise too_big
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > cap:
+            raise too_big
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _retry() -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def api_error(e: LlmwebError) -> ApiError:
+    """A domain error as the API reports it; its sentence is the message."""
+    message = str(e)
+    if isinstance(e, NotFound):
+        return ApiError(404, message, type="not_found_error", code="conversation_not_found")
+    if isinstance(e, InputError):
+        return ApiError(400, message, code="invalid_input")
+    if isinstance(e, BusyError):
+        return ApiError(429, message, type="rate_limit_error", code="queue_full", headers=_retry())
+    if isinstance(e, AdmissionError | OutOfMemory):
+        return ApiError(503, message, type="server_error", code="out_of_memory", headers=_retry())
+    if isinstance(e, TimedOut):
+        return ApiError(504, message, type="server_error", code="timeout")
+    if isinstance(e, Cancelled):
+        return ApiError(503, message, type="server_error", code="cancelled", headers=_retry())
+    if isinstance(e, ConfigError):
+        return ApiError(500, message, type="server_error", code="configuration")
+    return ApiError(500, message, type="server_error")
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)

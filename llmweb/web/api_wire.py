@@ -1,0 +1,466 @@
+"""The OpenAI chat-completions wire format: read a request, write responses, chunks and errors.
+
+Pure: no I/O, no model, no web framework. web/api.py reads the body and the headers, hands them to
+`parse_request`, and turns what the chat path yields into `completion(...)` (one JSON object) or
+`chunk(...)` lines for server-sent events. Every refusal is an `ApiError` carrying its HTTP
+status and an OpenAI-style error object, so a client SDK raises the right exception with our
+sentence in it. Unsupported features (n > 1, tools, logprobs, images, ...) are refused by name,
+never ignored; an unknown field is refused like OpenAI does ("Unrecognized request argument").
+
+The two llmweb extensions ride along as plain fields: in a request `conversation_id` (stateful
+mode; "new" starts a conversation) and `use_docs`; in a response the `x_llmweb` object.
+`StopScanner` implements `stop` on decoded text: it finds the first stop string and holds back
+a tail that could still become one, so a streamed delta never shows part of a stop string.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmweb.chat.session import clean_message
+from llmweb.errors import InputError
+
+MODEL_ID = "llmweb"  # the one model /v1/models lists; the loaded model's own name is accepted too
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_CHARS = 200
+MAX_USER_CHARS = 256
+NEW_CONVERSATION = "new"
+
+ROLES = ("system", "developer", "user", "assistant")
+# accepted and ignored: they change nothing a client could notice here
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+# OpenAI fields we do not implement: refused unless they hold their neutral value
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+}
+KNOWN_FIELDS = {
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "seed",
+    "user",
+    "conversation_id",
+    "use_docs",
+    *IGNORED_FIELDS,
+    *NEUTRAL,
+}
+MESSAGE_FIELDS = {"role", "content", "name"}
+MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tool_calls": (None, []),
+    "tool_call_id": (None,),
+    "function_call": (None,),
+    "refusal": (None,),
+    "audio": (None,),
+}
+
+
+class ApiError(Exception):
+    """A refusal for the client: HTTP status, OpenAI error type and code, the parameter at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str  # system | user | assistant ("developer" is read as "system")
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """One validated chat-completions request. None means: the server's default."""
+
+    model: str
+    messages: tuple[Message, ...]
+    stream: bool = False
+    include_usage: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    user: str | None = None
+    conversation_id: str | None = None  # None: stateless; NEW_CONVERSATION: start one
+    use_docs: bool | None = None  # None: on for stateful, off for stateless
+
+    @property
+    def stateful(self) -> bool:
+        return self.conversation_id is not None
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise bad("The request body is not UTF-8 text.", code="invalid_json") from None
+    except json.JSONDecodeError as e:
+        where = f"{e.msg} at line {e.lineno} column {e.colno}"
+        raise bad(f"The request body is not valid JSON: {where}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def parse_request(
+    body: dict[str, Any], models: Sequence[str], max_message_chars: int, headers: Mapping[str, str] | None = None
+) -> ChatRequest:
+    """Validate a chat-completions body (and the llmweb headers) into a `ChatRequest`; raise ApiError."""
+    headers = {k.lower(): v for k, v in (headers or {}).items()}
+    for name in body:
+        if name not in KNOWN_FIELDS:
+            raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+    for name, neutral in NEUTRAL.items():
+        if name in body and not any(_same(body[name], v) for v in neutral):
+            raise bad(_unsupported(name), name, "unsupported_parameter")
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("You must provide a model (GET /v1/models lists it).", "model", "missing_required_parameter")
+    if model not in models:
+        raise ApiError(
+            404,
+            f"The model {model[:100]!r} does not exist here; this server has {', '.join(map(repr, models))}.",
+            type="not_found_error",
+            code="model_not_found",
+            param="model",
+        )
+
+    stream = _optional(body, "stream", bool) or False
+    options = _optional(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise bad("stream_options is only allowed when stream is true.", "stream_options")
+    include_usage = False
+    if options:
+        extra = set(options) - {"include_usage"}
+        if extra:
+            raise bad(f"Unrecognized stream_options field: {sorted(extra)[0]}", "stream_options", "unknown_parameter")
+        include_usage = _optional(options, "include_usage", bool, "stream_options.include_usage") or False
+
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
+    max_tokens = _max_tokens(body)
+    seed = _optional(body, "seed", int)
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise bad("seed must fit in 64 bits.", "seed")
+    user = _optional(body, "user", str)
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise bad(f"user must be at most {MAX_USER_CHARS} characters.", "user")
+
+    conversation_id = _optional(body, "conversation_id", str)
+    if conversation_id is None:
+        conversation_id = headers.get("x-llmweb-conversation-id") or None
+    if conversation_id is not None and not conversation_id.strip():
+        raise bad('conversation_id is empty; send an id, or "new" to start a conversation.', "conversation_id")
+    use_docs = _optional(body, "use_docs", bool)
+    if use_docs is None and "x-llmweb-use-docs" in headers:
+        flag = headers["x-llmweb-use-docs"].strip().lower()
+        if flag not in ("1", "0", "true", "false"):
+            raise bad("The X-Llmweb-Use-Docs header must be 1 or 0.", "use_docs")
+        use_docs = flag in ("1", "true")
+
+    messages = parse_messages(body.get("messages"), max_message_chars)
+    if conversation_id is not None and (len(messages) != 1 or messages[0].role != "user"):
+        raise bad(
+            "With a conversation_id, send only the new user message: llmweb keeps the history, the summary "
+            "and the system prompt of the conversation. (Without one, send the whole message list.)",
+            "messages",
+            "stateful_messages",
+        )
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        stream=stream,
+        include_usage=include_usage,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        stop=_stop(body.get("stop")),
+        seed=seed,
+        user=user,
+        conversation_id=conversation_id,
+        use_docs=use_docs,
+    )
+
+
+def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise bad("messages must be a non-empty array of {role, content} objects.", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object with a role and a content.", where)
+        role = m.get("role")
+        if role in ("tool", "function"):
+            raise bad(f"{where}: {role} messages are not supported (this server has no tools).", f"{where}.role")
+        if role not in ROLES:
+            shown = repr(role)[:40]
+            raise bad(f"{where}.role is {shown}; it must be one of {', '.join(ROLES)}.", f"{where}.role")
+        for name in m:
+            if name in MESSAGE_NEUTRAL:
+                if not any(_same(m[name], v) for v in MESSAGE_NEUTRAL[name]):
+                    raise bad(f"{where}.{name}: {_unsupported(name)}", f"{where}.{name}", "unsupported_parameter")
+            elif name not in MESSAGE_FIELDS:
+                raise bad(f"Unrecognized field {where}.{name}.", f"{where}.{name}", "unknown_parameter")
+        try:
+            text = clean_message(_content(m.get("content"), where), max_chars)
+        except InputError as e:
+            raise bad(f"{where}: {e}", f"{where}.content") from None
+        out.append(Message("system" if role == "developer" else role, text))
+    if out[-1].role != "user":
+        raise bad(
+            f"The last message must be the user's (it is {out[-1].role!r}): llmweb answers it.",
+            f"messages[{len(out) - 1}].role",
+        )
+    return tuple(out)
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise bad(
+                    f"{where}.content[{j}]: only text parts are supported (type {str(kind)[:40]!r}).",
+                    f"{where}.content",
+                    "unsupported_content",
+                )
+            parts.append(part["text"])
+        return "\n".join(parts)
+    if content is None:
+        raise bad(f"{where}.content is missing.", f"{where}.content", "missing_required_parameter")
+    raise bad(f"{where}.content must be a string or an array of text parts.", f"{where}.content")
+
+
+def _unsupported(name: str) -> str:
+    why = {
+        "n": "n > 1 is not supported: one choice per request.",
+        "tools": "tools are not supported by this server.",
+        "functions": "functions are not supported by this server.",
+        "logprobs": "logprobs are not supported by this server.",
+        "top_logprobs": "logprobs are not supported by this server.",
+        "response_format": 'only response_format {"type": "text"} is supported.',
+        "modalities": 'only modalities ["text"] is supported.',
+        "tool_calls": "tool calls are not supported by this server.",
+    }
+    return why.get(name, f"{name} is not supported by this server.")
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal, and of the same JSON kind (True is not 1 here)."""
+    return type(value) is type(neutral) and value == neutral or (neutral is None and value is None)
+
+
+def _optional(d: Mapping[str, Any], name: str, kind: type, param: str | None = None) -> Any:
+    value = d.get(name)
+    if value is None:
+        return None
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise bad(f"{param or name} must be an integer.", param or name, "invalid_type")
+    if not isinstance(value, kind):
+        noun = {bool: "a boolean", str: "a string", dict: "an object"}.get(kind, kind.__name__)
+        raise bad(f"{param or name} must be {noun}.", param or name, "invalid_type")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(f"{name} must be a number.", name, "invalid_type")
+    if value > high or value < low or (low_open and value == low):
+        raise bad(f"{name} must be {'>' if low_open else '>='} {low:g} and <= {high:g}, not {value}.", name)
+    return float(value)
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    a, b = _optional(body, "max_tokens", int), _optional(body, "max_completion_tokens", int)
+    if a is not None and b is not None and a != b:
+        raise bad("max_tokens and max_completion_tokens differ; send one of them.", "max_tokens")
+    value = a if a is not None else b
+    if value is not None and value < 1:
+        raise bad("max_tokens must be at least 1.", "max_tokens")
+    return value
+
+
+def _stop(raw: Any) -> tuple[str, ...]:
+    stops = [raw] if isinstance(raw, str) else raw if raw is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop must be a string or an array of strings.", "stop", "invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"stop takes at most {MAX_STOP_STRINGS} strings.", "stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad(f"each stop string must have 1 to {MAX_STOP_CHARS} characters.", "stop")
+    return tuple(dict.fromkeys(stops))
+
+
+# ---- stop strings on streamed text
+
+
+class StopScanner:
+    """Stop strings on the decoded reply. `scan(text)` takes the whole reply so far and returns
+    (what may be shown, stopped): up to the first stop string once one appears; before that,
+    everything but a tail that could be the start of a stop string (or an unfinished character)."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.stopped = False
+
+    def scan(self, text: str, final: bool = False) -> tuple[str, bool]:
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            return text[: min(hits)], True
+        if final:
+            return text, False
+        hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        shown = text[: len(text) - hold]
+        return shown.rstrip("\ufffd"), False  # U+FFFD: a character whose bytes are not all decoded yet
+
+
+# ---- responses
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = 0  # prompt tokens served from the conversation's KV cache; None: not reported
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        if self.cached_tokens is not None:  # a remote engine that did not say: no invented figure
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return out
+
+
+@dataclass
+class Completion:
+    """One response's identity: the same id and time in every chunk."""
+
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def chunk(
+        self,
+        delta: dict[str, Any] | None,
+        finish_reason: str | None = None,
+        *,
+        usage: Usage | None = None,
+        include_usage: bool = False,
+        extension: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One `chat.completion.chunk`. delta=None: the usage chunk (no choices) that ends a stream
+        with `stream_options.include_usage`."""
+        d: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": []
+            if delta is None
+            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            d["usage"] = usage.to_dict() if usage is not None else None
+        if extension is not None:
+            d["x_llmweb"] = extension
+        return d
+
+    def response(self, content: str, finish_reason: str, usage: Usage, extension: dict[str, Any]) -> dict[str, Any]:
+        """The whole `chat.completion` of a request without streaming."""
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": usage.to_dict(),
+            "x_llmweb": extension,
+        }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+def finish_reason(engine_reason: str, stopped: bool) -> str:
+    """OpenAI's finish_reason from the engine's (eos | length | cancelled | timeout)."""
+    if stopped:
+        return "stop"
+    return "length" if engine_reason == "length" else "stop"
+
+
+def models_list(models: Sequence[str], created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_object(m, created) for m in models]}
+
+
+def model_object(model: str, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "llmweb"}

@@ -1,0 +1,290 @@
+"""What the web UI shows, as plain values: Markdown, HTML, chat messages and plot tables.
+
+Pure functions from typed records (`TurnStats`, `Source`, the store's `Conversation`) to text
+and tables, so they are tested without a browser or a model. This module must not import
+gradio, touch the store or the engine, or decide anything: web/ui.py calls it and places the results.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Sequence
+
+from llmweb.engine.telemetry import mib
+from llmweb.records import Source, TurnStats
+from llmweb.store.db import HIT_END, HIT_START
+
+SECTION_COLOURS = {
+    "system": "#6b7280",
+    "summary": "#8b5cf6",
+    "facts": "#ec4899",
+    "history": "#3b82f6",
+    "recall": "#06b6d4",
+    "retrieved": "#f59e0b",
+    "user": "#10b981",
+    "reserve": "#e5e7eb",
+}
+NEAR = 0.9  # warn when a turn uses this share of the context or of the memory limit
+NO_TURNS = "*No turns yet. Ask something.*"
+STOPPED = "\n\n*(stopped)*"
+
+_MD_LEAD = re.compile(r"^\s*(#{1,6}\s+|[>*+-]\s+|\d+[.)]\s+)+")
+
+
+def warnings(s: TurnStats, mem_limit_bytes: int = 0) -> list[str]:
+    """Plain-words warnings for a turn that came near the token budget or the memory limit."""
+    out = []
+    used = s.gen.prompt_tokens + s.sections.get("reserve", 0)
+    if s.context_limit and used >= NEAR * s.context_limit:
+        out.append(
+            f"⚠️ This turn used {used:,} of {s.context_limit:,} context tokens; older turns will be "
+            "summarised or left out."
+        )
+    if s.dropped_turns:
+        out.append(f"⚠️ {s.dropped_turns} older turns did not fit and were left out.")
+    peak = s.mem.peak_rss_bytes or s.mem.rss_bytes
+    if mem_limit_bytes and peak >= NEAR * mem_limit_bytes:
+        out.append(f"⚠️ Memory is near its limit: {mib(peak)} of {mib(mem_limit_bytes)}.")
+    return out
+
+
+def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
+    """The last turn's figures in plain words."""
+    if s is None:
+        return NO_TURNS
+    g, mem = s.gen, s.mem
+    lines = [
+        f"**Turn {s.turn}** · {g.finish_reason}",
+        f"- prompt **{g.prompt_tokens:,}** tokens: "
+        + (
+            f"reused {g.reused_tokens:,} of {g.prompt_tokens:,} from this chat's cache, "
+            f"prefilled {g.prefilled_tokens:,}"
+            if g.reuse_reported
+            else "the engine server did not report how many it served from its prefix cache"
+        ),
+        f"- generated **{g.generated_tokens:,}** tokens at {g.decode_tok_s:.1f} tok/s, "
+        + ("alone" if g.batch_size <= 1 else f"in a batch of up to {g.batch_size} requests"),
+        f"- first token after {g.ttft_s:.2f} s (queued {g.queue_wait_s:.2f} s); total {g.total_s:.1f} s",
+    ]
+    if mem.on_cuda:
+        lines.append(
+            f"- GPU: allocated {mib(mem.cuda_allocated_bytes)}, reserved {mib(mem.cuda_reserved_bytes)}, "
+            f"peak {mib(mem.cuda_peak_bytes)}"
+        )
+    lines.append(f"- RSS {mib(mem.rss_bytes)} (peak this turn {mib(mem.peak_rss_bytes)})")
+    if g.kv_session_bytes or g.kv_store_bytes or g.reuse_reported:  # a remote engine's KV is the server's
+        lines.append(f"- KV cache: this chat {mib(g.kv_session_bytes)}, all chats {mib(g.kv_store_bytes)}")
+    if s.dropped_turns or s.summarized_turns:
+        lines.append(f"- history: {s.summarized_turns} turns summarised, {s.dropped_turns} left out")
+    if g.oom_retry:
+        lines.append("- ran out of memory once; answered with a smaller prompt")
+    return "\n".join(lines + [""] + warnings(s, mem_limit_bytes))
+
+
+def sections_html(s: TurnStats | None) -> str:
+    """A stacked bar of prompt tokens per section against the context limit."""
+    if s is None or not s.sections or not s.context_limit:
+        return ""
+    limit = s.context_limit
+    bars, legend = [], []
+    for name, n in s.sections.items():
+        if n <= 0:
+            continue
+        pct = 100 * n / limit
+        colour = SECTION_COLOURS.get(name, "#9ca3af")
+        bars.append(f'<div title="{name}: {n} tokens" style="width:{pct:.2f}%;background:{colour}"></div>')
+        legend.append(f'<span><i style="background:{colour}"></i>{name} {n:,} ({pct:.0f}%)</span>')
+    free = max(limit - sum(s.sections.values()), 0)
+    legend.append(f"<span>free {free:,} of {limit:,}</span>")
+    return f'<div class="llmweb-bar">{"".join(bars)}</div><div class="llmweb-legend">{"".join(legend)}</div>'
+
+
+def sources_message(sources: Sequence[Source]) -> dict | None:
+    """The collapsible "Sources (n)" chat message under an answer, or None without sources."""
+    if not sources:
+        return None
+    lines = []
+    for s in sources:
+        snippet = _MD_LEAD.sub("", s.snippet)  # a chunk may start with "# Heading": not a heading here
+        lines.append(f"**[{s.n}] {html.escape(s.label())}** · score {s.score:.2f}\n> {html.escape(snippet)}")
+    return {
+        "role": "assistant",
+        "content": "\n\n".join(lines),
+        "metadata": {"title": f"Sources ({len(sources)})", "status": "done"},
+    }
+
+
+def history_messages(conv) -> list[dict]:
+    """A stored conversation as Chatbot messages: user, assistant (marked when stopped), sources."""
+    out: list[dict] = []
+    versions = getattr(conv, "versions", {})
+    for t in conv.turns:
+        stopped = t.stats is not None and t.stats.stopped
+        marker = f"\n\n{version_marker(*versions[t.idx])}" if t.idx in versions else ""
+        out.append({"role": "user", "content": t.user + marker})
+        out.append(
+            {"role": "assistant", "content": (t.assistant or "") + (STOPPED if stopped else "") or "*(no reply)*"}
+        )
+        src = sources_message(t.sources)
+        if src:
+            out.append(src)
+    return out
+
+
+def version_marker(active: int, count: int) -> str:
+    """The switcher's text on a message that has versions: "‹ 2/3 ›" (1-based)."""
+    return f"‹ {active + 1}/{count} ›"
+
+
+VERSION_MARKER = re.compile(r"\n\n‹ \d+/\d+ ›\s*$")  # what `history_messages` appends to a forked message
+
+
+def version_choices(versions: dict[int, tuple[int, int]]) -> list[tuple[str, int]]:
+    """The forks of a chat as (label, turn index) choices: "Turn 2 ‹ 2/3 ›"."""
+    return [(f"Turn {fork + 1} {version_marker(*group)}", fork) for fork, group in sorted(versions.items())]
+
+
+def fact_label(f) -> str:
+    return ("📌 " if f.pinned else "") + (f.text if len(f.text) <= 60 else f.text[:57] + "…")
+
+
+def summary_markdown(conv) -> str:
+    parts = [
+        f"**Summary of the first {conv.summarized_upto} turns:** {html.escape(conv.summary)}"
+        if conv.summary
+        else "*No summary yet: the whole conversation still fits in the window.*"
+    ]
+    if conv.facts:
+        parts.append("**Facts you stated** (kept word for word; 📌 = pinned, never dropped):")
+        parts += [f"- {'📌 ' if f.pinned else ''}{html.escape(f.text)}" for f in conv.facts]
+    else:
+        parts.append(
+            "*No facts kept yet. Facts you state are kept when their turn leaves the window; "
+            "add one below to keep it now.*"
+        )
+    return "\n".join(parts)
+
+
+def documents_markdown(docs) -> str:
+    """The documents a visitor's questions search (`LibraryDocument`), saying which are theirs."""
+    if not docs:
+        return "*No documents yet. Add .txt, .md, .pdf, .html or .docx files above.*"
+    rows = ["| document | chunks | whose |", "|---|---:|---|"] + [
+        f"| {html.escape(d.source)} | {d.chunks} | {'yours (private)' if d.scope == 'yours' else 'shared'} |"
+        for d in docs
+    ]
+    return "\n".join(rows)
+
+
+def ingest_markdown(reports) -> str:
+    """One line per uploaded file (`IngestReport`): ✅ added, or ⚠️ and why not."""
+    return "\n\n".join(("✅ " if r.ok else "⚠️ ") + html.escape(r.describe()) for r in reports)
+
+
+_MEMORY_MEASURES = (
+    ("rss_bytes", "RSS"),
+    ("cuda_allocated_bytes", "GPU allocated"),
+    ("cuda_reserved_bytes", "GPU reserved"),
+    ("cuda_peak_bytes", "GPU peak"),
+)
+_KV_MEASURES = (("kv_session_bytes", "KV this chat"), ("kv_store_bytes", "KV all chats"))
+
+
+def plot_frames(conv):
+    """Two long-format tables for the session plots: tokens per section and memory (MiB), per turn."""
+    import pandas as pd
+
+    tokens, memory = [], []
+    for t in conv.turns:
+        s, turn = t.stats, t.idx + 1
+        if s is None:
+            continue
+        tokens += [{"turn": turn, "section": name, "tokens": n} for name, n in s.sections.items() if name != "reserve"]
+        if s.gen.mem is not None:
+            memory += [
+                {"turn": turn, "measure": label, "MiB": getattr(s.mem, key) / 2**20}
+                for key, label in _MEMORY_MEASURES
+                if getattr(s.mem, key) is not None
+            ]
+        memory += [{"turn": turn, "measure": label, "MiB": getattr(s.gen, key) / 2**20} for key, label in _KV_MEASURES]
+    # numeric dtypes even when empty: an empty frame of objects would make the plot's axes categorical
+    return (
+        pd.DataFrame(tokens, columns=["turn", "section", "tokens"]).astype({"turn": "int64", "tokens": "float64"}),
+        pd.DataFrame(memory, columns=["turn", "measure", "MiB"]).astype({"turn": "int64", "MiB": "float64"}),
+    )
+
+
+_SERIES_COLOURS = ("#3b82f6", "#ef4444", "#10b981", "#f59e0b", "#8b5cf6", "#06b6d4", "#ec4899", "#6b7280")
+NO_PLOT = '<div class="llmweb-plot"><em>No turns yet.</em></div>'
+
+
+def line_chart_html(frame, y: str, series: str, title: str, colours: dict[str, str] | None = None) -> str:
+    """A small SVG line chart of `frame` (long format: "turn", `series`, `y`) for the session panel.
+
+    Drawn here rather than by Gradio's LinePlot, which labels a one-turn axis with fractions
+    ("1.000000") and draws a line only from two points: here the x ticks are whole turns and every
+    value is a dot (with a hover title), joined by a line once a series has two turns."""
+    if frame is None or not len(frame):
+        return NO_PLOT
+    w, h, left, right, top, bottom = 360, 190, 46, 10, 8, 26
+    turns = sorted({int(t) for t in frame["turn"]})
+    lo, hi = turns[0], turns[-1]
+    y_max = max(float(frame[y].max()), 1e-9) * 1.1
+
+    def px(turn: int) -> float:
+        return left + (w - left - right) * (0.5 if hi == lo else (turn - lo) / (hi - lo))
+
+    def py(value: float) -> float:
+        return top + (h - top - bottom) * (1 - float(value) / y_max)
+
+    parts = [
+        f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="#9ca3af"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="#9ca3af"/>',
+    ]
+    step = max(1, -(-len(range(lo, hi + 1)) // 8))  # at most ~8 whole-turn ticks
+    for turn in range(lo, hi + 1, step):
+        x = px(turn)
+        parts.append(
+            f'<text x="{x:.1f}" y="{h - bottom + 15}" font-size="11" text-anchor="middle" '
+            f'class="llmweb-x-tick">{turn}</text>'
+        )
+    y_format = ",.0f" if y_max >= 10 else ".1f"
+    for i in range(5):
+        value = y_max * i / 4
+        parts.append(
+            f'<text x="{left - 4}" y="{py(value) + 4:.1f}" font-size="10" text-anchor="end">{value:{y_format}}</text>'
+        )
+    legend = []
+    for n, (name, rows) in enumerate(frame.sort_values("turn").groupby(series, sort=False)):
+        colour = (colours or {}).get(name) or _SERIES_COLOURS[n % len(_SERIES_COLOURS)]
+        label = html.escape(str(name))
+        points = [(px(int(t)), py(v), int(t), float(v)) for t, v in zip(rows["turn"], rows[y])]
+        if len(points) > 1:
+            path = " ".join(f"{x:.1f},{yy:.1f}" for x, yy, _, _ in points)
+            parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        parts += [
+            f'<circle cx="{x:.1f}" cy="{yy:.1f}" r="3" fill="{colour}" class="llmweb-point">'
+            f"<title>{label}, turn {t}: {v:,.1f}</title></circle>"
+            for x, yy, t, v in points
+        ]
+        legend.append(f'<span><i style="background:{colour}"></i>{label}</span>')
+    svg = (
+        f'<svg viewBox="0 0 {w} {h}" width="100%" role="img" aria-label="{html.escape(title)} by turn">'
+        + "".join(parts)
+        + "</svg>"
+    )
+    return (
+        f'<div class="llmweb-plot"><div><strong>{html.escape(title)}</strong> '
+        f'<small>({html.escape(y)} by turn)</small></div>{svg}<div class="llmweb-legend">{"".join(legend)}</div></div>'
+    )
+
+
+def search_choices(hits) -> list[tuple[str, str]]:
+    """Search results (`SearchHit`) as (label, value) choices: "title · turn N: …snippet…", with the
+    matched words in «guillemets»; the value "conversation_id:idx" says where to jump."""
+    out = []
+    for h in hits:
+        snippet = " ".join(h.snippet.split()).replace(HIT_START, "«").replace(HIT_END, "»")
+        out.append((f"{h.title} · turn {h.idx + 1}: {snippet}", f"{h.conversation_id}:{h.idx}"))
+    return out

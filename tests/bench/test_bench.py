@@ -1,0 +1,212 @@
+"""The benchmark commands end to end at tiny sizes on CPU: `capacity`, `bench ttft`, the `bench` suite.
+
+They check that each command runs, reports what it promises (columns, keys, files), and that
+its verdicts (fits, meets target, leak suspected) follow from its own figures. No timing
+assertions: these machines are noisy.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llmweb import bench
+from llmweb.bench import capacity, memory, suite
+from llmweb.bench.common import write_reports
+from llmweb.cli.main import build_parser
+from llmweb.engine.blockcache import KEEP_ROOM
+from tests.conftest import MODEL_CACHE, REPO, make_settings
+
+
+def run_cli(tmp_path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        LLMWEB_DATA_DIR=str(tmp_path / "data"),
+        LLMWEB_CACHE_DIR=str(MODEL_CACHE),
+        LLMWEB_SAMPLE_DOCS="0",
+        LLMWEB_DEVICE="cpu",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "llmweb", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def printed_paths(stdout: str) -> dict[str, str]:
+    out = {}
+    for line in stdout.splitlines():
+        kind, _, path = line.partition(": ")
+        if kind in ("csv", "png", "md", "json") and path:
+            out[kind] = path
+    return out
+
+
+@pytest.mark.slow  # loads the real model in a subprocess
+def test_capacity_command_writes_table_csv_and_plot(tmp_path):
+    done = run_cli(tmp_path, "capacity", "--context", "256,512", "--concurrency", "1,2", "--max-new-tokens", "8")
+    out = done.stdout
+    assert "| context | sessions | prompt tokens | predicted MiB (weights + KV + act) | measured peak RSS MiB" in out
+    assert "up to max_batch requests per decode step" in out and "| aggregate tok/s | TTFT p95 (s) |" in out
+    paths = printed_paths(out)
+    assert set(paths) == {"csv", "png", "md"}
+    for p in paths.values():
+        assert os.path.isfile(p) and p.startswith(str(tmp_path / "data" / "reports"))
+    with open(paths["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(paths["csv"], newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == capacity.COLUMNS
+        rows = list(reader)
+    assert [(int(r["context"]), int(r["concurrency"])) for r in rows] == [(256, 1), (256, 2), (512, 1), (512, 2)]
+    for r in rows:
+        context, k, prompt = int(r["context"]), int(r["concurrency"]), int(r["prompt_tokens"])
+        assert context - 8 - 16 < prompt <= context - 8, "the prompt fills the context up to the reply"
+        assert int(r["completed"]) == k and int(r["refused"]) == 0 and int(r["evicted"]) == 0
+        baseline, peak, limit = (int(r[c]) for c in ("measured_baseline_bytes", "measured_peak_bytes", "limit_bytes"))
+        fits = max(baseline + int(r["predicted_growth_bytes"]), peak) <= limit  # nothing was refused or evicted
+        assert r["fits"] == str(fits), "fits: the larger of predicted and measured peak is under the limit"
+        pred = {
+            c: int(r[c])
+            for c in ("predicted_weights_bytes", "predicted_kv_bytes", "predicted_activation_bytes", "predicted_bytes")
+        }
+        assert min(pred.values()) > 0
+        assert pred["predicted_bytes"] == (
+            pred["predicted_weights_bytes"] + pred["predicted_kv_bytes"] + pred["predicted_activation_bytes"]
+        )
+        assert int(r["measured_peak_bytes"]) >= int(r["measured_baseline_bytes"]) > 0
+        # every session's cache stays resident: prompt + reply - 1 tokens each, in fp32 (int8-cpu computes in
+        # fp32: 46,080 B/token), with up to KEEP_ROOM tokens of room for the next message (blockcache)
+        assert 0 < int(r["resident_kv_bytes"]) <= k * (prompt + 8 + KEEP_ROOM) * 46_080
+        assert int(r["resident_kv_bytes"]) >= k * (context - 8 - 16) * 46_080
+    kv = {(int(r["context"]), int(r["concurrency"])): int(r["predicted_kv_bytes"]) for r in rows}
+    assert kv[(512, 2)] > kv[(512, 1)] > kv[(256, 1)]
+
+
+@pytest.mark.slow  # loads the real model in a subprocess
+def test_bench_concurrency_runs_the_serial_and_the_batched_engine_side_by_side(tmp_path):
+    done = run_cli(tmp_path, "bench", "concurrency", "--concurrency", "1,2", "--max-new-tokens", "4", "--json")
+    r = json.loads(done.stdout)
+    assert r["bench"] == "concurrency" and r["quant"] == "int8-cpu" and r["max_batch"] == 4  # auto on the CPU
+    rows = {(x["concurrency"], x["engine"]): x for x in r["rows"]}
+    assert list(rows) == [(1, "serial"), (1, "batched"), (2, "serial"), (2, "batched")]
+    for (k, _engine), x in rows.items():
+        assert x["completed"] == k and x["generated_tokens"] == 4 * k, "no stop ids: every reply is full length"
+        assert 0 < x["ttft_p50_s"] <= x["ttft_p95_s"] and x["peak_bytes"] > 0
+        serial = rows[(k, "serial")]
+        assert x["aggregate_vs_serial"] == pytest.approx(x["aggregate_tok_s"] / serial["aggregate_tok_s"], abs=0.01)
+    assert rows[(2, "serial")]["largest_batch"] == 1 and rows[(2, "batched")]["largest_batch"] == 2
+
+
+def test_percentile_interpolates_between_ranks():
+    from llmweb.bench.concurrency import percentile
+
+    assert percentile([], 95) == 0.0 and percentile([3.0], 95) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([1.0, 2.0], 95) == pytest.approx(1.95)
+
+
+@pytest.mark.slow  # loads the real model in a subprocess
+def test_bench_ttft_still_works(tmp_path):
+    done = run_cli(tmp_path, "bench", "ttft", "--turns", "6", "--max-new-tokens", "8", "--json")
+    r = json.loads(done.stdout)
+    assert r["bench"] == "ttft" and r["turns"] == 6
+    import statistics
+
+    for mode in ("reuse", "full"):
+        m = r["modes"][mode]
+        assert len(m["ttft_s"]) == 6 and all(t > 0 for t in m["ttft_s"])
+        ratio = statistics.median(m["ttft_s"][-10:]) / statistics.median(m["ttft_s"][1:6])
+        assert m["late_early_ratio"] == pytest.approx(ratio, rel=0.01), "late = last 10 turns, early = turns 2-6"
+        prefilled = [p - u for p, u in zip(m["prompt_tokens"], m["reused_tokens"])]
+        low = sum(f < 0.3 * p for f, p in zip(prefilled[1:], m["prompt_tokens"][1:])) / 5
+        assert m["low_prefill_share"] == pytest.approx(low, abs=1e-3)
+    assert r["modes"]["reuse"]["reused_tokens"][0] == 0 and all(n > 0 for n in r["modes"]["reuse"]["reused_tokens"][1:])
+    assert all(n == 0 for n in r["modes"]["full"]["reused_tokens"])
+
+
+def test_bench_ttft_scripts():
+    from llmweb.bench import fidelity, ttft
+
+    facts = ttft.script_turns("facts", 200)
+    assert facts == [text for text, _ in fidelity.script(fillers_between=12, checkpoints=3)] and len(facts) == 76
+    assert ttft.script_turns("facts", 12) == facts[:12]
+    assert ttft.script_turns("topics", 3)[0].startswith("Question 1:")
+    args = build_parser().parse_args(["bench", "ttft", "--script", "facts", "--turns", "76"])
+    assert (args.script, args.turns) == ("facts", 76)
+    assert build_parser().parse_args(["bench", "ttft"]).script == "topics"
+
+
+def test_bench_without_a_subcommand_is_the_suite():
+    args = build_parser().parse_args(["bench"])
+    assert args.which == "all" and args.turns == 40 and args.chunks is None and args.replay_turns == 200
+    args = build_parser().parse_args(["bench", "concurrency"])
+    assert args.which == "concurrency" and bench.parse_ints(args.concurrency) == [1, 2, 4, 8] and args.max_batch == 0
+    args = build_parser().parse_args(["capacity", "--context", "512,1024", "--concurrency", "1,4"])
+    assert bench.parse_ints(args.context) == [512, 1024] and bench.parse_ints(args.concurrency) == [1, 4]
+
+
+@pytest.fixture(scope="module")
+def suite_result(app_model, tmp_path_factory):
+    settings = make_settings(tmp_path_factory.mktemp("suite"), device="cpu")
+    return settings, suite.run(
+        settings,
+        turns=6,
+        ttft_new_tokens=8,
+        chunks=30,
+        replay_turns=8,
+        warmup_turns=2,
+        replay_context=512,
+        replay_new_tokens=8,
+        overhead_tokens=6,
+        overhead_repeats=1,
+        loaded=app_model,
+    )
+
+
+def test_suite_reports_every_section(suite_result):
+    settings, r = suite_result
+    assert set(r) >= {"environment", "overhead", "ttft", "memory", "retrieval", "seconds", "total_s"}
+    env = r["environment"]
+    for key in ("model", "quant", "device", "cpu", "cpus", "torch", "transformers", "context_limit", "kv_budget_mib"):
+        assert env[key] not in (None, ""), key
+    o = r["overhead"]
+    assert o["engine_tok_s"] > 0 and o["bare_tok_s"] > 0 and o["ratio"] > 0
+    assert o["same_token_count"] and o["runs_per_side"] == 3
+    assert o["target"] == 0.9 and o["meets_target"] == (o["ratio"] >= 0.9), "the verdict matches the printed ratio"
+    assert len(r["ttft"]["modes"]["reuse"]["ttft_s"]) == 6
+    m = r["memory"]
+    assert m["turns"] == 8 and m["warmup_turns"] >= 2
+    assert m["start"]["mem_bytes"] > 0 and m["end"]["mem_bytes"] > 0 and m["start"]["tensors"] > 0
+    a, b = m["start"], m["end"]
+    assert m["mem_growth_bytes"] == b["mem_bytes"] - a["mem_bytes"]
+    assert m["kv_growth_bytes"] == b["kv_store_bytes"] - a["kv_store_bytes"]
+    assert m["unexplained_growth_bytes"] == m["mem_growth_bytes"] - m["kv_growth_bytes"]
+    assert m["tensor_growth"] == b["tensors_outside_kv"] - a["tensors_outside_kv"]
+    assert m["leak_suspected"] == (
+        m["unexplained_growth_bytes"] > m["leak_threshold_bytes"] or m["tensor_growth"] > memory.LEAK_TENSOR_SLACK
+    )
+    assert r["retrieval"]["chunks"] > 0 and r["retrieval"]["requested_chunks"] == 30
+    assert not (settings.data_dir / "llmweb.sqlite3").exists(), "the suite's chats run in a scratch data dir"
+
+
+def test_suite_writes_markdown_and_json(suite_result):
+    settings, r = suite_result
+    md = suite.markdown(r)
+    for heading in (
+        "## Environment",
+        "## Engine overhead",
+        "## TTFT over 6 turns",
+        "## Memory over a 8-turn replay",
+        "## Retrieval (30 chunks",
+    ):
+        assert heading in md
+    assert "Ratio ours / bare:" in md and "growth the KV store does not explain" in md
+    paths = write_reports(r, md, settings.data_dir)
+    assert paths["md"].read_text() == md
+    assert json.loads(paths["json"].read_text())["overhead"]["ratio"] == r["overhead"]["ratio"]
+    assert paths["md"].parent == settings.data_dir / "reports"

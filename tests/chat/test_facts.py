@@ -1,0 +1,234 @@
+"""The user's facts kept verbatim, grounded summaries, recall of earlier turns."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmweb.chat import facts as facts_mod
+from llmweb.chat.session import Finished
+from llmweb.runtime import Runtime
+from llmweb.store.db import LOCAL_OWNER as LOCAL
+from llmweb.store.db import Fact
+from tests.conftest import make_settings
+from tests.fakes import FakeFormat
+
+SOURCE = "User: my dog is called Pixel, a border collie. She was born on 3 May 2019.\nAssistant: Lovely!"
+
+
+def test_summary_sentence_with_an_invented_name_is_removed():
+    g = facts_mod.ground(
+        "Dana Okafor, a Maltese Terrier, is a popular pet. The user has a border collie called Pixel. "
+        "Pixel was born in 2019. Pixel is 11 years old.",
+        SOURCE,
+    )
+    assert g.text == "The user has a border collie called Pixel. Pixel was born in 2019."
+    assert g.dropped == ("Dana Okafor, a Maltese Terrier, is a popular pet.", "Pixel is 11 years old.")
+
+
+def test_plain_sentences_without_names_are_kept():
+    g = facts_mod.ground("Discussed dogs and their training. The assistant suggested short walks.", SOURCE)
+    assert not g.dropped
+
+
+def test_extract_facts_keeps_the_users_own_sentences_verbatim():
+    facts = facts_mod.extract_facts(
+        [
+            "Hi! My dog is called Pixel, a border collie. What should I feed her?",
+            "Tell me a joke.",
+            "Remember that my flight leaves at 07:40 on Friday.",
+            "I prefer short answers.",
+            "My dog is called Pixel, a border collie.",  # a repeat
+        ]
+    )
+    assert facts == [
+        "My dog is called Pixel, a border collie.",
+        "Remember that my flight leaves at 07:40 on Friday.",
+        "I prefer short answers.",
+    ]
+
+
+def test_select_facts_keeps_pinned_then_newest_within_the_cap():
+    fmt = FakeFormat()
+    facts = [
+        Fact(1, "old fact one two", False, 1),
+        Fact(2, "pinned fact one two", True, 2),
+        Fact(3, "new fact one two", False, 3),
+    ]
+    chosen, dropped = facts_mod.select_facts(facts, max_tokens=12, count=fmt.count)  # two facts of 4+2 tokens
+    assert [f.id for f in chosen] == [2, 3], "the oldest unpinned goes first"
+    assert [f.id for f in dropped] == [1]
+    assert facts_mod.facts_block(chosen).splitlines()[1:] == ["- pinned fact one two", "- new fact one two"]
+
+
+def test_select_facts_keeps_every_pinned_fact_even_past_the_cap():
+    fmt = FakeFormat()
+    facts = [
+        Fact(1, "pinned one two three", True, 1),
+        Fact(2, "pinned four five six", True, 2),
+        Fact(3, "new fact", False, 3),
+    ]
+    chosen, dropped = facts_mod.select_facts(facts, max_tokens=6, count=fmt.count)
+    assert [f.id for f in chosen] == [1, 2] and [f.id for f in dropped] == [3]
+
+
+def run(chat, conv, text):
+    return [e for e in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True) if isinstance(e, Finished)][0]
+
+
+def test_fact_from_turn_1_is_in_the_prompt_sixty_turns_later(tmp_path, app_model):
+    rt = Runtime(
+        make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64),
+        loaded=app_model,
+    ).start(background=False)
+    try:
+        chat, conv = rt.chat, rt.store.create_conversation(LOCAL)
+        run(chat, conv, "My dog is called Pixel, a border collie.")
+        fillers = ["the weather", "trains", "bread", "rivers", "music", "chess", "tea", "maps", "snow", "bees"]
+        for i in range(58):
+            run(chat, conv, f"Filler {i}: say one short thing about {fillers[i % len(fillers)]}.")
+        fin = run(chat, conv, "What is my dog called, and what breed is she?")
+        prompt = fin.prompt_text()
+        stored = rt.store.get(LOCAL, conv)
+        assert stored.summarized_upto > 1, "turn 1 left the window long ago"
+        assert "- My dog is called Pixel, a border collie." in fin.prompt[0][1], "verbatim, as a kept fact"
+        assert fin.stats.sections["facts"] > 0
+        # the facts already carry turn 1's name: recalling that turn would only cost prefill (issue 15)
+        assert fin.stats.sections["recall"] == 0 and prompt.count("My dog is called Pixel") == 1
+        assert any(f.text == "My dog is called Pixel, a border collie." for f in stored.facts)
+        assert fin.stats.gen.prompt_tokens + fin.stats.sections["reserve"] <= 512
+    finally:
+        rt.close()
+
+
+def test_pin_unpin_delete_persist_and_reach_the_prompt(tmp_path, fp32_model):
+    settings = make_settings(tmp_path, max_new_tokens=8, quant="fp32")
+    rt = Runtime(settings, loaded=fp32_model).start(background=False)
+    conv = rt.store.create_conversation(LOCAL)
+    rt.chat.add_fact(LOCAL, conv, "My sister Ana lives in Lisbon.")
+    rt.chat.add_fact(LOCAL, conv, "I am allergic to peanuts.")
+    a, b = rt.store.facts(LOCAL, conv)
+    rt.chat.set_fact_pinned(LOCAL, conv, a.id, False)
+    rt.chat.delete_fact(LOCAL, conv, b.id)
+    fin = run(rt.chat, conv, "Hello")
+    assert "My sister Ana lives in Lisbon." in fin.prompt_text()
+    assert "peanuts" not in fin.prompt_text()
+    rt.close()
+    rt2 = Runtime(settings, loaded=fp32_model)  # a restart: the store on the same file
+    try:
+        facts = rt2.store.facts(LOCAL, conv)
+        assert [(f.text, f.pinned) for f in facts] == [("My sister Ana lives in Lisbon.", False)]
+    finally:
+        rt2.close()
+
+
+def test_pinning_past_the_facts_budget_is_refused_with_the_numbers(tmp_path, fp32_model):
+    import pytest
+
+    from llmweb.errors import InputError
+
+    rt = Runtime(make_settings(tmp_path, facts_tokens=24, quant="fp32"), loaded=fp32_model).start(background=False)
+    try:
+        conv = rt.store.create_conversation(LOCAL)
+        rt.chat.add_fact(LOCAL, conv, "My sister Ana lives in Lisbon.")
+        with pytest.raises(InputError, match="budget is 24"):
+            rt.chat.add_fact(LOCAL, conv, "My brother Tomás lives in Porto and works at the harbour as a crane driver.")
+        assert [f.text for f in rt.store.facts(LOCAL, conv)] == ["My sister Ana lives in Lisbon."], "nothing was added"
+    finally:
+        rt.close()
+
+
+def test_deleting_a_conversation_deletes_its_recall_index(tmp_path, fp32_model):
+    from llmweb.retrieval.index import list_namespaces
+
+    rt = Runtime(
+        make_settings(tmp_path, context_limit=384, max_new_tokens=16, summary_tokens=48, quant="fp32"),
+        loaded=fp32_model,
+    ).start(background=False)
+    try:
+        conv = rt.store.create_conversation(LOCAL)
+        for i in range(14):
+            run(rt.chat, conv, f"Message {i}: tell me one fact about the number {i}.")
+        assert rt.store.get(LOCAL, conv).summarized_upto > 0
+        assert f"recall-{conv}" in list_namespaces(rt.settings)
+        rt.chat.delete(LOCAL, conv)
+        assert f"recall-{conv}" not in list_namespaces(rt.settings)
+    finally:
+        rt.close()
+
+
+def test_korean_facts_are_kept_by_their_numbers_or_a_request_to_remember():
+    facts = facts_mod.extract_facts(
+        [
+            "안녕하세요! 제 사물함 번호는 4471이에요. 오늘 날씨가 좋네요.",
+            "제 이름은 민준이고, 이 이름을 기억해 주세요.",
+            "사물함 번호가 뭐였죠?",  # a question
+            "3개 주세요.",  # a small count, not a detail
+            "35번: 음악에 대해 짧게 말해 주세요.",  # a numbered request: the counter word makes "35번" no code
+            "비행기는 금요일 07:40에 출발해요。그리고 좋아요！",
+        ]
+    )
+    assert facts == [
+        "제 사물함 번호는 4471이에요.",
+        "제 이름은 민준이고, 이 이름을 기억해 주세요.",
+        "비행기는 금요일 07:40에 출발해요。",
+    ]
+
+
+def test_german_facts_are_kept_by_their_codes_or_a_request_to_remember():
+    facts = facts_mod.extract_facts(
+        [
+            "Hallo! Meine Schließfachnummer ist 4471. Wie geht es dir?",
+            "Merk dir bitte: meine Tochter heißt Lena.",
+            "Ich habe heute Hunger.",  # no detail, no request: the summary paraphrases it
+            "Wie lautet meine Nummer?",
+            "Der Zugangscode für das Büro lautet Zürich-0815.",
+        ]
+    )
+    assert facts == [
+        "Meine Schließfachnummer ist 4471.",
+        "Merk dir bitte: meine Tochter heißt Lena.",
+        "Der Zugangscode für das Büro lautet Zürich-0815.",
+    ]
+
+
+def test_grounding_reads_names_with_umlauts_and_numbers_in_any_script_whole():
+    summary = "Code 4471 gehört Frau Müller. Frau Müller kommt aus Köln. Sie heißt Jürgen."
+    g = facts_mod.ground(summary, "Frau Müller, Köln, Code 4471")
+    assert "Frau Müller kommt aus Köln." in g.text and g.dropped == ("Sie heißt Jürgen.",)
+    assert facts_mod.ground("사물함 번호는 4471이다. 번호는 9999이다.", "제 사물함 번호는 4471이에요.").dropped == (
+        "번호는 9999이다.",
+    )
+
+
+FOREIGN_FACTS = {
+    # language: (the fact of turn 1, a filler asking for something short about a topic, the question)
+    "ko": ("제 사물함 번호는 4471이에요.", "{i}번: {topic}에 대해 짧게 말해 주세요.", "제 사물함 번호가 뭐였죠?"),
+    "de": ("Meine Schließfachnummer ist 4471.", "Frage {i}: Sag etwas Kurzes über {topic}.", "Wie war meine Nummer?"),
+}
+FOREIGN_TOPICS = {
+    "ko": ["날씨", "기차", "빵", "강", "음악", "체스", "차", "지도", "눈", "벌"],
+    "de": ["das Wetter", "Züge", "Brot", "Flüsse", "Musik", "Schach", "Tee", "Karten", "Schnee", "Bienen"],
+}
+
+
+@pytest.mark.parametrize("lang", sorted(FOREIGN_FACTS))
+def test_a_fact_stated_in_turn_1_in_korean_or_german_is_in_the_prompt_at_turn_40(tmp_path, app_model, lang):
+    fact, filler, question = FOREIGN_FACTS[lang]
+    rt = Runtime(
+        make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64),
+        loaded=app_model,
+    ).start(background=False)
+    try:
+        chat, conv = rt.chat, rt.store.create_conversation(LOCAL)
+        run(chat, conv, fact)
+        topics = FOREIGN_TOPICS[lang]
+        for i in range(38):
+            run(chat, conv, filler.format(i=i + 1, topic=topics[i % len(topics)]))
+        fin = run(chat, conv, question)
+        stored = rt.store.get(LOCAL, conv)
+        assert stored.summarized_upto > 1, "turn 1 left the window long ago"
+        assert f"- {fact}" in fin.prompt[0][1], "verbatim, as a kept fact"
+        assert fin.stats.sections["facts"] > 0 and any(f.text == fact for f in stored.facts)
+        assert fin.stats.gen.prompt_tokens + fin.stats.sections["reserve"] <= 512
+    finally:
+        rt.close()

@@ -1,0 +1,391 @@
+"""The engine with the real tiny model on CPU: streaming, cancel, time limit, one-at-a-time,
+OOM recovery by fault injection, admission refusal, and KV reuse that never changes the text."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from llmweb.chat.tokens import render_prompt
+from llmweb.engine.blockcache import KEEP_ROOM
+from llmweb.engine.kvcache import KVStore, cache_nbytes
+from llmweb.engine.local import local_engine
+from llmweb.engine.scheduler import Engine, EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb.errors import AdmissionError, BusyError, OutOfMemory, TimedOut
+
+SYSTEM = "You are a helpful assistant."
+
+
+def make_engine(model, budget_mb=256, fault=None, **limits) -> Engine:
+    kv = KVStore(budget_mb * 2**20, ttl_s=600)
+    return local_engine(model.model, model.device, kv, EngineLimits(**limits), model.kv_bytes_per_token, fault=fault)
+
+
+@pytest.fixture
+def engine(fp32_model):
+    e = make_engine(fp32_model)
+    yield e
+    e.close()
+
+
+def prompt(fmt, *messages):
+    return render_prompt(fmt, SYSTEM, messages)
+
+
+def req(fmt, ids, n=24, **kw):
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=n, stop_ids=fmt.stop_ids, **kw)
+
+
+def test_streams_tokens_and_stops_on_eos(engine, fmt):
+    h = engine.submit(req(fmt, prompt(fmt, ("user", "What is the capital of France?")), n=64))
+    events = [e for e in h.events() if isinstance(e, Tokens)]
+    assert len(events) == h.stats.generated_tokens > 1, "one event per token"
+    assert "Paris" in fmt.decode(h.generated)
+    assert h.stats.finish_reason == "eos"
+    assert h.stats.ttft_s > 0 and h.stats.decode_tok_s > 0
+    assert h.stats.prompt_tokens == h.stats.prefilled_tokens
+
+
+def test_max_new_tokens_is_capped_by_config(fp32_model, fmt):
+    e = make_engine(fp32_model, max_new_tokens=5)
+    try:
+        h = e.submit(req(fmt, prompt(fmt, ("user", "Write a long poem about the sea.")), n=500))
+        h.result()
+        assert h.stats.generated_tokens <= 5 and h.stats.finish_reason == "length"
+    finally:
+        e.close()
+
+
+def test_cancel_stops_within_a_token_and_frees_the_worker(engine, fmt):
+    h = engine.submit(req(fmt, prompt(fmt, ("user", "Write a very long story about a dragon.")), n=200))
+    seen = 0
+    for ev in h.events():
+        if isinstance(ev, Tokens):
+            seen += 1
+            if seen == 3:
+                h.cancel()
+    assert h.stats.finish_reason == "cancelled"
+    assert h.stats.generated_tokens <= 4
+    # the worker is free: the next request runs at once
+    h2 = engine.submit(req(fmt, prompt(fmt, ("user", "Say hi.")), n=8))
+    h2.result()
+    assert h2.stats.generated_tokens >= 1
+
+
+def test_time_limit(engine, fmt):
+    h = engine.submit(
+        req(
+            fmt,
+            prompt(fmt, ("user", "Write a very long story about a dragon.")),
+            n=400,
+            timeout_s=0.3,
+            repetition_penalty=1.0,
+        )
+    )
+    with pytest.raises(TimedOut, match="time limit"):
+        h.result()
+    assert h.stats.finish_reason == "timeout"
+    assert h.stats.generated_tokens < 400  # stopped by the limit, not by length
+
+
+def test_five_threads_are_served_one_at_a_time(engine, fmt):
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            h = engine.submit(req(fmt, prompt(fmt, ("user", f"Count from {i} to {i + 5}.")), n=6, owner=f"visitor-{i}"))
+            results[i] = h.result()
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(results) == 5
+    assert engine.counters.max_active == 1
+
+
+def test_full_queue_is_a_clear_busy_error(fp32_model, fmt):
+    e = make_engine(fp32_model, queue_size=2)
+    try:
+        ids = prompt(fmt, ("user", "Write a long story."))
+        first = e.submit(req(fmt, ids, n=60))
+        next(ev for ev in first.events() if isinstance(ev, Tokens))  # it runs: it holds no place in the queue
+        queued = [e.submit(req(fmt, ids, n=4)) for _ in range(2)]
+        with pytest.raises(BusyError, match="busy: 2 requests are waiting"):
+            e.submit(req(fmt, ids, n=4))
+        assert queued[1].position == 2
+        first.cancel()
+        for h in queued:
+            h.result()
+    finally:
+        e.close()
+
+
+def test_injected_oom_retries_smaller_and_worker_survives(fp32_model, fmt):
+    calls = []
+
+    def fault(step):
+        calls.append(step)
+        if len(calls) == 3:  # the third forward pass of the first request
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    e = make_engine(fp32_model, fault=fault)
+    try:
+        long_ids = prompt(
+            fmt,
+            ("user", "Tell me about France."),
+            ("assistant", "France is a country."),
+            ("user", "What is its capital?"),
+        )
+        small_ids = prompt(fmt, ("user", "What is the capital of France?"))
+        e.kv.put("other", [1, 2, 3], _tiny_cache(fp32_model))
+        h = e.submit(
+            req(fmt, long_ids, n=20, session_id="s1", fallback=lambda: req(fmt, small_ids, n=10, session_id="s1"))
+        )
+        out = fmt.decode(h.result())
+        assert h.stats.oom_retry and h.stats.prompt_tokens == len(small_ids)
+        assert "Paris" in out
+        assert e.counters.ooms == 1
+        assert "other" not in e.kv.sessions(), "idle caches are evicted on OOM"
+        # and the next request is served normally
+        h2 = e.submit(req(fmt, small_ids, n=10))
+        assert "Paris" in fmt.decode(h2.result())
+    finally:
+        e.close()
+
+
+def test_oom_twice_is_a_clear_error_and_the_worker_lives(fp32_model, fmt):
+    armed = {"on": True}
+
+    def fault(step):
+        if armed["on"]:
+            raise torch.OutOfMemoryError("injected")
+
+    e = make_engine(fp32_model, fault=fault)
+    try:
+        ids = prompt(fmt, ("user", "Hello"))
+        h = e.submit(req(fmt, ids, n=5, fallback=lambda: req(fmt, ids, n=3)))
+        with pytest.raises(OutOfMemory, match="even with a smaller prompt"):
+            h.result()
+        armed["on"] = False
+        h2 = e.submit(req(fmt, ids, n=5))
+        assert len(h2.result()) >= 1
+    finally:
+        e.close()
+
+
+def test_admission_refusal_gives_the_numbers(fp32_model, fmt):
+    from llmweb.engine.telemetry import rss_bytes
+
+    # a CPU limit just above the current RSS: a 2,000-token request cannot fit
+    e = make_engine(fp32_model, mem_limit_bytes=rss_bytes() + 8 * 2**20, admission_wait_s=0.5)
+    try:
+        ids = prompt(fmt, ("user", "word " * 1500))
+        h = e.submit(req(fmt, ids, n=200))
+        with pytest.raises(AdmissionError, match=r"needs ~\d+ MiB of memory but only \d+ MiB is free"):
+            h.result()
+        assert e.counters.refused == 1
+    finally:
+        e.close()
+
+
+def _tiny_cache(model):
+    from transformers import DynamicCache
+
+    c = DynamicCache(config=model.model.config)
+    with torch.inference_mode():
+        model.model(input_ids=torch.tensor([[1, 2, 3]]), cache=c, logits_to_keep=1)
+    return c
+
+
+def test_kv_reuse_gives_the_same_text_as_a_full_prefill(fp32_model, fmt):
+    e = make_engine(fp32_model)
+    try:
+        history, replies_reuse, reused = [], [], []
+        questions = [
+            "What is the capital of France?",
+            "And of Germany?",
+            "Name a river in that country.",
+            "What language do they speak there?",
+            "Thanks! Say goodbye.",
+        ]
+        for q in questions:
+            history.append(("user", q))
+            h = e.submit(req(fmt, prompt(fmt, *history), n=30, session_id="A"))
+            text = fmt.decode(h.result())
+            replies_reuse.append(text)
+            reused.append(h.stats.reused_tokens)
+            history.append(("assistant", text))
+        # the same prompts, each with a fresh prefill (no session)
+        history = []
+        for q, expected in zip(questions, replies_reuse):
+            history.append(("user", q))
+            h = e.submit(req(fmt, prompt(fmt, *history), n=30))
+            assert fmt.decode(h.result()) == expected
+            history.append(("assistant", expected))
+        assert reused[0] == 0 and all(r > 0 for r in reused[1:])
+    finally:
+        e.close()
+
+
+def test_a_session_cache_never_serves_another_session(engine, fmt):
+    ids = prompt(fmt, ("user", "What is the capital of France?"))
+    engine.submit(req(fmt, ids, n=10, session_id="alice")).result()
+    h = engine.submit(req(fmt, ids, n=10, session_id="bob"))
+    h.result()
+    assert h.stats.reused_tokens == 0
+    assert set(engine.kv.sessions()) == {"alice", "bob"}
+    h = engine.submit(req(fmt, ids, n=10, session_id="alice"))
+    h.result()
+    assert h.stats.reused_tokens == len(ids) - 1
+
+
+def test_cache_bytes_match_the_formula(engine, fmt, fp32_model):
+    ids = prompt(fmt, ("user", "What is the capital of France?"))
+    h = engine.submit(req(fmt, ids, n=10, session_id="m"))
+    h.result()
+    held = engine.kv.session_bytes("m")
+    tokens = len(ids) + h.stats.generated_tokens - (0 if h.stats.finish_reason == "eos" else 1)
+    # the kept cache holds its tokens and at most KEEP_ROOM more of room for the next message (blockcache)
+    per_token = fp32_model.kv_bytes_per_token
+    assert tokens * per_token <= held <= (tokens + KEEP_ROOM) * per_token and held == h.stats.kv_session_bytes
+    assert fp32_model.kv_bytes_per_token == 30 * 3 * 64 * 2 * 4  # SmolLM2, fp32 (docs/architecture.md)
+
+
+def test_small_byte_budget_evicts_lru_and_evicted_session_still_answers(fp32_model, fmt):
+    e = make_engine(fp32_model, budget_mb=64)
+    try:
+        ids = prompt(fmt, ("user", "Session z: what is the capital of Italy?"))
+        e.submit(req(fmt, ids, n=12, session_id="z")).result()
+        e.kv.budget_bytes = int(e.kv.total_bytes * 1.5)  # room for one session and a half
+        e.kv.clear()
+        peaks, answers = [], []
+        for s in ["a", "b", "c", "a"]:
+            ids = prompt(fmt, ("user", f"Session {s}: what is the capital of Italy?"))
+            h = e.submit(req(fmt, ids, n=12, session_id=s))
+            answers.append(h.result())
+            peaks.append(e.kv.total_bytes)
+            assert e.kv.total_bytes <= e.kv.budget_bytes
+        assert e.kv.evictions >= 2
+        # "a" was evicted: it still answers, the same way, after a full prefill
+        assert h.stats.reused_tokens == 0 and answers[3] == answers[0]
+        assert max(peaks) <= e.kv.budget_bytes
+    finally:
+        e.close()
+
+
+def test_no_cache_is_retained_without_a_session(engine, fmt):
+    ids = prompt(fmt, ("user", "Hello there"))
+    engine.submit(req(fmt, ids, n=5)).result()
+    assert engine.kv.total_bytes == 0
+    assert cache_nbytes(object()) == 0
+
+
+# ---- batching: several requests share each decode step
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow, please.",
+    "Hi!",
+    "Explain in one sentence why the sky is blue, for a child who asks a lot of questions.",
+]
+
+
+def alone(fp32_model, requests):
+    """Each request's greedy reply from a serial engine (max_batch=1), one after the other."""
+    e = make_engine(fp32_model)
+    try:
+        return [e.submit(r).result() for r in requests]
+    finally:
+        e.close()
+
+
+def test_greedy_replies_are_identical_alone_and_in_a_batch_of_4(fp32_model, fmt):
+    requests = [req(fmt, prompt(fmt, ("user", q)), n=24, owner=f"v{i}") for i, q in enumerate(QUESTIONS)]
+    expected = alone(fp32_model, requests)
+    e = make_engine(fp32_model, max_batch=4)
+    try:
+        handles = [e.submit(r) for r in requests]
+        assert [h.result() for h in handles] == expected
+        assert e.counters.max_active == 4 and max(h.stats.batch_size for h in handles) == 4
+    finally:
+        e.close()
+
+
+def test_cancelling_one_request_of_a_batch_leaves_the_others_unchanged(fp32_model, fmt):
+    requests = [req(fmt, prompt(fmt, ("user", q)), n=24, owner=f"v{i}") for i, q in enumerate(QUESTIONS[:3])]
+    expected = alone(fp32_model, requests)
+    e = make_engine(fp32_model, max_batch=4)
+    try:
+        handles = [e.submit(r) for r in requests]
+        victim = handles[1]
+        for ev in victim.events():
+            if isinstance(ev, Tokens) and len(victim.generated) >= 3:
+                victim.cancel()
+        assert victim.stats.finish_reason == "cancelled" and victim.stats.generated_tokens <= 5
+        assert [handles[0].result(), handles[2].result()] == [expected[0], expected[2]]
+    finally:
+        e.close()
+
+
+def test_an_oom_in_a_batched_decode_step_restarts_only_the_youngest_and_the_worker_lives(fp32_model, fmt):
+    requests = [req(fmt, prompt(fmt, ("user", q)), n=16, owner=f"v{i}") for i, q in enumerate(QUESTIONS[:3])]
+    expected = alone(fp32_model, requests)
+    armed, fired = threading.Event(), threading.Event()
+
+    def fault(_pass):
+        if armed.is_set() and not fired.is_set():
+            fired.set()
+            raise torch.OutOfMemoryError("CUDA out of memory (injected into a batched step)")
+
+    e = make_engine(fp32_model, fault=fault, max_batch=4)
+    try:
+        young = dataclasses.replace(requests[2], fallback=lambda: requests[2])
+        handles = [e.submit(requests[0]), e.submit(requests[1]), e.submit(young)]
+        seen = {i: [] for i in range(3)}
+
+        def consume(i):
+            for ev in handles[i].events():
+                seen[i].append(ev)
+                if i == 2 and isinstance(ev, Tokens) and len(handles[2].generated) == 2:
+                    armed.set()  # the next pass is a decode step of all three
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [h.generated for h in handles] == expected
+        assert [any(isinstance(ev, Restarted) for ev in seen[i]) for i in range(3)] == [False, False, True]
+        assert handles[2].stats.oom_retry and not handles[0].stats.oom_retry
+        assert e.counters.ooms == 1
+        assert e.submit(requests[0]).result() == expected[0], "the worker lives"
+    finally:
+        e.close()
+
+
+def test_a_sessions_turn_in_a_batch_prefills_only_its_new_tokens(fp32_model, fmt):
+    e = make_engine(fp32_model, max_batch=4)
+    try:
+        histories = {s: [("user", q)] for s, q in zip("ab", QUESTIONS)}
+        for s, history in histories.items():
+            h = e.submit(req(fmt, prompt(fmt, *history), n=12, session_id=s))
+            history.append(("assistant", fmt.decode(h.result())))
+            history.append(("user", "Say it again, shorter."))
+        turn2 = {s: req(fmt, prompt(fmt, *history), n=12, session_id=s, owner=s) for s, history in histories.items()}
+        handles = {s: e.submit(r) for s, r in turn2.items()}
+        results = {s: h.result() for s, h in handles.items()}
+        for s, h in handles.items():
+            new = len(turn2[s].prompt_ids) - h.stats.reused_tokens
+            assert h.stats.reused_tokens > 0 and h.stats.prefilled_tokens == new < 20
+        assert max(h.stats.batch_size for h in handles.values()) == 2
+        fresh = alone(fp32_model, [dataclasses.replace(r, session_id=None) for r in turn2.values()])
+        assert list(results.values()) == fresh, "reuse in a batch never changes the text"
+    finally:
+        e.close()

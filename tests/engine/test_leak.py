@@ -1,0 +1,121 @@
+"""Leak guards with the real model (as the app loads it by default: int8-cpu on the CPU) on CPU.
+
+A long session must not grow memory request by request. We check it where it would start: live
+torch tensors (after `gc.collect()`, counted with `gc.get_objects()`) must not grow across 50
+requests, and every `DynamicCache` a finished request created must be gone (tracked by weak
+references from a wrapped `DynamicCache.__init__`). With session ids the store keeps exactly one
+cache per session, and `kv.clear()` frees them all.
+
+A per-request leak fails these tests: keeping each request's cache (or one logits tensor per
+request) in a global list was tried, and both checks caught it.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from llmweb.chat.tokens import TemplateFormat, render_prompt
+from llmweb.engine.kvcache import KVStore
+from llmweb.engine.local import local_engine
+from llmweb.engine.scheduler import EngineLimits, GenerationRequest
+
+SYSTEM = "You are a helpful assistant."
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Explain in one sentence why the sky is blue, and mention sunlight.",
+    "Count from one to five.",
+    "Write a short greeting for a friend who just moved to a new city.",
+]
+REQUESTS = 50
+TENSOR_SLACK = 5  # a per-request leak adds >= 50
+
+
+def live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def alive(refs: list) -> list:
+    gc.collect()
+    return [r() for r in refs if r() is not None]
+
+
+@pytest.fixture
+def created_caches(monkeypatch) -> list:
+    """Weak references to every DynamicCache created while the test runs."""
+    refs: list = []
+    original = DynamicCache.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        refs.append(weakref.ref(self))
+
+    monkeypatch.setattr(DynamicCache, "__init__", init)
+    return refs
+
+
+@pytest.fixture(scope="module")
+def fmt4(app_model):
+    return TemplateFormat(app_model.tokenizer)
+
+
+@pytest.fixture
+def engine(app_model):
+    e = local_engine(
+        app_model.model,
+        app_model.device,
+        KVStore(256 * 2**20, ttl_s=600),
+        EngineLimits(max_new_tokens=8),
+        app_model.kv_bytes_per_token,
+    )
+    yield e
+    e.close()
+
+
+def ask(engine, fmt, messages, session_id=None):
+    ids = render_prompt(fmt, SYSTEM, messages)
+    h = engine.submit(GenerationRequest(ids, 8, stop_ids=fmt.stop_ids, session_id=session_id))
+    return fmt.decode(h.result()), h.stats
+
+
+def test_fifty_requests_without_sessions_leave_no_tensors_and_no_caches(engine, fmt4, created_caches):
+    for q in QUESTIONS:  # warm-up: one-off allocations (rotary tables, quantised-kernel buffers) happen here
+        ask(engine, fmt4, [("user", q)])
+    before = live_tensors()
+    counts = []
+    for i in range(REQUESTS):
+        ask(engine, fmt4, [("user", QUESTIONS[i % len(QUESTIONS)])])
+        if (i + 1) % 25 == 0:
+            counts.append(live_tensors())
+    assert len(created_caches) == len(QUESTIONS) + REQUESTS, "every request makes its own cache"
+    assert counts[-1] - before <= TENSOR_SLACK, f"live tensors grew from {before} to {counts} over {REQUESTS} requests"
+    left = alive(created_caches)
+    assert not left, f"{len(left)} caches of finished requests are still referenced"
+    assert engine.kv.total_bytes == 0 and engine.kv.sessions() == []
+
+
+def test_session_caches_are_the_only_ones_kept_and_clear_frees_them(engine, fmt4, created_caches):
+    ask(engine, fmt4, [("user", QUESTIONS[0])])  # warm-up
+    before = live_tensors()
+    sessions = ["alice", "bob", "carol"]
+    histories = {s: [] for s in sessions}
+    for turn in range(3):
+        for s in sessions:
+            histories[s].append(("user", QUESTIONS[(turn + sessions.index(s)) % len(QUESTIONS)]))
+            reply, stats = ask(engine, fmt4, histories[s], session_id=s)
+            histories[s].append(("assistant", reply))
+            assert turn == 0 or stats.reused_tokens > 0, "the session cache is reused"
+    kept = alive(created_caches)
+    assert len(kept) == len(sessions), f"{len(kept)} caches alive for {len(sessions)} sessions"
+    assert sorted(engine.kv.sessions()) == sorted(sessions)
+    engine.kv.clear()
+    del kept
+    left = alive(created_caches)
+    assert not left, f"{len(left)} caches still alive after kv.clear()"
+    assert live_tensors() - before <= TENSOR_SLACK

@@ -1,0 +1,972 @@
+"""The real app, served by `python -m llmweb serve`, driven in headless Debian chromium like a user.
+
+One server and one browser page for the first nine tests; the steps run in file order and build
+on each other: a streamed answer with its stats, a stopped long answer, a question answered from
+an uploaded document with its cited source, a reload that restores the chat, then a rename and a
+regenerated reply; then a new chat with its own system prompt (kept over a reload, in its
+prompt), the import of its export, an edit of turn 2 that forks the imported chat (the switcher
+goes back to the original, over a reload), and the page at a phone's width (390 px). The last test starts its own server
+(LLMWEB_SINGLE_USER=0) and drives two visitors in two browser contexts: neither sees the other's
+chats or uploads, in the page or through the API, over reloads and an app restart.
+Screenshots of each step go to test-artifacts/browser/ (git-ignored); a failing step also leaves
+`<step>-failure.png` and `<step>-failure.html` there.
+
+Skipped when /usr/bin/chromium is missing, unless LLMWEB_REQUIRE_BROWSER=1 (CI), which turns the
+skip into a failure. `pytest -m "not browser"` leaves it out on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts" / "browser"
+MODEL_CACHE = REPO / "data" / "models"
+CHROMIUM = Path("/usr/bin/chromium")
+REQUIRE = os.environ.get("LLMWEB_REQUIRE_BROWSER") == "1"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+MAX_NEW_TOKENS = 160
+STARTUP_S = 180.0  # process up and serving /gradio_api/info
+READY_S = 600.0  # the status line says Ready (first run converts the GGUF, ~20 s on an idle machine)
+REPLY_S = 180.0  # one answer, on a busy 2-core machine
+VIEWPORT = {"width": 1500, "height": 1000}
+
+# The one message box is the chat column's textbox; reply bubbles are bot messages that are not
+# collapsible "thought" blocks (the Sources block is one of those).
+MESSAGE_BOX = 'textarea[data-testid="textbox"][placeholder^="Ask anything"]'
+USER_MSGS = '#llmweb-chat [data-testid="user"]'
+REPLY_MSGS = '#llmweb-chat .message:not(.thought) > [data-testid="bot"]'
+THOUGHTS = "#llmweb-chat .thought"
+TOASTS = '[data-testid="toast-text"]'
+
+DOC_NAME = "zephyr-notes.md"
+DOC_TEXT = """# Zephyr-7 rover notes
+
+The Zephyr-7 rover's battery lasts 412 hours.
+It was built for long surveys of dry lake beds.
+"""
+
+_missing = None
+if not CHROMIUM.exists():
+    _missing = f"{CHROMIUM} is missing (Debian: apt-get install chromium)"
+else:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError as e:  # pragma: no cover - requirements-dev.txt installs it
+        _missing = f"the Python package playwright is not installed ({e})"
+if _missing and not REQUIRE:
+    pytest.skip(
+        f"browser test skipped: {_missing}; set LLMWEB_REQUIRE_BROWSER=1 to make this a failure",
+        allow_module_level=True,
+    )
+
+
+# ---- helpers
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str) -> int | None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+    try:
+        with opener.open(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, urllib.error.URLError):
+        return None
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path):
+        self.proc, self.url, self.log_path = proc, url, log_path
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return "(no server log)"
+        return "\n".join(lines[-n:])
+
+
+def poll(fn, timeout: float, what: str, server: Server | None = None, page=None, interval: float = 0.25):
+    """Call fn until it returns something truthy; fail with `what`, the last value and the server log."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        last = fn()
+        if last:
+            return last
+        if page is not None:
+            toasts = [t for t in page.locator(TOASTS).all_inner_texts() if t.strip()]
+            if toasts:
+                raise AssertionError(f"while waiting for {what}, the app showed an error: {toasts}")
+        if server is not None and server.proc.poll() is not None:
+            raise AssertionError(
+                f"the server exited ({server.proc.returncode}) while waiting for {what}\n{server.log_tail()}"
+            )
+        if time.monotonic() > deadline:
+            log = f"\n--- server log ---\n{server.log_tail()}" if server is not None else ""
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last value: {last!r}{log}")
+        time.sleep(interval)
+
+
+def wait_stable(fn, what: str, server: Server, page, quiet_s: float = 1.0, timeout: float = 60.0):
+    """Wait until fn() has returned the same value for quiet_s seconds (animations, late updates)."""
+    last = {"value": object(), "since": time.monotonic()}
+
+    def settled():
+        value = fn()
+        if value != last["value"]:
+            last.update(value=value, since=time.monotonic())
+        return time.monotonic() - last["since"] >= quiet_s
+
+    poll(settled, timeout, what, server, page, interval=0.1)
+    return last["value"]
+
+
+def reply_texts(page) -> list[str]:
+    return [t.strip() for t in page.locator(REPLY_MSGS).all_inner_texts()]
+
+
+def user_texts(page) -> list[str]:
+    return [t.strip() for t in page.locator(USER_MSGS).all_inner_texts()]
+
+
+def is_real_text(t: str) -> bool:
+    """Reply text, not the app's placeholders ("…" before the first token, "Waiting: …" in the queue)."""
+    t = (t or "").strip()
+    return bool(t) and t != "…" and not t.startswith("Waiting")
+
+
+def stats_turn(page) -> int:
+    m = re.search(r"Turn (\d+)", page.locator("#llmweb-stats").inner_text())
+    return int(m.group(1)) if m else 0
+
+
+def shot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+@contextlib.contextmanager
+def step(page, name: str):
+    """On failure, leave a screenshot and the page's HTML next to the other artifacts."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            shot(page, f"{name}-failure.png")
+            (ARTIFACTS / f"{name}-failure.html").write_text(page.content(), encoding="utf-8")
+        raise
+
+
+# In-page recorder: every distinct text the last reply bubble showed, in order (a MutationObserver
+# sees each streamed update even when the test's own polling would miss a fast one).
+RECORDER_JS = """(sel) => {
+  window.__llmwebTexts = [];
+  const record = () => {
+    const all = document.querySelectorAll(sel);
+    if (!all.length) return;
+    const t = all[all.length - 1].innerText.trim();
+    const seen = window.__llmwebTexts;
+    if (!seen.length || seen[seen.length - 1] !== t) seen.push(t);
+  };
+  if (window.__llmwebObserver) window.__llmwebObserver.disconnect();
+  window.__llmwebObserver = new MutationObserver(record);
+  window.__llmwebObserver.observe(document.querySelector('#llmweb-chat'),
+                                  {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def start_recording(page) -> None:
+    page.evaluate(RECORDER_JS, REPLY_MSGS)
+
+
+def recorded(page) -> list[str]:
+    return page.evaluate("() => window.__llmwebTexts || []")
+
+
+def send(page, text: str) -> None:
+    box = page.locator(MESSAGE_BOX)
+    box.fill(text)
+    page.locator("#llmweb-send").click()
+
+
+def ask(page, server: Server, text: str) -> tuple[str, int]:
+    """Send a message and wait for the finished turn (the stats panel moves to a newer turn)."""
+    before = stats_turn(page)
+    n_replies = len(reply_texts(page))
+    start_recording(page)
+    send(page, text)
+    turn = poll(
+        lambda: t if (t := stats_turn(page)) > before else 0,
+        REPLY_S,
+        f"the stats panel to move past turn {before} after asking {text!r}",
+        server,
+        page,
+    )
+    replies = reply_texts(page)
+    assert len(replies) > n_replies, f"no new reply bubble after {text!r}: {replies}"
+    return replies[-1], turn
+
+
+def token_counter():
+    """Count tokens with the chat model's own tokenizer (from the shared converted-model cache)."""
+    try:
+        from tokenizers import Tokenizer
+
+        path = next(iter(sorted(MODEL_CACHE.rglob("tokenizer.json"))), None)
+        if path is not None:
+            tok = Tokenizer.from_file(str(path))
+            return lambda s: len(tok.encode(s, add_special_tokens=False).ids)
+    except Exception:  # pragma: no cover - fall back to a rough estimate
+        pass
+    return lambda s: len(s) // 4
+
+
+def start_server(
+    data_dir: Path, port: int, env_changes: dict[str, str | None] | None = None, log_name: str = "server.log"
+) -> Server:
+    """`python -m llmweb serve` on 127.0.0.1:port over data_dir, serving /gradio_api/info when this
+    returns. env_changes set (or, with None, remove) variables on top of the tests' small settings.
+    The log (appended to, so a restart keeps the first run's lines) is data_dir/log_name."""
+    env = dict(os.environ)
+    env.update(
+        LLMWEB_DATA_DIR=str(data_dir),
+        LLMWEB_CACHE_DIR=str(MODEL_CACHE),
+        LLMWEB_MAX_NEW_TOKENS=str(MAX_NEW_TOKENS),
+        LLMWEB_SAMPLE_DOCS="0",
+        LLMWEB_HOST="127.0.0.1",
+        GRADIO_ANALYTICS_ENABLED="False",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("LLMWEB_AUTH", None)
+    for name, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    log_path = data_dir / log_name
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmweb", "serve", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()  # the child has its own copy
+    srv = Server(proc, f"http://127.0.0.1:{port}/", log_path)
+    try:
+        poll(
+            lambda: http_status(srv.url + "gradio_api/info") == 200,
+            STARTUP_S,
+            "GET /gradio_api/info to answer 200",
+            srv,
+            interval=1.0,
+        )
+    except BaseException:
+        stop_server(srv)
+        raise
+    return srv
+
+
+def stop_server(srv: Server) -> None:
+    """Stop the app and keep its log next to the screenshots."""
+    if srv.proc.poll() is None:
+        srv.proc.terminate()
+        try:
+            srv.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            srv.proc.kill()
+            srv.proc.wait(timeout=20)
+    with contextlib.suppress(OSError):
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / srv.log_path.name).write_bytes(srv.log_path.read_bytes())
+
+
+def launch_chromium(p):
+    if _missing:
+        pytest.fail(f"LLMWEB_REQUIRE_BROWSER=1 but {_missing}", pytrace=False)
+    return p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+
+
+def open_page(context, server: Server):
+    """A new page of `context` on the app (no waiting)."""
+    pg = context.new_page()
+    pg.set_default_timeout(60_000)
+    pg.goto(server.url, wait_until="domcontentloaded", timeout=120_000)
+    return pg
+
+
+def wait_ready(pg, server: Server) -> None:
+    """Wait until the status line says Ready (the model is loaded) and the message box shows."""
+    pg.locator("#llmweb-status").wait_for(timeout=120_000)
+
+    def ready():
+        text = pg.locator("#llmweb-status").inner_text()
+        if "failed" in text.lower():
+            raise AssertionError(f"the status line reports a failure: {text}\n{server.log_tail()}")
+        return "Ready" in text
+
+    poll(ready, READY_S, 'the status line (#llmweb-status) to say "Ready"', server, interval=1.0)
+    pg.locator(MESSAGE_BOX).wait_for(state="visible")
+
+
+# ---- fixtures
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if _missing:
+        pytest.fail(f"LLMWEB_REQUIRE_BROWSER=1 but {_missing}", pytrace=False)
+    srv = start_server(tmp_path_factory.mktemp("browser-data"), free_port())
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One Playwright driver and one Chromium for the module: the sync API refuses a second driver
+    while one is running, so every test here takes its pages from this browser's contexts."""
+    if _missing:
+        pytest.fail(f"LLMWEB_REQUIRE_BROWSER=1 but {_missing}", pytrace=False)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = launch_chromium(p)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture(scope="module")
+def page(server, browser):
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        pg = open_page(context, server)
+        with step(pg, "startup"):
+            wait_ready(pg, server)
+        yield pg
+    finally:
+        context.close()
+
+
+# ---- the steps (in file order; they share one conversation)
+def test_streamed_reply_with_stats_and_sections(page, server):
+    with step(page, "chat"):
+        assert "No turns yet" in page.locator("#llmweb-stats").inner_text()
+        reply, turn = ask(page, server, "What is the capital of France?")
+        assert turn == 1
+        assert "Paris" in reply, reply
+        streamed = [t for t in recorded(page) if is_real_text(t)]
+        assert len(set(streamed)) >= 2, f"the reply did not stream in pieces: {streamed}"
+        assert streamed[-1] == reply and all(reply.startswith(t.rstrip("…").strip()[:10]) for t in streamed), (
+            f"the streamed texts do not grow into the reply: {streamed}"
+        )
+        assert user_texts(page) == ["What is the capital of France?"]
+
+        stats = page.locator("#llmweb-stats").inner_text()
+        m = re.search(r"prompt ([\d,]+) tokens", stats)
+        g = re.search(r"generated ([\d,]+) tokens", stats)
+        assert m and int(m.group(1).replace(",", "")) > 0, stats
+        assert g and int(g.group(1).replace(",", "")) > 0, stats
+        assert "first token after" in stats and "RSS" in stats, stats
+
+        bar = page.locator("#llmweb-sections .llmweb-bar")
+        bar.wait_for(state="visible")
+        assert bar.locator("div").count() >= 2, "the sections bar has at most one section"
+        legend = page.locator("#llmweb-sections .llmweb-legend").inner_text()
+        for name in ("system", "user", "free"):
+            assert name in legend, legend
+        shot(page, "chat.png")
+
+
+def test_stop_keeps_partial_reply_and_app_still_answers(page, server):
+    with step(page, "stopped"):
+        n_replies = len(reply_texts(page))
+        turn_before = stats_turn(page)
+        start_recording(page)
+        send(page, "Write a very long story about a dragon who learns to fly.")
+
+        def some_text():
+            replies = reply_texts(page)
+            return len(replies) > n_replies and is_real_text(replies[-1]) and len(replies[-1].split()) >= 3
+
+        poll(some_text, REPLY_S, "the long answer to start streaming", server, page, interval=0.1)
+        page.locator("#llmweb-stop").click()
+        at_click = reply_texts(page)[-1]
+
+        # The page then shows the partial reply as stored, marked "(stopped)", and it stays put.
+        poll(
+            lambda: reply_texts(page)[-1].endswith("(stopped)"),
+            60,
+            'the partial reply to be marked "(stopped)"',
+            server,
+            page,
+        )
+        stopped = wait_stable(
+            lambda: reply_texts(page)[-1], "the reply to stop changing after Stop", server, page, quiet_s=1.5
+        )
+        time.sleep(3.0)
+        assert reply_texts(page)[-1] == stopped, "the reply kept growing after Stop"
+        assert stopped.startswith(at_click.rstrip("…").strip()), (at_click, stopped)
+        assert "Stopped." in page.locator("#llmweb-stats").inner_text()
+
+        count = token_counter()
+        assert count(stopped) <= MAX_NEW_TOKENS * 3 // 4, (
+            f"the stopped reply has {count(stopped)} tokens, about a full {MAX_NEW_TOKENS}-token answer: {stopped!r}"
+        )
+        shot(page, "stopped.png")
+
+        reply, turn = ask(page, server, "What is the capital of Italy?")
+        assert is_real_text(reply), reply
+        assert turn > turn_before
+        assert user_texts(page)[-1] == "What is the capital of Italy?"
+
+
+def test_uploaded_document_is_cited(page, server, tmp_path):
+    with step(page, "cited-source"):
+        doc = tmp_path / DOC_NAME
+        doc.write_text(DOC_TEXT, encoding="utf-8")
+        page.locator("#llmweb-documents").get_by_text("Documents", exact=True).first.click()
+        page.locator("#llmweb-upload").wait_for(state="visible")
+        page.locator("#llmweb-upload input[type=file]").set_input_files(str(doc))
+
+        def listed():
+            m = re.search(re.escape(DOC_NAME) + r"\s*\|?\s*(\d+)", page.locator("#llmweb-doclist").inner_text())
+            return m and int(m.group(1))
+
+        chunks = poll(listed, REPLY_S, f"{DOC_NAME} in the documents list with its chunk count", server, page)
+        assert chunks >= 1
+        ingest = page.locator("#llmweb-ingest").inner_text()
+        assert DOC_NAME in ingest and "chunk" in ingest, ingest
+
+        n_thoughts = page.locator(THOUGHTS).count()
+        reply, _turn = ask(page, server, "How long does the Zephyr-7 rover's battery last?")
+        assert is_real_text(reply), reply
+        assert page.locator(THOUGHTS).count() == n_thoughts + 1, "no Sources block after the reply"
+        sources = page.locator(THOUGHTS).last
+        title = sources.locator(".title").inner_text()
+        m = re.search(r"Sources \((\d+)\)", title)
+        assert m and int(m.group(1)) >= 1, title
+        # The Sources block belongs to the last reply: it is the chat's last bot element.
+        last_bot = page.locator('#llmweb-chat [data-testid="bot"]').last
+        assert "Sources (" in last_bot.inner_text(), last_bot.inner_text()
+
+        page.locator("#llmweb-chat > [data-testid=status-tracker].hide").wait_for(state="attached", timeout=60_000)
+        sources.locator(".title").click()
+        text = poll(
+            lambda: t if DOC_NAME in (t := sources.inner_text()) else "",
+            30,
+            f"the opened Sources block to name {DOC_NAME}",
+            server,
+            page,
+        )
+        assert "412 hours" in text, text
+        assert "&#x27;" not in text and "&amp;" not in text, f"HTML entities shown as text: {text!r}"
+        # The block slides open (slowly on a busy machine): wait until its height stops changing,
+        # then scroll the chat log to its end (the Sources block is its last element).
+        wait_stable(lambda: sources.bounding_box()["height"], "the Sources block to finish opening", server, page)
+        log = page.locator('#llmweb-chat [role="log"]')
+        log.evaluate("e => { e.scrollTop = e.scrollHeight; }")
+        wait_stable(
+            lambda: log.evaluate("e => e.scrollHeight - e.scrollTop - e.clientHeight"),
+            "the chat log to rest at its end",
+            server,
+            page,
+        )
+        shot(page, "cited-source.png")
+
+
+def test_reload_restores_the_chat(page, server):
+    with step(page, "reloaded"):
+        users_before = user_texts(page)
+        replies_before = reply_texts(page)
+        turn_before = stats_turn(page)
+        assert len(users_before) == 4, users_before
+
+        page.reload(wait_until="domcontentloaded")
+        poll(
+            lambda: user_texts(page) == users_before,
+            REPLY_S,
+            f"the reloaded page to show the earlier messages {users_before}",
+            server,
+            page,
+        )
+        replies = poll(
+            lambda: r if len(r := reply_texts(page)) == len(replies_before) else None,
+            60,
+            "the earlier replies after the reload",
+            server,
+            page,
+        )
+        assert replies[0] == replies_before[0]
+        assert "Paris" in replies[0]
+        # The stopped reply comes back from the server as it was stored: short, so the server
+        # stopped generating (not just the page updating).
+        stopped_shown, stopped_stored = replies_before[1], replies[1]
+        assert stopped_stored.startswith(stopped_shown.rstrip("…").strip()), (stopped_shown, stopped_stored)
+        assert token_counter()(stopped_stored) <= MAX_NEW_TOKENS * 3 // 4, stopped_stored
+        assert page.locator(THOUGHTS).count() >= 1, "the Sources block was not restored"
+        poll(
+            lambda: stats_turn(page) == turn_before,
+            60,
+            f"the stats panel to show turn {turn_before} again",
+            server,
+            page,
+        )
+        poll(
+            lambda: "Ready" in page.locator("#llmweb-status").inner_text(),
+            60,
+            'the status line to say "Ready" after the reload',
+            server,
+            page,
+        )
+        # Show the start of the restored chat in the screenshot (the log autoscrolls to its end
+        # while it renders, so scroll again until it stays). Only the picture depends on this.
+        first = page.locator(USER_MSGS).first
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            page.locator('#llmweb-chat [role="log"]').evaluate("e => { e.scrollTop = 0; }")
+            page.wait_for_timeout(300)
+            if first.evaluate(
+                "e => { const r = e.getBoundingClientRect(), c = e.closest('[role=log]')"
+                ".getBoundingClientRect(); return r.top >= c.top - 1 && r.bottom <= c.bottom + 1; }"
+            ):
+                break
+        shot(page, "reloaded.png")
+
+
+def test_rename_shows_in_the_list_and_regenerate_replaces_the_reply(page, server):
+    with step(page, "renamed"):
+        title = page.locator("#llmweb-title textarea, #llmweb-title input").first
+        title.fill("Capitals and rovers")
+        page.locator("#llmweb-rename").click()
+        poll(
+            lambda: "Capitals and rovers" in page.locator("#llmweb-conversations").inner_text(),
+            60,
+            "the renamed chat in the conversation list",
+            server,
+            page,
+        )
+    with step(page, "regenerated"):
+        reply, turn = ask(page, server, "Write two sentences about the sea.")
+        users, replies = user_texts(page), reply_texts(page)
+        stats_before = page.locator("#llmweb-stats").inner_text()
+        page.locator('#llmweb-chat button[aria-label="Retry"]').last.click()
+        poll(
+            lambda: page.locator("#llmweb-stats").inner_text() != stats_before,
+            REPLY_S,
+            "the stats panel to show the regenerated turn",
+            server,
+            page,
+        )
+        new = wait_stable(lambda: reply_texts(page), "the regenerated reply to settle", server, page, quiet_s=1.5)
+        assert user_texts(page) == users, "regenerate sends no new message"
+        assert len(new) == len(replies), f"one bot message for the turn, not two: {new}"
+        assert new[:-1] == replies[:-1] and is_real_text(new[-1]) and new[-1] != reply, (reply, new[-1])
+        assert stats_turn(page) == turn, "the same turn, answered again"
+        shot(page, "regenerated.png")
+
+
+# ---- this chat's settings, import, a phone's width (the same page and server)
+PERSONA = "You are Captain Quillon, a pirate who answers in one short sentence."
+SETTINGS_CAP = 8  # tokens: these replies are not what the tests check (the edit test asks 4 more)
+IMPORT_INPUT = 'input[data-testid="Import .json-upload-button"]'  # the Import button's hidden file input
+
+
+def open_accordion(page, panel: str, label: str, body: str) -> None:
+    if not page.locator(body).is_visible():
+        page.locator(panel).get_by_text(label, exact=True).first.click()
+    page.locator(body).wait_for(state="visible")
+
+
+def idle(page) -> None:
+    """Wait for the event in flight (if any) to finish: the chat's progress tracker hides."""
+    page.wait_for_timeout(1000)
+    page.locator("#llmweb-chat > [data-testid=status-tracker].hide").wait_for(state="attached", timeout=60_000)
+
+
+def field(page, elem_id: str):
+    return page.locator(f"#{elem_id} textarea, #{elem_id} input").first
+
+
+def test_a_chats_system_prompt_survives_a_reload_and_is_in_its_prompt(page, server):
+    with step(page, "chat-settings"):
+        page.get_by_role("button", name="New chat").click()
+        poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
+        idle(page)  # the new chat's panel must not land on the fields after they are filled
+        open_accordion(page, "#llmweb-chat-settings", "This chat's settings", "#llmweb-system-prompt")
+        for attempt in range(3):  # a late answer to "New chat" on a loaded machine may reset the fields
+            field(page, "llmweb-system-prompt").fill(PERSONA)
+            field(page, "llmweb-reply-cap").fill(str(SETTINGS_CAP))
+            page.locator("#llmweb-save-settings").click()
+            if attempt:
+                page.wait_for_timeout(3000)
+            poll(
+                lambda: "Saved this chat's settings." in page.locator("#llmweb-stats").inner_text(),
+                60,
+                "the settings to be saved",
+                server,
+                page,
+            )
+            idle(page)
+            if field(page, "llmweb-system-prompt").input_value() == PERSONA:
+                break
+        page.reload(wait_until="domcontentloaded")
+        wait_ready(page, server)
+        open_accordion(page, "#llmweb-chat-settings", "This chat's settings", "#llmweb-system-prompt")
+        poll(
+            lambda: field(page, "llmweb-system-prompt").input_value() == PERSONA,
+            60,
+            "the reloaded page to show this chat's system prompt",
+            server,
+            page,
+        )
+        assert field(page, "llmweb-reply-cap").input_value() == str(SETTINGS_CAP)
+        ask(page, server, "Hello!")
+        open_accordion(page, "#llmweb-prompt-panel", "Prompt of the last turn", "#llmweb-prompt")
+        prompt = poll(
+            lambda: t if "### system" in (t := field(page, "llmweb-prompt").input_value()) else "",
+            60,
+            "the prompt panel to show the last turn's prompt",
+            server,
+            page,
+        )
+        assert prompt.startswith(f"### system\n{PERSONA}"), prompt[:300]
+        assert "Hello!" in prompt
+        shot(page, "chat-settings.png")
+
+
+def test_import_of_an_export_reproduces_the_chat(page, server, tmp_path):
+    """The export is read from the server's own store (the page's download control needs two clicks);
+    the import goes through the page's Import button."""
+    from llmweb.store.db import LOCAL_OWNER, Store
+
+    with step(page, "imported"):
+        users, replies = user_texts(page), reply_texts(page)
+        with Store(server.log_path.parent / "llmweb.sqlite3") as store:
+            (conv,) = [c for c in store.list_conversations(LOCAL_OWNER) if c.n_turns == len(users)][:1]
+            exported = tmp_path / "chat.json"
+            exported.write_text(store.export_json(LOCAL_OWNER, conv.id), encoding="utf-8")
+        n_chats = len(page.locator("#llmweb-conversations label").all())
+        page.locator(IMPORT_INPUT).set_input_files(str(exported))
+        poll(
+            lambda: "Imported" in page.locator("#llmweb-stats").inner_text(),
+            60,
+            "the import to open the new chat",
+            server,
+            page,
+        )
+        assert len(page.locator("#llmweb-conversations label").all()) == n_chats + 1
+        assert user_texts(page) == users and reply_texts(page) == replies
+        open_accordion(page, "#llmweb-chat-settings", "This chat's settings", "#llmweb-system-prompt")
+        assert field(page, "llmweb-system-prompt").input_value() == PERSONA
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"format": "something else"}', encoding="utf-8")
+        page.locator(IMPORT_INPUT).set_input_files(str(bad))
+        page.locator(TOASTS).first.wait_for(state="visible", timeout=60_000)  # poll() fails on a toast
+        toasts = page.locator(TOASTS).all_inner_texts()
+        assert any("not an llmweb conversation export" in t for t in toasts), toasts
+        with contextlib.suppress(Exception):  # the next steps treat a toast as a failure: close it
+            page.locator('[data-testid="toast-close"]').first.click(timeout=5_000)
+        poll(lambda: not [t for t in page.locator(TOASTS).all_inner_texts() if t.strip()], 30, "the toast to close")
+        assert len(page.locator("#llmweb-conversations label").all()) == n_chats + 1, "nothing imported"
+        shot(page, "imported.png")
+
+
+MARKER = re.compile(r"\s*‹ \d+/\d+ ›\s*$")  # the version switcher's text on an edited message
+
+
+def plain_users(page) -> list[str]:
+    return [MARKER.sub("", t) for t in user_texts(page)]
+
+
+def test_editing_turn_2_of_4_forks_and_the_switcher_goes_back_to_all_4_turns_over_a_reload(page, server):
+    """In the imported chat (its own reply cap keeps these turns short)."""
+    with step(page, "edited"):
+        for text in ("Name a sea.", "Name a river.", "Name a lake."):
+            ask(page, server, text)
+        original = plain_users(page)
+        assert len(original) == 4, original
+        page.locator(USER_MSGS).nth(1).hover()
+        page.locator('#llmweb-chat button[aria-label="Edit"]').nth(1).click()
+        box = page.locator("#llmweb-chat textarea.edit-textarea")
+        box.fill("Name a mountain.")
+        page.locator('#llmweb-chat button[aria-label="Submit"]').first.click()
+        poll(
+            lambda: plain_users(page) == [original[0], "Name a mountain."],
+            REPLY_S,
+            "the edited turn 2 in place of turns 2 to 4",
+            server,
+            page,
+        )
+        poll(lambda: stats_turn(page) == 2, REPLY_S, "the stats panel to show the new turn 2", server, page)
+        assert user_texts(page)[1].endswith("‹ 2/2 ›") and page.locator("#llmweb-versions").is_visible()
+        page.locator("#llmweb-version-prev").click()
+        poll(lambda: plain_users(page) == original, 60, "the switcher to bring back all 4 turns", server, page)
+        assert user_texts(page)[1].endswith("‹ 1/2 ›")
+        page.reload(wait_until="domcontentloaded")
+        wait_ready(page, server)
+        poll(lambda: plain_users(page) == original, REPLY_S, "a reload to keep the active version", server, page)
+        shot(page, "edited.png")
+
+
+def test_at_390_px_the_chat_input_and_stop_are_reachable_without_horizontal_scrolling(server, browser, tmp_path):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=1, is_mobile=True)
+    try:
+        pg = open_page(context, server)
+        with step(pg, "phone"):
+            wait_ready(pg, server)
+            path = tmp_path / "phone-390.png"
+            pg.screenshot(path=str(path), full_page=False)
+            assert path.stat().st_size > 0
+            widths = pg.evaluate("() => [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+            assert widths[0] <= widths[1], f"horizontal scroll at 390 px: scrollWidth, clientWidth = {widths}"
+            for what, sel in (("message box", MESSAGE_BOX), ("Stop", "#llmweb-stop"), ("chat", "#llmweb-chat")):
+                box = pg.locator(sel).bounding_box()
+                assert box is not None, f"the {what} is not shown"
+                assert box["x"] >= 0 and box["x"] + box["width"] <= 390, f"the {what} is cut off: {box}"
+            stop = pg.locator("#llmweb-stop")
+            stop.scroll_into_view_if_needed()
+            assert stop.is_visible() and pg.locator(MESSAGE_BOX).is_visible()
+            (ARTIFACTS / "phone-390.png").parent.mkdir(parents=True, exist_ok=True)
+            (ARTIFACTS / "phone-390.png").write_bytes(path.read_bytes())
+    finally:
+        context.close()
+
+
+# ---- two visitors, one server (its own app: per-browser owners on localhost)
+OWNERS_TOKENS = 24  # the replies are not what this test checks: keep them short
+SECRET = "My locker code is Zanzibar-7781. Please remember it."
+PRIVATE_DOC_NAME = "ferncastle-field-notes.md"  # unrelated to the unique words: B's own question names none of it
+PRIVATE_DOC_TEXT = """# Field notes
+
+The Quokkafrost-93 protocol requires a velmorine lantern at every checkpoint.
+Its checkpoints are placed 7 kilometres apart along the ridge.
+"""
+PRIVATE_QUESTION = "What is the Quokkafrost-93 protocol?"
+A_ONLY = ("Zanzibar", PRIVATE_DOC_NAME, "ferncastle", "velmorine")  # never anywhere on B's page
+B_REGIONS = {
+    "conversation list": "#llmweb-conversations",
+    "chat": "#llmweb-chat",
+    "documents list": "#llmweb-doclist",
+    "stats panel": "#llmweb-stats",
+    "memory panel": "#llmweb-memory",
+    "fact list": "#llmweb-fact",
+}
+
+
+def open_panels(page) -> None:
+    """Open the Documents and Memory accordions, so their text is the page's visible text too."""
+    for panel, label, body in (
+        ("#llmweb-documents", "Documents", "#llmweb-doclist"),
+        ("#llmweb-memory-panel", "Memory", "#llmweb-memory"),
+    ):
+        if not page.locator(body).is_visible():
+            page.locator(panel).get_by_text(label, exact=True).first.click()
+        page.locator(body).wait_for(state="visible")
+
+
+def loaded(page, server: Server, users: list[str]) -> None:
+    """Wait for a (re)loaded page to show its owner's chat (`users`, the user messages) and library."""
+    poll(lambda: user_texts(page) == users, REPLY_S, f"the page to show the user messages {users}", server, page)
+    open_panels(page)
+    poll(
+        lambda: "document" in page.locator("#llmweb-doclist").inner_text().lower(),
+        60,
+        "the documents list to be filled",
+        server,
+        page,
+    )
+    poll(
+        lambda: "No summary yet" in page.locator("#llmweb-memory").inner_text(),
+        60,
+        "the memory panel to be filled",
+        server,
+        page,
+    )
+
+
+def leaks(page, words=A_ONLY) -> list[str]:
+    """Where on the page any of `words` shows: each region, the body's text, and the whole HTML."""
+    texts = {name: page.locator(sel).inner_text() for name, sel in B_REGIONS.items()}
+    texts["body text"] = page.locator("body").inner_text()
+    texts["page HTML"] = page.content()
+    return [f"{w!r} in the {where}" for where, text in texts.items() for w in words if w.lower() in text.lower()]
+
+
+def opened_sources(page, server: Server, block) -> str:
+    """Open a Sources block of the last reply and return its text once it shows a document."""
+    page.locator("#llmweb-chat > [data-testid=status-tracker].hide").wait_for(state="attached", timeout=60_000)
+    block.locator(".title").click()
+    return poll(
+        lambda: t if "[1]" in (t := block.inner_text()) else "",
+        30,
+        "the opened Sources block to list its sources",
+        server,
+        page,
+    )
+
+
+def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path, browser):
+    """Visitor A (a secret, a private upload) and visitor B (another browser context) on one server
+    with LLMWEB_SINGLE_USER=0: B never sees, retrieves or reaches through the API anything of A's,
+    over reloads and an app restart, while A keeps its own."""
+    import sqlite3
+
+    from gradio_client import Client
+
+    data_dir, port = tmp_path / "owners-data", free_port()
+    data_dir.mkdir()
+    env = {
+        "LLMWEB_SINGLE_USER": "0",
+        "LLMWEB_MAX_NEW_TOKENS": str(OWNERS_TOKENS),
+        "LLMWEB_REQUEST_TIMEOUT_S": str(int(REPLY_S)),  # the engine's limit is the test's wait
+        "LLMWEB_SHARED_UPLOADS": None,
+        "LLMWEB_SECRET": None,
+        "LLMWEB_AUTH_FILE": None,
+    }
+    srv = start_server(data_dir, port, env, log_name="owners-server.log")
+    db_path = data_dir / "llmweb.sqlite3"
+
+    def conversations() -> list[tuple[str, str]]:
+        with contextlib.closing(sqlite3.connect(db_path)) as db:
+            return db.execute("SELECT id, owner FROM conversations ORDER BY rowid").fetchall()
+
+    try:
+        contexts = [browser.new_context(viewport=VIEWPORT) for _ in range(2)]
+        try:
+            page_a = open_page(contexts[0], srv)
+            page_b = open_page(contexts[1], srv)
+
+            with step(page_a, "owners-a"):
+                wait_ready(page_a, srv)
+                reply, _ = ask(page_a, srv, SECRET)
+                assert is_real_text(reply), reply
+                assert user_texts(page_a) == [SECRET]
+
+                doc = tmp_path / PRIVATE_DOC_NAME
+                doc.write_text(PRIVATE_DOC_TEXT, encoding="utf-8")
+                open_panels(page_a)
+                page_a.locator("#llmweb-upload input[type=file]").set_input_files(str(doc))
+                row = poll(
+                    lambda: next(
+                        (r for r in page_a.locator("#llmweb-doclist tr").all_inner_texts() if PRIVATE_DOC_NAME in r),
+                        "",
+                    ),
+                    REPLY_S,
+                    f"{PRIVATE_DOC_NAME} in A's documents list",
+                    srv,
+                    page_a,
+                )
+                assert "yours (private)" in row, row
+                # Control: A's own question is answered from the upload (so B's could have been too).
+                reply, _ = ask(page_a, srv, PRIVATE_QUESTION)
+                assert is_real_text(reply), reply
+                assert page_a.locator(THOUGHTS).count() == 1, "A's answer has no Sources block"
+                assert PRIVATE_DOC_NAME in opened_sources(page_a, srv, page_a.locator(THOUGHTS).last)
+
+            with step(page_b, "owners-b"):
+                wait_ready(page_b, srv)
+                for moment in ("after loading", "after a reload"):
+                    if moment == "after a reload":
+                        page_b.reload(wait_until="domcontentloaded")
+                    loaded(page_b, srv, [])
+                    assert "No documents yet" in page_b.locator("#llmweb-doclist").inner_text()
+                    assert "No turns yet" in page_b.locator("#llmweb-stats").inner_text()
+                    assert not (found := leaks(page_b, A_ONLY + ("Quokkafrost",))), (
+                        f"B's page {moment} shows A's data: {found}"
+                    )
+
+                # The API: A's conversation id (from the server's database) opens nothing.
+                rows = conversations()
+                assert len(rows) == 1 and rows[0][1].startswith("anon:"), rows
+                a_id = rows[0][0]
+                client = Client(srv.url, verbose=False, download_files=False, analytics_enabled=False)
+                api = client.view_api(print_info=False, return_format="dict")
+                named = set(api["named_endpoints"])
+                assert {"/chat", "/stats"} <= named <= {"/chat", "/stats", "/status_text"}, named
+                assert not api["unnamed_endpoints"], api["unnamed_endpoints"]
+
+                def refusal(endpoint: str, params: list[str], conv_id: str) -> str:
+                    args = {"conversation_id": conv_id}
+                    if "message" in params:
+                        args["message"] = "What is my locker code?"
+                    with pytest.raises(Exception) as refused:
+                        client.predict(**args, api_name=endpoint)
+                    return re.sub(r"\(id \w+\)", "(id …)", str(refused.value))
+
+                for endpoint, info in sorted(api["named_endpoints"].items()):
+                    params = [q["parameter_name"] for q in info["parameters"]]
+                    if "conversation_id" not in params:  # the status line: nothing of anyone's
+                        answer = str(client.predict(api_name=endpoint))
+                        assert not [w for w in A_ONLY if w.lower() in answer.lower()], (endpoint, answer)
+                        continue
+                    message = refusal(endpoint, params, a_id)
+                    assert "no longer exists" in message, (endpoint, message)
+                    assert message == refusal(endpoint, params, "0" * 32), (
+                        f"{endpoint} answers A's id and an unknown id differently"
+                    )
+                assert conversations() == rows, "an API call changed the conversations"
+
+                # B asks about A's upload: answered without it.
+                reply, _ = ask(page_b, srv, PRIVATE_QUESTION)
+                assert is_real_text(reply), reply
+                for block in page_b.locator(THOUGHTS).all():
+                    assert PRIVATE_DOC_NAME not in opened_sources(page_b, srv, block)
+                assert not (found := leaks(page_b)), f"B's page after its question shows A's data: {found}"
+                owners = [o for _, o in conversations()]
+                assert len(owners) == 2 and owners[0] != owners[1], owners
+
+            def each_on_its_own(moment: str) -> None:
+                for pg in (page_a, page_b):
+                    pg.reload(wait_until="domcontentloaded")
+                with step(page_a, "owners-a"):
+                    loaded(page_a, srv, [SECRET, PRIVATE_QUESTION])
+                    assert "Zanzibar-7781" in page_a.locator("#llmweb-chat").inner_text()
+                    assert PRIVATE_DOC_NAME in page_a.locator("#llmweb-doclist").inner_text()
+                with step(page_b, "owners-b"):
+                    loaded(page_b, srv, [PRIVATE_QUESTION])
+                    assert not (found := leaks(page_b)), f"B's page {moment} shows A's data: {found}"
+
+            each_on_its_own("after a reload")
+            stop_server(srv)
+            srv = start_server(data_dir, port, env, log_name="owners-server.log")  # the same origin
+            each_on_its_own("after an app restart and a reload")
+            shot(page_a, "owners-a.png")
+            shot(page_b, "owners-b.png")
+        finally:
+            for context in contexts:
+                context.close()
+    finally:
+        stop_server(srv)
