@@ -7,8 +7,8 @@ import json
 import pytest
 from gradio_client import Client
 
+from llmweb.records import LOCAL_OWNER as LOCAL
 from llmweb.runtime import Runtime
-from llmweb.store.db import LOCAL_OWNER as LOCAL
 from llmweb.web.ui import build_app
 from tests.conftest import make_settings
 
@@ -45,13 +45,14 @@ def test_ui_panel_and_plots_update_after_each_turn(served):
     """The Send button's handler on the real model: the stats panel and the session plots per turn."""
     from types import SimpleNamespace
 
-    from llmweb.web.ui import Handlers, Panel
+    from llmweb.web.panels.base import Panel
+    from llmweb.web.ui import Handlers
 
     runtime, _url = served
     h = Handlers(runtime)
     history, conv = [], ""
     for turn, question in enumerate(["What is the capital of France?", "And of Italy?"], 1):
-        *_, final = h.respond(question, history, conv, True, "", SimpleNamespace(username=None))
+        *_, final = h.chat.respond(question, history, conv, True, "", SimpleNamespace(username=None))
         panel = Panel(*final[:-1])
         conv, history, stats_md, bar = panel.conv_state, panel.chatbot, panel.stats_md, panel.bar
         assert f"**Turn {turn}**" in stats_md and "prompt **" in stats_md

@@ -2,17 +2,16 @@
 
 `api_routes(runtime)` returns the routes; cli/main.py hands them to Gradio's FastAPI app
 (`launch(app_kwargs={"routes": ...})`), so `python -m llmweb serve` serves both on one port. This
-module is transport only: who is calling (bearer keys, web/accounts.py), reading a bounded body,
+module is transport only: who is calling (web/identity.py), reading a bounded body,
 events to JSON or server-sent events (web/api_wire.py), errors to status codes. The turn itself is
 the chat path's: stateful requests run `Chat.send` (history, summary, facts, recall, retrieval,
 the store: the conversation shows in its owner's list), stateless ones `StatelessChat.send`
 (chat/stateless.py: the client's messages fitted into the budget). Both go through the one engine
 queue, so a full queue is a 429 here as it is a "busy" message in the UI.
 
-Owners follow web/ui.py: a key of user alice acts for "user:alice" (her conversations in the UI); a
-key of no user for "key:<tag>"; a single-user install for LOCAL_OWNER. Without keys the API is
-open only on a loopback bind without login; then, on a multi-user install, a conversation's own
-id is its owner ("api:<id>"), as for gradio_client callers.
+Who the caller is and which owner they act for is web/identity.py's (`ApiCallers`): a key of user
+alice acts for "user:alice" (her conversations in the UI), and without keys the API is open only on
+a loopback bind without login. This module must not work out an owner itself.
 
 A chat turn blocks (it waits on the engine), so each request's turn runs on its own thread
 (`_Pump`), and the event loop only moves its events. A client that disconnects (streaming or
@@ -51,8 +50,7 @@ from llmweb.errors import (
     OutOfMemory,
     TimedOut,
 )
-from llmweb.store.db import LOCAL_OWNER, NotFound, new_id
-from llmweb.web.accounts import ApiKeys
+from llmweb.store.models import NotFound, new_id
 from llmweb.web.api_wire import (
     MODEL_ID,
     NEW_CONVERSATION,
@@ -68,11 +66,11 @@ from llmweb.web.api_wire import (
     parse_request,
     sse,
 )
+from llmweb.web.identity import ApiCallers, Caller
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2  # what a 429 / 503 tells the client to wait
-OPEN_STATELESS_OWNER = "api:stateless"  # open API on a multi-user install, no conversation
 ENDPOINTS = "GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions"
 
 
@@ -89,64 +87,14 @@ def api_routes(runtime) -> list:
     return list(router.routes)
 
 
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who is asking. owner=None: the open API on a multi-user install (each conversation is its own owner)."""
-
-    owner: str | None
-
-    def of_conversation(self, conv_id: str) -> str:
-        return self.owner or f"api:{conv_id}"
-
-
 class OpenAIApi:
     def __init__(self, runtime):
         self.runtime = runtime
         self.settings = runtime.settings
-        self.keys = ApiKeys.from_settings(self.settings)
+        self.callers = ApiCallers(self.settings)
         self.created = int(time.time())
         self._stateless: StatelessChat | None = None
         self._lock = threading.Lock()
-        if not self.keys.configured and not self._open():
-            log.warning(
-                "the OpenAI-compatible API (/v1) refuses every request: it needs keys when the server is "
-                "bound to %s%s (LLMWEB_API_KEYS, or `python -m llmweb user key NAME`)",
-                self.settings.host,
-                " with login on" if self.settings.login else "",
-            )
-
-    # ---- who is asking
-    def _open(self) -> bool:
-        return self.settings.on_loopback and not self.settings.login
-
-    def caller(self, headers) -> Caller:
-        """The caller's owner from `Authorization: Bearer <key>`; ApiError 401 without a valid key
-        where one is needed. Without keys (loopback only), whatever key a client sends is ignored."""
-        single = self.settings.is_single_user
-        if not self.keys.configured:
-            if not self._open():
-                raise ApiError(
-                    401,
-                    "This server's API needs an API key: it is reachable from other machines or has login on, "
-                    "and no keys are set (LLMWEB_API_KEYS, or `python -m llmweb user key NAME`).",
-                    type="authentication_error",
-                    code="api_key_required",
-                )
-            return Caller(LOCAL_OWNER if single else None)
-        scheme, _, key = (headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise ApiError(
-                401,
-                "Missing API key: send the header Authorization: Bearer <your key>.",
-                type="authentication_error",
-                code="missing_api_key",
-            )
-        who = self.keys.lookup(key.strip())
-        if who is None:
-            raise ApiError(401, "Incorrect API key.", type="authentication_error", code="invalid_api_key")
-        if single:
-            return Caller(LOCAL_OWNER)
-        return Caller(f"user:{who.name}" if who.name else f"key:{who.tag}")
 
     def model_names(self) -> list[str]:
         loaded = getattr(self.runtime, "loaded", None)
@@ -156,14 +104,14 @@ class OpenAIApi:
     # ---- routes
     async def models(self, request: Request) -> Response:
         try:
-            self.caller(request.headers)
+            self.callers.caller(request.headers)
         except ApiError as e:
             return error_response(e)
         return JSONResponse(models_list([MODEL_ID], self.created))
 
     async def model(self, request: Request, model_id: str) -> Response:
         try:
-            self.caller(request.headers)
+            self.callers.caller(request.headers)
             if model_id not in self.model_names():
                 message = f"The model {model_id[:100]!r} does not exist here."
                 raise ApiError(404, message, type="not_found_error", code="model_not_found")
@@ -181,7 +129,7 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            caller = self.caller(request.headers)
+            caller = self.callers.caller(request.headers)
             body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
             req = parse_request(body, self.model_names(), self.settings.max_message_chars, request.headers)
             turn = self.start(caller, req)
@@ -233,7 +181,7 @@ class OpenAIApi:
             use_docs = True if req.use_docs is None else req.use_docs
             events = turn_chat.send(owner, conv_id, req.messages[0].text, new=new, use_docs=use_docs, seed=req.seed)
             return _Turn(events, view, "stateful", conv_id, max_tokens, notes)
-        owner = caller.owner or OPEN_STATELESS_OWNER
+        owner = caller.stateless_owner
         events = self.stateless(chat).send(
             owner,
             [(m.role, m.text) for m in req.messages],

@@ -17,7 +17,8 @@ import pytest
 
 from llmweb.cli.main import launch_app
 from llmweb.runtime import Runtime
-from llmweb.web.ui import Handlers
+from llmweb.web.identity import browser_owner
+from llmweb.web.panels.base import PanelHandlers
 from tests.conftest import make_settings
 
 ALICE, BOB = "alice-key-0123456789", "bob-key-0123456789"
@@ -149,10 +150,10 @@ def test_a_stateful_conversation_continues_and_shows_only_in_its_owners_list(ser
     assert [t.user for t in stored.turns] == ["My name is Ada. What is 2 + 2?", "And what is 3 + 3?"]
 
     # alice's list in the UI (login as alice) has it; bob's has not, and bob cannot continue it
-    h = Handlers(runtime)
+    shown = PanelHandlers(runtime)
     for name, listed in (("alice", True), ("bob", False)):
-        owner = h.owner("", SimpleNamespace(username=name))
-        choices = h.panel(owner, stored).conv_list["choices"]
+        owner = browser_owner(runtime.settings, "", SimpleNamespace(username=name))
+        choices = shown.panel(owner, stored).conv_list["choices"]
         assert any(conv == value for _label, value in choices) is listed
     with pytest.raises(openai.NotFoundError, match="no conversation"):
         bob.chat.completions.create(

@@ -16,7 +16,8 @@ from llmweb.chat import context
 from llmweb.chat.session import Chat, Delta, Finished, Queued, Started
 from llmweb.errors import BusyError, InputError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
-from llmweb.store.db import NotFound, Store, new_id
+from llmweb.store.db import Store
+from llmweb.store.models import NotFound, new_id
 from llmweb.web.formatting import (
     NO_PLOT,
     SECTION_COLOURS,
@@ -27,7 +28,9 @@ from llmweb.web.formatting import (
     sources_message,
     stats_markdown,
 )
-from llmweb.web.ui import Handlers, Panel, build_app, new_owner_token, user_errors
+from llmweb.web.identity import browser_owner, new_owner_token
+from llmweb.web.panels.base import Panel, user_errors
+from llmweb.web.ui import Handlers, build_app
 from tests.conftest import make_settings
 from tests.fakes import FakeFormat
 
@@ -279,7 +282,9 @@ def runtime(tmp_path):
 def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime):
     h = Handlers(runtime)
     shown = []  # the chat list is reused between yields: read each as it comes
-    outs = [shown.append(out[1][-1]["content"]) or out for out in h.respond("Capital?", [], "", True, A_TOKEN, NOBODY)]
+    outs = [
+        shown.append(out[1][-1]["content"]) or out for out in h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
+    ]
     *streaming, final = outs
     assert shown[:-1] == ["*Waiting: 1 ahead in the queue…*", "Par", "Paris"]
     assert all(isinstance(v, dict) and v.get("__type__") == "update" for v in streaming[-1][2:-1]), "others skipped"
@@ -293,11 +298,11 @@ def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime):
 
 def test_stop_closes_the_chat_stream_through_the_decorator_and_shows_the_stopped_turn(runtime):
     h = Handlers(runtime)
-    stream = h.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
+    stream = h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
     next(stream), next(stream)  # queued, then "Par"
     conv_id = next(stream)[0]
     stream.close()  # what Gradio does when Stop cancels the event
-    panel = h.after_stop(conv_id, [{"role": "user", "content": "Capital?"}], A_TOKEN, NOBODY)
+    panel = h.chat.after_stop(conv_id, [{"role": "user", "content": "Capital?"}], A_TOKEN, NOBODY)
     assert panel.chatbot[-1]["content"] == "Par\n\n*(stopped)*"
     assert panel.stats_md.endswith("Stopped.")
 
@@ -305,42 +310,42 @@ def test_stop_closes_the_chat_stream_through_the_decorator_and_shows_the_stopped
 def test_refused_messages_are_toasts_and_leave_no_empty_chat(runtime):
     h = Handlers(runtime)
     with pytest.raises(gr.Error, match="empty"):
-        list(h.respond("   ", [], "", True, A_TOKEN, NOBODY))
+        list(h.chat.respond("   ", [], "", True, A_TOKEN, NOBODY))
     runtime.chat.error = BusyError("The queue is full.")
     with pytest.raises(gr.Error, match="The queue is full."):
-        list(h.api_chat("Hello", request=NOBODY))
+        list(h.endpoints.api_chat("Hello", request=NOBODY))
     assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == []
     with pytest.raises(gr.Error, match="no longer exists"):
-        h.api_stats("nope", request=NOBODY)
+        h.endpoints.api_stats("nope", request=NOBODY)
     runtime.chat.error = None
     conv = _one_chat(h)
     with pytest.raises(gr.Error, match="Pick a fact first."):
-        h.pin_fact(conv, None, A_TOKEN, NOBODY)
+        h.memory.pin_fact(conv, None, A_TOKEN, NOBODY)
 
 
 def _one_chat(h) -> str:
-    *_, final = h.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
+    *_, final = h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
     return final[0]
 
 
 def test_a_new_chat_is_not_stored_until_its_first_message_and_delete_moves_on(runtime):
     h = Handlers(runtime)
-    blank = h.new_chat(A_TOKEN, NOBODY)
+    blank = h.chats.new_chat(A_TOKEN, NOBODY)
     assert blank.conv_state == "" and "No turns yet" in blank.stats_md and blank.tokens_plot == NO_PLOT
     assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == [], "no empty chats in the store"
     first, second = _one_chat(h), _one_chat(h)
-    assert h.switch("gone", A_TOKEN, NOBODY).conv_state == ""
-    after = h.delete_chat(second, A_TOKEN, NOBODY)
+    assert h.chats.switch("gone", A_TOKEN, NOBODY).conv_state == ""
+    after = h.chats.delete_chat(second, A_TOKEN, NOBODY)
     assert after.conv_state == first
 
 
 def test_a_first_visit_gets_an_unguessable_token_and_a_reload_keeps_it(runtime):
     h = Handlers(runtime)
-    token, *panel = h.visit("", "", NOBODY)
+    token, *panel = h.account.visit("", "", NOBODY)
     assert len(token) == 32 and token != new_owner_token()
-    again, *_ = h.visit(token, "", NOBODY)
+    again, *_ = h.account.visit(token, "", NOBODY)
     assert again == token
-    forged, *_ = h.visit("not a token", "", NOBODY)
+    forged, *_ = h.account.visit("not a token", "", NOBODY)
     assert forged != "not a token" and len(forged) == 32
 
 
@@ -348,114 +353,114 @@ def test_two_visitors_never_see_each_others_chats_through_any_handler(runtime):
     h = Handlers(runtime)
     a_conv = _one_chat(h)
     # B's own view
-    b = h.visit(B_TOKEN, a_conv, NOBODY)  # even with A's id in B's browser state
+    b = h.account.visit(B_TOKEN, a_conv, NOBODY)  # even with A's id in B's browser state
     assert b[1] == "" and b[2] == [] and b[3]["choices"] == []
-    assert h.switch(a_conv, B_TOKEN, NOBODY).chatbot == []
+    assert h.chats.switch(a_conv, B_TOKEN, NOBODY).chatbot == []
     for call in (
-        lambda: h.export_json(a_conv, B_TOKEN, NOBODY),
-        lambda: h.export_md(a_conv, B_TOKEN, NOBODY),
-        lambda: h.add_fact(a_conv, "mine now", B_TOKEN, NOBODY),
-        lambda: h.delete_fact(a_conv, 1, B_TOKEN, NOBODY),
-        lambda: h.api_stats(a_conv, request=NOBODY),
+        lambda: h.transfer.export_json(a_conv, B_TOKEN, NOBODY),
+        lambda: h.transfer.export_md(a_conv, B_TOKEN, NOBODY),
+        lambda: h.memory.add_fact(a_conv, "mine now", B_TOKEN, NOBODY),
+        lambda: h.memory.delete_fact(a_conv, 1, B_TOKEN, NOBODY),
+        lambda: h.endpoints.api_stats(a_conv, request=NOBODY),
     ):
         with pytest.raises(gr.Error, match="no longer exists"):
             call()
     with pytest.raises(gr.Error, match="no longer exists"):
-        list(h.api_chat("continue theirs", a_conv, request=NOBODY))
-    h.delete_chat(a_conv, B_TOKEN, NOBODY)
+        list(h.endpoints.api_chat("continue theirs", a_conv, request=NOBODY))
+    h.chats.delete_chat(a_conv, B_TOKEN, NOBODY)
     assert [c.id for c in runtime.store.list_conversations(f"anon:{A_TOKEN}")] == [a_conv], "A's chat is intact"
     # a login is the owner, whatever the browser token says
     bob = SimpleNamespace(username="bob")
-    assert h.owner(A_TOKEN, bob) == "user:bob"
+    assert browser_owner(runtime.settings, A_TOKEN, bob) == "user:bob"
 
 
 def test_rename_shows_the_new_title_and_a_stranger_cannot_rename_it(runtime):
     h = Handlers(runtime)
     a_conv = _one_chat(h)
     assert runtime.store.get(f"anon:{A_TOKEN}", a_conv).title == "Capital?", "the default: the first message"
-    *panel, box = h.rename(a_conv, "  Geography\n quiz ", A_TOKEN, NOBODY)
+    *panel, box = h.chats.rename(a_conv, "  Geography\n quiz ", A_TOKEN, NOBODY)
     assert box == "" and Panel(*panel).conv_list["choices"][0] == ("Geography quiz (1)", a_conv)
     unknown = new_id()
     with pytest.raises(gr.Error) as stranger:
-        h.rename(a_conv, "Mine now", B_TOKEN, NOBODY)
+        h.chats.rename(a_conv, "Mine now", B_TOKEN, NOBODY)
     with pytest.raises(gr.Error) as missing:
-        h.rename(unknown, "Mine now", B_TOKEN, NOBODY)
+        h.chats.rename(unknown, "Mine now", B_TOKEN, NOBODY)
     assert str(stranger.value).replace(a_conv[:8], "ID") == str(missing.value).replace(unknown[:8], "ID"), (
         "B learns nothing: A's chat answers as an unknown id does"
     )
     assert runtime.store.get(f"anon:{A_TOKEN}", a_conv).title == "Geography quiz"
     for bad, why in (("   ", "cannot be empty"), ("x" * 121, "the limit is 120")):
         with pytest.raises(gr.Error, match=why):
-            h.rename(a_conv, bad, A_TOKEN, NOBODY)
+            h.chats.rename(a_conv, bad, A_TOKEN, NOBODY)
     with pytest.raises(gr.Error, match="not saved yet"):
-        h.rename("", "Title", A_TOKEN, NOBODY)
+        h.chats.rename("", "Title", A_TOKEN, NOBODY)
     assert runtime.store.get(f"anon:{A_TOKEN}", a_conv).title == "Geography quiz", "bad titles change nothing"
 
 
 def test_search_lists_only_the_callers_turns_and_a_result_opens_its_chat_at_that_turn(runtime):
     h = Handlers(runtime)
     a_conv = _one_chat(h)
-    *_, b_final = h.respond("Capital?", [], "", True, B_TOKEN, NOBODY)
-    found = h.search("capital", A_TOKEN, NOBODY)
+    *_, b_final = h.chat.respond("Capital?", [], "", True, B_TOKEN, NOBODY)
+    found = h.chats.search("capital", A_TOKEN, NOBODY)
     assert found["visible"] and found["choices"] == [("Capital? · turn 1: «Capital»?", f"{a_conv}:0")], "A's only"
-    assert h.search("nothing-like-this", A_TOKEN, NOBODY)["choices"] == []
-    opened = h.open_hit(f"{a_conv}:0", A_TOKEN, NOBODY)
+    assert h.chats.search("nothing-like-this", A_TOKEN, NOBODY)["choices"] == []
+    opened = h.chats.open_hit(f"{a_conv}:0", A_TOKEN, NOBODY)
     assert opened.conv_state == a_conv and opened.stats_md.endswith("Search result: turn 1.")
     with pytest.raises(gr.Error, match="no longer exists"):
-        h.open_hit(f"{a_conv}:0", B_TOKEN, NOBODY)  # B with A's result: as an unknown id
+        h.chats.open_hit(f"{a_conv}:0", B_TOKEN, NOBODY)  # B with A's result: as an unknown id
     for bad in (None, "", "junk", f"{a_conv}:x"):
         with pytest.raises(gr.Error, match="Pick a search result"):
-            h.open_hit(bad, A_TOKEN, NOBODY)
+            h.chats.open_hit(bad, A_TOKEN, NOBODY)
     with pytest.raises(gr.Error, match="Search could not read"):
-        h.search('"unclosed', A_TOKEN, NOBODY)
+        h.chats.search('"unclosed', A_TOKEN, NOBODY)
     with pytest.raises(gr.Error, match="Type something"):
-        h.search("  ", A_TOKEN, NOBODY)
+        h.chats.search("  ", A_TOKEN, NOBODY)
     assert b_final[0] != a_conv
 
 
 def test_regenerate_streams_then_shows_one_reply_in_place_of_the_old_one(runtime):
     h = Handlers(runtime)
     conv = _one_chat(h)
-    *streaming, final = list(h.regenerate(conv, True, A_TOKEN, NOBODY))
+    *streaming, final = list(h.chat.regenerate(conv, True, A_TOKEN, NOBODY))
     assert [m["content"] for m in streaming[-1].chatbot] == ["Capital?", "Ly"], "the old reply is not shown meanwhile"
     bots = [m["content"] for m in final.chatbot if m["role"] == "assistant" and not m.get("metadata")]
     assert bots == ["Lyon"] and [t.assistant for t in runtime.store.get(f"anon:{A_TOKEN}", conv).turns] == ["Lyon"]
     with pytest.raises(gr.Error, match="no longer exists"):
-        list(h.regenerate(conv, True, B_TOKEN, NOBODY))
+        list(h.chat.regenerate(conv, True, B_TOKEN, NOBODY))
     with pytest.raises(gr.Error, match="not saved yet"):
-        list(h.regenerate("", True, A_TOKEN, NOBODY))
+        list(h.chat.regenerate("", True, A_TOKEN, NOBODY))
 
 
 def test_continue_shows_the_reply_so_far_then_the_grown_reply(runtime):
     h = Handlers(runtime)
     conv = _one_chat(h)
-    first, *_, final = list(h.continue_reply(conv, True, A_TOKEN, NOBODY))
+    first, *_, final = list(h.chat.continue_reply(conv, True, A_TOKEN, NOBODY))
     assert [m["content"] for m in final.chatbot if not m.get("metadata")] == ["Capital?", "Paris and more"]
     with pytest.raises(gr.Error, match="no longer exists"):
-        list(h.continue_reply(conv, True, B_TOKEN, NOBODY))
+        list(h.chat.continue_reply(conv, True, B_TOKEN, NOBODY))
 
 
 def test_undo_removes_the_last_turn_puts_its_message_back_and_refuses_strangers(runtime):
     h = Handlers(runtime)
     conv = _one_chat(h)
-    *_, final = h.respond("And Italy?", [], conv, True, A_TOKEN, NOBODY)
+    *_, final = h.chat.respond("And Italy?", [], conv, True, A_TOKEN, NOBODY)
     with pytest.raises(gr.Error, match="no longer exists"):
-        h.undo(conv, B_TOKEN, NOBODY)
-    *panel, box = h.undo(conv, A_TOKEN, NOBODY)
+        h.chat.undo(conv, B_TOKEN, NOBODY)
+    *panel, box = h.chat.undo(conv, A_TOKEN, NOBODY)
     assert box == "And Italy?" and [m["content"] for m in Panel(*panel).chatbot][:2] == ["Capital?", "Paris"]
     assert [t.user for t in runtime.store.get(f"anon:{A_TOKEN}", conv).turns] == ["Capital?"]
     runtime.store.set_summary(f"anon:{A_TOKEN}", conv, "asked for a capital", 1)
     with pytest.raises(gr.Error, match="folded into this chat's summary"):
-        h.undo(conv, A_TOKEN, NOBODY)
+        h.chat.undo(conv, A_TOKEN, NOBODY)
     assert len(runtime.store.get(f"anon:{A_TOKEN}", conv).turns) == 1, "a refused undo changes nothing"
 
 
 def test_api_conversations_continue_with_their_id_and_only_with_it(runtime):
     h = Handlers(runtime)
-    *_, (reply, conv_id) = h.api_chat("Capital?", request=NOBODY)
+    *_, (reply, conv_id) = h.endpoints.api_chat("Capital?", request=NOBODY)
     assert reply == "Paris" and len(conv_id) == 32
-    *_, (reply2, same) = h.api_chat("Again?", conv_id, request=NOBODY)
-    assert same == conv_id and json.loads(h.api_stats(conv_id, request=NOBODY))["turn"] == 2
+    *_, (reply2, same) = h.endpoints.api_chat("Again?", conv_id, request=NOBODY)
+    assert same == conv_id and json.loads(h.endpoints.api_stats(conv_id, request=NOBODY))["turn"] == 2
     assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == [], "not in any browser's list"
 
 
@@ -487,9 +492,9 @@ def test_delete_all_my_data_removes_only_the_callers_chats(runtime, monkeypatch)
     monkeypatch.setattr(gr, "Info", lambda message: None)  # the toast needs a running event
     h = Handlers(runtime)
     mine = [_one_chat(h) for _ in range(2)]
-    theirs = h.respond("Capital?", [], "", True, B_TOKEN, NOBODY)
+    theirs = h.chat.respond("Capital?", [], "", True, B_TOKEN, NOBODY)
     *_, final = theirs
-    out = h.delete_everything(A_TOKEN, NOBODY)
+    out = h.account.delete_everything(A_TOKEN, NOBODY)
     assert out[0] == "" and out[2]["choices"] == [], "A's page shows a blank chat and an empty list"
     assert runtime.store.list_conversations(f"anon:{A_TOKEN}") == [] and mine
     assert [c.id for c in runtime.store.list_conversations(f"anon:{B_TOKEN}")] == [final[0]], "B keeps theirs"
@@ -510,49 +515,49 @@ def _settings_inputs(panel: Panel, **changed) -> list:
 
 
 def test_chat_settings_show_the_configuration_then_what_the_chat_saved_and_strangers_cannot(runtime):
-    from llmweb.store.db import ChatSettings
+    from llmweb.store.models import ChatSettings
 
     h = Handlers(runtime)
-    blank = h.new_chat(A_TOKEN, NOBODY)
+    blank = h.chats.new_chat(A_TOKEN, NOBODY)
     assert (blank.system_box, blank.reply_cap, blank.memory_mode, blank.use_docs) == (
         runtime.settings.system_prompt,
         64,
         "recall",
         True,
     ), "a new chat shows the configuration, capped by the server's budget"
-    saved = h.save_settings(*_settings_inputs(blank, system="You are a pirate.", cap=12), A_TOKEN, NOBODY)
+    saved = h.settings.save_settings(*_settings_inputs(blank, system="You are a pirate.", cap=12), A_TOKEN, NOBODY)
     assert saved.conv_state and saved.system_box == "You are a pirate." and saved.reply_cap == 12
     conv = runtime.store.get(f"anon:{A_TOKEN}", saved.conv_state)
     assert conv.settings == ChatSettings(system_prompt="You are a pirate.", max_new_tokens=12), "only what changed"
-    reopened = h.switch(saved.conv_state, A_TOKEN, NOBODY)
+    reopened = h.chats.switch(saved.conv_state, A_TOKEN, NOBODY)
     assert (reopened.system_box, reopened.reply_cap) == ("You are a pirate.", 12), "a reload shows them again"
     with pytest.raises(gr.Error, match="reply cap must be between 1 and 64"):
-        h.save_settings(*_settings_inputs(saved, cap=65), A_TOKEN, NOBODY)
+        h.settings.save_settings(*_settings_inputs(saved, cap=65), A_TOKEN, NOBODY)
     assert runtime.store.get(f"anon:{A_TOKEN}", saved.conv_state).settings == conv.settings, "nothing changed"
-    h.set_use_docs(saved.conv_state, False, A_TOKEN, NOBODY)
-    assert h.switch(saved.conv_state, A_TOKEN, NOBODY).use_docs is False
+    h.settings.set_use_docs(saved.conv_state, False, A_TOKEN, NOBODY)
+    assert h.chats.switch(saved.conv_state, A_TOKEN, NOBODY).use_docs is False
     # another visitor: the same id is an unknown chat, and saving creates B's own instead
-    h.set_use_docs(saved.conv_state, True, B_TOKEN, NOBODY)  # not B's chat: nothing to keep it with
-    assert h.switch(saved.conv_state, A_TOKEN, NOBODY).use_docs is False
+    h.settings.set_use_docs(saved.conv_state, True, B_TOKEN, NOBODY)  # not B's chat: nothing to keep it with
+    assert h.chats.switch(saved.conv_state, A_TOKEN, NOBODY).use_docs is False
     with pytest.raises(NotFound):
         runtime.chat.set_settings(f"anon:{B_TOKEN}", saved.conv_state, ChatSettings(temperature=1.0))
-    theirs = h.save_settings(*_settings_inputs(saved, system="Stolen"), B_TOKEN, NOBODY)
+    theirs = h.settings.save_settings(*_settings_inputs(saved, system="Stolen"), B_TOKEN, NOBODY)
     assert theirs.conv_state != saved.conv_state
     assert runtime.store.get(f"anon:{A_TOKEN}", saved.conv_state).settings.system_prompt == "You are a pirate."
 
 
 def test_import_of_an_export_reproduces_the_chat_for_its_importer_and_bad_files_change_nothing(runtime, tmp_path):
-    from llmweb.store.db import ChatSettings
+    from llmweb.store.models import ChatSettings
 
     h, a = Handlers(runtime), f"anon:{A_TOKEN}"
     conv = _one_chat(h)
-    h.respond("And Italy?", [], conv, True, A_TOKEN, NOBODY).close()
-    *_, last = h.respond("And Spain?", [], conv, True, A_TOKEN, NOBODY)
+    h.chat.respond("And Italy?", [], conv, True, A_TOKEN, NOBODY).close()
+    *_, last = h.chat.respond("And Spain?", [], conv, True, A_TOKEN, NOBODY)
     runtime.store.set_summary(a, conv, "The user asks for capitals.", 1)
     runtime.store.add_fact(a, conv, "I live in Lyon.", pinned=True)
     runtime.chat.set_settings(a, conv, ChatSettings(system_prompt="Be brief.", temperature=0.3, memory="summary"))
-    exported = Path(h.export_json(conv, A_TOKEN, NOBODY))
-    opened = h.import_chat(str(exported), B_TOKEN, NOBODY)
+    exported = Path(h.transfer.export_json(conv, A_TOKEN, NOBODY))
+    opened = h.transfer.import_chat(str(exported), B_TOKEN, NOBODY)
     assert opened.conv_state != conv and opened.stats_md.endswith("(2 turns).")
     original, copy = runtime.store.get(a, conv), runtime.store.get(f"anon:{B_TOKEN}", opened.conv_state)
     assert [(t.user, t.assistant, t.stats, t.sources) for t in copy.turns] == [
@@ -561,8 +566,8 @@ def test_import_of_an_export_reproduces_the_chat_for_its_importer_and_bad_files_
     same = ("title", "summary", "summarized_upto", "settings")
     assert [getattr(copy, k) for k in same] == [getattr(original, k) for k in same]
     assert [(f.text, f.pinned) for f in copy.facts] == [("I live in Lyon.", True)]
-    assert opened.chatbot == h.switch(conv, A_TOKEN, NOBODY).chatbot and opened.system_box == "Be brief."
-    assert h.switch(opened.conv_state, A_TOKEN, NOBODY).conv_state == "", "B's copy is not A's"
+    assert opened.chatbot == h.chats.switch(conv, A_TOKEN, NOBODY).chatbot and opened.system_box == "Be brief."
+    assert h.chats.switch(opened.conv_state, A_TOKEN, NOBODY).conv_state == "", "B's copy is not A's"
     before = (runtime.store.list_conversations(a), runtime.store.list_conversations(f"anon:{B_TOKEN}"))
     for name, content in (
         ("notes.json", b'{"hello": 1}'),
@@ -572,7 +577,7 @@ def test_import_of_an_export_reproduces_the_chat_for_its_importer_and_bad_files_
         bad = tmp_path / name
         bad.write_bytes(content)
         with pytest.raises(gr.Error, match="not an llmweb|not text"):
-            h.import_chat(str(bad), A_TOKEN, NOBODY)
+            h.transfer.import_chat(str(bad), A_TOKEN, NOBODY)
     assert (runtime.store.list_conversations(a), runtime.store.list_conversations(f"anon:{B_TOKEN}")) == before
 
 
@@ -580,17 +585,17 @@ def test_editing_turn_2_of_4_forks_the_chat_and_the_switcher_goes_back_to_all_4_
     h, a = Handlers(runtime), f"anon:{A_TOKEN}"
     conv = _one_chat(h)
     for q in ("Italy?", "Spain?", "Peru?"):
-        *_, last = h.respond(q, [], conv, True, A_TOKEN, NOBODY)
+        *_, last = h.chat.respond(q, [], conv, True, A_TOKEN, NOBODY)
     original = Panel(*last[:-1])
     users = [m["content"] for m in original.chatbot if m["role"] == "user"]
     assert users == ["Capital?", "Italy?", "Spain?", "Peru?"] and original.versions_row["visible"] is False
     index = next(i for i, m in enumerate(original.chatbot) if m["content"] == "Italy?")
     edited = SimpleNamespace(index=index, value="Italy, please?")
-    *_, forked = h.edit(conv, True, A_TOKEN, NOBODY, edited)
+    *_, forked = h.chat.edit(conv, True, A_TOKEN, NOBODY, edited)
     assert [m["content"] for m in forked.chatbot if m["role"] == "user"] == ["Capital?", "Italy, please?\n\n‹ 2/2 ›"]
     assert forked.chatbot[-1]["content"] == "Rome" and forked.versions_row["visible"] is True
     assert forked.version_dd["choices"] == [("Turn 2 ‹ 2/2 ›", 1)] and forked.version_dd["value"] == 1
-    back = h.prev_version(conv, 1, A_TOKEN, NOBODY)
+    back = h.chat.prev_version(conv, 1, A_TOKEN, NOBODY)
     assert [m["content"] for m in back.chatbot if m["role"] == "user"] == [
         "Capital?",
         "Italy?\n\n‹ 1/2 ›",
@@ -598,13 +603,13 @@ def test_editing_turn_2_of_4_forks_the_chat_and_the_switcher_goes_back_to_all_4_
         "Peru?",
     ]
     assert back.stats_md.endswith("Turn 2: version 1 of 2.")
-    assert h.switch(conv, A_TOKEN, NOBODY).chatbot == back.chatbot, "a reload keeps the active version"
+    assert h.chats.switch(conv, A_TOKEN, NOBODY).chatbot == back.chatbot, "a reload keeps the active version"
     with pytest.raises(gr.Error, match="no longer exists"):
-        h.next_version(conv, 1, B_TOKEN, NOBODY)
+        h.chat.next_version(conv, 1, B_TOKEN, NOBODY)
     with pytest.raises(gr.Error, match="no longer exists"):
-        list(h.edit(conv, True, B_TOKEN, NOBODY, edited))
+        list(h.chat.edit(conv, True, B_TOKEN, NOBODY, edited))
     assert runtime.store.get(a, conv).versions == {1: (0, 2)}, "a stranger changed nothing"
-    again = h.edit(conv, True, A_TOKEN, NOBODY, SimpleNamespace(index=index, value="Italy?\n\n‹ 1/2 › "))
+    again = h.chat.edit(conv, True, A_TOKEN, NOBODY, SimpleNamespace(index=index, value="Italy?\n\n‹ 1/2 › "))
     *_, third = again
     assert third.version_dd["choices"] == [("Turn 2 ‹ 3/3 ›", 1)], "the marker is not part of the message"
     assert runtime.store.get(a, conv).turns[1].user == "Italy?"
@@ -612,9 +617,19 @@ def test_editing_turn_2_of_4_forks_the_chat_and_the_switcher_goes_back_to_all_4_
 
 def test_a_new_chat_sent_without_documents_keeps_the_box_unticked(runtime):
     h = Handlers(runtime)
-    *_, final = h.respond("Capital?", [], "", False, A_TOKEN, NOBODY)
+    *_, final = h.chat.respond("Capital?", [], "", False, A_TOKEN, NOBODY)
     panel = Panel(*final[:-1])
     assert panel.use_docs is False and [m["content"] for m in panel.chatbot][:2] == ["Capital?", "Paris"]
     assert runtime.store.get(f"anon:{A_TOKEN}", panel.conv_state).settings.use_docs is False
     (info,) = runtime.store.list_conversations(f"anon:{A_TOKEN}")
     assert info.title == "Capital?" and info.n_turns == 1, "one chat, titled by its first message"
+
+
+def test_the_owners_retention_may_purge_are_the_anonymous_ones_identity_mints():
+    """The runtime sits below the web layer, so it keeps its own copy of the anonymous prefixes."""
+    from llmweb import runtime
+    from llmweb.web import identity
+
+    assert tuple(runtime.ANON_PREFIXES) == identity.ANONYMOUS
+    assert identity.OPEN_STATELESS_OWNER.startswith(identity.ANONYMOUS)
+    assert not identity.login_owner("alice").startswith(identity.ANONYMOUS)

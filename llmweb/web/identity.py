@@ -1,0 +1,144 @@
+"""Who is asking, and which OWNER they act for: the one place owners are minted and derived.
+
+Every stored thing has an owner, a string, and every read names one. This module decides it:
+
+  - a single-user install (`Settings.is_single_user`): always LOCAL_OWNER, whoever asks;
+  - a login account (Gradio's `request.username`, or an API key made for a user): "user:<name>";
+  - an anonymous browser: "anon:<token>", the token minted on its first visit (192 bits, kept in
+    an encrypted `gr.BrowserState`, never shown, never in a URL) and checked on every event;
+  - a gradio_client caller without login: each conversation owns itself ("api:<id>": the id is
+    the capability), so a browser's conversation is never reachable through the API;
+  - an OpenAI-API caller (`ApiCallers`): a key of user alice is "user:alice", a key of no user
+    "key:<tag>"; without keys the API is open only on a loopback bind without login, and then each
+    conversation owns itself as above ("api:<id>"), a stateless call OPEN_STATELESS_OWNER.
+
+It must not store anything, decide what an owner may see (the store and library scope every read
+by the owner they are given), or import gradio: a Gradio request is read only for its `username`.
+Passwords and key hashes are web/accounts.py's; this module only asks it whom a key belongs to.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from llmweb.config import Settings
+from llmweb.errors import InputError
+from llmweb.records import LOCAL_OWNER
+from llmweb.web.accounts import ApiKeys
+from llmweb.web.api_wire import ApiError
+
+log = logging.getLogger(__name__)
+
+BROWSER = "anon:"  # + a browser's token
+API_CONVERSATION = "api:"  # + a conversation id: an anonymous API conversation owns itself
+# the owners the retention purge may delete (never a login account, a key or the local owner);
+# llmweb.runtime.retention keeps the same pair (it sits below this layer), tests/web/test_ui.py checks it
+ANONYMOUS = (BROWSER, API_CONVERSATION)
+OPEN_STATELESS_OWNER = API_CONVERSATION + "stateless"  # open API on a multi-user install, no conversation
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{32}$")  # secrets.token_urlsafe(24): 192 bits
+
+
+def new_owner_token() -> str:
+    """A new browser's token: unguessable, URL-safe, 32 characters."""
+    return secrets.token_urlsafe(24)
+
+
+def is_owner_token(token) -> bool:
+    """Whether `token` is one `new_owner_token` could have made (a forged or empty one is not)."""
+    return isinstance(token, str) and bool(_TOKEN.match(token))
+
+
+def login_owner(name: str) -> str:
+    return f"user:{name}"
+
+
+def _login_name(request) -> str | None:
+    return getattr(request, "username", None) or None
+
+
+def browser_owner(settings: Settings, token, request) -> str:
+    """A page event's owner: the single user, the login account, or the browser's token."""
+    if settings.is_single_user:
+        return LOCAL_OWNER
+    name = _login_name(request)
+    if name:
+        return login_owner(name)
+    if not is_owner_token(token):
+        raise InputError("This page has no session yet. Reload it, and allow this site to keep local storage.")
+    return BROWSER + token
+
+
+def gradio_api_owner(settings: Settings, conversation_id: str, request) -> str:
+    """A gradio_client call's owner: the single user, the login account, or (anonymous) the conversation's own id."""
+    if settings.is_single_user:
+        return LOCAL_OWNER
+    name = _login_name(request)
+    return login_owner(name) if name else API_CONVERSATION + conversation_id
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An OpenAI-API caller. owner=None: the open API on a multi-user install (each conversation is its own owner)."""
+
+    owner: str | None
+
+    def of_conversation(self, conv_id: str) -> str:
+        return self.owner or API_CONVERSATION + conv_id
+
+    @property
+    def stateless_owner(self) -> str:
+        return self.owner or OPEN_STATELESS_OWNER
+
+
+class ApiCallers:
+    """The OpenAI API's callers, from `Authorization: Bearer <key>` and the server's settings."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.keys = ApiKeys.from_settings(settings)
+        if not self.keys.configured and not self.open:
+            log.warning(
+                "the OpenAI-compatible API (/v1) refuses every request: it needs keys when the server is "
+                "bound to %s%s (LLMWEB_API_KEYS, or `python -m llmweb user key NAME`)",
+                settings.host,
+                " with login on" if settings.login else "",
+            )
+
+    @property
+    def open(self) -> bool:
+        """Without keys, the API answers only on a loopback bind without login."""
+        return self.settings.on_loopback and not self.settings.login
+
+    def caller(self, headers: Mapping[str, str]) -> Caller:
+        """The caller's owner from `Authorization: Bearer <key>`; ApiError 401 without a valid key
+        where one is needed. Without keys (loopback only), whatever key a client sends is ignored."""
+        single = self.settings.is_single_user
+        if not self.keys.configured:
+            if not self.open:
+                raise ApiError(
+                    401,
+                    "This server's API needs an API key: it is reachable from other machines or has login on, "
+                    "and no keys are set (LLMWEB_API_KEYS, or `python -m llmweb user key NAME`).",
+                    type="authentication_error",
+                    code="api_key_required",
+                )
+            return Caller(LOCAL_OWNER if single else None)
+        scheme, _, key = (headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(
+                401,
+                "Missing API key: send the header Authorization: Bearer <your key>.",
+                type="authentication_error",
+                code="missing_api_key",
+            )
+        who = self.keys.lookup(key.strip())
+        if who is None:
+            raise ApiError(401, "Incorrect API key.", type="authentication_error", code="invalid_api_key")
+        if single:
+            return Caller(LOCAL_OWNER)
+        return Caller(login_owner(who.name) if who.name else f"key:{who.tag}")

@@ -1,0 +1,176 @@
+"""What every panel's handlers share: who is asking, and how one conversation is shown.
+
+`PanelHandlers` holds the runtime and fills a `Panel` (every component that shows a conversation)
+from the store; `user_errors` turns a domain error (`LlmwebError`) into a `gr.Error` toast, the one
+place in llmweb where that happens. This module must not build components (web/ui.py does), format
+text (web/formatting.py does) or work out an owner itself (web/identity.py does).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, NamedTuple
+
+import gradio as gr
+
+from llmweb.errors import InputError, LlmwebError
+from llmweb.store.models import DEFAULT_TITLE, ChatSettings, Conversation
+from llmweb.web.formatting import (
+    SECTION_COLOURS,
+    fact_label,
+    history_messages,
+    line_chart_html,
+    plot_frames,
+    sections_html,
+    stats_markdown,
+    summary_markdown,
+    version_choices,
+)
+from llmweb.web.identity import browser_owner
+
+WAIT_READY_S = 600.0
+
+
+def user_errors(fn):
+    """Show a domain error's sentence as a `gr.Error` toast. Works for plain and generator functions
+    (a generator must stay one, or Gradio would not stream it)."""
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def stream(*args, **kwargs):
+            try:
+                yield from fn(*args, **kwargs)
+            except LlmwebError as e:
+                raise gr.Error(str(e)) from None
+
+        return stream
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LlmwebError as e:
+            raise gr.Error(str(e)) from None
+
+    return call
+
+
+class Panel(NamedTuple):
+    """Everything that shows one conversation; the field names are `Layout` attributes, in output order."""
+
+    conv_state: Any
+    chatbot: Any
+    conv_list: Any
+    stats_md: Any
+    bar: Any
+    memory_md: Any
+    fact_dd: Any
+    tokens_plot: Any
+    memory_plot: Any
+    prompt_box: Any  # the last turn's prompt, as sent (known only right after a turn)
+    use_docs: Any  # this chat's settings, each shown as its value in effect
+    system_box: Any
+    temperature: Any
+    reply_cap: Any
+    memory_mode: Any
+    versions_row: Any  # the version switcher, shown when the chat has versions
+    version_dd: Any
+
+    @classmethod
+    def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
+        """While a reply streams, only the chat changes."""
+        return cls(conv_id, messages, *[gr.skip()] * (len(cls._fields) - 2))
+
+
+class PanelHandlers:
+    """The base of every panel's handlers, over a `Runtime`. Every handler takes the browser's owner
+    token and the request last, and every store and library call gets the caller's owner."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.store = runtime.store
+        self.settings = runtime.settings
+
+    def owner(self, token: str, request: gr.Request | None) -> str:
+        """The caller's owner (web/identity.py): the single user, the login account, or the browser's token."""
+        return browser_owner(self.settings, token, request)
+
+    def _chat(self):
+        return self.runtime.wait_ready(WAIT_READY_S)
+
+    def _mem_limit(self) -> int:
+        engine = self.runtime.engine
+        return engine.limits.mem_limit_bytes if engine is not None else 0
+
+    @staticmethod
+    def _fork_shown(conv, fork: int | None) -> int | None:
+        """The fork the switcher shows: the one just used, else the latest."""
+        if fork in conv.versions:
+            return fork
+        return max(conv.versions) if conv.versions else None
+
+    def panel(self, owner: str, conv, notes: str = "", prompt: str = "", fork: int | None = None) -> Panel:
+        """Every component that shows a conversation, filled from the store."""
+        stats = conv.turns[-1].stats if conv.turns else None
+        tokens_df, memory_df = plot_frames(conv)
+        chats = [(f"{c.title} ({c.n_turns})", c.id) for c in self.store.list_conversations(owner)]
+        return Panel(
+            conv_state=conv.id,
+            chatbot=history_messages(conv),
+            versions_row=gr.update(visible=bool(conv.versions)),
+            version_dd=gr.update(choices=version_choices(conv.versions), value=self._fork_shown(conv, fork)),
+            conv_list=gr.update(choices=chats, value=conv.id or None),
+            stats_md=stats_markdown(stats, self._mem_limit()) + (f"\n\n{notes}" if notes else ""),
+            bar=sections_html(stats),
+            memory_md=summary_markdown(conv),
+            fact_dd=gr.update(choices=[(fact_label(f), f.id) for f in conv.facts], value=None),
+            tokens_plot=line_chart_html(tokens_df, "tokens", "section", "Prompt tokens by section", SECTION_COLOURS),
+            memory_plot=line_chart_html(memory_df, "MiB", "measure", "Memory"),
+            prompt_box=prompt,
+            **self._settings_shown(conv.settings),
+        )
+
+    def _settings_shown(self, chosen: ChatSettings) -> dict:
+        """The chat's settings in effect, as the panel shows them; before the model is loaded (no
+        budget yet), what the chat sets over the configuration."""
+        chat, s = self.runtime.chat, self.settings
+        if chat is not None:
+            mine = chat.turn_settings(chosen)
+            prompt, temperature, cap, memory = (
+                mine.system_prompt,
+                mine.temperature,
+                mine.budget.max_new_tokens,
+                mine.memory,
+            )
+        else:
+            prompt = s.system_prompt if chosen.system_prompt is None else chosen.system_prompt
+            temperature = s.temperature if chosen.temperature is None else chosen.temperature
+            cap, memory = chosen.max_new_tokens or s.max_new_tokens, chosen.memory
+        return dict(
+            use_docs=True if chosen.use_docs is None else chosen.use_docs,
+            system_box=prompt,
+            temperature=temperature,
+            reply_cap=cap,
+            memory_mode=memory,
+        )
+
+    def _open(self, owner: str, conv_id: str) -> Panel:
+        """The owner's conversation, or a blank new chat (stored with its first message) when the id
+        is empty, gone, or not theirs."""
+        conv = self.store.get(owner, conv_id) if conv_id and self.store.exists(owner, conv_id) else None
+        return self.panel(owner, conv or _blank(owner))
+
+    def _current(self, owner: str, conv_id: str):
+        if not conv_id:
+            raise InputError("Send a message first: this chat is not saved yet.")
+        return self.store.get(owner, conv_id)
+
+    def _reshown(self, owner: str, conv_id: str, notes: str = "") -> Panel:
+        """The panel of a stored conversation, read again after a change."""
+        return self.panel(owner, self.store.get(owner, conv_id), notes)
+
+
+def _blank(owner: str) -> Conversation:
+    """A new chat before its first message: shown, not stored."""
+    return Conversation("", DEFAULT_TITLE, "", 0, [], owner=owner)

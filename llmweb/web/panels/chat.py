@@ -1,0 +1,141 @@
+"""The chat's handlers: send, regenerate, continue, edit, undo, the version switcher, and what the
+page shows after Stop. A turn streams into the chat, then the whole panel is filled.
+
+This module shows a turn's events; it must not decide what goes into the prompt or how a turn is
+stored (chat/session.py does), and it builds no component (web/ui.py does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import gradio as gr
+
+from llmweb.chat.session import Delta, Finished, Queued, Started, clean_message
+from llmweb.errors import InputError
+from llmweb.store.models import ChatSettings
+from llmweb.web.formatting import VERSION_MARKER, history_messages
+from llmweb.web.panels.base import Panel, PanelHandlers, user_errors
+
+# after Stop, the most to wait for the partial turn to be stored: the worker stops within a step,
+# but a batch's step on a loaded CPU can take seconds (5 s was too short for the browser test there)
+STOP_WAIT_S = 30.0
+
+
+class ChatHandlers(PanelHandlers):
+    """The chat column: its box, Send, the chat's retry/undo/edit controls, Continue, Stop, versions."""
+
+    @user_errors
+    def respond(self, message, history, conv_id, use_docs, token, request: gr.Request) -> Iterator[tuple]:
+        """Send from the chat box: streams the reply into the chat, then fills the panel and clears the box."""
+        chat, owner = self._chat(), self.owner(token, request)
+        clean_message(message, self.settings.max_message_chars)
+        conv_id = conv_id if conv_id and self.store.exists(owner, conv_id) else None  # None: a new chat
+        if conv_id is None and not use_docs:  # the box is this chat's setting: keep it from the first turn
+            conv_id = self.store.create_conversation(owner)
+            chat.set_settings(owner, conv_id, ChatSettings(use_docs=False))
+        shown = list(history or []) + [{"role": "user", "content": message}, {"role": "assistant", "content": "…"}]
+        for panel in self._stream(owner, conv_id, shown, chat.send(owner, conv_id, message, use_docs=bool(use_docs))):
+            yield (*panel, "")
+
+    @user_errors
+    def regenerate(self, conv_id, use_docs, token, request: gr.Request) -> Iterator[Panel]:
+        """The chat's retry control: answer the last message again; the new reply replaces the old one."""
+        yield from self._redo(conv_id, use_docs, token, request, more=False)
+
+    @user_errors
+    def continue_reply(self, conv_id, use_docs, token, request: gr.Request) -> Iterator[Panel]:
+        """Continue: a reply cut by the length cap or stopped grows from where it ended."""
+        yield from self._redo(conv_id, use_docs, token, request, more=True)
+
+    def _redo(self, conv_id, use_docs, token, request, *, more: bool) -> Iterator[Panel]:
+        chat, owner = self._chat(), self.owner(token, request)
+        conv = self._current(owner, conv_id)
+        if not conv.turns:
+            raise InputError("There is no reply to regenerate or continue yet.")
+        last = conv.turns[-1]
+        shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:-1]))
+        so_far = last.assistant if more else "…"
+        shown += [{"role": "user", "content": last.user}, {"role": "assistant", "content": so_far}]
+        events = chat.send(owner, conv_id, "", use_docs=bool(use_docs), redo=not more, more=more)
+        yield from self._stream(owner, conv_id, shown, events)
+
+    @user_errors
+    def undo(self, conv_id, token, request: gr.Request) -> tuple:
+        """The chat's undo control: remove the last turn and put its message back in the box."""
+        owner = self.owner(token, request)
+        self._current(owner, conv_id)
+        gone = self._chat().undo(owner, conv_id)
+        return (*self._reshown(owner, conv_id, "Removed the last turn."), gone.user)
+
+    @user_errors
+    def edit(self, conv_id, use_docs, token, request: gr.Request, edited: gr.EditData) -> Iterator[Panel]:
+        """The chat's edit control on a user message: send the new text in place of that turn. The
+        chat forks there: the turns from it on stay, as another version (the switcher shows it)."""
+        chat, owner = self._chat(), self.owner(token, request)
+        conv = self._current(owner, conv_id)
+        messages = history_messages(conv)
+        index = edited.index if isinstance(edited.index, int) else edited.index[0]
+        turn = sum(1 for m in messages[:index] if m.get("role") == "user")
+        value = edited.value
+        text = value.get("content", "") if isinstance(value, dict) else value
+        text = VERSION_MARKER.sub("", text if isinstance(text, str) else "")
+        if not 0 <= turn < len(conv.turns) or messages[index].get("role") != "user":
+            raise InputError("Only your own messages can be edited.")
+        clean_message(text, self.settings.max_message_chars)
+        shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:turn]))
+        shown += [{"role": "user", "content": text}, {"role": "assistant", "content": "…"}]
+        events = chat.send(owner, conv_id, text, use_docs=bool(use_docs), edit=turn)
+        yield from self._stream(owner, conv_id, shown, events)  # the switcher then shows this fork (the latest)
+
+    @user_errors
+    def prev_version(self, conv_id, fork, token, request: gr.Request) -> Panel:
+        return self._step_version(conv_id, fork, -1, token, request)
+
+    @user_errors
+    def next_version(self, conv_id, fork, token, request: gr.Request) -> Panel:
+        return self._step_version(conv_id, fork, +1, token, request)
+
+    def _step_version(self, conv_id, fork, step: int, token, request) -> Panel:
+        """‹ or ›: show the previous or next version of the chat from the picked fork on."""
+        owner = self.owner(token, request)
+        conv = self._current(owner, conv_id)
+        if fork is None or int(fork) not in conv.versions:
+            raise InputError("Pick a version switch first (the turn whose message was edited).")
+        fork = int(fork)
+        active, count = conv.versions[fork]
+        self._chat().switch_version(owner, conv_id, fork, (active + step) % count)
+        conv = self.store.get(owner, conv_id)
+        return self.panel(owner, conv, f"Turn {fork + 1}: version {conv.versions[fork][0] + 1} of {count}.", fork=fork)
+
+    def _stream(self, owner: str, conv_id, shown: list[dict], events) -> Iterator[Panel]:
+        """Show a turn's events: the queue position, then the reply as it grows, then the whole panel."""
+        notes, prompt = "", ""
+        for event in events:
+            if isinstance(event, Started):
+                conv_id = event.conv_id
+            elif isinstance(event, Queued):
+                shown[-1] = {"role": "assistant", "content": f"*Waiting: {event.position} ahead in the queue…*"}
+                yield Panel.streaming(conv_id, shown)
+            elif isinstance(event, Delta):
+                shown[-1] = {"role": "assistant", "content": event.text}
+                yield Panel.streaming(conv_id, shown)
+            elif isinstance(event, Finished):
+                notes, prompt = " ".join(event.notes), event.prompt_text()
+        yield self.panel(owner, self.store.get(owner, conv_id), notes, prompt)
+
+    @user_errors
+    def after_stop(self, conv_id, history, token, request: gr.Request):
+        """After Stop: wait (briefly) for the partial turn to be stored, then show it as stopped."""
+        owner = self.owner(token, request)
+        if not conv_id or not self.store.exists(owner, conv_id):
+            return gr.skip()
+        asked = sum(1 for m in history or [] if m.get("role") == "user")
+        deadline = time.monotonic() + STOP_WAIT_S
+        conv = self.store.get(owner, conv_id)
+        while len(conv.turns) < asked and time.monotonic() < deadline:
+            time.sleep(0.1)
+            conv = self.store.get(owner, conv_id)
+        return self.panel(owner, conv, "Stopped.")

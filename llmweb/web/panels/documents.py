@@ -1,0 +1,47 @@
+"""The documents accordion: the documents a visitor's questions search (the shared library and
+their own), uploading files into their private library, removing one of theirs. Parsing, chunking
+and indexing are retrieval/'s; this module must not decide what is indexed or searched.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import gradio as gr
+
+from llmweb.errors import InputError
+from llmweb.web.formatting import documents_markdown, ingest_markdown
+from llmweb.web.panels.base import PanelHandlers, user_errors
+
+
+class DocumentHandlers(PanelHandlers):
+    """The document list, the upload box and the Remove control."""
+
+    @user_errors
+    def documents(self, token, request: gr.Request) -> tuple:
+        """The documents this visitor's questions search (shared and theirs), and the ones they may remove."""
+        docs = self.runtime.library.documents(self.owner(token, request))
+        removable = [(d.source, d.doc_id) for d in docs if d.removable]
+        return documents_markdown(docs), gr.update(choices=removable, value=None)
+
+    @user_errors
+    def upload(self, files, token, request: gr.Request, progress=gr.Progress()) -> tuple:
+        """Add files to the visitor's library; returns the table, the choices, a report, and clears the file box."""
+        if not files:
+            return gr.skip(), gr.skip(), gr.skip(), None
+        owner = self.owner(token, request)
+        paths = [f if isinstance(f, str) else f.name for f in files]
+
+        def tell(done, total, what):
+            progress((done, max(total, 1)), desc=what)
+
+        reports = self.runtime.library.ingest_uploads(owner, [(p, Path(p).name) for p in paths], progress=tell)
+        return *self.documents(token, request), ingest_markdown(reports), None
+
+    @user_errors
+    def remove_document(self, doc_id, token, request: gr.Request) -> tuple:
+        if not doc_id:
+            raise InputError("Pick a document to remove first.")
+        info = self.runtime.library.remove(self.owner(token, request), doc_id)
+        return *self.documents(token, request), f"Removed {html.escape(info.source)} ({info.chunks} chunks)."

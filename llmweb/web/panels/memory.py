@@ -1,0 +1,52 @@
+"""The memory panel: the facts kept with a chat, added word for word, pinned, unpinned, deleted.
+
+Each handler returns the panel and clears the new-fact box. What a fact is and how it reaches the
+prompt is chat/facts.py's; this module must not decide it.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from llmweb.errors import InputError
+from llmweb.web.panels.base import PanelHandlers, user_errors
+
+
+class MemoryHandlers(PanelHandlers):
+    """The facts of the open chat."""
+
+    @user_errors
+    def add_fact(self, conv_id, text, token, request: gr.Request) -> tuple:
+        return self._fact(conv_id, text, token, request, lambda chat, o, t: chat.add_fact(o, conv_id, t))
+
+    @user_errors
+    def pin_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
+        return self._picked(
+            conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, True)
+        )
+
+    @user_errors
+    def unpin_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
+        return self._picked(
+            conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, False)
+        )
+
+    @user_errors
+    def delete_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
+        return self._picked(conv_id, fact_id, token, request, lambda chat, o, f: chat.delete_fact(o, conv_id, f))
+
+    def _picked(self, conv_id, fact_id, token, request, action) -> tuple:
+        """An action on the fact picked in the dropdown (none picked: a toast)."""
+        return self._fact(conv_id, fact_id, token, request, lambda chat, o, f: action(chat, o, _picked_fact(f)))
+
+    def _fact(self, conv_id, value, token, request, action) -> tuple:
+        owner = self.owner(token, request)
+        self._current(owner, conv_id)
+        action(self._chat(), owner, value)
+        return (*self._reshown(owner, conv_id), "")
+
+
+def _picked_fact(fact_id) -> int:
+    if fact_id is None:
+        raise InputError("Pick a fact first.")
+    return int(fact_id)
