@@ -140,7 +140,7 @@ class Runtime:
         from llmweb.chat.session import Chat
         from llmweb.chat.tokens import TemplateFormat
         from llmweb.engine.local import local_engine
-        from llmweb.engine.scheduler import EngineLimits, auto_max_batch
+        from llmweb.engine.request import EngineLimits, auto_max_batch
 
         s = self.settings
         if s.engine_url:
@@ -197,7 +197,7 @@ class Runtime:
         from llmweb.chat.session import Chat
         from llmweb.chat.tokens import TemplateFormat
         from llmweb.engine.remote import RemoteConfig, remote_engine
-        from llmweb.engine.scheduler import EngineLimits
+        from llmweb.engine.request import EngineLimits
 
         s = self.settings
         try:

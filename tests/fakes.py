@@ -179,7 +179,8 @@ class FakeRunner:
 def fake_engine(runner: FakeRunner | None = None, **limits):
     """The real Engine (scheduler) over a FakeRunner: (engine, runner)."""
     from llmweb.engine.kvcache import KVStore
-    from llmweb.engine.scheduler import Engine, EngineLimits
+    from llmweb.engine.request import EngineLimits
+    from llmweb.engine.scheduler import Engine
 
     runner = runner or FakeRunner()
     return Engine(runner, KVStore(1 << 30, 600), EngineLimits(**limits)), runner

@@ -61,7 +61,7 @@ def test_the_engine_runs_generations_through_the_gpu_entry(fp32_model, fmt):
     from llmweb.chat.tokens import render_prompt
     from llmweb.engine.kvcache import KVStore
     from llmweb.engine.local import local_engine
-    from llmweb.engine.scheduler import EngineLimits, GenerationRequest
+    from llmweb.engine.request import EngineLimits, GenerationRequest
 
     calls = []
 

@@ -132,8 +132,8 @@ def device_limit(settings: Settings, loaded) -> int:
 
 def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int, max_batch: int = 1) -> dict:
     """Weights + resident KV of every session + the activation margin of each request in the batch."""
+    from llmweb.engine.admission import predict_bytes
     from llmweb.engine.blockcache import BLOCK, KEEP_ROOM
-    from llmweb.engine.scheduler import predict_bytes
 
     heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
     per_session, per_request = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
@@ -163,7 +163,7 @@ def run(
     from llmweb.engine import models
     from llmweb.engine.kvcache import KVStore
     from llmweb.engine.local import local_engine
-    from llmweb.engine.scheduler import EngineLimits, GenerationRequest, auto_max_batch
+    from llmweb.engine.request import EngineLimits, GenerationRequest, auto_max_batch
     from llmweb.runtime import kv_budget_bytes
 
     contexts, concurrencies = sorted(set(contexts)), sorted(set(concurrencies))
@@ -236,7 +236,7 @@ def _measure(
     engine, kv, loaded, prompts: list[list[int]], context: int, max_new_tokens: int, limit: int, kv_budget: int
 ) -> tuple[dict, str]:
     """One batch: `prompts` submitted at once to `engine`, whose KV store `kv` (ours) starts empty."""
-    from llmweb.engine.scheduler import GenerationRequest
+    from llmweb.engine.request import GenerationRequest
 
     kv.clear()
     release_memory(loaded.device)

@@ -69,7 +69,7 @@ def timing_engine(loaded, new_tokens: int):
     """An Engine of its own (public constructor) for timing one request at a time: no KV reuse."""
     from llmweb.engine.kvcache import KVStore
     from llmweb.engine.local import local_engine
-    from llmweb.engine.scheduler import EngineLimits
+    from llmweb.engine.request import EngineLimits
 
     return local_engine(
         loaded.model,
@@ -82,7 +82,7 @@ def timing_engine(loaded, new_tokens: int):
 
 def engine_decode(engine, ids: list[int], new_tokens: int) -> tuple[float, float, int]:
     """(decode tokens/s, TTFT s, generated tokens) of one request; no stop ids, so always new_tokens."""
-    from llmweb.engine.scheduler import GenerationRequest
+    from llmweb.engine.request import GenerationRequest
 
     h = engine.submit(GenerationRequest(ids, new_tokens))
     h.result()

@@ -41,7 +41,7 @@ def run(
 ) -> dict:
     """Measure every concurrency on the serial and the batched engine; return rows and the setup."""
     from llmweb.engine import models
-    from llmweb.engine.scheduler import auto_max_batch
+    from llmweb.engine.request import auto_max_batch
 
     concurrencies = sorted(set(concurrencies))
     if not concurrencies or min(concurrencies) < 1:
@@ -85,7 +85,7 @@ def _measure(loaded, prompts: list[list[int]], max_new_tokens: int, max_batch: i
     """All `prompts` at once on a fresh engine with this `max_batch`; its figures."""
     from llmweb.engine.kvcache import KVStore
     from llmweb.engine.local import local_engine
-    from llmweb.engine.scheduler import EngineLimits, GenerationRequest
+    from llmweb.engine.request import EngineLimits, GenerationRequest
 
     limits = EngineLimits(
         queue_size=len(prompts),

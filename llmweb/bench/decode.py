@@ -63,7 +63,8 @@ def prompt_of(loaded, length: int) -> list[int]:
 def _engine(loaded, block_cache: bool, new_tokens: int):
     from llmweb.engine.kvcache import KVStore
     from llmweb.engine.local import LocalRunner
-    from llmweb.engine.scheduler import Engine, EngineLimits
+    from llmweb.engine.request import EngineLimits
+    from llmweb.engine.scheduler import Engine
 
     kv = KVStore(0, 1)
     runner = LocalRunner(loaded.model, loaded.device, kv, loaded.kv_bytes_per_token, block_cache=block_cache)
@@ -71,7 +72,7 @@ def _engine(loaded, block_cache: bool, new_tokens: int):
 
 
 def _one(engine, runner, ids: list[int], new_tokens: int) -> dict:
-    from llmweb.engine.scheduler import GenerationRequest
+    from llmweb.engine.request import GenerationRequest
 
     before = dict(vars(runner.timing))
     h = engine.submit(GenerationRequest(ids, new_tokens))

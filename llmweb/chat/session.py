@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 from llmweb.chat import context, facts, summary
 from llmweb.chat.tokens import ChatFormat, render_prompt
 from llmweb.config import Settings
-from llmweb.engine.scheduler import Engine, GenerationRequest, Tokens, Waiting
+from llmweb.engine.request import GenerationRequest, Tokens, Waiting
+from llmweb.engine.scheduler import Engine
 from llmweb.errors import ConfigError, InputError, LlmwebError
 from llmweb.records import Chunk, GenerationStats, Source, Turn, TurnStats
 from llmweb.store.db import (

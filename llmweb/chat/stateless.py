@@ -33,7 +33,7 @@ from llmweb.chat import context, facts, summary
 from llmweb.chat.session import Delta, Finished, Queued, Started, plan_sources, reduced_budget
 from llmweb.chat.tokens import ChatFormat, render_prompt
 from llmweb.config import Settings
-from llmweb.engine.scheduler import GenerationRequest, Tokens, Waiting
+from llmweb.engine.request import GenerationRequest, Tokens, Waiting
 from llmweb.errors import ConfigError, InputError, LlmwebError
 from llmweb.records import Chunk, GenerationStats, Turn, TurnStats
 

@@ -1,13 +1,20 @@
 """The engine: one owner of the model, fed by a fair queue.
 
-Owns: the request and its events (`GenerationRequest`, `Handle`, `Tokens`, ...), the `Runner`
-protocol, the scheduler loop with admission by predicted memory, cancel, time limits and OOM
-recovery (scheduler.py), the local transformers runner and its factory (local.py), the remote
-runner for an OpenAI-compatible server (remote.py), session KV caches (kvcache.py,
-blockcache.py), model loading (models.py) and memory telemetry (telemetry.py).
+Where things are, in reading order:
+  request.py     the request and its events (`GenerationRequest`, `Handle`, `Tokens`, ...), a
+                 request's `Slot` in the batch, the `Runner` protocol, `EngineLimits`
+  queue.py       the waiting requests: round-robin between owners, a cap per owner, background last
+  admission.py   memory: admission by predicted bytes (`predict_bytes`), giving way after an OOM
+                 or a refused prompt (retry once with the fallback), the idle allocator release
+  scheduler.py   `Engine`: the one worker thread, its loop schedule -> run -> postprocess, cancel,
+                 time limits
+  local.py       the local transformers runner and its factory `local_engine`
+  remote.py      the runner for an OpenAI-compatible server and `remote_engine`
+  kvcache.py, blockcache.py   session KV caches; models.py: model loading; telemetry.py: reading
+                 memory figures
 
 Speaks token ids only: it knows nothing of text, chats, documents or the UI. It may import
 `llmweb.config`, `llmweb.errors` and `llmweb.records`, nothing else of llmweb. Only local.py,
 blockcache.py, kvcache.py's measuring helpers, models.py and telemetry.py touch torch;
-scheduler.py never does.
+request.py, queue.py, admission.py and scheduler.py never do.
 """

@@ -14,6 +14,9 @@ The memory a layer holds is its buffer: `kvcache.cache_nbytes` counts storage, n
 admission adds one block per running request (`LocalRunner.predict`). A cache that goes to the
 session store is `compact`ed first (one copy per turn, after the reply): an idle chat holds its
 tokens and room for KEEP_ROOM more, so its next message is still written in place.
+
+Owns: the cache layers' buffers and their growth. Must not: decide which cache a request gets
+or keeps (local.py and kvcache.py do).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ at least one prompt token is always left to prefill (the model needs logits for 
 Only the engine's worker thread uses entries. `take()` removes an entry while it is in use, so
 eviction can never touch a cache mid-generation and one session's cache can never serve
 another. Other threads may `drop()` a session (deleted chat, changed summary) at any time.
+
+Owns: the session caches, their budget and reuse rule. Must not: import torch at module level
+(the measuring helpers read tensors they are given), or run the model.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The local model runner: the only part of the engine that touches torch and the model.
 
-The engine (engine/scheduler.py: queue, fairness, admission, cancel, time limits) decides WHAT runs and
-when; this runner runs it on the model, one step at a time, for the engine's one worker thread:
+The engine (scheduler.py, with queue.py and admission.py: fairness, admission, cancel, time limits)
+decides WHAT runs and when; this runner runs it on the model, one step at a time, for the engine's one worker thread:
 
     predict(request) -> bytes         the request's peak memory (KV for prompt + max_new_tokens,
                                       plus an activation margin): admission control's figure
@@ -27,6 +27,10 @@ raising: while an OOM exception is alive, its traceback holds the frames of the 
 pass, with its activations. Once the handler returns they are freed, before the engine empties
 the allocator cache and retries. A failed decode leaves every cache as it was before the step
 (layers the pass already grew are cropped back), so the rest of the batch goes on.
+
+Owns: the model's forward passes, sampling, the batch's left-padded cache (`_Batch`) and the
+session caches' handover to `kv`. Must not: choose what runs or when (queue, admission, time
+limits, retries are the scheduler's), or raise an out-of-memory error to the engine.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from llmweb.engine import scheduler as engine
+from llmweb.engine import admission
+from llmweb.engine.admission import predict_bytes
 from llmweb.engine.blockcache import BLOCK, compact, new_cache
 from llmweb.engine.kvcache import KVStore, cache_nbytes, reusable
-from llmweb.engine.scheduler import Engine, EngineLimits, GenerationRequest, Slot, predict_bytes
+from llmweb.engine.request import EngineLimits, GenerationRequest, Slot
+from llmweb.engine.scheduler import Engine
 from llmweb.engine.telemetry import RssPeak, is_cuda, memory_snapshot, reset_peak, rss_bytes
 
 log = logging.getLogger(__name__)
@@ -145,7 +151,7 @@ class LocalRunner:
 
     def prefill(self, slot: Slot) -> bool:
         seq: _Seq = slot.state
-        end = min(seq.filled + engine.PREFILL_CHUNK, len(seq.prompt))
+        end = min(seq.filled + admission.PREFILL_CHUNK, len(seq.prompt))
         try:
             with torch.inference_mode():
                 ids = torch.tensor([seq.prompt[seq.filled : end]], device=self.device)  # (1, chunk)

@@ -15,6 +15,9 @@ token with native int8 kernels (`bench decode`, README "Decode speed"). Where bi
 cannot run, we fall back to a float dtype and say why in `LoadedModel.notes`.
 
 This module imports torch and transformers inside functions only: importing it is free.
+
+Owns: finding, converting and loading the model and tokenizer, and the quantisation choice.
+Must not: run generation (the runners do) or hold a loaded model itself (the runtime does).
 """
 
 from __future__ import annotations

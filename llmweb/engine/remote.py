@@ -1,9 +1,10 @@
 """The remote runner: the engine's batch runs on an OpenAI-compatible server, not in this process.
 
-The scheduler (engine/scheduler.py: the fair queue, admission, cancel, time limits, `Handle` and its
-events) is the same object the local model uses; only the `Runner` differs. `RemoteRunner` runs
-each admitted request as one streamed `POST /v1/completions` on a thread of its own, and the
-engine's steps only collect what the streams delivered:
+The scheduler (scheduler.py with queue.py and admission.py: the fair queue, admission, cancel,
+time limits; `Handle` and its events in request.py) is the same object the local model uses;
+only the `Runner` differs. `RemoteRunner` runs each admitted request as one streamed
+`POST /v1/completions` on a thread of its own, and the engine's steps only collect what the
+streams delivered:
 
     start(slot)        open the request's stream (its own thread; the server batches, not us)
     prefill(slot)      wait a moment for the server to ACCEPT the prompt (HTTP 200): the slot then
@@ -31,6 +32,10 @@ and the partial reply. Routing: the conversation id goes as `user` and, hashed, 
 prefix cache); the owner, hashed, as `cache_salt` (vLLM keeps owners' prefix caches apart).
 
 Nothing here imports torch. `remote_engine(...)` wires the runner into an `Engine`.
+
+Owns: the HTTP to the server (`Server`), the stream threads and the errors users read about
+them. Must not: schedule (the engine's queue and `max_batch` decide what runs), retry a reply
+already streamed, or send conversation ids or owners in the clear.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ from typing import Any
 import psutil
 
 from llmweb.engine.kvcache import KVStore
-from llmweb.engine.scheduler import Engine, EngineLimits, GenerationRequest, GiveWay, Slot
+from llmweb.engine.request import EngineLimits, GenerationRequest, GiveWay, Slot
+from llmweb.engine.scheduler import Engine
 from llmweb.errors import LlmwebError
 from llmweb.records import MemorySnapshot
 
@@ -295,7 +301,7 @@ class RemoteRunner:
                     f"The engine server refused the prompt as longer than its context "
                     f"({len(slot.request.prompt_ids)} tokens): {_detail(err.body)}",
                 )
-            raise self._user_error(err)
+            raise _user_error(self.server.config, err)
         if call.accepted or call.done:
             slot.ready = True
             self._collect(slot)
@@ -336,7 +342,7 @@ class RemoteRunner:
                     break
         if slot.finish is None and call.done and not call.events:
             if call.error is not None:
-                slot.error = self._user_error(call.error, partial=bool(slot.generated))
+                slot.error = _user_error(self.server.config, call.error, partial=bool(slot.generated))
                 slot.finish = "error"
             else:
                 slot.finish = call.finish or "eos"
@@ -349,23 +355,6 @@ class RemoteRunner:
                 conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the stream thread's read at once
             except OSError:
                 pass
-
-    def _user_error(self, err: BaseException, partial: bool = False) -> LlmwebError:
-        if isinstance(err, LlmwebError):
-            return err
-        url = self.server.config.url
-        if isinstance(err, HTTPStatus):
-            return RemoteError(f"The engine server at {url} answered HTTP {err.status}: {_detail(err.body)}")
-        if isinstance(err, TimeoutError | socket.timeout):
-            return RemoteError(
-                f"The engine server at {url} sent nothing for {self.server.config.read_timeout_s:.0f} s"
-                + ("; the reply so far is kept." if partial else ".")
-            )
-        if partial:
-            return RemoteError(
-                f"The connection to the engine server at {url} was lost mid-reply; the reply so far is kept."
-            )
-        return RemoteError(f"The engine server at {url} is not reachable ({type(err).__name__}: {err}).")
 
     def _body(self, request: GenerationRequest) -> tuple[dict, dict[str, str]]:
         prompt = list(request.prompt_ids)
@@ -482,6 +471,25 @@ class RemoteRunner:
                 call.finish = "length" if reason == "length" else "eos"
                 finished = True
         return finished
+
+
+def _user_error(config: RemoteConfig, err: BaseException, partial: bool = False) -> LlmwebError:
+    """What the user reads when a stream failed (`partial`: after some of the reply came)."""
+    if isinstance(err, LlmwebError):
+        return err
+    url = config.url
+    if isinstance(err, HTTPStatus):
+        return RemoteError(f"The engine server at {url} answered HTTP {err.status}: {_detail(err.body)}")
+    if isinstance(err, TimeoutError | socket.timeout):
+        return RemoteError(
+            f"The engine server at {url} sent nothing for {config.read_timeout_s:.0f} s"
+            + ("; the reply so far is kept." if partial else ".")
+        )
+    if partial:
+        return RemoteError(
+            f"The connection to the engine server at {url} was lost mid-reply; the reply so far is kept."
+        )
+    return RemoteError(f"The engine server at {url} is not reachable ({type(err).__name__}: {err}).")
 
 
 def _hashed(key: str) -> str:

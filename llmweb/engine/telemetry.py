@@ -1,11 +1,15 @@
-"""Memory snapshots and per-request / per-turn statistics, as dataclasses.
+"""Reading memory: the figures behind every request's and turn's statistics, and the benchmarks' meters.
 
 `memory_snapshot(device)` reads CUDA allocator figures (allocated, reserved, peak, inactive
-split bytes, retries, OOMs) when the device is CUDA, and the process RSS always. `RssPeak`
-samples RSS during a request, because the OS keeps only a lifetime peak on CPU.
+split bytes, retries, OOMs) when the device is CUDA, and the process RSS always, into a
+`llmweb.records.MemorySnapshot`. `RssPeak` samples RSS during a request, because the OS keeps
+only a lifetime peak on CPU. For the benchmarks (llmweb/bench/): `PeakMeter` (a peak between two
+points), `release_memory`, `current_bytes`, `private_bytes` and `live_tensors` (leaks).
 
-The records themselves (`MemorySnapshot`, `GenerationStats`, `TurnStats`) live in records.py,
-with no dependencies, and are re-exported here.
+Owns: how memory is read and printed (`mib`). Must not: define the records themselves (they
+live in llmweb/records.py, with no dependencies: `MemorySnapshot`, `GenerationStats`,
+`TurnStats`), decide anything from the figures (admission.py does), or import torch at module
+level (only inside the functions that read CUDA figures).
 """
 
 from __future__ import annotations
@@ -14,15 +18,17 @@ import os
 
 import psutil
 
-from llmweb.records import GenerationStats, MemorySnapshot, TurnStats
+from llmweb.records import MemorySnapshot
 
 __all__ = [
-    "GenerationStats",
-    "MemorySnapshot",
-    "TurnStats",
+    "PeakMeter",
+    "current_bytes",
     "is_cuda",
+    "live_tensors",
     "memory_snapshot",
     "mib",
+    "private_bytes",
+    "release_memory",
     "reset_peak",
     "rss_bytes",
     "RssPeak",
@@ -83,7 +89,6 @@ class RssPeak:
 
 
 # ---- measurement helpers for the benchmarks (llmweb/bench/): peaks, leaks, freed memory
-# Standard-library imports are local so this block only appends to the module.
 
 
 def release_memory(device: str = "cpu") -> None:

@@ -16,7 +16,8 @@ from llmweb.engine import models
 from llmweb.engine.blockcache import BLOCK, KEEP_ROOM, BlockLayer, compact, new_cache
 from llmweb.engine.kvcache import KVStore, cache_nbytes
 from llmweb.engine.local import LocalRunner
-from llmweb.engine.scheduler import Engine, EngineLimits, GenerationRequest
+from llmweb.engine.request import EngineLimits, GenerationRequest
+from llmweb.engine.scheduler import Engine
 from llmweb.errors import ConfigError
 from tests.conftest import make_settings
 

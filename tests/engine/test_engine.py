@@ -13,7 +13,8 @@ from llmweb.chat.tokens import render_prompt
 from llmweb.engine.blockcache import KEEP_ROOM
 from llmweb.engine.kvcache import KVStore, cache_nbytes
 from llmweb.engine.local import local_engine
-from llmweb.engine.scheduler import Engine, EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb.engine.scheduler import Engine
 from llmweb.errors import AdmissionError, BusyError, OutOfMemory, TimedOut
 
 SYSTEM = "You are a helpful assistant."

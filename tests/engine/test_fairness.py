@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmweb.engine.scheduler import FairQueue, GenerationRequest, Handle, Waiting
+from llmweb.engine.queue import FairQueue
+from llmweb.engine.request import GenerationRequest, Handle, Waiting
 from llmweb.errors import BusyError, Cancelled
 from tests.fakes import FakeRunner, fake_engine
 

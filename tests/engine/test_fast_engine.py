@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from llmweb.engine.scheduler import GenerationRequest, Restarted, Tokens, Waiting
+from llmweb.engine.request import GenerationRequest, Restarted, Tokens, Waiting
 from llmweb.errors import AdmissionError, BusyError, Cancelled, InputError, OutOfMemory
 from tests.fakes import FakeRunner, fake_engine
 

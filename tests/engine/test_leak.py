@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from llmweb.chat.tokens import TemplateFormat, render_prompt
 from llmweb.engine.kvcache import KVStore
 from llmweb.engine.local import local_engine
-from llmweb.engine.scheduler import EngineLimits, GenerationRequest
+from llmweb.engine.request import EngineLimits, GenerationRequest
 
 SYSTEM = "You are a helpful assistant."
 QUESTIONS = [

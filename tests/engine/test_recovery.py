@@ -26,16 +26,15 @@ import torch
 from gradio_client import Client
 
 from llmweb.chat.tokens import render_prompt
+from llmweb.engine import admission, models
 from llmweb.engine import local as runner_mod
-from llmweb.engine import models
-from llmweb.engine import scheduler as engine_mod
 from llmweb.engine.blockcache import KEEP_ROOM
 from llmweb.engine.kvcache import KVStore
 from llmweb.engine.local import local_engine
-from llmweb.engine.scheduler import EngineLimits, GenerationRequest, Restarted, Tokens
-from llmweb.engine.telemetry import MemorySnapshot
+from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb.records import LOCAL_OWNER as LOCAL
+from llmweb.records import MemorySnapshot
 from llmweb.runtime import Runtime
-from llmweb.store.db import LOCAL_OWNER as LOCAL
 from llmweb.store.db import Store
 from llmweb.web.formatting import stats_markdown
 from llmweb.web.ui import launch_kwargs
@@ -288,7 +287,7 @@ def test_cancel_while_queued_frees_the_place_at_once(fp32_model, fmt):
 
 
 def test_cancel_during_a_long_prefill_stops_between_chunks_and_keeps_what_was_computed(fp32_model, fmt, monkeypatch):
-    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 64)  # small chunks keep the test cheap on CPU
+    monkeypatch.setattr(admission, "PREFILL_CHUNK", 64)  # small chunks keep the test cheap on CPU
     held = {}
 
     def fault(index):  # the client leaves while the first prefill chunk runs
@@ -300,20 +299,20 @@ def test_cancel_during_a_long_prefill_stops_between_chunks_and_keeps_what_was_co
     )
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "lorem ipsum " * 25)])
-        assert len(ids) > 2 * engine_mod.PREFILL_CHUNK  # three chunks; only the first is computed
+        assert len(ids) > 2 * admission.PREFILL_CHUNK  # three chunks; only the first is computed
         req = GenerationRequest(prompt_ids=ids, max_new_tokens=2, session_id="s")
         with e._lock:  # hold the worker until the handle is known to the fault hook
             held["h"] = h = e.submit(req)
         h.result()
         assert h.stats.finish_reason == "cancelled" and h.stats.generated_tokens == 0
-        assert h.stats.prefilled_tokens == engine_mod.PREFILL_CHUNK < h.stats.prompt_tokens
+        assert h.stats.prefilled_tokens == admission.PREFILL_CHUNK < h.stats.prompt_tokens
         per_token = fp32_model.kv_bytes_per_token  # kept: the computed chunk and some room (blockcache)
         held_bytes = e.kv.session_bytes("s")
-        assert engine_mod.PREFILL_CHUNK * per_token <= held_bytes <= (engine_mod.PREFILL_CHUNK + KEEP_ROOM) * per_token
+        assert admission.PREFILL_CHUNK * per_token <= held_bytes <= (admission.PREFILL_CHUNK + KEEP_ROOM) * per_token
         e.fault = None
         again = e.submit(req)
         again.result()
-        assert again.stats.reused_tokens == engine_mod.PREFILL_CHUNK, "the computed part is reused"
+        assert again.stats.reused_tokens == admission.PREFILL_CHUNK, "the computed part is reused"
     finally:
         e.close()
 

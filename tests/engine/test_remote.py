@@ -10,7 +10,7 @@ import time
 import pytest
 
 from llmweb.engine.remote import RemoteConfig, RemoteError, remote_engine
-from llmweb.engine.scheduler import EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
 from llmweb.errors import BusyError, LlmwebError
 from tests.fake_openai import FakeOpenAI, decode, encode
 

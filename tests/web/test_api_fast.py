@@ -18,7 +18,7 @@ from llmweb.chat.context import Budget
 from llmweb.chat.session import Chat
 from llmweb.chat.stateless import Memory, SummaryCache, dialogue, fit, prefix_keys
 from llmweb.config import Settings
-from llmweb.engine.scheduler import GenerationRequest
+from llmweb.engine.request import GenerationRequest
 from llmweb.errors import ConfigError
 from llmweb.records import Chunk, Turn
 from llmweb.store.db import LOCAL_OWNER, Store
