@@ -213,6 +213,15 @@ class FakeChat:
     set_settings = Chat.set_settings
     import_json = Chat.import_json
 
+    def regenerate(self, owner, conv_id, use_docs=True):
+        return self.send(owner, conv_id, "", use_docs, redo=True)
+
+    def continue_reply(self, owner, conv_id, use_docs=True):
+        return self.send(owner, conv_id, "", use_docs, more=True)
+
+    def edit(self, owner, conv_id, turn, text, use_docs=True):
+        return self.send(owner, conv_id, text, use_docs, edit=turn)
+
     def send(self, owner, conv_id, text, use_docs=True, new=False, redo=False, more=False, edit=None):
         if edit is not None:  # edit: the new message at turn `edit`, answered "Rome"
             yield Started(conv_id)
@@ -627,9 +636,9 @@ def test_a_new_chat_sent_without_documents_keeps_the_box_unticked(runtime):
 
 def test_the_owners_retention_may_purge_are_the_anonymous_ones_identity_mints():
     """The runtime sits below the web layer, so it keeps its own copy of the anonymous prefixes."""
-    from llmweb import runtime
+    from llmweb.runtime import retention
     from llmweb.web import identity
 
-    assert tuple(runtime.ANON_PREFIXES) == identity.ANONYMOUS
+    assert retention.ANON_PREFIXES == identity.ANONYMOUS
     assert identity.OPEN_STATELESS_OWNER.startswith(identity.ANONYMOUS)
     assert not identity.login_owner("alice").startswith(identity.ANONYMOUS)

@@ -1,0 +1,215 @@
+"""The running app's parts, built from Settings: model, engine, store, document library, chat.
+
+`Runtime.start()` loads the model on a background thread so the web page can come up at once
+and show progress ("converting GGUF, first run…"); `wait_ready()` blocks callers until the
+chat is usable and re-raises a load failure as a user-facing error. The CLI's `replay` and
+`bench` use the same object, so every path shares one engine (one worker per model).
+
+`Runtime` (this file) only wires the parts and runs the start-up; each other job has its module:
+
+  engines.py    engine parts from settings: KV and memory budgets, limits, the remote engine
+  status.py     the status line the page shows (`Runtime.status`)
+  health.py     the remote engine's health watch, which keeps the status line current
+  secret.py     the secret file that encrypts what browsers keep (`Runtime.secret`)
+  retention.py  the purge of idle anonymous owners (`Runtime.purge_idle`)
+  samples.py    the bundled user guide, seeded into the shared library once
+
+The runtime sits between the chat and the edges: it may import chat/ and everything below it,
+never web/, cli/ or bench/ (they import it), and it turns no error into a message for a page.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from llmweb.chat.context import Budget
+from llmweb.config import Settings
+from llmweb.engine import models
+from llmweb.engine.kvcache import KVStore
+from llmweb.errors import ConfigError, LlmwebError
+from llmweb.runtime.engines import (
+    cpu_mem_limit_bytes,
+    gpu_entry,
+    kv_budget_bytes,
+    local_limits,
+    remote_parts,
+    tokenizer_dir,
+)
+from llmweb.runtime.health import REMOTE_RETRY_S, RemoteHealth
+from llmweb.runtime.retention import ANON_PREFIXES, Retention
+from llmweb.runtime.samples import seed_sample
+from llmweb.runtime.secret import read_or_create_secret
+from llmweb.runtime.status import StatusLine
+from llmweb.store.db import Store
+
+if TYPE_CHECKING:
+    from llmweb.chat.session import Chat
+    from llmweb.engine.scheduler import Engine
+    from llmweb.retrieval.library import Library
+
+# the names callers (bench, tests) import from here, wherever they live
+__all__ = [
+    "ANON_PREFIXES",
+    "REMOTE_RETRY_S",
+    "Runtime",
+    "cpu_mem_limit_bytes",
+    "gpu_entry",
+    "kv_budget_bytes",
+    "read_or_create_secret",
+    "tokenizer_dir",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    def __init__(self, settings: Settings, fault=None, loaded=None):
+        self.settings = settings
+        self._preloaded = loaded  # tests and benchmarks share one loaded model
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(settings.data_dir / "llmweb.sqlite3")
+        self.fault = fault
+        self._status = StatusLine()
+        self.loaded: models.LoadedModel | None = None
+        self.engine: Engine | None = None
+        self.chat: Chat | None = None
+        self.budget: Budget | None = None
+        self._library: Library | None = None
+        self._library_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._retention = Retention(settings, lambda: self.chat if self.ready else None)
+
+    @property
+    def status(self) -> str:
+        """The status line: what the runtime is doing, or which engine serves."""
+        return self._status.text
+
+    # ---- start-up
+    def start(self, background: bool = True) -> Runtime:
+        if self.settings.anon_retention_days > 0:
+            self._retention.start(self._ready, self._closing)
+        if background:
+            self._thread = threading.Thread(target=self._load, name="llmweb-load", daemon=True)
+            self._thread.start()
+        else:
+            self._load()
+            if self._error is not None:
+                raise self._error
+        return self
+
+    def _load(self) -> None:
+        from llmweb.chat.session import Chat
+        from llmweb.chat.tokens import TemplateFormat
+        from llmweb.engine.local import local_engine
+
+        s = self.settings
+        if s.engine_url:
+            return self._load_remote()
+        try:
+            t0 = time.perf_counter()
+            loaded = self._preloaded or models.load(s, progress=self._status.progress)
+            budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
+            if s.warmup:
+                self._status.progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
+                models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
+            kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
+            limits = local_limits(s, budget, loaded)
+            self.engine = local_engine(
+                loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault, gpu=gpu_entry
+            )
+            self.loaded, self.budget = loaded, budget
+            self.chat = Chat(s, self.engine, TemplateFormat(loaded.tokenizer), self.store, budget, library=self.library)
+            if s.sample_docs:
+                self._seed_sample()
+            self._status.ready_local(loaded, budget, time.perf_counter() - t0)
+        except BaseException as e:  # shown in the UI's status line and raised to callers
+            log.exception("model load failed")
+            self._error = e
+            self._status.failed("Model failed to load", e)
+        finally:
+            self._ready.set()
+
+    def _load_remote(self) -> None:
+        """A remote engine generates (LLMWEB_ENGINE_URL): load the tokenizer only, no weights.
+
+        The server need not be up: the page comes up, the status line says it is unreachable, and
+        the health watch (runtime/health.py) keeps checking; requests meanwhile fail after the
+        runner's retries with a message that says so.
+        """
+        from llmweb.chat.session import Chat
+        from llmweb.chat.tokens import TemplateFormat
+
+        s = self.settings
+        try:
+            t0 = time.perf_counter()
+            self.engine, self.budget, tokenizer = remote_parts(s, self._status.progress)
+            self.chat = Chat(s, self.engine, TemplateFormat(tokenizer), self.store, self.budget, library=self.library)
+            if s.sample_docs:
+                self._seed_sample()
+            started = f"context {self.budget.context_limit} tokens · started in {time.perf_counter() - t0:.0f} s"
+            # REMOTE_RETRY_S is read here, from this module, so a test may shorten it
+            RemoteHealth(self.engine.runner, s.engine_url, self._status, started, REMOTE_RETRY_S).start(self._closing)
+        except BaseException as e:  # shown in the UI's status line and raised to callers
+            log.exception("remote engine set-up failed")
+            self._error = e
+            self._status.failed("Remote engine set-up failed", e)
+        finally:
+            self._ready.set()
+
+    def _seed_sample(self) -> None:
+        """The bundled user guide into the shared library, once per data dir (runtime/samples.py)."""
+        seed_sample(self.settings, self.library, self._status.progress)
+
+    def wait_ready(self, timeout: float | None = None) -> Chat:
+        if not self._ready.wait(timeout):
+            raise LlmwebError(f"The model is still loading ({self.status}). Try again in a moment.")
+        if self._error is not None:
+            if isinstance(self._error, LlmwebError):
+                raise self._error
+            raise ConfigError(f"The model failed to load: {self._error}")
+        assert self.chat is not None  # a load without error made it
+        return self.chat
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._error is None
+
+    # ---- documents
+    @property
+    def library(self) -> Library:
+        """The document library (shared + per-owner private), built on first use."""
+        with self._library_lock:
+            if self._library is None:
+                from llmweb.retrieval.library import Library
+
+                self._library = Library(self.settings)
+            return self._library
+
+    # ---- many visitors
+    @property
+    def secret(self) -> str:
+        """The key that encrypts what browsers keep (owner token, open chat): LLMWEB_SECRET, else a
+        random one created once in the data dir (mode 600), so visitors keep their chats over a restart."""
+        if self.settings.secret:
+            return self.settings.secret
+        return read_or_create_secret(self.settings.data_dir / "secret")
+
+    def purge_idle(self, now: float | None = None) -> tuple[int, int]:
+        """Delete the data of anonymous owners (browsers, API conversations) idle longer than
+        LLMWEB_ANON_RETENTION_DAYS (runtime/retention.py). Accounts and the single user are never
+        purged. Returns (owners, conversations) deleted."""
+        return self._retention.purge_idle(now)
+
+    def close(self) -> None:
+        self._closing.set()
+        if self.chat is not None:
+            self.chat.wait_background(timeout=30)  # summaries write to the store
+        if self.engine is not None:
+            self.engine.close()
+        self.store.close()

@@ -1,0 +1,115 @@
+"""Engine parts from Settings: the KV and memory budgets, the local engine's limits, the ZeroGPU
+entry, and the whole remote engine (LLMWEB_ENGINE_URL: its tokenizer, budget, limits and runner).
+
+These are pure set-up: they read settings and the loaded model and build objects; they must not
+start threads, keep state or touch the store (runtime/__init__.py's `Runtime` wires the parts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+from llmweb.chat.context import Budget
+from llmweb.config import Settings
+from llmweb.engine import models
+
+if TYPE_CHECKING:
+    from llmweb.engine.request import EngineLimits
+    from llmweb.engine.scheduler import Engine
+
+
+def gpu_entry(fn):
+    """`@spaces.GPU` where the `spaces` package is present (Hugging Face ZeroGPU); elsewhere `fn` itself."""
+    try:
+        import spaces
+    except ImportError:
+        return fn
+    return spaces.GPU(fn)
+
+
+def kv_budget_bytes(settings: Settings, loaded) -> int:
+    """LLMWEB_KV_BUDGET_MB, or a quarter of free device memory after loading (CPU: 1/16 of RAM, <= 1 GiB)."""
+    if settings.kv_budget_mb > 0:
+        return settings.kv_budget_mb * 2**20
+    if not loaded.on_cpu:
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        return max(int(free * 0.25), 64 * 2**20)
+    return min(psutil.virtual_memory().total // 16, 2**30)
+
+
+def cpu_mem_limit_bytes(settings: Settings) -> int:
+    if settings.mem_limit_mb > 0:
+        return settings.mem_limit_mb * 2**20
+    return int(psutil.virtual_memory().total * 0.8)
+
+
+def local_limits(settings: Settings, budget: Budget, loaded) -> EngineLimits:
+    """The local engine's queue, time and memory limits."""
+    from llmweb.engine.request import EngineLimits, auto_max_batch
+
+    s = settings
+    return EngineLimits(
+        queue_size=s.queue_size,
+        max_new_tokens=budget.max_new_tokens,
+        request_timeout_s=s.request_timeout_s,
+        admission_wait_s=s.admission_wait_s,
+        mem_limit_bytes=cpu_mem_limit_bytes(s) if loaded.on_cpu else 0,
+        mem_margin_bytes=s.mem_margin_mb * 2**20,
+        frag_release_bytes=s.frag_release_mb * 2**20,
+        kv_reuse=s.kv_reuse,
+        queue_per_user=s.queue_per_user,
+        max_batch=s.max_batch or auto_max_batch(loaded.on_cpu),
+    )
+
+
+def tokenizer_dir(settings: Settings, progress) -> Path:
+    """The embedded model's folder for its tokenizer: the converted copy (made once, as for the local model)."""
+    target = models.converted_dir(settings)
+    if (target / "tokenizer.json").is_file():
+        return target
+    return models.ensure_converted(settings, progress)
+
+
+def remote_parts(settings: Settings, progress: Callable[[str], None]) -> tuple[Engine, Budget, object]:
+    """A remote engine (no weights here): (engine, budget, tokenizer). The server need not be up."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from llmweb.engine.remote import RemoteConfig, remote_engine
+    from llmweb.engine.request import EngineLimits
+
+    s = settings
+    source = s.model or tokenizer_dir(s, progress)
+    progress(f"Loading the tokenizer of {s.model or models.EMBEDDED_NAME} (the engine is remote)…")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    max_context = int(getattr(AutoConfig.from_pretrained(source), "max_position_embeddings", 0) or 2048)
+    budget = Budget.from_settings(s, max_context, on_cpu=False)  # the server's device, not ours
+    limits = EngineLimits(
+        queue_size=s.queue_size,
+        max_new_tokens=budget.max_new_tokens,
+        request_timeout_s=s.request_timeout_s,
+        admission_wait_s=s.admission_wait_s,
+        kv_reuse=s.kv_reuse,
+        queue_per_user=s.queue_per_user,
+        max_batch=s.engine_concurrency,
+    )
+    config = RemoteConfig(
+        url=s.engine_url,
+        model=s.engine_model,
+        api_key=s.engine_api_key,
+        routing_header=s.engine_routing_header,
+        read_timeout_s=min(s.request_timeout_s, 60.0),
+    )
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(ids) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    return remote_engine(config, encode, decode, limits), budget, tokenizer
