@@ -1,8 +1,22 @@
 """The chat: a turn from the user's text to a stored, measured reply.
 
-Owns: chat templates and token counting (tokens.py), the token budget and the pure planner that
-fits every prompt section into it (context.py), the rolling summary (summary.py), the user's facts
-(facts.py), the stateful `Chat` (session.py) and the stateless API path (stateless.py).
+Where things are, in reading order:
+  tokens.py     chat templates and token counting
+  context.py    the token `Budget` (every change to it is one of its methods) and the pure
+                planner that fits every prompt section into it
+  turn.py       the turn pipeline every path shares: the engine request with its sampling and
+                OOM retry, streaming with stop strings and cancel, stats, notes; the events
+                (Started, Queued, Delta, Finished)
+  session.py    the stateful `Chat`: send, regenerate, continue_reply, edit over one snapshot of
+                the stored chat; its lifecycle (versions, undo, delete, import) and facts panel
+  stateless.py  the stateless API path: a client's messages fitted into the budget
+  settings.py   what a turn runs with (a chat's own settings over the configuration's), the checks
+  memory.py     the summariser and the background folds (and warming the KV cache after one)
+  fold.py       what a fold makes of turns (grounded summary, new facts) for both paths, and how
+                many turns fit one summary prompt
+  recall.py     recall of earlier turns that left the window: per-chat indexes and the choice
+  summary.py    the rolling summary's prompts, when to fold, cleaning the model's text
+  facts.py      the user's facts kept verbatim, grounding a summary in its turns
 
 It may import the engine, retrieval and the store (below it) and config/errors/records; never the
 web layer, the CLI or the runtime that wires it. It raises domain errors; turning them into

@@ -33,7 +33,7 @@ from `ContextPlan.history_room`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmweb.chat.facts import facts_block
 from llmweb.chat.summary import cap_text
@@ -97,6 +97,39 @@ class Budget:
             user_tokens=settings.user_tokens,
             facts_tokens=settings.facts_tokens,
         )
+
+    # Every other change to a budget is one of these: "where is the budget decided" is this class.
+    def capped(self, max_new_tokens: int | None) -> Budget:
+        """A smaller reply cap (a chat's own, an API request's max_tokens), which is a smaller
+        reserve and so more room for history; never above this budget's cap. None: unchanged."""
+        return replace(self, max_new_tokens=min(max_new_tokens or self.max_new_tokens, self.max_new_tokens))
+
+    def continuing(self, partial: int) -> Budget:
+        """Continue: room for the reply so far (`partial` tokens, at the prompt's end) and its rest."""
+        reserve = min(self.max_new_tokens + partial, self.context_limit - 1)
+        if reserve - partial < 1:
+            raise InputError("The last reply already fills this chat's context: it cannot go on.")
+        return replace(self, max_new_tokens=reserve)
+
+    def reduced(self) -> Budget:
+        """The budget for the one retry after an OOM: two thirds of the context, half the reply and documents."""
+        limit = max(self.context_limit * 2 // 3, 2)
+        return replace(
+            self,
+            context_limit=limit,
+            max_new_tokens=max(min(self.max_new_tokens // 2, limit // 2), 1),
+            retrieved_tokens=self.retrieved_tokens // 2,
+        )
+
+    @property
+    def summary_cap(self) -> int:
+        """The rolling summary's size: its budget, at most a quarter of the context (room for turns in small ones)."""
+        return min(self.summary_tokens, self.context_limit // 4)
+
+    @property
+    def system_prompt_room(self) -> int:
+        """The most tokens a chat's own system prompt may take: a quarter of the context."""
+        return self.context_limit // 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +214,7 @@ def turn_tokens(fmt: ChatFormat, turn: Turn) -> int:
     return len(fmt.message_ids("user", turn.user)) + len(fmt.message_ids("assistant", turn.assistant))
 
 
+# stepwise: six numbered steps over one running `left`, each reading the last; splitting them would thread it through
 def plan(
     system: str,
     summary: str,

@@ -15,9 +15,10 @@ prefix (system, summary, kept turns) stays the same between folds, which the ses
 (keyed by the chat's first message) reuses.
 
 Pure parts: `dialogue` (messages -> turns), `prefix_keys`, `SummaryCache`, `fit` (given a fold
-function). `StatelessChat.send` wires them to retrieval and the engine, and yields the chat
-path's events (chat/session.py: Started, Queued, Delta, Finished), preceded by `Fitted`. It stores
-nothing: the client holds the history.
+function). `StatelessChat.send` wires them to retrieval and to the turn pipeline every chat path
+shares (chat/turn.py: the request, its OOM retry, streaming, cancel, stats and notes), and yields
+its events (Started, Queued, Delta, Finished), preceded by `Fitted`; a fold is chat/fold.py's, as
+the stateful chat's is. It stores nothing: the client holds the history, and must not.
 """
 
 from __future__ import annotations
@@ -26,16 +27,18 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from llmweb.chat import context, facts, summary
-from llmweb.chat.session import Delta, Finished, Queued, Started, plan_sources, reduced_budget
-from llmweb.chat.tokens import ChatFormat, render_prompt
+from llmweb.chat import context, summary
+from llmweb.chat.fold import Memory, Write, turns_fitting
+from llmweb.chat.fold import fold as fold_memory
+from llmweb.chat.tokens import ChatFormat
+from llmweb.chat.turn import Cancel, Event, Job, Prompt, Sampling, TurnRunner, documents, plan_sources
 from llmweb.config import Settings
-from llmweb.engine.request import GenerationRequest, Tokens, Waiting
-from llmweb.errors import ConfigError, InputError, LlmwebError
-from llmweb.records import Chunk, GenerationStats, Turn, TurnStats
+from llmweb.engine.scheduler import Engine
+from llmweb.errors import InputError, LlmwebError
+from llmweb.records import Chunk, Turn
 
 CACHE_ENTRIES = 256  # summarised prefixes kept (a few KB each)
 MAX_FOLDS = 8  # folds in one call, at most (each one engine job; the loop ends far sooner in practice)
@@ -92,14 +95,6 @@ def prefix_keys(scope: str, turns: Sequence[Turn]) -> list[str]:
             h.update(len(data).to_bytes(8, "big") + data)
         keys.append(h.hexdigest())
     return keys
-
-
-@dataclass(frozen=True, slots=True)
-class Memory:
-    """What stands for a summarised prefix: the summary and the user's facts from it (oldest first)."""
-
-    summary: str = ""
-    facts: tuple[facts.FactLike, ...] = ()
 
 
 class SummaryCache:
@@ -231,15 +226,15 @@ class Fitted:
 
 class StatelessChat:
     """Runs stateless turns: one per call, nothing stored. `write_summary(previous, turns) -> str` is
-    the chat's summariser (Chat.write_summary) and `summary_cap` its cap (Chat.summary_cap())."""
+    the chat's summariser (chat/memory.py's `Summariser.write`), at most `budget.summary_cap` tokens."""
 
     def __init__(
         self,
         settings: Settings,
+        engine: Engine,
         fmt: ChatFormat,
         budget: context.Budget,
-        write_summary: Callable[[str, list[Turn]], str],
-        summary_cap: int,
+        write_summary: Write,
         library=None,
         cache: SummaryCache | None = None,
     ):
@@ -247,142 +242,73 @@ class StatelessChat:
         self.fmt = fmt
         self.budget = budget
         self.write_summary = write_summary
-        self.summary_cap = summary_cap
         self.library = library
         self.cache = cache if cache is not None else SummaryCache()
+        self.runner = TurnRunner(settings, engine, fmt)
 
     def fold(self, memory: Memory, turns: Sequence[Turn]) -> Memory:
-        """The memory after folding `turns`: the summary grounded in them (as the chat does), and
-        their fact sentences added to the facts.
+        """The memory after folding `turns` (chat/fold.py, as the chat folds). The turns go to the
+        summariser in batches whose summary prompt, with the summary as it is by then, fits the
+        context with room for the cap: one engine job each, and never a prompt measured against
+        an older, shorter summary."""
+        return fold_memory(memory, turns, self._summarise)
 
-        The turns go to the summariser in batches whose summary prompt, with the summary as it is
-        by then, fits the context with room for the cap: one engine job each, and never a prompt
-        measured against an older, shorter summary."""
-        text, rest = memory.summary, list(turns)
+    def _summarise(self, previous: str, turns: list[Turn]) -> str:
+        cap = self.budget.summary_cap
+        text, rest = previous, turns
         while rest:
-            n = self._fitting(text, rest)
+            n = turns_fitting(self.fmt, text, rest, cap, self.budget.context_limit - cap)
             text = self.write_summary(text, rest[:n])
             rest = rest[n:]
-        source = memory.summary + "\n" + "\n".join(f"{t.user}\n{t.assistant}" for t in turns)
-        grounded = facts.ground(text, source).text
-        known = {" ".join(f.text.lower().split()) for f in memory.facts}
-        new = [f for f in facts.extract_facts(t.user for t in turns) if " ".join(f.lower().split()) not in known]
-        return Memory(grounded, memory.facts + tuple(facts.FactLike(f, False) for f in new))
-
-    def _fitting(self, previous: str, turns: Sequence[Turn]) -> int:
-        """The most turns (at least one) whose summary prompt fits in the context less the cap."""
-        limit = self.budget.context_limit - self.summary_cap
-
-        def fits(n: int) -> bool:
-            system, user = summary.segment_request_messages(previous, turns[:n], self.summary_cap)
-            return len(render_prompt(self.fmt, system, [("user", user)])) <= limit
-
-        lo, hi = 1, len(turns)  # binary search: fits(n) only gets false as n grows
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return text
 
     def send(
         self,
         owner: str,
         messages: Sequence[tuple[str, str]],
-        engine,
         *,
-        max_tokens: int | None = None,
         use_docs: bool = False,
         seed: int | None = None,
-    ) -> Iterator[Fitted | Started | Queued | Delta | Finished]:
-        """One stateless turn for `owner` over `engine` (the engine, or web/api.py's view of it with the
-        request's sampling). Yields Fitted, Started(""), Queued / Delta, Finished."""
+        sampling: Sampling | None = None,
+        stop: Sequence[str] = (),
+        cancel: Cancel | None = None,
+    ) -> Iterator[Fitted | Event]:
+        """One stateless turn for `owner`. Yields Fitted, Started(""), Queued / Delta, Finished.
+        `sampling` (the request's temperature, top_p, max_tokens: a smaller reply cap leaves more
+        room for history), `stop` and `cancel` as `Chat.send` takes them."""
         s = self.settings
         d = dialogue(messages)
         system = d.system or s.system_prompt
-        budget = self.budget
-        if max_tokens is not None and max_tokens < budget.max_new_tokens:  # a smaller reserve: more history
-            budget = replace(budget, max_new_tokens=max_tokens)
+        budget = self.budget.capped(sampling.max_tokens if sampling is not None else None)
         system_fits(system, budget, self.fmt)
 
         # 1) retrieve, 2) fit (summarising what does not fit), 3) generate
-        chunks: list[Chunk] = []
-        if use_docs and self.library is not None and not self.library.is_empty(owner):
-            chunks = self.library.search(owner, d.user, k=s.top_k, min_score=s.min_score)
+        chunks = documents(self.library, s, owner, d.user, use_docs)
         scope = f"{owner}\n{system}"
         fold = self.fold if s.summaries else None
-        high, low = s.history_high, s.history_low
-        f = fit(d, system, budget, self.fmt, self.cache, scope, fold, high=high, low=low, chunks=chunks)
-        plan = f.plan
-        sources = plan_sources(plan)
-        yield Fitted(f, sources)
-
-        def smaller() -> GenerationRequest | None:
-            reduced = reduced_budget(budget)
-            try:
-                p = context.plan(
-                    system,
-                    f.memory.summary,
-                    d.turns[f.summarized_turns :],
-                    chunks[: len(chunks) // 2],
-                    d.user,
-                    reduced,
-                    self.fmt,
-                    facts=f.memory.facts,
-                )
-            except (InputError, ConfigError):
-                return None
-            return replace(request, prompt_ids=p.ids, max_new_tokens=reduced.max_new_tokens, fallback=None)
-
-        first = d.turns[0].user if d.turns else d.user
-        session = "api:" + hashlib.sha256(f"{scope}\n{first}".encode("utf-8", "replace")).hexdigest()[:32]
-        request = GenerationRequest(
-            prompt_ids=plan.ids,
-            max_new_tokens=budget.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            repetition_penalty=s.repetition_penalty,
-            seed=seed,
-            stop_ids=self.fmt.stop_ids,
-            session_id=session,  # the prompt's prefix is the same call after call: reuse its KV cache
-            timeout_s=s.request_timeout_s,
-            fallback=smaller,
-            owner=owner,
+        f = fit(
+            d, system, budget, self.fmt, self.cache, scope, fold, high=s.history_high, low=s.history_low, chunks=chunks
         )
-        handle = engine.submit(request)
-        yield Started("")
-        finished = False
-        try:
-            for event in handle.events():
-                if isinstance(event, Waiting):
-                    yield Queued(event.position)
-                elif isinstance(event, Tokens):
-                    yield Delta(self.fmt.decode(handle.generated))
-            finished = True
-        finally:
-            if not finished:  # closed early (client gone) or failed: stop the worker within a token
-                handle.cancel()
-        gen = handle.stats
-        if gen is None:  # the engine reports stats for every request it ran; this one never ran
-            gen = GenerationStats(prompt_tokens=len(plan.ids), finish_reason="cancelled")
-        stats = TurnStats(
-            turn=len(d.turns) + 1,
-            gen=gen,
-            sections=dict(plan.sections),
-            context_limit=plan.context_limit,
-            dropped_turns=plan.dropped_turns,
-            summarized_turns=f.summarized_turns,
-            summary_tokens=plan.summary_tokens,
-            dropped_chunks=len(plan.dropped_chunks),
-            dropped_facts=len(plan.dropped_facts),
-        )
-        notes = ["Stopped."] if gen.finish_reason == "cancelled" else []
-        if plan.left_out:
-            notes.append(plan.left_out.capitalize() + ".")
-        if f.summarized_messages:
-            notes.append(f"The oldest {f.summarized_messages} messages are summarised.")
+        yield Fitted(f, plan_sources(f.plan))
+
+        notes = [f"The oldest {f.summarized_messages} messages are summarised."] if f.summarized_messages else []
         if f.fold_error:
             notes.append(f"Summarising stopped: {f.fold_error}")
-        reply = self.fmt.decode(handle.generated).strip()
-        yield Finished(reply, stats, sources, notes, plan.messages, "")
+        first = d.turns[0].user if d.turns else d.user
+        job = Job(
+            owner=owner,
+            conv_id="",
+            # the prompt's prefix is the same call after call: the session (its KV cache) is the chat's first message
+            session_id="api:" + hashlib.sha256(f"{scope}\n{first}".encode("utf-8", "replace")).hexdigest()[:32],
+            prompt=Prompt(
+                system, f.memory.summary, d.turns[f.summarized_turns :], chunks, d.user, facts=f.memory.facts
+            ),
+            plan=f.plan,
+            budget=budget,
+            temperature=s.temperature,
+            number=len(d.turns) + 1,
+            summarized=f.summarized_turns,
+            seed=seed,
+            notes=tuple(notes),
+        )
+        yield (yield from self.runner.run(job, sampling=sampling, stop=stop, cancel=cancel))

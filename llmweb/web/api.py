@@ -18,21 +18,21 @@ A chat turn blocks (it waits on the engine), so each request's turn runs on its 
 not) cancels its engine request at once: it stops within a token, and a stateful turn keeps the
 partial reply, marked as stopped, as the UI's Stop button does.
 
-Sampling (temperature, top_p, max_tokens) reaches the engine through `_EngineView`, the engine
-as one request's turn sees it; `stop` strings are found in the decoded text (StopScanner), and
-the request is cancelled at the first one.
+Sampling (temperature, top_p, max_tokens) and `stop` strings go to the turn with the request
+(chat/turn.py: `Sampling`; the turn cancels its engine request at the first stop string), and a
+`Cancel` lets a client that leaves stop it from the event loop; the reply shown is cut before
+the stop string here (StopScanner).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmweb.chat.session import Delta, Finished, Queued, Started
 from llmweb.chat.stateless import Fitted, StatelessChat
+from llmweb.chat.turn import Cancel, Sampling
 from llmweb.errors import (
     AdmissionError,
     BusyError,
@@ -133,7 +134,7 @@ class OpenAIApi:
             body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
             req = parse_request(body, self.model_names(), self.settings.max_message_chars, request.headers)
             turn = self.start(caller, req)
-            pump = _Pump(turn.events, turn.view)
+            pump = _Pump(turn.events, turn.cancel)
             try:
                 early = await pump.until_started()
             except BaseException:
@@ -158,7 +159,7 @@ class OpenAIApi:
             raise ApiError(503, str(e), type="server_error", code="model_unavailable", headers=_retry()) from None
         cap = chat.budget.max_new_tokens
         max_tokens = min(req.max_tokens or cap, cap)
-        view = _EngineView(chat.engine, req.temperature, req.top_p, max_tokens)
+        sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens), Cancel()
         notes = []
         if req.max_tokens is not None and req.max_tokens > cap:
             notes.append(f"max_tokens was capped at {cap} (the reply budget, LLMWEB_MAX_NEW_TOKENS).")
@@ -174,29 +175,36 @@ class OpenAIApi:
                     code="conversation_not_found",
                     param="conversation_id",
                 )
-            # the chat's own turn, over this request's view of the engine (a shallow copy: the
-            # chat's stores, caches and summary jobs are shared; only `engine` differs)
-            turn_chat = copy.copy(chat)
-            turn_chat.engine = view
             use_docs = True if req.use_docs is None else req.use_docs
-            events = turn_chat.send(owner, conv_id, req.messages[0].text, new=new, use_docs=use_docs, seed=req.seed)
-            return _Turn(events, view, "stateful", conv_id, max_tokens, notes)
+            events = chat.send(
+                owner,
+                conv_id,
+                req.messages[0].text,
+                new=new,
+                use_docs=use_docs,
+                seed=req.seed,
+                sampling=sampling,
+                stop=req.stop,
+                cancel=cancel,
+            )
+            return _Turn(events, cancel, "stateful", conv_id, max_tokens, notes)
         owner = caller.stateless_owner
         events = self.stateless(chat).send(
             owner,
             [(m.role, m.text) for m in req.messages],
-            view,
-            max_tokens=max_tokens,
             use_docs=bool(req.use_docs),
             seed=req.seed,
+            sampling=sampling,
+            stop=req.stop,
+            cancel=cancel,
         )
-        return _Turn(events, view, "stateless", None, max_tokens, notes)
+        return _Turn(events, cancel, "stateless", None, max_tokens, notes)
 
     def stateless(self, chat) -> StatelessChat:
         with self._lock:
             if self._stateless is None:
                 self._stateless = StatelessChat(
-                    self.settings, chat.fmt, chat.budget, chat.write_summary, chat.summary_cap(), chat.library
+                    self.settings, chat.engine, chat.fmt, chat.budget, chat.folds.summariser.write, chat.library
                 )
             return self._stateless
 
@@ -204,51 +212,11 @@ class OpenAIApi:
 @dataclass
 class _Turn:
     events: Iterator
-    view: _EngineView
+    cancel: Cancel  # the turn's engine request, stopped when the client leaves
     mode: str  # stateful | stateless
     conv_id: str | None
     max_tokens: int
     notes: list[str]
-
-
-class _EngineView:
-    """The engine as one API request's turn sees it: the request's temperature, top_p and max_tokens
-    applied to its reply (summary jobs pass as they are), and a hand on the reply's handle."""
-
-    def __init__(self, engine, temperature: float | None, top_p: float | None, max_tokens: int):
-        self.engine = engine
-        self.temperature, self.top_p, self.max_tokens = temperature, top_p, max_tokens
-        self.handle = None
-        self._cancelled = False
-
-    def __getattr__(self, name: str) -> Any:  # everything else is the engine's
-        return getattr(self.engine, name)
-
-    def _apply(self, request):
-        changes: dict[str, Any] = {"max_new_tokens": min(request.max_new_tokens, self.max_tokens)}
-        if self.temperature is not None:
-            changes["temperature"] = self.temperature
-        if self.top_p is not None:
-            changes["top_p"] = self.top_p
-        if request.fallback is not None:  # the OOM retry keeps the request's sampling too
-            fallback = request.fallback
-            changes["fallback"] = lambda: (lambda r: None if r is None else self._apply(r))(fallback())
-        return replace(request, **changes)
-
-    def submit(self, request):
-        if request.background:
-            return self.engine.submit(request)
-        handle = self.engine.submit(self._apply(request))
-        self.handle = handle
-        if self._cancelled:
-            handle.cancel()
-        return handle
-
-    def cancel(self) -> None:
-        """Stop the reply within a token (or before it starts)."""
-        self._cancelled = True
-        if self.handle is not None:
-            self.handle.cancel()
 
 
 _END = object()
@@ -263,11 +231,11 @@ class _Pump:
     """Runs one blocking chat turn on its own thread and hands its events to the event loop.
     `close()` (client gone) cancels the engine request and ends the turn after its next event."""
 
-    def __init__(self, events: Iterator, view: _EngineView):
+    def __init__(self, events: Iterator, cancel: Cancel):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._stop = threading.Event()
-        self._view = view
+        self._cancel = cancel
         self._thread = threading.Thread(target=self._run, args=(events,), name="llmweb-api-turn", daemon=True)
         self._thread.start()
 
@@ -312,14 +280,10 @@ class _Pump:
                 return early
             early.append(event)
 
-    def cancel_reply(self) -> None:
-        """Stop the engine request (a stop string): the turn still finishes, with its stats."""
-        self._view.cancel()
-
     def close(self) -> None:
         """The client is gone: stop the engine request and end the turn."""
         self._stop.set()
-        self._view.cancel()
+        self._cancel.cancel()
 
 
 class _EventStream(StreamingResponse):
@@ -385,11 +349,10 @@ class _Reply:
         }
 
     def on_delta(self, text: str) -> str:
-        """What of the reply so far may be shown; cancels the request at a stop string."""
+        """What of the reply so far may be shown (the turn cancels its request at a stop string)."""
         shown, stopped = self.scanner.scan(text.lstrip())
         if stopped and not self.cut:
             self.cut = shown
-            self.turn.view.cancel()
         return self.cut if self.scanner.stopped else shown
 
     def content(self, f: Finished) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from llmweb.chat import session as chat_module
+from llmweb.chat import recall as recall_module
 from llmweb.chat.context import Budget
 from llmweb.chat.session import Chat, Delta, Finished
+from llmweb.chat.turn import finish
 from llmweb.errors import InputError
 from llmweb.store.db import Store
 from tests.conftest import make_settings
@@ -113,7 +114,7 @@ def test_two_owners_never_share_a_conversation_facts_or_a_kv_cache(rig):
     chat, runner, fmt, store = rig
     mine = chat.ask(OWNER, None, "my locker code is Zanzibar-7781").conv_id
     other = "anon:visitor-b"
-    from llmweb.store.db import NotFound
+    from llmweb.store.models import NotFound
 
     with pytest.raises(NotFound):
         chat.ask(other, mine, "what is the locker code?")
@@ -163,7 +164,7 @@ def test_a_fold_appends_to_the_summary_and_the_next_turn_reuses_the_prefix_befor
             appended = new.startswith(summary)
             merges += not appended
             system_and_old = len(fmt.system_ids(chat.settings.system_prompt + " " + summary)) - 1
-            assert fmt.count(new) <= chat.summary_cap(), "the stored summary stays within its cap"
+            assert fmt.count(new) <= chat.budget.summary_cap, "the stored summary stays within its cap"
             summary = new
     assert len(appends) >= 3 and merges >= 1, (len(appends), merges)
     assert merges < len(appends), "merges (full rewrites) are rarer than appends"
@@ -194,7 +195,7 @@ def test_after_a_fold_the_next_turn_prefills_only_its_message(rig):
 
 def test_recall_skips_turns_the_facts_already_carry(rig, monkeypatch):
     from llmweb.chat.facts import vocabulary
-    from llmweb.chat.session import _covered
+    from llmweb.chat.recall import covered as _covered
     from llmweb.records import Chunk
 
     def covered(chunk, memory):
@@ -221,7 +222,8 @@ def test_recall_looks_past_covered_turns_and_counts_a_turn_once(rig, monkeypatch
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from llmweb.chat.session import RECALL_CANDIDATES, RECALL_MIN_SCORE, _recall_chunks
+    from llmweb.chat.recall import RECALL_CANDIDATES, RECALL_MIN_SCORE
+    from llmweb.chat.recall import recall_chunks as _recall_chunks
     from llmweb.records import Turn
 
     chat, runner, fmt, store = rig
@@ -241,14 +243,14 @@ def test_recall_looks_past_covered_turns_and_counts_a_turn_once(rig, monkeypatch
         asked.update(k=k, min_score=min_score)
         return [replace(c, score=0.9 - 0.1 * n) for n, c in enumerate(by_rank)][:k]
 
-    monkeypatch.setattr(chat, "recall_index", lambda conv_id: SimpleNamespace(search=search))
+    monkeypatch.setattr(chat.recalls, "index", lambda conv_id: SimpleNamespace(search=search))
     conv = SimpleNamespace(id="c", summary="The user talked about music.", facts=[])
-    got = chat.recall(conv, "Which instrument do I play?")
+    got = chat.recalls.recall(conv, "Which instrument do I play?")
     assert asked == {"k": RECALL_CANDIDATES * chat.settings.recall_k, "min_score": RECALL_MIN_SCORE}
     assert [c.text for c in got] == ["User: I play the cello in a quartet.", "User: My dog is called Pixel."]
     assert len({c.doc_id for c in got}) == len(got), "one passage per turn"
-    monkeypatch.setattr(chat, "settings", chat.settings.replace(recall_k=1))
-    assert [c.doc_id for c in chat.recall(conv, "Which instrument do I play?")] == ["turn-0"]
+    monkeypatch.setattr(chat.recalls, "settings", chat.settings.replace(recall_k=1))
+    assert [c.doc_id for c in chat.recalls.recall(conv, "Which instrument do I play?")] == ["turn-0"]
 
 
 def test_unkept_statements_are_the_users_own_words_a_summary_dropped():
@@ -285,8 +287,8 @@ def test_write_summary_sizes_each_batch_against_the_summary_as_it_grows(rig):
     chat, runner, fmt, store = rig
     runner.background = lambda request: fmt._words("the user wrote x again and again " * 2) + [fmt.END]
     turns = [Turn(f"short message {i} " + "x " * 20, "a reply " + "y " * 20) for i in range(100)]
-    text = chat.write_summary("", turns)  # raised "summary prompt ... does not fit" before
-    assert text and fmt.count(text) <= chat.summary_cap()
+    text = chat.folds.summariser.write("", turns)  # raised "summary prompt ... does not fit" before
+    assert text and fmt.count(text) <= chat.budget.summary_cap
     limit = chat.budget.context_limit
     assert all(len(r.prompt_ids) + r.max_new_tokens <= limit for r in runner.requests if r.background)
 
@@ -301,7 +303,7 @@ def test_regenerate_replaces_the_last_reply_with_a_new_one_planned_without_it(ri
     )
     chat.ask(OWNER, conv, "first question")
     chat.ask(OWNER, conv, "second question")
-    fin = chat.ask(OWNER, conv, "ignored", redo=True)
+    fin = finish(chat.regenerate(OWNER, conv))
     turns = store.get(OWNER, conv).turns
     assert [(t.user, t.assistant) for t in turns] == [
         ("first question", "first answer"),
@@ -329,7 +331,7 @@ def test_undo_removes_the_last_turn_and_the_next_turn_plans_without_it(rig):
     with pytest.raises(InputError, match="no turns"):
         chat.undo(OWNER, conv)
     with pytest.raises(InputError, match="no turns"):
-        chat.ask(OWNER, conv, "", redo=True)
+        finish(chat.regenerate(OWNER, conv))
 
 
 def test_a_turn_folded_into_the_summary_cannot_be_undone_or_regenerated(rig):
@@ -340,7 +342,7 @@ def test_a_turn_folded_into_the_summary_cannot_be_undone_or_regenerated(rig):
     store.set_summary(OWNER, conv, "the user wrote twice", 2)  # as if a fold took both turns
     before = store.get(OWNER, conv)
     n_requests = len(runner.requests)
-    for call in (lambda: chat.undo(OWNER, conv), lambda: chat.ask(OWNER, conv, "", redo=True)):
+    for call in (lambda: chat.undo(OWNER, conv), lambda: finish(chat.regenerate(OWNER, conv))):
         with pytest.raises(InputError, match="folded into this chat's summary"):
             call()
     assert store.get(OWNER, conv) == before and len(runner.requests) == n_requests, "nothing changed or ran"
@@ -351,7 +353,7 @@ def test_a_stranger_cannot_regenerate_or_undo_anothers_turn(rig):
     conv = store.create_conversation(OWNER)
     chat.ask(OWNER, conv, "mine")
     before = store.get(OWNER, conv)
-    for call in (lambda: chat.undo("anon:b", conv), lambda: chat.ask("anon:b", conv, "", redo=True)):
+    for call in (lambda: chat.undo("anon:b", conv), lambda: finish(chat.regenerate("anon:b", conv))):
         with pytest.raises(LookupError, match="no longer exists"):
             call()
     assert store.get(OWNER, conv) == before
@@ -364,7 +366,7 @@ def test_continue_grows_a_reply_cut_by_the_length_cap_from_where_it_stopped(rig)
     runner.enqueue(words(fmt, long), words(fmt, "and the end") + [fmt.END])
     cut = chat.ask(OWNER, conv, "tell me a long story")
     assert cut.stats.gen.finish_reason == "length" and len(cut.reply.split()) == 20
-    fin = chat.ask(OWNER, conv, "", more=True)
+    fin = finish(chat.continue_reply(OWNER, conv))
     (turn,) = store.get(OWNER, conv).turns
     assert turn.assistant == cut.reply + " and the end" == fin.reply, "one turn, the reply grown in place"
     request = runner.requests[-1]
@@ -372,21 +374,22 @@ def test_continue_grows_a_reply_cut_by_the_length_cap_from_where_it_stopped(rig)
     assert request.max_new_tokens == chat.budget.max_new_tokens and request.temperature == 0.0
     assert fin.stats.gen.reused_tokens > 0, "the session's KV cache prefix is reused"
     with pytest.raises(InputError, match="complete"):
-        chat.ask(OWNER, conv, "", more=True)  # finished with an end token: nothing to continue
+        finish(chat.continue_reply(OWNER, conv))  # finished with an end token: nothing to continue
 
 
 def test_continue_a_stopped_reply_and_the_prefix_helper_strips_the_template(rig):
     from llmweb.chat.session import reply_prefix_ids
+    from llmweb.chat.turn import turn_stats
 
     chat, runner, fmt, store = rig
     assert reply_prefix_ids(fmt, "half a reply") == words(fmt, "half a reply")
     assert reply_prefix_ids(fmt, "") == []
     conv = store.create_conversation(OWNER)
     store.add_turn(
-        OWNER, conv, "question", "half a", chat._stats(None, _plan(chat, "question"), store.get(OWNER, conv))
+        OWNER, conv, "question", "half a", turn_stats(None, _plan(chat, "question"), 1, 0)
     )
     runner.enqueue(words(fmt, "reply") + [fmt.END])
-    assert chat.ask(OWNER, conv, "", more=True).reply == "half a reply"
+    assert finish(chat.continue_reply(OWNER, conv)).reply == "half a reply"
 
 
 def _plan(chat, text):
@@ -396,7 +399,7 @@ def _plan(chat, text):
 
 
 def test_a_chats_own_settings_reach_its_prompt_and_request_and_only_its_own(rig):
-    from llmweb.store.db import ChatSettings
+    from llmweb.store.models import ChatSettings
 
     chat, runner, fmt, store = rig
     mine, other = store.create_conversation(OWNER), store.create_conversation(OWNER)
@@ -424,7 +427,7 @@ def test_a_chats_own_settings_reach_its_prompt_and_request_and_only_its_own(rig)
     ],
 )
 def test_chat_settings_past_the_servers_limits_are_refused_with_the_limit(rig, chosen, words):
-    from llmweb.store.db import ChatSettings
+    from llmweb.store.models import ChatSettings
 
     chat, runner, fmt, store = rig
     conv = store.create_conversation(OWNER)
@@ -434,7 +437,7 @@ def test_chat_settings_past_the_servers_limits_are_refused_with_the_limit(rig, c
 
 
 def test_window_memory_never_folds_and_recall_is_refused_when_the_server_has_none(rig):
-    from llmweb.store.db import ChatSettings
+    from llmweb.store.models import ChatSettings
 
     chat, runner, fmt, store = rig
     conv = store.create_conversation(OWNER)
@@ -453,7 +456,7 @@ def test_editing_turn_2_of_4_plans_from_turn_1_only_keeps_the_original_and_switc
     for i in range(4):
         chat.ask(OWNER, conv, f"question {i}")
     before = store.get(OWNER, conv).turns
-    fin = chat.ask(OWNER, conv, "question one, edited", edit=1)
+    fin = finish(chat.edit(OWNER, conv, 1, "question one, edited"))
     assert [m for _, m in fin.prompt[1:]][:-1] == [before[0].user, before[0].assistant], "planned from turn 1 only"
     new_message = len(fmt.message_ids("user", "question one, edited")) + len(fmt.generation_prompt_ids())
     assert fin.stats.turn == 2 and fin.stats.gen.reused_tokens >= fin.stats.gen.prompt_tokens - new_message, (
@@ -468,7 +471,7 @@ def test_editing_turn_2_of_4_plans_from_turn_1_only_keeps_the_original_and_switc
     with pytest.raises(LookupError):
         chat.switch_version("anon:stranger", conv, 1, 1)
     with pytest.raises(LookupError):
-        chat.ask("anon:stranger", conv, "mine now", edit=1)
+        finish(chat.edit("anon:stranger", conv, 1, "mine now"))
     assert store.get(OWNER, conv).versions == {1: (0, 2)}
 
 
@@ -480,14 +483,14 @@ def test_an_edit_of_a_folded_turn_is_refused_before_anything_runs(rig):
     store.set_summary(OWNER, conv, "folded", 2)
     n = len(runner.requests)
     with pytest.raises(InputError, match="folded"):
-        chat.ask(OWNER, conv, "too late", edit=1)
+        finish(chat.edit(OWNER, conv, 1, "too late"))
     with pytest.raises(InputError, match="no longer in this chat"):
-        chat.ask(OWNER, conv, "nowhere", edit=7)
+        finish(chat.edit(OWNER, conv, 7, "nowhere"))
     assert len(runner.requests) == n and store.get(OWNER, conv).versions == {}
 
 
 def test_a_changed_system_prompt_costs_one_full_prefill_and_then_the_prefix_is_reused_again(rig):
-    from llmweb.store.db import ChatSettings
+    from llmweb.store.models import ChatSettings
 
     chat, runner, fmt, store = rig
     conv = store.create_conversation(OWNER)
@@ -513,7 +516,7 @@ def test_switching_versions_brings_the_recall_index_in_step_with_the_active_bran
         remove=lambda doc_id: index.pop(doc_id),
         add_chunks=lambda chunks: index.update({c.doc_id: c.text for c in chunks}),
     )
-    monkeypatch.setattr(chat, "recall_index", lambda conv_id: fake)
+    monkeypatch.setattr(chat.recalls, "index", lambda conv_id: fake)
     chat.library = SimpleNamespace(is_empty=lambda owner: True)
     chat.settings = chat.settings.replace(recall=True)
     conv = store.create_conversation(OWNER)
@@ -524,7 +527,7 @@ def test_switching_versions_brings_the_recall_index_in_step_with_the_active_bran
     store.add_turn(OWNER, conv, "b3", "x")
     store.set_summary(OWNER, conv, "folded b1 and b2", 3)  # as a fold of branch 2 would have...
     folded = store.get(OWNER, conv).turns[:3]
-    fake.add_chunks(chat_module._recall_chunks((t.idx, t.as_turn()) for t in folded))  # ...indexed them
+    fake.add_chunks(recall_module.recall_chunks((t.idx, t.as_turn()) for t in folded))  # ...indexed them
     chat.switch_version(OWNER, conv, 1, 0)
     assert sorted(index) == ["turn-0"], "the other branch's folded turns left the index"
     chat.switch_version(OWNER, conv, 1, 1)

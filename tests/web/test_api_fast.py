@@ -224,7 +224,7 @@ def test_folding_sends_batches_that_fit_with_the_summary_as_it_grows():
         grown = previous.split() + [f"s{len(seen)}x{i}" for i in range(20)]  # grows, up to the cap
         return " ".join(grown[-cap:])
 
-    chat = StatelessChat(Settings(), fmt, BUDGET, write_summary, cap)
+    chat = StatelessChat(Settings(), None, fmt, BUDGET, write_summary)  # summary_cap: BUDGET.summary_cap == cap
     memory = chat.fold(Memory(), [Turn(f"u{i} " * 5, f"a{i} " * 5) for i in range(40)])
     assert sum(n for n, _ in seen) == 40 and len(seen) > 1
     assert all(size <= BUDGET.context_limit - cap for _, size in seen), seen

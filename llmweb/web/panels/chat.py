@@ -59,7 +59,7 @@ class ChatHandlers(PanelHandlers):
         shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:-1]))
         so_far = last.assistant if more else "…"
         shown += [{"role": "user", "content": last.user}, {"role": "assistant", "content": so_far}]
-        events = chat.send(owner, conv_id, "", use_docs=bool(use_docs), redo=not more, more=more)
+        events = (chat.continue_reply if more else chat.regenerate)(owner, conv_id, use_docs=bool(use_docs))
         yield from self._stream(owner, conv_id, shown, events)
 
     @user_errors
@@ -87,7 +87,7 @@ class ChatHandlers(PanelHandlers):
         clean_message(text, self.settings.max_message_chars)
         shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:turn]))
         shown += [{"role": "user", "content": text}, {"role": "assistant", "content": "…"}]
-        events = chat.send(owner, conv_id, text, use_docs=bool(use_docs), edit=turn)
+        events = chat.edit(owner, conv_id, turn, text, use_docs=bool(use_docs))
         yield from self._stream(owner, conv_id, shown, events)  # the switcher then shows this fork (the latest)
 
     @user_errors

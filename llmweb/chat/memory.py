@@ -1,0 +1,191 @@
+"""A chat's memory after its turns: the rolling summary written by the model, and the background
+jobs that fold old turns into it and warm the session's cache for the next turn.
+
+Owns: `Summariser` (the summary prompts, sized so each fits: chat/fold.py's `turns_fitting`; a
+summary past its cap merged; engine jobs at background priority) and `Folds` (when a turn's
+window passes its high-water mark, one job per conversation folds its oldest turns: recall
+indexing, grounding and facts through chat/fold.py, then the store, then warming). ("Memory"
+here is what the chat remembers; RAM and VRAM are engine/telemetry.py's.)
+It must not plan the turn itself or stream replies: chat/turn.py does that.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from llmweb.chat import context, summary
+from llmweb.chat.fold import Memory, fold, learn, turns_fitting
+from llmweb.chat.recall import RecallCache
+from llmweb.chat.settings import TurnSettings, turn_settings
+from llmweb.chat.tokens import ChatFormat, render_prompt
+from llmweb.config import Settings
+from llmweb.engine.request import GenerationRequest
+from llmweb.engine.scheduler import Engine
+from llmweb.errors import InputError, LlmwebError
+from llmweb.records import Turn
+from llmweb.store.db import Store
+from llmweb.store.models import Conversation
+
+log = logging.getLogger(__name__)
+
+
+class Summariser:
+    """Writes summaries with the model: `write(previous, turns)`, at most `budget.summary_cap` tokens."""
+
+    def __init__(self, settings: Settings, engine: Engine, fmt: ChatFormat, budget: context.Budget):
+        self.settings, self.engine, self.fmt, self.budget = settings, engine, fmt, budget
+
+    def write(self, previous: str, turns: list[Turn]) -> str:
+        """The summary after folding `turns`: `previous` with a paragraph about them appended (the
+        cached prefix survives); when that passes the cap, everything merged into half the cap.
+
+        Turns go in batches, oldest first, each sized against the summary as it is by then (every
+        paragraph makes the next prompt longer); a summary over its cap is merged before the next
+        batch, so every prompt fits."""
+        cap = self.budget.summary_cap
+        segment_cap = max(cap // 3, 16)
+        limit = self.budget.context_limit - segment_cap
+        per_turn = max(limit // 8, 16)  # tokens kept of each side of a turn in the summary prompt
+        count = self.fmt.count
+        pending = [
+            Turn(summary.cap_text(t.user, per_turn, count), summary.cap_text(t.assistant, per_turn, count))
+            for t in turns
+        ]
+        text = previous.strip()
+        while pending:
+            if count(text) > cap:
+                text = self._merge(text, cap)
+            n = turns_fitting(self.fmt, text, pending, segment_cap, limit)
+            segment = self._generate(*summary.segment_request_messages(text, pending[:n], segment_cap), segment_cap)
+            text = f"{text}\n{segment}".strip() if segment else text
+            pending = pending[n:]
+        return self._merge(text, cap) if count(text) > cap else text
+
+    def _merge(self, text: str, cap: int) -> str:
+        """Rare: rewrite the whole summary into half its cap (the cached prefix is lost once)."""
+        return self._generate(*summary.summary_request_messages(text, [], cap // 2), cap // 2)
+
+    def _generate(self, system: str, user: str, cap: int) -> str:
+        ids = render_prompt(self.fmt, system, [("user", user)])
+        if len(ids) > self.budget.context_limit - cap:
+            raise InputError(f"summary prompt of {len(ids)} tokens does not fit the context")
+        handle = self.engine.submit(
+            GenerationRequest(
+                prompt_ids=ids,
+                max_new_tokens=cap,
+                temperature=0.0,
+                repetition_penalty=self.settings.repetition_penalty,
+                stop_ids=self.fmt.stop_ids,
+                background=True,
+            )
+        )
+        return summary.clean_summary(self.fmt.decode(handle.result()), cap, self.fmt)
+
+
+class Folds:
+    """The background fold of each conversation, at most one at a time per conversation."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        fmt: ChatFormat,
+        store: Store,
+        budget: context.Budget,
+        recalls: RecallCache,
+    ):
+        self.settings, self.engine, self.fmt, self.store, self.budget = settings, engine, fmt, store, budget
+        self.recalls = recalls
+        self.summariser = Summariser(settings, engine, fmt, budget)
+        self._jobs: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def after_turn(self, conv: Conversation, new: Turn, plan: context.ContextPlan, mine: TurnSettings) -> None:
+        """Start a fold when the window passed its high-water mark. `conv` as it was before this
+        turn, and the turn just stored: no second read of the store."""
+        if not mine.summaries:
+            return  # window only: old turns are left out (and reported), never folded
+        window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]] + [new]
+        counts = [context.turn_tokens(self.fmt, t) for t in window]
+        # the room history has apart from this turn's retrieved text, which comes and goes: folding
+        # against it keeps compressions rare (and the prompt prefix, so the KV cache, stable)
+        room = plan.history_room + plan.sections["retrieved"] + plan.sections["recall"]
+        n = summary.turns_to_fold(counts, room, self.settings.history_high, self.settings.history_low)
+        if n <= 0:
+            return
+        with self._lock:
+            job = self._jobs.get(conv.id)
+            if job is not None and job.is_alive():
+                return
+            job = threading.Thread(
+                target=self._fold,
+                name=f"summary-{conv.id[:8]}",
+                args=(conv.owner, conv.id, conv.summary, window[:n], conv.summarized_upto, mine.recall),
+                daemon=True,
+            )
+            self._jobs[conv.id] = job
+        job.start()
+
+    def wait(self, conv_id: str | None = None, timeout: float | None = None) -> None:
+        """Until the folds in flight (of one conversation, or all) are done."""
+        with self._lock:
+            jobs = [j for k, j in self._jobs.items() if conv_id is None or k == conv_id]
+        for j in jobs:
+            j.join(timeout)
+
+    def _fold(self, owner: str, conv_id: str, previous: str, turns: list[Turn], first: int, recall: bool) -> None:
+        """Fold turns out of the window (`turns` are turn indices first, first + 1, ...): index them for
+        recall, keep the user's facts, summarise."""
+        try:
+            if self.store.get(owner, conv_id).summarized_upto != first:
+                return  # an earlier fold finished after this turn read the chat; the next turn decides again
+            if recall and self.recalls.library is not None:
+                self.recalls.add(conv_id, enumerate(turns, first))
+            known = Memory(previous, tuple(self.store.facts(owner, conv_id)))
+            try:
+                folded = fold(known, turns, self.summariser.write, name=conv_id)
+            except LlmwebError as e:  # the window still moves on: facts and recall keep what matters
+                log.warning("summary for %s failed (%s); keeping the previous summary", conv_id, e)
+                folded = learn(known, turns)
+            for fact in folded.facts[len(known.facts) :]:
+                self.store.add_fact(owner, conv_id, fact.text, pinned=False)
+            self.store.set_summary(owner, conv_id, folded.summary, first + len(turns))
+            self._warm(owner, conv_id)
+        except Exception:  # the turn already streamed; a failed fold is tried again next turn
+            log.exception("folding turns for %s failed", conv_id)
+
+    def _warm(self, owner: str, conv_id: str) -> None:
+        """Prefill the folded prompt's prefix now, in the background, into the session's KV cache.
+
+        A fold moves the window, so every token after the summary sits at a new position and the
+        cached prefix ends there: the next turn would prefill the whole window (~1,000 tokens at
+        context 2048) before its first token. Planned with an empty message, this prompt is the
+        next turn's up to its user text; the engine keeps it as the session's cache (one token is
+        generated and dropped), and the user's next message, typed meanwhile, reuses it. Planning
+        never fails the fold: a conversation gone or not fitting just is not warmed.
+        """
+        if not self.settings.kv_reuse:
+            return
+        try:
+            conv = self.store.get(owner, conv_id)
+            window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]]
+            mine = turn_settings(self.settings, self.budget, conv.settings)
+            plan = context.plan(
+                mine.system_prompt, conv.summary, window, [], "", mine.budget, self.fmt, facts=conv.facts
+            )
+        except LlmwebError:
+            return
+        try:
+            self.engine.submit(
+                GenerationRequest(
+                    prompt_ids=plan.ids,
+                    max_new_tokens=1,
+                    stop_ids=self.fmt.stop_ids,
+                    session_id=conv_id,
+                    owner=owner,
+                    background=True,
+                )
+            ).result()
+        except LlmwebError as e:  # busy, out of memory, shut down: the next turn prefills it itself
+            log.info("warming %s after a fold: %s", conv_id, e)

@@ -1,0 +1,270 @@
+"""One turn's run, from a planned prompt to a measured reply: the pipeline every chat path shares.
+
+The UI's chat, regenerate, continue and edit (chat/session.py), and the stateless API path
+(chat/stateless.py) each read their snapshot and plan it (`Prompt.plan`, from one read); then
+`TurnRunner.run(job)` does the rest the same way for all of them: the engine request with its
+sampling and its one smaller retry after an OOM, streaming (`Started`, `Queued` while it waits,
+`Delta`: the reply so far), stop strings, cancel (closing the generator, or a `Cancel` from
+another thread), the `TurnStats` record and the notes, and returns the `Finished` event.
+
+It must not read or write the store, retrieve, or decide what is planned: its callers do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from llmweb.chat import context
+from llmweb.chat.tokens import ChatFormat
+from llmweb.config import Settings
+from llmweb.engine.request import GenerationRequest, Handle, Tokens, Waiting
+from llmweb.engine.scheduler import Engine
+from llmweb.errors import ConfigError, InputError
+from llmweb.records import Chunk, GenerationStats, Source, Turn, TurnStats
+
+SETTLE_S = 2.0  # after a cancel, how long a partial reply waits for the engine's figures
+
+
+@dataclass(frozen=True)
+class Started:
+    conv_id: str  # the conversation this turn belongs to (new ones get their id here; "" stateless)
+
+
+@dataclass(frozen=True)
+class Queued:
+    position: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # the whole reply so far
+
+
+@dataclass(frozen=True)
+class Finished:
+    reply: str
+    stats: TurnStats
+    sources: list[Source] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    prompt: tuple[tuple[str, str], ...] = ()  # the planned messages (role, text), system first
+    conv_id: str = ""  # the conversation the turn was stored in
+
+    def prompt_text(self) -> str:
+        return "\n\n".join(f"### {role}\n{text}" for role, text in self.prompt)
+
+
+Event = Started | Queued | Delta | Finished
+
+
+def finish(events: Iterator) -> Finished:
+    """Run a turn to the end (replay, benchmarks, tests): its `Finished` event."""
+    for event in events:
+        if isinstance(event, Finished):
+            return event
+    raise AssertionError("the turn ended without a Finished event")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """A caller's sampling over the chat's own (the API's request fields); None: the chat's."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None  # the reply's cap, within the budget's
+
+
+class Cancel:
+    """A hand on a turn's engine request from another thread (an API client gone): `cancel()`
+    stops it within a token, or before it starts. Closing the turn's generator does the same
+    from the thread that reads it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handle: Handle | None = None
+        self._cancelled = False
+
+    def attach(self, handle: Handle) -> None:
+        with self._lock:
+            self._handle = handle
+            cancelled = self._cancelled
+        if cancelled:
+            handle.cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            handle = self._handle
+        if handle is not None:
+            handle.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What a turn's prompt is planned from, read once: `context.plan`'s inputs."""
+
+    system: str
+    summary: str
+    turns: tuple[Turn, ...]  # the window, oldest first
+    chunks: tuple[Chunk, ...]  # retrieved document chunks
+    user: str
+    recall: tuple[Chunk, ...] = ()  # earlier passages of this conversation
+    facts: tuple = ()  # the user's facts (`.text`, `.pinned`), oldest first
+
+    def plan(self, budget: context.Budget, fmt: ChatFormat) -> context.ContextPlan:
+        return context.plan(
+            self.system,
+            self.summary,
+            self.turns,
+            self.chunks,
+            self.user,
+            budget,
+            fmt,
+            recall=self.recall,
+            facts=self.facts,
+        )
+
+    def smaller(self) -> Prompt:
+        """The OOM retry's: half the document chunks and half the recalled passages."""
+        return replace(self, chunks=self.chunks[: len(self.chunks) // 2], recall=self.recall[: len(self.recall) // 2])
+
+
+def documents(library, settings: Settings, owner: str, text: str, use_docs: bool) -> tuple[Chunk, ...]:
+    """The document chunks (shared and the owner's own) a message retrieves; none when off or empty."""
+    if not use_docs or library is None or library.is_empty(owner):
+        return ()
+    return tuple(library.search(owner, text, k=settings.top_k, min_score=settings.min_score))
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One planned turn, ready to run."""
+
+    owner: str
+    conv_id: str  # what `Started` and `Finished` name ("" for a stateless turn)
+    session_id: str  # the KV cache's session
+    prompt: Prompt
+    plan: context.ContextPlan  # `prompt` planned in `budget`
+    budget: context.Budget
+    temperature: float
+    number: int  # the turn's number in its conversation (TurnStats.turn)
+    summarized: int  # turns folded into the summary
+    seed: int | None = None
+    partial: tuple[int, ...] | None = None  # continue: the reply so far (no smaller retry: it would drop it)
+    notes: tuple[str, ...] = ()  # known before generation (stateless: what was summarised)
+
+
+def plan_sources(plan: context.ContextPlan) -> list[Source]:
+    """The numbered sources of a plan: document chunks [1..n] as the prompt tags them, then recall."""
+    used = list(plan.chunks) + list(plan.recall)
+    return [Source.from_chunk(c, n) for n, c in enumerate(used, 1)]
+
+
+def turn_stats(gen: GenerationStats | None, plan: context.ContextPlan, number: int, summarized: int) -> TurnStats:
+    """A turn's stats record: the engine's figures (or, stopped before it had any, the plan's) and the plan's."""
+    if gen is None:
+        gen = GenerationStats(prompt_tokens=len(plan.ids), finish_reason="cancelled")
+    return TurnStats(
+        turn=number,
+        gen=gen,
+        sections=dict(plan.sections),
+        context_limit=plan.context_limit,
+        dropped_turns=plan.dropped_turns,
+        summarized_turns=summarized,
+        summary_tokens=plan.summary_tokens,
+        dropped_chunks=len(plan.dropped_chunks),
+        dropped_facts=len(plan.dropped_facts),
+    )
+
+
+Keep = Callable[[str, TurnStats], None]  # (partial reply, its stats): a turn closed early keeps what it showed
+
+
+class TurnRunner:
+    """Runs planned turns on the engine (`run`)."""
+
+    def __init__(self, settings: Settings, engine: Engine, fmt: ChatFormat):
+        self.settings, self.engine, self.fmt = settings, engine, fmt
+
+    def request(self, job: Job, sampling: Sampling) -> GenerationRequest:
+        """The engine request: the job's prompt (continue: with the reply so far) and sampling, and
+        a smaller plan ready for one retry after an OOM."""
+        s, partial = self.settings, job.partial or ()
+        cap = job.budget.max_new_tokens - len(partial)
+        if sampling.max_tokens is not None:
+            cap = min(cap, sampling.max_tokens)
+
+        def smaller() -> GenerationRequest | None:
+            reduced = job.budget.reduced()
+            try:
+                p = job.prompt.smaller().plan(reduced, self.fmt)
+            except (InputError, ConfigError):
+                return None
+            return replace(request, prompt_ids=p.ids, max_new_tokens=min(reduced.max_new_tokens, cap), fallback=None)
+
+        request = GenerationRequest(
+            prompt_ids=job.plan.ids + partial,
+            max_new_tokens=cap,
+            temperature=job.temperature if sampling.temperature is None else sampling.temperature,
+            top_p=s.top_p if sampling.top_p is None else sampling.top_p,
+            repetition_penalty=s.repetition_penalty,
+            seed=job.seed,
+            stop_ids=self.fmt.stop_ids,
+            session_id=job.session_id,  # the prompt's prefix is the session's last: reuse its KV cache
+            timeout_s=s.request_timeout_s,
+            fallback=smaller if job.partial is None else None,
+            owner=job.owner,
+        )
+        return request
+
+    def run(
+        self,
+        job: Job,
+        *,
+        sampling: Sampling | None = None,
+        stop: Sequence[str] = (),
+        cancel: Cancel | None = None,
+        keep: Keep | None = None,
+    ) -> Generator[Started | Queued | Delta, None, Finished]:
+        """Yield Started, then Queued / Delta; return the Finished (the caller records it first).
+        A reply that shows one of `stop` (after leading whitespace) is cancelled there; so is one
+        whose generator is closed early (stop button, client gone) or that fails, and then `keep`,
+        if given, gets what was generated (a partial reply, marked as stopped)."""
+        handle = self.engine.submit(self.request(job, sampling or Sampling()))
+        if cancel is not None:
+            cancel.attach(handle)
+        yield Started(job.conv_id)
+        finished = False
+        try:
+            for event in handle.events():
+                if isinstance(event, Waiting):
+                    yield Queued(event.position)
+                elif isinstance(event, Tokens):
+                    text = self._decode(job, handle)
+                    if stop and any(s in text.lstrip() for s in stop):
+                        handle.cancel()  # the reply ends before the stop string (the caller cuts it)
+                    yield Delta(text)
+            finished = True
+        finally:
+            if not finished:  # closed early (stop, disconnect) or failed (time limit, OOM)
+                handle.cancel()
+                if keep is not None:
+                    self._keep_partial(job, handle, keep)
+        stats = turn_stats(handle.stats, job.plan, job.number, job.summarized)
+        notes = ["Stopped."] if stats.gen.finish_reason == "cancelled" else []
+        if job.plan.left_out:
+            notes.append(job.plan.left_out.capitalize() + ".")
+        reply = self._decode(job, handle).strip()
+        return Finished(reply, stats, plan_sources(job.plan), notes + list(job.notes), job.plan.messages, job.conv_id)
+
+    def _decode(self, job: Job, handle: Handle) -> str:
+        return self.fmt.decode([*(job.partial or ()), *handle.generated])
+
+    def _keep_partial(self, job: Job, handle: Handle, keep: Keep) -> None:
+        deadline = time.monotonic() + SETTLE_S
+        while handle.stats is None and handle.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the worker notices within a token; then its stats are complete
+        if handle.generated:  # keep what was shown; the worker stops within a token
+            keep(self._decode(job, handle).strip(), turn_stats(handle.stats, job.plan, job.number, job.summarized))
