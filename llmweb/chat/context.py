@@ -127,6 +127,11 @@ class Budget:
         return min(self.summary_tokens, self.context_limit // 4)
 
     @property
+    def prompt_room(self) -> int:
+        """Tokens the prompt may take: the context less the reply's reserve."""
+        return self.context_limit - self.max_new_tokens
+
+    @property
     def system_prompt_room(self) -> int:
         """The most tokens a chat's own system prompt may take: a quarter of the context."""
         return self.context_limit // 4

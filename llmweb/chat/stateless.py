@@ -4,8 +4,8 @@ An OpenAI client sends the whole conversation every call. llmweb plans it like o
 chats (context.plan): the client's system message is kept whole, its earlier messages become
 turns, the newest turns go in verbatim, and when they do not fit, the oldest are folded into a
 summary (with the user's fact sentences kept word for word next to it), through the chat's
-own summariser (`Chat.write_summary`: engine jobs at background priority). Nothing is cut
-silently: what was summarised and what was left out is reported.
+own summariser (chat/memory.py's `Summariser.write`: engine jobs at background priority).
+Nothing is cut silently: what was summarised and what was left out is reported.
 
 A growing chat is not summarised from scratch each call: `SummaryCache` keeps the memory
 (summary + facts) of a summarised message prefix under the hash of that prefix, and the next
@@ -208,8 +208,7 @@ def fit(
 def system_fits(system: str, budget: context.Budget, fmt: ChatFormat) -> None:
     """Refuse, with the numbers, a client system message that leaves no room for anything else."""
     n = len(fmt.system_ids(system))
-    room = budget.context_limit - budget.max_new_tokens
-    if n >= room:
+    if n >= budget.prompt_room:
         raise InputError(
             f"The system message is {n:,} tokens; with the room kept for the reply ({budget.max_new_tokens:,}) "
             f"the context ({budget.context_limit:,} tokens) has no room left for the conversation. Shorten it."

@@ -158,7 +158,7 @@ class OpenAIApi:
         except LlmwebError as e:
             raise ApiError(503, str(e), type="server_error", code="model_unavailable", headers=_retry()) from None
         cap = chat.budget.max_new_tokens
-        max_tokens = min(req.max_tokens or cap, cap)
+        max_tokens = chat.budget.capped(req.max_tokens).max_new_tokens
         sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens), Cancel()
         notes = []
         if req.max_tokens is not None and req.max_tokens > cap:
