@@ -19,9 +19,9 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
+from llmweb.records import LOCAL_OWNER as LOCAL
 from llmweb.retrieval.library import LOCAL_OWNER
 from llmweb.runtime import Runtime
-from llmweb.store.db import LOCAL_OWNER as LOCAL
 from llmweb.web.ui import build_app, launch_kwargs
 from tests.conftest import make_settings
 

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llmweb.store.db import LOCAL_OWNER as LOCAL
+from llmweb.records import LOCAL_OWNER as LOCAL
 
 from .common import scratch_settings
 

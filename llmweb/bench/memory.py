@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from llmweb.engine.telemetry import live_tensors, private_bytes, release_memory
-from llmweb.store.db import LOCAL_OWNER as LOCAL
+from llmweb.records import LOCAL_OWNER as LOCAL
 
 from .common import scripted_turns
 

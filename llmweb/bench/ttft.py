@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from llmweb.store.db import LOCAL_OWNER as LOCAL
+from llmweb.records import LOCAL_OWNER as LOCAL
 
 from .common import describe_setup, scripted_turns
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmweb.config import Settings
 from llmweb.errors import LlmwebError
-from llmweb.store.db import LOCAL_OWNER as LOCAL
+from llmweb.records import LOCAL_OWNER as LOCAL
 
 log = logging.getLogger("llmweb")
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from llmweb.engine.telemetry import mib
 from llmweb.records import Source, TurnStats
-from llmweb.store.db import HIT_END, HIT_START
+from llmweb.store.models import HIT_END, HIT_START
 
 SECTION_COLOURS = {
     "system": "#6b7280",

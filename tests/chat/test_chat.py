@@ -7,10 +7,10 @@ import pytest
 
 from llmweb.chat.session import Delta, Finished, clean_message
 from llmweb.errors import InputError
+from llmweb.records import LOCAL_OWNER as LOCAL
 from llmweb.records import Source
 from llmweb.retrieval.library import LOCAL_OWNER
 from llmweb.runtime import Runtime
-from llmweb.store.db import LOCAL_OWNER as LOCAL
 from tests.conftest import make_settings
 
 

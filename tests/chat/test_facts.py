@@ -6,9 +6,9 @@ import pytest
 
 from llmweb.chat import facts as facts_mod
 from llmweb.chat.session import Finished
+from llmweb.records import LOCAL_OWNER as LOCAL
 from llmweb.runtime import Runtime
-from llmweb.store.db import LOCAL_OWNER as LOCAL
-from llmweb.store.db import Fact
+from llmweb.store.models import Fact
 from tests.conftest import make_settings
 from tests.fakes import FakeFormat
 

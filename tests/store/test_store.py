@@ -17,19 +17,19 @@ import pytest
 
 from llmweb.errors import ConfigError, InputError, LlmwebError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, Turn, TurnStats
-from llmweb.store.db import (
+from llmweb.store.conversations import auto_title
+from llmweb.store.db import Store
+from llmweb.store.models import (
     DEFAULT_TITLE,
     MAX_TITLE_CHARS,
-    SCHEMA_VERSION,
     Conversation,
     ConversationInfo,
     Fact,
     NotFound,
-    Store,
     StoredTurn,
-    auto_title,
     new_id,
 )
+from llmweb.store.schema import SCHEMA_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 A = "anon:alice-token"  # the owner of everything in these tests, unless a test says otherwise
@@ -661,7 +661,7 @@ def test_a_database_from_before_owners_opens_without_loss_for_the_local_owner(tm
     """tests/fixtures/schema1.sqlite3 was written by the previous release's store (schema 1)."""
     import shutil
 
-    from llmweb.store.db import LOCAL_OWNER
+    from llmweb.records import LOCAL_OWNER
 
     path = tmp_path / "old.sqlite3"
     shutil.copy(REPO / "tests" / "fixtures" / "schema1.sqlite3", path)
@@ -777,7 +777,7 @@ def test_a_database_from_before_chat_settings_opens_without_loss(tmp_path: Path)
     """tests/fixtures/schema3.sqlite3 was written by the previous release's store (schema 3: search)."""
     import shutil
 
-    from llmweb.store.db import ChatSettings
+    from llmweb.store.models import ChatSettings
 
     path = tmp_path / "old.sqlite3"
     shutil.copy(REPO / "tests" / "fixtures" / "schema3.sqlite3", path)
@@ -802,7 +802,7 @@ def test_a_database_from_before_chat_settings_opens_without_loss(tmp_path: Path)
 
 
 def test_chat_settings_are_the_owners_round_trip_through_export_and_refuse_bad_shapes(store: Store):
-    from llmweb.store.db import ChatSettings
+    from llmweb.store.models import ChatSettings
 
     conv = store.create_conversation(A)
     store.add_turn(A, conv, "hello", "hi")

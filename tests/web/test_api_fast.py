@@ -20,8 +20,8 @@ from llmweb.chat.stateless import Memory, SummaryCache, dialogue, fit, prefix_ke
 from llmweb.config import Settings
 from llmweb.engine.request import GenerationRequest
 from llmweb.errors import ConfigError
-from llmweb.records import Chunk, Turn
-from llmweb.store.db import LOCAL_OWNER, Store
+from llmweb.records import LOCAL_OWNER, Chunk, Turn
+from llmweb.store.db import Store
 from llmweb.web.accounts import ApiKeys, parse_api_keys
 from llmweb.web.api import api_routes
 from llmweb.web.api_wire import ApiError, StopScanner, parse_request

@@ -670,7 +670,8 @@ def test_a_chats_system_prompt_survives_a_reload_and_is_in_its_prompt(page, serv
 def test_import_of_an_export_reproduces_the_chat(page, server, tmp_path):
     """The export is read from the server's own store (the page's download control needs two clicks);
     the import goes through the page's Import button."""
-    from llmweb.store.db import LOCAL_OWNER, Store
+    from llmweb.records import LOCAL_OWNER
+    from llmweb.store.db import Store
 
     with step(page, "imported"):
         users, replies = user_texts(page), reply_texts(page)

@@ -1,0 +1,104 @@
+"""The store's one SQLite connection and its transactions: `Connection`, the base every query
+group (store/conversations.py, versions.py, facts.py, search.py, exchange.py) builds on.
+
+Durability: every write method is ONE transaction (`_write`), committed before it returns. A
+process killed at any moment (kill -9, OOM killer) loses at most the call in flight, never a
+committed turn and never half a turn.
+
+  - journal_mode=WAL: readers never block the writer, and a crash mid-commit leaves only an
+    uncommitted tail in the WAL that the next open ignores.
+  - synchronous=FULL: each commit also fsyncs the WAL. NORMAL would already survive a process
+    crash (the committed pages sit in the OS page cache); FULL also survives a power cut or a
+    kernel crash. The price is one fsync per write, i.e. per turn, which is nothing next to the
+    seconds a generation takes.
+  - foreign_keys=ON: deleting a conversation cascades to its turns and facts.
+
+Threads: ONE connection (check_same_thread=False) serialised by a lock. Gradio calls us from
+many worker threads, but writes are a few per turn and reads are small, so a lock costs
+nothing measurable, while one connection per thread would bring SQLITE_BUSY retries between
+our own threads and connections left behind by threads Gradio retires. Other processes (the
+CLI while the server runs) are covered by WAL and a busy timeout.
+
+It owns opening, migrating (through store/schema.py) and closing the file. It must not hold a
+query of its own: every public method that reads or writes conversations is a query group's.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Self
+
+from llmweb.errors import InputError
+from llmweb.store.schema import migrate, read_version
+
+BUSY_TIMEOUT_S = 30.0  # wait this long for another process's write lock
+
+
+class Connection:
+    """One SQLite file, opened in WAL mode and migrated to the current schema."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )  # isolation_level=None: we issue BEGIN/COMMIT ourselves
+        try:
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            assert mode.lower() == "wal", f"SQLite refused WAL mode for {self.path} (got {mode})"
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            migrate(self._db, self._write, self.path)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def schema_version(self) -> int:
+        with self._read() as db:
+            return read_version(db)
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction. BEGIN IMMEDIATE takes the write lock up front, so a
+        read-then-write (such as choosing the next turn index) cannot race another process."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except UnicodeEncodeError as e:  # a lone surrogate cannot be stored as UTF-8
+                self._db.execute("ROLLBACK")
+                raise InputError("The text contains characters that cannot be saved (unpaired surrogates).") from e
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:  # e.g. disk full: leave no transaction open behind us
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: several SELECTs see one snapshot."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield self._db
+            finally:
+                self._db.execute("COMMIT")

@@ -1,0 +1,78 @@
+"""Who owns what in the store: the owner checks every query group shares, and the `owners` table.
+
+Every conversation belongs to an OWNER (the login account "user:<name>", an anonymous browser
+"anon:<token>", or LOCAL_OWNER for a single-user install). Each query group scopes its SQL by the
+caller's owner, in the same statement or through `owned` here; facts are reached only through a
+conversation of the same owner (FACT_OWNED). Another owner's conversation behaves exactly like one
+that does not exist: the same `NotFound` (models.missing), from one indexed query. `owners`
+remembers when each owner was last seen, for the retention purge (`idle_owners`, `delete_owner`).
+
+It must not decide who the caller is (web/ does) nor open transactions of its own beyond the
+three owner methods of `OwnerQueries`.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+from llmweb.store.connection import Connection
+from llmweb.store.models import missing
+
+# a fact is the caller's when its conversation is (parameters: conversation id, owner)
+FACT_OWNED = "conversation_id = ? AND conversation_id IN (SELECT id FROM conversations WHERE owner = ?)"
+
+
+def owned(db: sqlite3.Connection, owner: str, conv_id: str) -> bool:
+    return db.execute("SELECT 1 FROM conversations WHERE id = ? AND owner = ?", (conv_id, owner)).fetchone() is not None
+
+
+def require_owned(db: sqlite3.Connection, owner: str, conv_id: str) -> None:
+    """NotFound unless `conv_id` is `owner`'s conversation."""
+    if not owned(db, owner, conv_id):
+        raise missing(conv_id)
+
+
+def owned_row(db: sqlite3.Connection, owner: str, conv_id: str, columns: str) -> tuple:
+    """`columns` (llmweb's own SQL over the conversation `c`, never user text) of `owner`'s
+    conversation `conv_id`; NotFound if there is none, or it is another owner's."""
+    row = db.execute(f"SELECT {columns} FROM conversations c WHERE c.id = ? AND c.owner = ?", (conv_id, owner))
+    found = row.fetchone()
+    if found is None:
+        raise missing(conv_id)
+    return found
+
+
+def seen(db: sqlite3.Connection, owner: str, now: float) -> None:
+    db.execute(
+        "INSERT INTO owners (owner, created, last_seen) VALUES (?, ?, ?) "
+        "ON CONFLICT(owner) DO UPDATE SET last_seen = excluded.last_seen",
+        (owner, now, now),
+    )
+
+
+class OwnerQueries(Connection):
+    """The owners table: when each owner was last seen, and deleting all an owner stored."""
+
+    def touch_owner(self, owner: str) -> None:
+        """Note that an owner is active now (a page load, a message): the retention purge counts from here."""
+        with self._write() as db:
+            seen(db, owner, time.time())
+
+    def delete_owner(self, owner: str) -> list[str]:
+        """Delete everything the owner stored here (conversations, turns, facts); return the conversation ids."""
+        with self._write() as db:
+            ids = [r[0] for r in db.execute("SELECT id FROM conversations WHERE owner = ?", (owner,))]
+            db.execute("DELETE FROM conversations WHERE owner = ?", (owner,))
+            db.execute("DELETE FROM owners WHERE owner = ?", (owner,))
+        return ids
+
+    def idle_owners(self, prefix: str, idle_s: float, now: float | None = None) -> list[str]:
+        """Owners whose name starts with `prefix` (e.g. "anon:") and who were last seen `idle_s` ago or more."""
+        cutoff = (time.time() if now is None else now) - idle_s
+        with self._read() as db:
+            rows = db.execute(
+                "SELECT owner FROM owners WHERE substr(owner, 1, ?) = ? AND last_seen <= ? ORDER BY last_seen",
+                (len(prefix), prefix, cutoff),
+            ).fetchall()
+        return [r[0] for r in rows]

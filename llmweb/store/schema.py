@@ -1,0 +1,131 @@
+"""The schema of the store's SQLite file: its DDL as a list of migrations, and `migrate`, which
+brings a file of any earlier version up to SCHEMA_VERSION.
+
+It owns every CREATE/ALTER statement and the `schema_version` table. It must not query or change
+the conversations themselves (that is the query groups'), and it must never edit a released
+migration: a change to the schema is a new entry at the end of MIGRATIONS.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+from llmweb.errors import ConfigError
+from llmweb.records import LOCAL_OWNER
+
+# Each entry moves the schema up one version; applied in order, each in its own transaction.
+# Never edit an entry once released: append a new one.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (  # 1: the initial schema
+        """CREATE TABLE conversations (
+            id              TEXT PRIMARY KEY,
+            title           TEXT NOT NULL,
+            created         REAL NOT NULL,
+            updated         REAL NOT NULL,
+            summary         TEXT NOT NULL DEFAULT '',
+            summarized_upto INTEGER NOT NULL DEFAULT 0 CHECK (summarized_upto >= 0)
+        )""",
+        """CREATE TABLE turns (
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            idx             INTEGER NOT NULL CHECK (idx >= 0),
+            user            TEXT NOT NULL,
+            assistant       TEXT NOT NULL,
+            stats           TEXT NOT NULL DEFAULT '{}',
+            sources         TEXT NOT NULL DEFAULT '[]',
+            created         REAL NOT NULL,
+            PRIMARY KEY (conversation_id, idx)
+        )""",
+        """CREATE TABLE facts (
+            id              INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            text            TEXT NOT NULL,
+            pinned          INTEGER NOT NULL DEFAULT 1 CHECK (pinned IN (0, 1)),
+            created         REAL NOT NULL
+        )""",
+        "CREATE INDEX facts_by_conversation ON facts(conversation_id, id)",
+        "CREATE INDEX conversations_by_updated ON conversations(updated)",
+    ),
+    (  # 2: owners. What a single-user install wrote before goes to LOCAL_OWNER, which it keeps seeing
+        f"ALTER TABLE conversations ADD COLUMN owner TEXT NOT NULL DEFAULT '{LOCAL_OWNER}'",
+        "CREATE INDEX conversations_by_owner ON conversations(owner, updated)",
+        """CREATE TABLE owners (
+            owner           TEXT PRIMARY KEY,
+            created         REAL NOT NULL,
+            last_seen       REAL NOT NULL
+        )""",
+        """INSERT INTO owners (owner, created, last_seen)
+           SELECT owner, MIN(created), MAX(updated) FROM conversations GROUP BY owner""",
+        # round 1 created a conversation on every page load: drop the empty ones
+        "DELETE FROM conversations WHERE NOT EXISTS (SELECT 1 FROM turns t WHERE t.conversation_id = conversations.id)",
+    ),
+    (  # 3: full-text search over the turns' text (FTS5, an external-content index: the text stays in
+        # `turns` only). Triggers keep it in step with every insert, update and delete, cascades
+        # included. It is keyed by turns' implicit rowid, which only VACUUM could renumber; llmweb
+        # never runs VACUUM (after one, run: INSERT INTO turns_fts(turns_fts) VALUES('rebuild')).
+        """CREATE VIRTUAL TABLE turns_fts USING fts5(
+            user, assistant, content='turns', content_rowid='rowid',
+            tokenize='porter unicode61 remove_diacritics 2'
+        )""",
+        "INSERT INTO turns_fts(turns_fts) VALUES ('rebuild')",  # index the turns already stored
+        """CREATE TRIGGER turns_fts_insert AFTER INSERT ON turns BEGIN
+            INSERT INTO turns_fts (rowid, user, assistant) VALUES (new.rowid, new.user, new.assistant);
+        END""",
+        """CREATE TRIGGER turns_fts_delete AFTER DELETE ON turns BEGIN
+            INSERT INTO turns_fts (turns_fts, rowid, user, assistant)
+            VALUES ('delete', old.rowid, old.user, old.assistant);
+        END""",
+        """CREATE TRIGGER turns_fts_update AFTER UPDATE OF user, assistant ON turns BEGIN
+            INSERT INTO turns_fts (turns_fts, rowid, user, assistant)
+            VALUES ('delete', old.rowid, old.user, old.assistant);
+            INSERT INTO turns_fts (rowid, user, assistant) VALUES (new.rowid, new.user, new.assistant);
+        END""",
+    ),
+    (  # 4: per-chat settings (system prompt, temperature, reply cap, documents, memory), a JSON object
+        # of the fields a chat overrides ('{}': every field from the server's configuration)
+        "ALTER TABLE conversations ADD COLUMN settings TEXT NOT NULL DEFAULT '{}'",
+    ),
+    (  # 5: versions of a chat from an edited turn on. `turns` always holds the active branch (so the
+        # planner, the summary, the FTS index and every other read see only it); each other version
+        # of a fork is kept here as one JSON body (its turns from `fork` on, its summary, the facts
+        # taken from those turns, the forks nested in it). The active version's row has body NULL.
+        """CREATE TABLE versions (
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            fork            INTEGER NOT NULL CHECK (fork >= 0),
+            version         INTEGER NOT NULL CHECK (version >= 0),
+            body            TEXT,
+            PRIMARY KEY (conversation_id, fork, version)
+        )""",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(
+    db: sqlite3.Connection, write: Callable[[], AbstractContextManager[sqlite3.Connection]], path: Path
+) -> None:
+    """Apply the migrations `db` lacks, each in its own `write()` transaction. A file written by a
+    newer llmweb (a version past SCHEMA_VERSION) is a ConfigError naming `path`."""
+    db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    while True:
+        with write() as tx:  # re-read inside the lock: another process may migrate too
+            version = read_version(tx)
+            if version > SCHEMA_VERSION:
+                raise ConfigError(
+                    f"The database {path} was written by a newer llmweb (schema "
+                    f"{version}, this one knows {SCHEMA_VERSION}). Upgrade llmweb or use "
+                    "another data directory."
+                )
+            if version == SCHEMA_VERSION:
+                return
+            for statement in MIGRATIONS[version]:
+                tx.execute(statement)
+            tx.execute("DELETE FROM schema_version")
+            tx.execute("INSERT INTO schema_version (version) VALUES (?)", (version + 1,))
+
+
+def read_version(db: sqlite3.Connection) -> int:
+    row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+    return row[0] or 0
