@@ -104,63 +104,67 @@ class Runtime:
         return self
 
     def _load(self) -> None:
-        from llmweb.chat.session import Chat
-        from llmweb.chat.tokens import TemplateFormat
-        from llmweb.engine.local import local_engine
-
-        s = self.settings
-        if s.engine_url:
-            return self._load_remote()
+        """Build the engine and the chat; a failure is kept for `wait_ready` and shown in the status line."""
+        remote = bool(self.settings.engine_url)
         try:
             t0 = time.perf_counter()
-            loaded = self._preloaded or models.load(s, progress=self._status.progress)
-            budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
-            if s.warmup:
-                self._status.progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
-                models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
-            kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
-            limits = local_limits(s, budget, loaded)
-            self.engine = local_engine(
-                loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=self.fault, gpu=gpu_entry
-            )
-            self.loaded, self.budget = loaded, budget
-            self.chat = Chat(s, self.engine, TemplateFormat(loaded.tokenizer), self.store, budget, library=self.library)
-            if s.sample_docs:
-                self._seed_sample()
-            self._status.ready_local(loaded, budget, time.perf_counter() - t0)
+            if remote:
+                self._load_remote(t0)
+            else:
+                self._load_local(t0)
         except BaseException as e:  # shown in the UI's status line and raised to callers
-            log.exception("model load failed")
+            log.exception("remote engine set-up failed" if remote else "model load failed")
             self._error = e
-            self._status.failed("Model failed to load", e)
+            self._status.failed("Remote engine set-up failed" if remote else "Model failed to load", e)
         finally:
             self._ready.set()
 
-    def _load_remote(self) -> None:
+    def _load_local(self, t0: float) -> None:
+        from llmweb.engine.local import local_engine
+
+        s = self.settings
+        loaded = self._preloaded or models.load(s, progress=self._status.progress)
+        budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
+        if s.warmup:
+            self._status.progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
+            models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
+        kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
+        engine = local_engine(
+            loaded.model,
+            loaded.device,
+            kv,
+            local_limits(s, budget, loaded),
+            loaded.kv_bytes_per_token,
+            fault=self.fault,
+            gpu=gpu_entry,
+        )
+        self.loaded = loaded
+        self._wire(engine, budget, loaded.tokenizer)
+        self._status.ready_local(loaded, budget, time.perf_counter() - t0)
+
+    def _load_remote(self, t0: float) -> None:
         """A remote engine generates (LLMWEB_ENGINE_URL): load the tokenizer only, no weights.
 
         The server need not be up: the page comes up, the status line says it is unreachable, and
         the health watch (runtime/health.py) keeps checking; requests meanwhile fail after the
         runner's retries with a message that says so.
         """
+        s = self.settings
+        engine, budget, tokenizer = remote_parts(s, self._status.progress)
+        self._wire(engine, budget, tokenizer)
+        started = f"context {budget.context_limit} tokens · started in {time.perf_counter() - t0:.0f} s"
+        # REMOTE_RETRY_S is read here, from this module, so a test may shorten it
+        RemoteHealth(engine.runner, s.engine_url, self._status, started, REMOTE_RETRY_S).start(self._closing)
+
+    def _wire(self, engine: Engine, budget: Budget, tokenizer) -> None:
+        """The chat over the engine, the store and the library; then the sample guide, if asked for."""
         from llmweb.chat.session import Chat
         from llmweb.chat.tokens import TemplateFormat
 
-        s = self.settings
-        try:
-            t0 = time.perf_counter()
-            self.engine, self.budget, tokenizer = remote_parts(s, self._status.progress)
-            self.chat = Chat(s, self.engine, TemplateFormat(tokenizer), self.store, self.budget, library=self.library)
-            if s.sample_docs:
-                self._seed_sample()
-            started = f"context {self.budget.context_limit} tokens · started in {time.perf_counter() - t0:.0f} s"
-            # REMOTE_RETRY_S is read here, from this module, so a test may shorten it
-            RemoteHealth(self.engine.runner, s.engine_url, self._status, started, REMOTE_RETRY_S).start(self._closing)
-        except BaseException as e:  # shown in the UI's status line and raised to callers
-            log.exception("remote engine set-up failed")
-            self._error = e
-            self._status.failed("Remote engine set-up failed", e)
-        finally:
-            self._ready.set()
+        self.engine, self.budget = engine, budget
+        self.chat = Chat(self.settings, engine, TemplateFormat(tokenizer), self.store, budget, library=self.library)
+        if self.settings.sample_docs:
+            self._seed_sample()
 
     def _seed_sample(self) -> None:
         """The bundled user guide into the shared library, once per data dir (runtime/samples.py)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -49,21 +49,28 @@ def cpu_mem_limit_bytes(settings: Settings) -> int:
     return int(psutil.virtual_memory().total * 0.8)
 
 
+def _queue_limits(s: Settings, budget: Budget) -> dict[str, Any]:
+    """The limits every engine has, local or remote: its queue, the reply cap, time limits, KV reuse."""
+    return dict(
+        queue_size=s.queue_size,
+        max_new_tokens=budget.max_new_tokens,
+        request_timeout_s=s.request_timeout_s,
+        admission_wait_s=s.admission_wait_s,
+        kv_reuse=s.kv_reuse,
+        queue_per_user=s.queue_per_user,
+    )
+
+
 def local_limits(settings: Settings, budget: Budget, loaded) -> EngineLimits:
     """The local engine's queue, time and memory limits."""
     from llmweb.engine.request import EngineLimits, auto_max_batch
 
     s = settings
     return EngineLimits(
-        queue_size=s.queue_size,
-        max_new_tokens=budget.max_new_tokens,
-        request_timeout_s=s.request_timeout_s,
-        admission_wait_s=s.admission_wait_s,
+        **_queue_limits(s, budget),
         mem_limit_bytes=cpu_mem_limit_bytes(s) if loaded.on_cpu else 0,
         mem_margin_bytes=s.mem_margin_mb * 2**20,
         frag_release_bytes=s.frag_release_mb * 2**20,
-        kv_reuse=s.kv_reuse,
-        queue_per_user=s.queue_per_user,
         max_batch=s.max_batch or auto_max_batch(loaded.on_cpu),
     )
 
@@ -89,15 +96,7 @@ def remote_parts(settings: Settings, progress: Callable[[str], None]) -> tuple[E
     tokenizer = AutoTokenizer.from_pretrained(source)
     max_context = int(getattr(AutoConfig.from_pretrained(source), "max_position_embeddings", 0) or 2048)
     budget = Budget.from_settings(s, max_context, on_cpu=False)  # the server's device, not ours
-    limits = EngineLimits(
-        queue_size=s.queue_size,
-        max_new_tokens=budget.max_new_tokens,
-        request_timeout_s=s.request_timeout_s,
-        admission_wait_s=s.admission_wait_s,
-        kv_reuse=s.kv_reuse,
-        queue_per_user=s.queue_per_user,
-        max_batch=s.engine_concurrency,
-    )
+    limits = EngineLimits(**_queue_limits(s, budget), max_batch=s.engine_concurrency)
     config = RemoteConfig(
         url=s.engine_url,
         model=s.engine_model,
