@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmweb.engine.queue import FairQueue
-from llmweb.engine.request import GenerationRequest, Handle, Waiting
+from llmweb.engine.queue import FairQueue, Lanes
+from llmweb.engine.request import EngineLimits, GenerationRequest, Handle, Waiting
 from llmweb.errors import BusyError, Cancelled
 from tests.fakes import FakeRunner, fake_engine
 
@@ -88,6 +88,28 @@ def test_only_the_latest_turns_are_remembered_and_the_forgotten_owner_still_goes
     assert len(q._served) == 2
     handles = make(q, "C2", "B2", "A2")
     assert serve_all(q, handles) == ["A2", "B2", "C2"]
+
+
+def test_lanes_bound_each_lane_cap_owners_only_interactive_and_serve_background_last():
+    lanes = Lanes(EngineLimits(queue_size=2, queue_per_user=1))
+    a1, b1 = Handle(req(owner="A"), engine=None), Handle(req(owner="B"), engine=None)
+    jobs = [Handle(req(owner="A", background=True), engine=None) for _ in range(9)]
+    lanes.push(jobs[0])
+    assert lanes.peek() is jobs[0], "a background job runs when no interactive request waits"
+    lanes.push(a1)
+    with pytest.raises(BusyError, match="you already have 1 request waiting"):
+        lanes.push(Handle(req(owner="A"), engine=None))
+    lanes.push(b1)
+    with pytest.raises(BusyError, match="2 requests are waiting"):
+        lanes.push(Handle(req(owner="C"), engine=None))
+    for job in jobs[1:8]:
+        lanes.push(job)  # background: 4 x queue_size, no per-owner cap
+    with pytest.raises(BusyError, match="8 requests are waiting"):
+        lanes.push(jobs[8])
+    assert lanes.peek() is a1 and lanes.position(a1) == 1 and lanes.position(jobs[0]) == 0
+    assert lanes.take(a1) and not lanes.take(a1) and lanes.remove(jobs[3]) and not lanes.remove(jobs[3])
+    assert lanes.take(b1) and lanes.peek() is jobs[0]
+    assert lanes.drain() == [j for j in jobs[:8] if j is not jobs[3]] and not lanes
 
 
 # ---- the engine
