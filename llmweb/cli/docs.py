@@ -5,6 +5,8 @@ the UI's business and are not reachable from here. `search` answers as a chat tu
 hybrid ranking behind the relevance gate, so an off-topic query prints "nothing relevant";
 `--raw` skips the gate and shows every figure behind the ranking (cosine, dense and keyword
 ranks, BM25, the fused score) and the gate's evidence.
+
+It must not rank, gate or index itself (retrieval/ does) nor load the chat model.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Settings come from `LLMWEB_*` variables; flags override them. Domain errors end the command
 with their message and exit status 2, never a traceback; `replay` is the exception per turn: a
 refused turn is reported in its row, the script goes on, and the exit status is 1.
+
+It owns the commands' flags, their Settings and their output; it must not hold policy (the
+runtime, the chat and the web layer do) nor start anything but through a `Runtime`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`python -m llmweb user add | remove | list | key`: the users file from the command line.
 
-It edits the file that web/accounts.py reads; problems raise LlmwebError subclasses (cli/main.py
-prints them, exit 2).
+It edits the file that web/accounts.py reads, through accounts.py's own functions; it must not
+write the file itself, print a stored hash, or start the server. Problems raise LlmwebError
+subclasses (cli/main.py prints them, exit 2).
 """
 
 from __future__ import annotations

@@ -1,5 +1,11 @@
-"""The edges a visitor reaches over HTTP: the Gradio UI (ui.py, formatting.py), login accounts and
-API keys (accounts.py), and the OpenAI-compatible API (api.py, api_wire.py).
+"""The edges a visitor reaches over HTTP:
+
+  identity.py   who is asking and which owner they act for (browser tokens, logins, API callers)
+  ui.py         the Gradio page: its layout and the wiring of its events
+  panels/       the page's event handlers, one module per panel (see panels/__init__.py)
+  formatting.py what the page shows, as pure functions (Markdown, HTML, messages, plot tables)
+  accounts.py   login accounts, the users file and API keys
+  api.py        the OpenAI-compatible API's routes; api_wire.py its request parsing and JSON
 
 Transport only: who is calling, reading bounded input, showing results, and turning domain
 errors into messages (gr.Error, HTTP status). Policy lives in chat/, engine/, retrieval/ and

@@ -21,7 +21,8 @@ one once and keeps only its SHA-256 digest). `ApiKeys.lookup(key)` says whose a 
 or digest reaches a log line or a message.
 
 Stdlib only; this module knows nothing of Gradio. `gradio_auth` returns the plain callable that
-web/ui.py hands to `launch(auth=...)`.
+web/ui.py hands to `launch(auth=...)`. It says whether a password or a key is good and whose a key
+is; it must not turn that into an owner (web/identity.py does) or keep anything but the users file.
 """
 
 from __future__ import annotations

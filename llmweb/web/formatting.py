@@ -2,7 +2,8 @@
 
 Pure functions from typed records (`TurnStats`, `Source`, the store's `Conversation`) to text
 and tables, so they are tested without a browser or a model. This module must not import
-gradio, touch the store or the engine, or decide anything: web/ui.py calls it and places the results.
+gradio, touch the store or the engine, or decide anything: the handlers of web/panels/ (and
+web/ui.py for the empty panel) call it and place the results.
 """
 
 from __future__ import annotations
