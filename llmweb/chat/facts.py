@@ -18,8 +18,14 @@ from dataclasses import dataclass
 
 FACTS_HEADER = "Facts the user stated (verbatim):"
 
-_SENTENCE = re.compile(r"[^.!?。！？\n]+(?:[.!?。！？]+|$)")  # full-width marks end CJK sentences
-_WORD = re.compile(r"[^\W\d_](?:[^\W\d_]|['’\-])*|\d[\d,.:/\-]*")  # letters of any script; numbers
+# A sentence: a run of text up to its end marks (full-width marks end CJK sentences), or up to the
+# end of the text; a run cut by a newline is not a sentence. Linear: the lookbehind starts a match
+# only where a run starts, and the possessive run never gives characters back (a plain
+# `[^...]+(?:[...]+|$)` retried every suffix of a long line cut by a newline: quadratic).
+_SENTENCE = re.compile(r"(?<![^.!?。！？\n])[^.!?。！？\n]++(?:[.!?。！？]+|$)")
+# letters of any script; numbers. The group repeat is possessive: a plain one kept a backtracking
+# point per character of a word, and a 500,000-letter word took 100x the time of a 32,000-letter one.
+_WORD = re.compile(r"[^\W\d_](?:[^\W\d_]|['’\-])*+|\d[\d,.:/\-]*")
 _NUMBER = re.compile(r"\d")
 _VERBISH = re.compile(r"(ed|ing|ly|s)$")
 _MONTHS = (
@@ -201,7 +207,7 @@ def is_fact(sentence: str) -> bool:
     "4471", "Zanzibar-7781", "07:40", "2019"; not a small count, even with a counter: "35번").
     In English also the cue phrases ("my name", "I prefer") and a first-person sentence with a name."""
     s = sentence.strip()
-    if s.endswith(_QUESTION) or (len(s.split()) < 3 and len(s) < 8):  # CJK: few spaces, many characters
+    if s.endswith(_QUESTION) or (len(s) < 8 and len(s.split()) < 3):  # CJK: few spaces, many characters
         return False
     if _FACT_CUES.search(s) or _REMEMBER.search(s):
         return True

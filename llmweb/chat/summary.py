@@ -22,6 +22,7 @@ it is the summary's cutter; the planner (chat/context.py) uses it too.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable, Sequence
 
@@ -47,7 +48,13 @@ def cap_text(text: str, max_tokens: int, count: Callable[[str], int]) -> str:
     if max_tokens <= 0:
         return ""
     ends = [m.end() for m in _WORD.finditer(text)]
-    lo, hi = 0, len(ends)  # binary search: the most whole words whose prefix fits
+    # The most whole words whose prefix fits: gallop from the start (1, 2, 4... words), then binary
+    # search in the last step, so the counts cost about the kept prefix, not the text's length
+    # times its log (a long paste is cut to a short summary).
+    lo, hi = 0, 1
+    while hi < len(ends) and count(text[: ends[hi - 1]]) <= max_tokens:
+        lo, hi = hi, 2 * hi
+    hi = min(hi, len(ends))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if count(text[: ends[mid - 1]]) <= max_tokens:
@@ -151,7 +158,7 @@ _HERE_IS = re.compile(r"^here(?:'s| is| are)\b[^:\n]{0,60}:\s*", re.I)
 _LABEL = re.compile(r"^[*_]*(?:updated |rolling |new |running )?summary[*_]*\s*:[*_]*\s*", re.I)
 _CHATTER_START = r"(?:let me know|i hope|hope this|feel free|is there anything|if you (?:need|have|want|would))"
 _CHATTER = re.compile("^" + _CHATTER_START, re.I)
-_TRAILING_CHATTER = re.compile(r"(?:^|(?<=[.!?]))\s*" + _CHATTER_START + r"[^.!?]*[.!?]*\s*$", re.I)  # last sentence
+_MARK = re.compile(r"[.!?]")
 _LINE_MARKUP = re.compile(r"^\s*(?:#+\s+|[-*\u2022]\s+|\d+[.)]\s+)")
 
 
@@ -163,8 +170,12 @@ def clean_summary(text: str, max_tokens: int, fmt: ChatFormat) -> str:
     sentences; then cuts at a sentence boundary to fit (see `cap_text`).
     """
     lines = [ln.strip() for ln in text.strip().splitlines()]
-    while lines and (not lines[0] or lines[0].startswith("#") or _PREAMBLE_LINE.match(lines[0])):
-        lines.pop(0)
+    first = 0  # an index, not pop(0): that moved every later line, per line dropped
+    while first < len(lines) and (
+        not lines[first] or lines[first].startswith("#") or _PREAMBLE_LINE.match(lines[first])
+    ):
+        first += 1
+    lines = lines[first:]
     while lines and (not lines[-1] or _CHATTER.match(lines[-1])):
         lines.pop()
     sentences = []
@@ -180,9 +191,27 @@ def clean_summary(text: str, max_tokens: int, fmt: ChatFormat) -> str:
             line += "."
         sentences.append(line)
     joined = " ".join(" ".join(sentences).split())
-    while True:
-        shorter = _TRAILING_CHATTER.sub("", joined)
-        if shorter == joined:
+    return cap_text(_drop_trailing_chatter(joined), max_tokens, fmt.count)
+
+
+def _drop_trailing_chatter(text: str) -> str:
+    """`text` without its last sentences while they are chatter ("Let me know if...", "I hope this helps.").
+
+    A sentence starts at the text's start or after one of . ! ?; the last one is chatter when, after
+    whitespace, it starts with `_CHATTER_START` and has no . ! ? before its closing marks (then only
+    whitespace). One pass from the end over the marks' positions: linear, where substituting
+    `_TRAILING_CHATTER` until nothing changed rescanned the whole text once per sentence dropped.
+    """
+    marks = [m.start() for m in _MARK.finditer(text)]
+    end = len(text)
+    while end:
+        body = end
+        while body and text[body - 1].isspace():
+            body -= 1
+        while body and text[body - 1] in ".!?":
+            body -= 1
+        start = marks[bisect.bisect_left(marks, body) - 1] + 1 if body and marks and marks[0] < body else 0
+        if not _CHATTER.match(text[start:end].lstrip()):
             break
-        joined = shorter
-    return cap_text(joined, max_tokens, fmt.count)
+        end = start
+    return text[:end]

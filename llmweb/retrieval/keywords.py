@@ -79,10 +79,15 @@ class Term:
 def content_words(query: str) -> list[str]:
     """The query's distinct words that are not function words, lower-cased, in order, at most MAX_QUERY_TERMS."""
     out: list[str] = []
-    for word in _TOKEN.findall(query.lower()):
-        if word in STOPWORDS or word in out or (len(word) < 2 and not word.isdigit()):
+    seen: set[str] = set()
+    # word by word: a long message stops at the last term it needs (lower-cased first: lowering can
+    # change where words split, "İ" becomes "i" and a combining dot)
+    for m in _TOKEN.finditer(query.lower()):
+        word = m.group()
+        if word in STOPWORDS or word in seen or (len(word) < 2 and not word.isdigit()):
             continue
         out.append(word)
+        seen.add(word)
         if len(out) == MAX_QUERY_TERMS:
             break
     return out

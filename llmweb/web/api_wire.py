@@ -143,6 +143,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         where = f"{e.msg} at line {e.lineno} column {e.colno}"
         raise bad(f"The request body is not valid JSON: {where}.", code="invalid_json") from None
+    except RecursionError:  # "[[[[..." deeper than the interpreter's recursion limit
+        raise bad("The request body nests JSON arrays or objects too deeply.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("The request body must be a JSON object.", code="invalid_json")
     return body
