@@ -32,6 +32,16 @@ from llmweb.records import Chunk
 SUPPORTED_SUFFIXES = (".txt", ".md", ".markdown", ".pdf", ".html", ".htm", ".docx")
 MB = 1024 * 1024
 MAX_NAME_CHARS = 200
+MAX_PATH_CHARS = 4096  # a name given with its folders (Linux's PATH_MAX); longer is refused before it is read
+# Limits on what a file may unpack to, checked while it is read, whatever its size on disk (a small
+# file can be a bomb: a .docx is a zip, PDF pages are compressed streams, HTML can nest without end).
+MAX_TEXT_CHARS = 20_000_000  # extracted text of one document (about 4,000 pages of prose)
+MAX_PDF_PAGES = 5_000
+MAX_DOCX_UNPACKED_BYTES = 100 * MB  # the sum of the zip's members' uncompressed sizes
+MAX_DOCX_MEMBERS = 5_000
+MAX_DOCX_ROW_CELLS = 1_000  # grid cells in one table row, spans counted (Word itself stops at 63 columns)
+MAX_HTML_BYTES = 50 * MB
+MAX_HTML_DEPTH = 5_000  # elements inside elements (unclosed <p> and <li> nest too, in html.parser)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +74,7 @@ def safe_name(name: str) -> str:
     "../../etc/passwd" -> "passwd", "/tmp/x.txt" -> "x.txt", "C:\\Users\\me\\a.md" -> "a.md".
     Raises InputError when nothing usable is left (e.g. "", "..", "/").
     """
+    _check_path_length(name)
     base = re.split(r"[\\/]", str(name))[-1]
     base = re.sub(r"^[A-Za-z]:", "", base)  # a Windows drive prefix such as "C:file.txt"
     base = "".join(ch for ch in base if ch.isprintable()).strip()
@@ -78,6 +89,7 @@ def safe_name(name: str) -> str:
 
 def display_name(name: str) -> str:
     """Like `safe_name`, but keeps a relative path ("notes/2024/a.md") minus "..", "." and roots."""
+    _check_path_length(name)
     parts = [
         p
         for p in re.split(r"[\\/]", str(name))
@@ -86,6 +98,11 @@ def display_name(name: str) -> str:
     if not parts:
         raise InputError(f"The file name {name!r} has no usable name part; rename the file and try again.")
     return "/".join(safe_name(p) for p in parts)
+
+
+def _check_path_length(name: str) -> None:
+    if len(str(name)) > MAX_PATH_CHARS:
+        raise InputError(f"A file name is {len(str(name)):,} characters long; the limit is {MAX_PATH_CHARS:,}.")
 
 
 def hash_bytes(data: bytes) -> str:
@@ -205,7 +222,7 @@ def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
                 opened = False
             if not opened:
                 raise InputError(f"{name} is password-protected (encrypted); remove the password and upload it again.")
-        pages = [page.extract_text() or "" for page in reader.pages]
+        pages = _pdf_pages(reader, name)
     except InputError:
         raise
     except FileNotDecryptedError:
@@ -232,30 +249,108 @@ def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
     return "".join(parts), sections
 
 
+def _pdf_pages(reader, name: str) -> list[str]:
+    """Each page's text; refused past MAX_PDF_PAGES pages or MAX_TEXT_CHARS characters in all."""
+    if len(reader.pages) > MAX_PDF_PAGES:
+        raise InputError(f"{name} has {len(reader.pages):,} pages; the limit is {MAX_PDF_PAGES:,} pages.")
+    pages, total = [], 0
+    for page in reader.pages:
+        text = page.extract_text() or ""
+        total += len(text)
+        if total > MAX_TEXT_CHARS:
+            raise InputError(f"{name} holds more than {MAX_TEXT_CHARS:,} characters of text; the limit is that.")
+        pages.append(text)
+    return pages
+
+
 # DOCX -----------------------------------------------------------------------
+
+
+def _check_docx_zip(data: bytes, name: str) -> None:
+    """Refuse a .docx whose zip directory declares more than the limits unpack to (a zip bomb).
+
+    zipfile never reads a member past the size its directory declares, so checking the declared
+    sizes caps what python-docx can decompress."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise InputError(f"{name} could not be read as a Word .docx document ({type(e).__name__}).") from None
+    if len(members) > MAX_DOCX_MEMBERS:
+        raise InputError(f"{name} holds {len(members):,} files inside; the limit is {MAX_DOCX_MEMBERS:,}.")
+    unpacked = sum(m.file_size for m in members)
+    if unpacked > MAX_DOCX_UNPACKED_BYTES:
+        raise InputError(
+            f"{name} unpacks to {unpacked / MB:,.0f} MB; the limit is {MAX_DOCX_UNPACKED_BYTES // MB} MB "
+            "(a compressed bomb?)."
+        )
 
 
 def _parse_docx(data: bytes, name: str) -> tuple[str, list[Section]]:
     import docx
     from docx.table import Table
 
+    _check_docx_zip(data, name)
     try:
         document = docx.Document(io.BytesIO(data))
         blocks: list[tuple[str, bool]] = []  # (text, is_heading)
+        styles: dict[str | None, str] = {}  # style id -> name: python-docx scans every style per lookup
         for item in document.iter_inner_content():
             if isinstance(item, Table):
-                for row in item.rows:
-                    cells = [c.text.strip() for c in row.cells]
-                    line = " | ".join(c for c in cells if c)
+                for line in _table_lines(item, name):
                     if line:
                         blocks.append((line, False))
             else:
-                style = (item.style.name if item.style is not None else "") or ""
+                style_id = item._p.style
+                if style_id not in styles:
+                    styles[style_id] = (item.style.name if item.style is not None else "") or ""
+                style = styles[style_id]
                 is_heading = style.startswith("Heading") or style == "Title"
                 blocks.append((item.text, is_heading))
+    except InputError:
+        raise
     except Exception as e:  # python-docx / zipfile / lxml raise many types on damaged files
         raise InputError(f"{name} could not be read as a Word .docx document ({type(e).__name__}).") from None
+    _check_text_size(name, sum(len(t) for t, _ in blocks))
     return _join_blocks(blocks)
+
+
+def _table_lines(table: Any, name: str) -> list[str]:
+    """Each row's non-empty cell texts joined with " | ", as python-docx's `row.cells` gives them: a
+    cell spanning n grid columns n times, a vertically merged cell (vMerge "continue") as the cell
+    above it at the same grid offset. In one pass over the rows, where `row.cells` looked each merged
+    cell up row by row (quadratic in a tall merge) and repeated a cell `gridSpan` times whatever the
+    number (a row is refused past MAX_DOCX_ROW_CELLS)."""
+    from docx.table import _Cell
+
+    lines = []
+    above: dict[int, tuple[str, int]] = {}  # grid offset -> (text, copies) of the row above's cells
+    for tr in table._tbl.tr_lst:
+        here: dict[int, tuple[str, int]] = {}
+        cells: list[str] = []
+        offset = tr.grid_before
+        for tc in tr.tc_lst:
+            if tc.vMerge == "continue":
+                if offset not in above:
+                    raise ValueError("a merged cell with no cell above it")
+                text, copies = above[offset]
+            else:
+                text, copies = _Cell(tc, table).text.strip(), tc.grid_span
+            if len(cells) + copies > MAX_DOCX_ROW_CELLS:
+                raise InputError(f"{name} has a table row over {MAX_DOCX_ROW_CELLS:,} cells wide; the limit is that.")
+            here[offset] = (text, copies)
+            cells.extend([text] * copies)
+            offset += tc.grid_span
+        above = here
+        lines.append(" | ".join(c for c in cells if c))
+    return lines
+
+
+def _check_text_size(name: str, chars: int) -> None:
+    if chars > MAX_TEXT_CHARS:
+        raise InputError(f"{name} holds {chars:,} characters of text; the limit is {MAX_TEXT_CHARS:,}.")
 
 
 # HTML -----------------------------------------------------------------------
@@ -299,8 +394,9 @@ _SKIP = {"script", "style", "noscript", "template", "head", "svg", "iframe", "ob
 
 def _parse_html(data: bytes, name: str) -> tuple[str, list[Section]]:
     from bs4 import BeautifulSoup
-    from bs4.element import NavigableString, PreformattedString
 
+    if len(data) > MAX_HTML_BYTES:
+        raise InputError(f"{name} is {len(data) / MB:.1f} MB of HTML; the limit is {MAX_HTML_BYTES // MB} MB.")
     if b"\x00" in data and not data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         raise InputError(f"{name} looks like a binary file, not HTML; was it renamed?")
     try:
@@ -310,7 +406,21 @@ def _parse_html(data: bytes, name: str) -> tuple[str, list[Section]]:
     title = soup.title.get_text(" ", strip=True) if soup.title else None
     for br in soup.find_all("br"):
         br.replace_with("\n")
-    # Group consecutive strings by their nearest block element, in document order.
+    blocks = _html_blocks(soup, name)
+    _check_text_size(name, sum(len(t) for t, _ in blocks))
+    return _join_blocks(blocks, first_heading=title)
+
+
+def _html_blocks(soup: Any, name: str) -> list[tuple[str, bool]]:
+    """The strings of the page grouped by their nearest block element, in document order, as
+    (text, is_heading): text inside a heading is a heading block, inside <pre> keeps its lines.
+
+    One walk down the tree that carries each element's context (nearest block, inside a heading, a
+    <pre>) to its children: linear, where asking each string for its ancestors cost the depth per
+    string (quadratic in nesting). Elements in _SKIP are not entered; past MAX_HTML_DEPTH levels the
+    page is refused."""
+    from bs4.element import NavigableString, PreformattedString, Tag
+
     blocks: list[tuple[str, bool]] = []
     current: Any = None
     pieces: list[str] = []
@@ -323,22 +433,37 @@ def _parse_html(data: bytes, name: str) -> tuple[str, list[Section]]:
             text = raw.strip("\n") if current_pre else re.sub(r"\s+", " ", raw).strip()
             blocks.append((text, current_is_heading))
 
-    for s in soup.find_all(string=True):
-        if not isinstance(s, NavigableString) or isinstance(s, PreformattedString):
-            continue  # comments, doctype, CDATA, processing instructions
-        parents = list(s.parents)
-        if any(p.name in _SKIP for p in parents):
-            continue
-        block = next((p for p in parents if p.name in _BLOCKS), None)
-        if block is not current:
-            flush()
-            pieces = []
-            current = block
-            current_is_heading = any(p.name in _HEADINGS for p in parents)
-            current_pre = any(p.name == "pre" for p in parents)
-        pieces.append(str(s))
+    # each level: (its children, nearest block element, inside a heading, inside <pre>)
+    stack: list[tuple[Any, Any, bool, bool]] = [(iter(soup.contents), None, False, False)]
+    while stack:
+        children, block, heading, pre = stack[-1]
+        node = next(children, None)
+        if node is None:
+            stack.pop()
+        elif isinstance(node, Tag):
+            if node.name in _SKIP:
+                continue
+            if len(stack) > MAX_HTML_DEPTH:
+                raise InputError(
+                    f"{name} nests HTML elements more than {MAX_HTML_DEPTH:,} levels deep; the limit is that."
+                )
+            stack.append(
+                (
+                    iter(node.contents),
+                    node if node.name in _BLOCKS else block,
+                    heading or node.name in _HEADINGS,
+                    pre or node.name == "pre",
+                )
+            )
+        elif isinstance(node, NavigableString) and not isinstance(node, PreformattedString):
+            # not comments, doctype, CDATA, processing instructions
+            if block is not current:
+                flush()
+                pieces = []
+                current, current_is_heading, current_pre = block, heading, pre
+            pieces.append(str(node))
     flush()
-    return _join_blocks(blocks, first_heading=title)
+    return blocks
 
 
 def _join_blocks(blocks: Sequence[tuple[str, bool]], first_heading: str | None = None) -> tuple[str, list[Section]]:
@@ -366,7 +491,7 @@ def _join_blocks(blocks: Sequence[tuple[str, bool]], first_heading: str | None =
 
 # Markdown -------------------------------------------------------------------
 
-_ATX = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$")
+_ATX_OPEN = re.compile(r" {0,3}(#{1,6})[ \t]+")
 _SETEXT = re.compile(r"^ {0,3}(=+|-+)[ \t]*$")
 _FENCE = re.compile(r"^ {0,3}(```|~~~)")
 
@@ -380,10 +505,10 @@ def _markdown_sections(text: str) -> list[Section]:
         if _FENCE.match(line):
             fenced = not fenced
         elif not fenced:
-            m = _ATX.match(line)
+            atx = _atx_heading(line)
             nxt = lines[i + 1] if i + 1 < len(lines) else ""
-            if m:
-                starts.append((pos, m.group(2)))
+            if atx is not None:
+                starts.append((pos, atx))
             elif (
                 line.strip() and _SETEXT.match(nxt) and not _SETEXT.match(line) and (i == 0 or not lines[i - 1].strip())
             ):
@@ -397,6 +522,23 @@ def _markdown_sections(text: str) -> list[Section]:
         prev, heading = start, _clean_heading(title)
     sections.append(Section(prev, len(text), heading=heading))
     return sections
+
+
+def _atx_heading(line: str) -> str | None:
+    """The text of an ATX heading line ("## Title ##" -> "Title"), or None for another line.
+
+    What `^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$` captured, by plain scanning: the lazy group
+    against the trailing blanks and closing hashes retried every split of a line of spaces (cubic).
+    The text is what is left once the longest run of blanks, hashes, blanks is cut from the end,
+    and at least one character."""
+    m = _ATX_OPEN.match(line)
+    if m is None:
+        return None
+    rest = line[m.end() :]
+    if rest:
+        return rest[: max(1, len(rest.rstrip(" \t").rstrip("#").rstrip(" \t")))]
+    # only blanks after the hashes: the text is their last one, when there are two or more
+    return line[-1] if m.end() - m.end(1) >= 2 else None
 
 
 def _clean_heading(text: str) -> str:

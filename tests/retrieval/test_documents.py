@@ -12,6 +12,7 @@ import pytest
 
 from llmweb.errors import InputError
 from llmweb.retrieval.documents import (
+    MB,
     SUPPORTED_SUFFIXES,
     chunk_document,
     count_tokens,
@@ -28,7 +29,7 @@ MAX = 254  # all-MiniLM-L6-v2: max_seq_length 256 less [CLS] and [SEP]
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from llmweb.retrieval.index import default_embedder_path
+    from llmweb.retrieval.embedder import default_embedder_path
 
     return AutoTokenizer.from_pretrained(default_embedder_path())
 
@@ -317,3 +318,120 @@ def test_load_document_sanitises_display_name(tmp_path):
     path = tmp_path / "a.txt"
     path.write_text("hello")
     assert load_document(path, "../../../etc/a.txt").name == "etc/a.txt"
+
+
+# --------------------------------------------------------------------------- limits on what a file unpacks to
+
+
+def _zip(members: dict[str, bytes]) -> bytes:
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def test_docx_zip_bomb_is_refused_from_its_directory(monkeypatch):
+    from llmweb.retrieval import documents
+
+    monkeypatch.setattr(documents, "MAX_DOCX_UNPACKED_BYTES", 1 * MB)
+    bomb = _zip({"word/document.xml": b"\0" * (2 * MB)})  # ~2 kB on disk
+    assert len(bomb) < 10_000
+    with pytest.raises(InputError) as err:
+        parse_document(bomb, "bomb.docx")
+    assert str(err.value) == "bomb.docx unpacks to 2 MB; the limit is 1 MB (a compressed bomb?)."
+
+
+def test_docx_with_too_many_members_is_refused(monkeypatch):
+    from llmweb.retrieval import documents
+
+    monkeypatch.setattr(documents, "MAX_DOCX_MEMBERS", 10)
+    with pytest.raises(InputError, match=r"many.docx holds 11 files inside; the limit is 10\."):
+        parse_document(_zip({f"f{i}": b"x" for i in range(11)}), "many.docx")
+
+
+def test_docx_table_row_wider_than_the_limit_is_refused():
+    """gridSpan is a number in the file: python-docx's row.cells repeated a cell that many times."""
+    import zipfile
+
+    data = make_docx()
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        xml = z.read("word/document.xml").decode()
+    xml = xml.replace("<w:tc>", '<w:tc><w:tcPr><w:gridSpan w:val="2000000000"/></w:tcPr>', 1)
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        members = {i.filename: (xml.encode() if i.filename == "word/document.xml" else z.read(i)) for i in z.infolist()}
+    with pytest.raises(InputError, match=r"wide.docx has a table row over 1,000 cells wide"):
+        parse_document(_zip(members), "wide.docx")
+
+
+def test_docx_merged_cells_read_as_python_docx_reads_them():
+    import docx
+
+    d = docx.Document()
+    table = d.add_table(rows=3, cols=3)
+    for r in range(3):
+        for c in range(3):
+            table.cell(r, c).text = f"r{r}c{c}"
+    table.cell(0, 0).merge(table.cell(2, 0))  # one tall cell
+    table.cell(0, 1).merge(table.cell(0, 2))  # one wide cell
+    buf = io.BytesIO()
+    d.save(buf)
+    expected = [" | ".join(t for t in (c.text.strip() for c in row.cells) if t) for row in table.rows]
+    doc = parse_document(buf.getvalue(), "merged.docx")
+    assert doc.text.split("\n\n") == expected
+
+
+def test_pdf_page_and_text_limits(monkeypatch):
+    from llmweb.retrieval import documents
+
+    monkeypatch.setattr(documents, "MAX_PDF_PAGES", 2)
+    with pytest.raises(InputError, match=r"long.pdf has 3 pages; the limit is 2 pages\."):
+        parse_document(make_pdf(["one", "two", "three"]), "long.pdf")
+    monkeypatch.setattr(documents, "MAX_PDF_PAGES", 10)
+    monkeypatch.setattr(documents, "MAX_TEXT_CHARS", 10)
+    with pytest.raises(InputError, match=r"wordy.pdf holds more than 10 characters of text"):
+        parse_document(make_pdf(["a few words", "and more words"]), "wordy.pdf")
+
+
+def test_html_size_and_depth_limits(monkeypatch):
+    from llmweb.retrieval import documents
+
+    deep = b"<div>" * (documents.MAX_HTML_DEPTH + 1) + b"x"
+    with pytest.raises(InputError, match=r"deep.html nests HTML elements more than 5,000 levels deep"):
+        parse_document(deep, "deep.html")
+    ok = b"<div>" * 3000 + b"<h1>Title</h1><p>text</p>" + b"</div>" * 3000
+    assert parse_document(ok, "ok.html").text == "Title\n\ntext"
+    monkeypatch.setattr(documents, "MAX_HTML_BYTES", 1000)
+    with pytest.raises(InputError, match=r"big.html is 0.0 MB of HTML; the limit is 0 MB"):
+        parse_document(b"<p>x</p>" * 200, "big.html")
+
+
+def test_html_walk_keeps_blocks_headings_and_pre():
+    html = (
+        b"<html><head><title>T</title><style>p{}</style></head><body>"
+        b"<h2>Head <b>bold</b></h2><div>one <span>two</span><p>three</p> four</div>"
+        b"<pre>  a\n  b</pre><script>x()</script><!-- note --></body></html>"
+    )
+    doc = parse_document(html, "page.html")
+    assert doc.text == "Head bold\n\none two\n\nthree\n\nfour\n\na\n  b"  # blocks are stripped
+    assert [s.heading for s in doc.sections] == ["Head bold"]
+
+
+def test_markdown_atx_headings_by_scanning():
+    text = "# One #\n\nbody\n\n##   Two  ##  \n\ntext\n\n####### not a heading\n\n#    \n\nend\n"
+    doc = parse_document(text.encode(), "h.md")
+    # "#" and blanks only: the old regex gave the heading one of the blanks; cleaned, it is ""
+    assert [s.heading for s in doc.sections] == ["One", "Two", ""]
+    started = [doc.text[s.start :].split("\n")[0] for s in doc.sections]
+    assert started == ["# One #", "##   Two  ##  ", "#    "]
+
+
+def test_very_long_names_are_refused():
+    from llmweb.retrieval.documents import MAX_PATH_CHARS
+
+    with pytest.raises(InputError, match=r"A file name is 4,100 characters long; the limit is 4,096\."):
+        display_name("a/" * 2048 + "b.md")
+    assert MAX_PATH_CHARS == 4096
+    assert safe_name("x" * 300 + ".md") == "x" * 197 + ".md"  # long, not refused: cut to MAX_NAME_CHARS
