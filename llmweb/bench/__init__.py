@@ -1,5 +1,5 @@
-"""Benchmarks, apart from the product: `python -m llmweb bench [all|ttft|retrieval|quant|fidelity|concurrency]`
-and `capacity`.
+"""Benchmarks, apart from the product: `python -m llmweb bench
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile]` and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
 
@@ -16,6 +16,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 prompt lengths 32/512/1536, with the per-step time breakdown
   concurrency.py `bench concurrency`: 1, 2, 4, 8 chats at once, batched vs serial engine: aggregate and
                 per-request tok/s, TTFT p50/p95, peak memory
+  hostile.py    `bench hostile`: each text function on pathological inputs at 1x and 16x their size; the
+                ratio of the times (linear ~16, quadratic ~256; at most 25). No model.
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
 
 The contract: a benchmark changes engine settings only through public configuration (a Runtime
@@ -32,13 +34,15 @@ import sys
 
 from llmweb.errors import ConfigError
 
-BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency", "decode"]
+BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency", "decode", "hostile"]
 
 
 def register(sub) -> None:
     """Add the `bench` and `capacity` commands to the CLI's subparsers."""
     b = sub.add_parser(
-        "bench", help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode"
+        "bench",
+        help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
+        "| hostile",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -117,83 +121,121 @@ def _print(result: dict, as_json: bool, markdown) -> None:
 
 
 def bench_command(args) -> int:
+    """Run the benchmark `args.which` names and print its result (a table, or JSON with --json)."""
+    run = {
+        "all": _bench_suite,
+        "retrieval": _bench_retrieval,
+        "fidelity": _bench_fidelity,
+        "concurrency": _bench_concurrency,
+        "decode": _bench_decode,
+        "quant": _bench_quant,
+        "ttft": _bench_ttft,
+        "hostile": _bench_hostile,
+    }.get(args.which)
+    assert run is not None, f"unknown benchmark {args.which!r}"
+    return run(args)
+
+
+def _bench_suite(args) -> int:
     from llmweb.config import Settings
 
-    if args.which == "all":
-        from . import suite
-        from .common import write_reports
+    from . import suite
+    from .common import write_reports
 
-        settings = Settings.from_env()
-        result = suite.run(
-            settings,
-            turns=args.turns,
-            ttft_new_tokens=args.max_new_tokens or 32,
-            chunks=args.chunks or 2000,
-            replay_turns=args.replay_turns,
-            warmup_turns=args.warmup_turns,
-            replay_context=args.replay_context,
-            replay_new_tokens=args.replay_new_tokens,
-            overhead_tokens=args.overhead_tokens,
-            overhead_repeats=args.repeats,
-            progress=_stderr,
-        )
-        md = suite.markdown(result)
-        paths = write_reports(result, md, settings.data_dir)
-        if args.json:
-            print(json.dumps({**result, "files": {k: str(p) for k, p in paths.items()}}, indent=2))
-        else:
-            print(md)
-            for kind, p in paths.items():
-                print(f"{kind}: {p}")
-        return 0
-    if args.which == "retrieval":
-        from . import retrieval
+    settings = Settings.from_env()
+    result = suite.run(
+        settings,
+        turns=args.turns,
+        ttft_new_tokens=args.max_new_tokens or 32,
+        chunks=args.chunks or 2000,
+        replay_turns=args.replay_turns,
+        warmup_turns=args.warmup_turns,
+        replay_context=args.replay_context,
+        replay_new_tokens=args.replay_new_tokens,
+        overhead_tokens=args.overhead_tokens,
+        overhead_repeats=args.repeats,
+        progress=_stderr,
+    )
+    md = suite.markdown(result)
+    paths = write_reports(result, md, settings.data_dir)
+    if args.json:
+        print(json.dumps({**result, "files": {k: str(p) for k, p in paths.items()}}, indent=2))
+    else:
+        print(md)
+        for kind, p in paths.items():
+            print(f"{kind}: {p}")
+    return 0
 
-        result = retrieval.run(Settings.from_env(), n_chunks=args.chunks or 10_000, quality=True)
-        _print(result, args.json, retrieval.markdown)
-        return 0
-    if args.which == "fidelity":
-        from . import fidelity
 
-        # a small context by default, so the planted facts leave the window within the run
-        settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 32)
-        if not settings.context_limit:
-            settings = settings.replace(context_limit=512)
-        result = fidelity.run(settings, fillers_between=args.fillers, checkpoints=args.checkpoints, progress=_stderr)
-        _print(result, args.json, fidelity.markdown)
-        return 0
-    if args.which == "concurrency":
-        from . import concurrency
+def _bench_retrieval(args) -> int:
+    from llmweb.config import Settings
 
-        result = concurrency.run(
-            Settings.from_env(),
-            parse_ints(args.concurrency),
-            max_new_tokens=args.max_new_tokens or 128,
-            max_batch=args.max_batch,
-            progress=_stderr,
-        )
-        _print(result, args.json, concurrency.markdown)
-        return 0
-    if args.which == "decode":
-        from . import decode
+    from . import retrieval
 
-        result = decode.run(
-            Settings.from_env(),
-            parse_ints(args.prompts),
-            new_tokens=args.max_new_tokens or 64,
-            repeats=args.repeats,
-            progress=_stderr,
-        )
-        _print(result, args.json, decode.markdown)
-        return 0
-    if args.which == "quant":
-        from . import quant
+    result = retrieval.run(Settings.from_env(), n_chunks=args.chunks or 10_000, quality=True)
+    _print(result, args.json, retrieval.markdown)
+    return 0
 
-        _print(quant.run(Settings.from_env()), args.json, quant.markdown)
-        return 0
-    assert args.which == "ttft", f"unknown benchmark {args.which!r}"
+
+def _bench_fidelity(args) -> int:
+    from llmweb.config import Settings
+
+    from . import fidelity
+
+    # a small context by default, so the planted facts leave the window within the run
+    settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 32)
+    if not settings.context_limit:
+        settings = settings.replace(context_limit=512)
+    result = fidelity.run(settings, fillers_between=args.fillers, checkpoints=args.checkpoints, progress=_stderr)
+    _print(result, args.json, fidelity.markdown)
+    return 0
+
+
+def _bench_concurrency(args) -> int:
+    from llmweb.config import Settings
+
+    from . import concurrency
+
+    result = concurrency.run(
+        Settings.from_env(),
+        parse_ints(args.concurrency),
+        max_new_tokens=args.max_new_tokens or 128,
+        max_batch=args.max_batch,
+        progress=_stderr,
+    )
+    _print(result, args.json, concurrency.markdown)
+    return 0
+
+
+def _bench_decode(args) -> int:
+    from llmweb.config import Settings
+
+    from . import decode
+
+    result = decode.run(
+        Settings.from_env(),
+        parse_ints(args.prompts),
+        new_tokens=args.max_new_tokens or 64,
+        repeats=args.repeats,
+        progress=_stderr,
+    )
+    _print(result, args.json, decode.markdown)
+    return 0
+
+
+def _bench_quant(args) -> int:
+    from llmweb.config import Settings
+
+    from . import quant
+
+    _print(quant.run(Settings.from_env()), args.json, quant.markdown)
+    return 0
+
+
+def _bench_ttft(args) -> int:
     import tempfile
 
+    from llmweb.config import Settings
     from llmweb.engine import models
 
     from . import ttft
@@ -207,6 +249,15 @@ def bench_command(args) -> int:
         )
     _print(result, args.json, ttft.markdown)
     return 0
+
+
+def _bench_hostile(args) -> int:
+    """Exit status 1 when a ratio is over the limit: a text function grew faster than linearly."""
+    from . import hostile
+
+    result = hostile.run(progress=_stderr)
+    _print(result, args.json, hostile.markdown)
+    return 0 if result["all_linear"] else 1
 
 
 def capacity_command(args) -> int:

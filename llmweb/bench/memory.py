@@ -13,6 +13,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from llmweb.engine.telemetry import live_tensors, private_bytes, release_memory
 from llmweb.records import LOCAL_OWNER as LOCAL
@@ -45,7 +46,6 @@ def run(
 
     `settings.data_dir` should be a scratch folder: the chat is stored there (and deleted after).
     """
-    from llmweb.chat.session import Finished
     from llmweb.runtime import Runtime
 
     s = settings.replace(
@@ -55,70 +55,97 @@ def run(
         summary_tokens=min(settings.summary_tokens, 48),
     )
     runtime = Runtime(s, loaded=loaded).start(background=False)
-    device = loaded.device
-    texts = scripted_turns(warmup + turns + FOLD_WAIT)
-    series: list[dict] = []
-    ends: dict[str, dict] = {}
-    start_turn, folded = None, False
     t0 = time.perf_counter()
     try:
         chat = runtime.wait_ready()
-        conv = runtime.store.create_conversation(LOCAL, "bench memory replay")
-
-        def endpoint() -> dict:
-            release_memory(device)
-            tensors, in_caches = live_tensors()
-            return {
-                "mem_bytes": private_bytes(device)[0],
-                "kv_store_bytes": chat.engine.kv.total_bytes,
-                "tensors": tensors,
-                "tensors_in_kv": in_caches,
-                "tensors_outside_kv": tensors - in_caches,
-            }
-
-        for i, text in enumerate(texts):
-            # Measure from the end of the warm-up, but not before the first fold: folding loads
-            # one-off things (the recall index and its embedder) that are not a leak.
-            if start_turn is None and i >= warmup and (folded or i >= warmup + FOLD_WAIT):
-                ends["start"], start_turn = endpoint(), i
-            if start_turn is not None and i - start_turn >= turns:
-                break
-            for ev in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True):
-                if isinstance(ev, Finished):
-                    folded = folded or ev.stats.summarized_turns > 0
-                    series.append(
-                        {
-                            "turn": i + 1,
-                            "mem_bytes": private_bytes(device)[0],
-                            "kv_store_bytes": chat.engine.kv.total_bytes,
-                            "summarized_turns": ev.stats.summarized_turns,
-                            "prompt_tokens": ev.stats.gen.prompt_tokens,
-                        }
-                    )
-            if (i + 1) % 50 == 0:
-                progress(f"memory replay: turn {i + 1}")
-        if start_turn is None:
-            ends["start"], start_turn = endpoint(), len(series)
-        ends["end"] = endpoint()
-        chat.delete(LOCAL, conv)
+        replay = _replay(chat, runtime.store, loaded.device, turns, warmup, progress)
     finally:
         runtime.close()
-    a, b = ends["start"], ends["end"]
+    return {
+        "turns": len(replay.series[replay.start_turn :]),
+        "warmup_turns": replay.start_turn,
+        "context_limit": chat.budget.context_limit,
+        "max_new_tokens": chat.budget.max_new_tokens,
+        "summary_tokens": s.summary_tokens,
+        "measure": private_bytes(loaded.device)[1]
+        + (" (after gc + malloc_trim at both ends)" if loaded.on_cpu else ""),
+        **_growth(replay),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+@dataclass
+class _Replay:
+    """What a replay recorded: per-turn figures, and the two endpoints' snapshots."""
+
+    series: list[dict] = field(default_factory=list)  # one row per turn
+    ends: dict[str, dict] = field(default_factory=dict)  # "start" (after the warm-up), "end"
+    start_turn: int = 0  # the index in `series` where measuring began
+
+
+def _endpoint(chat, device) -> dict:
+    """Memory, the KV store's bytes and live tensors, after gc and releasing cached memory."""
+    release_memory(device)
+    tensors, in_caches = live_tensors()
+    return {
+        "mem_bytes": private_bytes(device)[0],
+        "kv_store_bytes": chat.engine.kv.total_bytes,
+        "tensors": tensors,
+        "tensors_in_kv": in_caches,
+        "tensors_outside_kv": tensors - in_caches,
+    }
+
+
+def _replay(chat, store, device, turns: int, warmup: int, progress: Callable[[str], None]) -> _Replay:
+    """The scripted chat: warm up (and wait for the first fold), then `turns` measured turns."""
+    from llmweb.chat.session import Finished
+
+    texts = scripted_turns(warmup + turns + FOLD_WAIT)
+    replay = _Replay()
+    start_turn: int | None = None
+    folded = False
+    conv = store.create_conversation(LOCAL, "bench memory replay")
+    for i, text in enumerate(texts):
+        # Measure from the end of the warm-up, but not before the first fold: folding loads
+        # one-off things (the recall index and its embedder) that are not a leak.
+        if start_turn is None and i >= warmup and (folded or i >= warmup + FOLD_WAIT):
+            replay.ends["start"], start_turn = _endpoint(chat, device), i
+        if start_turn is not None and i - start_turn >= turns:
+            break
+        for ev in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True):
+            if isinstance(ev, Finished):
+                folded = folded or ev.stats.summarized_turns > 0
+                replay.series.append(
+                    {
+                        "turn": i + 1,
+                        "mem_bytes": private_bytes(device)[0],
+                        "kv_store_bytes": chat.engine.kv.total_bytes,
+                        "summarized_turns": ev.stats.summarized_turns,
+                        "prompt_tokens": ev.stats.gen.prompt_tokens,
+                    }
+                )
+        if (i + 1) % 50 == 0:
+            progress(f"memory replay: turn {i + 1}")
+    if start_turn is None:
+        replay.ends["start"], start_turn = _endpoint(chat, device), len(replay.series)
+    replay.ends["end"] = _endpoint(chat, device)
+    replay.start_turn = start_turn
+    chat.delete(LOCAL, conv)
+    return replay
+
+
+def _growth(replay: _Replay) -> dict:
+    """Growth between the endpoints, the KV store's share, the per-turn trend, and the verdict."""
+    a, b = replay.ends["start"], replay.ends["end"]
     growth = b["mem_bytes"] - a["mem_bytes"]
     kv_growth = b["kv_store_bytes"] - a["kv_store_bytes"]
-    measured = series[start_turn:]
+    measured = replay.series[replay.start_turn :]
     xs, ys = [x["turn"] for x in measured], [x["mem_bytes"] - x["kv_store_bytes"] for x in measured]
     half = len(xs) // 2
     slope, slope_first, slope_second = _slope(xs, ys), _slope(xs[:half], ys[:half]), _slope(xs[half:], ys[half:])
     unexplained = growth - kv_growth
     tensor_growth = b["tensors_outside_kv"] - a["tensors_outside_kv"]
     return {
-        "turns": len(measured),
-        "warmup_turns": start_turn,
-        "context_limit": chat.budget.context_limit,
-        "max_new_tokens": chat.budget.max_new_tokens,
-        "summary_tokens": s.summary_tokens,
-        "measure": private_bytes(device)[1] + (" (after gc + malloc_trim at both ends)" if loaded.on_cpu else ""),
         "start": a,
         "end": b,
         "mem_growth_bytes": growth,
@@ -128,12 +155,11 @@ def run(
         "slope_first_half_bytes_per_turn": round(slope_first, 1),
         "slope_second_half_bytes_per_turn": round(slope_second, 1),
         "tensor_growth": tensor_growth,
-        "folded_turns": max((x["summarized_turns"] for x in series), default=0),
+        "folded_turns": max((x["summarized_turns"] for x in replay.series), default=0),
         "mem_min_bytes": min((x["mem_bytes"] for x in measured), default=0),
         "mem_max_bytes": max((x["mem_bytes"] for x in measured), default=0),
         "leak_threshold_bytes": LEAK_THRESHOLD_BYTES,
         "leak_suspected": unexplained > LEAK_THRESHOLD_BYTES or tensor_growth > LEAK_TENSOR_SLACK,
-        "seconds": round(time.perf_counter() - t0, 1),
     }
 
 
