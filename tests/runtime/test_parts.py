@@ -1,0 +1,115 @@
+"""The runtime's jobs apart from the model: the secret file, retention, the status line, the remote
+health watch and sample seeding, each over fakes (no model, milliseconds)."""
+
+from __future__ import annotations
+
+import stat
+import threading
+from types import SimpleNamespace
+
+from llmweb.runtime import Runtime
+from llmweb.runtime.health import RemoteHealth
+from llmweb.runtime.retention import ANON_PREFIXES, Retention
+from llmweb.runtime.samples import SAMPLE_MARKER, seed_sample
+from llmweb.runtime.secret import read_or_create_secret
+from llmweb.runtime.status import StatusLine
+from tests.conftest import make_settings
+
+
+def test_the_secret_is_created_once_private_and_read_back(tmp_path):
+    path = tmp_path / "data" / "secret"
+    first = read_or_create_secret(path)
+    assert len(first) == 64 and int(first, 16) >= 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_or_create_secret(path) == first, "a restart keeps the key, so visitors keep their chats"
+    same = Runtime(make_settings(tmp_path / "data"))
+    try:
+        assert same.secret == first
+    finally:
+        same.close()
+    rt = Runtime(make_settings(tmp_path / "other", secret="from-the-environment"))
+    try:
+        assert rt.secret == "from-the-environment" and not (tmp_path / "other" / "secret").exists()
+    finally:
+        rt.close()
+
+
+class PurgingChat:
+    def __init__(self):
+        self.calls = []
+
+    def purge_idle(self, prefixes, idle_s, now=None):
+        self.calls.append((prefixes, idle_s, now))
+        return 2, 3
+
+
+def test_retention_purges_only_anonymous_owners_and_only_when_on_and_ready(tmp_path):
+    chat = PurgingChat()
+    on = make_settings(tmp_path, anon_retention_days=30)
+    assert Retention(on, lambda: None).purge_idle() == (0, 0), "not ready: nothing"
+    assert (
+        Retention(make_settings(tmp_path, anon_retention_days=0), lambda: chat).purge_idle() == (0, 0)
+        and not chat.calls
+    ), "off"
+    assert Retention(on, lambda: chat).purge_idle(now=5.0) == (2, 3)
+    assert chat.calls == [(ANON_PREFIXES, 30 * 86400, 5.0)] and ANON_PREFIXES == ("anon:", "api:")
+
+
+def test_the_retention_loop_waits_for_ready_and_ends_at_close(tmp_path):
+    chat, ready, closing = PurgingChat(), threading.Event(), threading.Event()
+    Retention(make_settings(tmp_path, anon_retention_days=1), lambda: chat).start(ready, closing)
+    assert not chat.calls
+    ready.set()
+    for _ in range(200):
+        if chat.calls:
+            break
+        threading.Event().wait(0.01)
+    closing.set()
+    assert len(chat.calls) == 1
+
+
+class FakeServer:
+    def __init__(self, why=None):
+        self.why, self.model = why, "fake-model"
+
+    def reachable(self):
+        return self.why
+
+
+def test_the_health_watch_words_the_status_line_up_down_and_answering_badly():
+    status = StatusLine()
+    up = SimpleNamespace(server=FakeServer(), probe=lambda: SimpleNamespace(ids=True))
+    assert RemoteHealth(up, "http://x", status, "started in 1 s", retry_s=5).check()
+    assert (
+        status.text
+        == "Ready: remote engine http://x · model fake-model · reachable · token-id prompts · started in 1 s."
+    )
+    down = SimpleNamespace(server=FakeServer("connection refused"), probe=lambda: None)
+    assert not RemoteHealth(down, "http://x", status, "", retry_s=5).check()
+    assert "not reachable (connection refused); retrying every 5 s" in status.text
+
+    def refuse():
+        raise PermissionError("wrong key")
+
+    bad = SimpleNamespace(server=FakeServer(), probe=refuse)
+    assert not RemoteHealth(bad, "http://x", status, "", retry_s=5).check()
+    assert "not reachable (PermissionError: wrong key)" in status.text
+
+
+def test_the_status_line_shows_progress_and_failures():
+    status = StatusLine()
+    assert status.text == "Starting…"
+    status.progress("Loading…")
+    assert status.text == "Loading…"
+    status.failed("Model failed to load", RuntimeError("no disk"))
+    assert status.text == "Model failed to load: no disk"
+
+
+def test_the_sample_guide_is_seeded_once(tmp_path):
+    ingested, said = [], []
+    library = SimpleNamespace(ingest_shared=lambda paths: ingested.append(paths) or [])
+    settings = make_settings(tmp_path)
+    seed_sample(settings, library, said.append)
+    seed_sample(settings, library, said.append)
+    assert len(ingested) == 1 and said == ["Indexing the sample user guide…"]
+    assert (tmp_path / "index" / SAMPLE_MARKER).is_file()
