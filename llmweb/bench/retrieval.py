@@ -43,8 +43,9 @@ from pathlib import Path
 from llmweb.config import REPO_DIR, SAMPLE_DIR, Settings
 from llmweb.records import Chunk
 from llmweb.retrieval import hybrid
+from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.hybrid import Evidence, Gate
-from llmweb.retrieval.index import Embedder, Index
+from llmweb.retrieval.index import Index
 
 SEED = 1234
 DOCS = 50  # the corpus is split into this many files (or fewer for small runs)

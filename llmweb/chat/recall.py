@@ -108,7 +108,7 @@ class RecallCache:
 
     def forget(self, conv_id: str) -> None:
         """A deleted conversation: its index leaves memory and disk."""
-        from llmweb.retrieval.index import delete_namespace
+        from llmweb.retrieval.storage import delete_namespace
 
         with self._lock:
             self._indexes.pop(conv_id, None)

@@ -37,7 +37,8 @@ from llmweb.errors import ConfigError
 from llmweb.records import Chunk
 
 if TYPE_CHECKING:
-    from llmweb.retrieval.index import Candidates, Embedder, Index
+    from llmweb.retrieval.embedder import Embedder
+    from llmweb.retrieval.index import Candidates, Index
 
 RRF_K = 60  # the usual constant of reciprocal rank fusion (Cormack et al. 2009)
 AGREE_DEPTH = 3  # the rankings "agree" when their top AGREE_DEPTH chunks share one

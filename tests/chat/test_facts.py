@@ -138,7 +138,7 @@ def test_pinning_past_the_facts_budget_is_refused_with_the_numbers(tmp_path, fp3
 
 
 def test_deleting_a_conversation_deletes_its_recall_index(tmp_path, fp32_model):
-    from llmweb.retrieval.index import list_namespaces
+    from llmweb.retrieval.storage import list_namespaces
 
     rt = Runtime(
         make_settings(tmp_path, context_limit=384, max_new_tokens=16, summary_tokens=48, quant="fp32"),

@@ -18,10 +18,12 @@ from llmweb.config import Settings
 from llmweb.errors import ConfigError
 from llmweb.records import Chunk
 from llmweb.retrieval import hybrid
+from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.hybrid import Evidence, Gate
-from llmweb.retrieval.index import MANIFEST, Candidates, Embedder, Index
+from llmweb.retrieval.index import Candidates, Index
 from llmweb.retrieval.keywords import KeywordIndex, content_words
 from llmweb.retrieval.library import Library
+from llmweb.retrieval.storage import MANIFEST
 from tests.cli.test_cli import run_cli
 
 pytestmark = pytest.mark.slow  # the real embedder and FAISS indexes on disk (seconds per test)
@@ -301,7 +303,7 @@ def tiny_cross_encoder(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from llmweb.retrieval.index import default_embedder_path
+    from llmweb.retrieval.embedder import default_embedder_path
 
     folder = tmp_path_factory.mktemp("reranker")
     tokenizer = AutoTokenizer.from_pretrained(default_embedder_path())

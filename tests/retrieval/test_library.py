@@ -12,8 +12,10 @@ import pytest
 from llmweb.config import Settings
 from llmweb.errors import InputError
 from llmweb.retrieval import library as library_module
-from llmweb.retrieval.index import Embedder, Index, list_namespaces
+from llmweb.retrieval.embedder import Embedder
+from llmweb.retrieval.index import Index
 from llmweb.retrieval.library import LOCAL_OWNER, SHARED, Library, private_namespace
+from llmweb.retrieval.storage import list_namespaces
 
 pytestmark = pytest.mark.slow  # the real embedder and FAISS indexes on disk (seconds per test)
 

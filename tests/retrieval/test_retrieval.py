@@ -13,7 +13,9 @@ from llmweb.config import Settings
 from llmweb.errors import ConfigError, InputError
 from llmweb.records import Chunk
 from llmweb.retrieval.documents import count_tokens, load_document
-from llmweb.retrieval.index import MANIFEST, Embedder, Index, delete_namespace, list_namespaces
+from llmweb.retrieval.embedder import Embedder
+from llmweb.retrieval.index import Index
+from llmweb.retrieval.storage import MANIFEST, delete_namespace, list_namespaces
 from tests.retrieval.test_documents import encrypt_pdf, make_docx, make_pdf
 
 pytestmark = pytest.mark.slow  # the real embedder and FAISS indexes on disk (seconds per test)
