@@ -88,11 +88,7 @@ class Chat:
     def __init__(
         self, settings: Settings, engine: Engine, fmt: ChatFormat, store: Store, budget: context.Budget, library=None
     ):
-        self.settings = settings
-        self.engine = engine
-        self.fmt = fmt
-        self.store = store
-        self.budget = budget
+        self.settings, self.engine, self.fmt, self.store, self.budget = settings, engine, fmt, store, budget
         self.library = library
         self.runner = TurnRunner(settings, engine, fmt)
         self.recalls = RecallCache(settings, library)
@@ -254,7 +250,7 @@ class Chat:
         )
 
     def wait_background(self, conv_id: str | None = None, timeout: float | None = None) -> None:
-        self.folds.wait(conv_id, timeout)
+        self.folds.wait(conv_id, timeout)  # the folds in flight (of one chat, or all)
 
     # ---- per-chat settings (chat/settings.py)
     def turn_settings(self, chosen: ChatSettings) -> TurnSettings:
