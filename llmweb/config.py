@@ -96,6 +96,8 @@ class Settings:
     queue_per_user: int = 2  # waiting requests per owner; more get the busy message
     anon_retention_days: float = 30.0  # purge anonymous owners idle this long; 0 = keep forever
     secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
+    trusted_proxies: str = ""  # addresses/CIDRs of proxies whose X-Forwarded-For / Forwarded names the client
+    anon_per_address: int = 20  # new anonymous visitors one client address may start per hour
     # a remote engine (engine/remote.py): an OpenAI-compatible server generates; this process loads the tokenizer only
     engine_url: str = ""  # "" = the local model; else http(s)://host:port of vLLM, SGLang, llama.cpp, ...
     engine_model: str = ""  # the server's model name; "" = the first it lists
@@ -144,6 +146,8 @@ class Settings:
             self.user_docs_mb >= 1 and self.queue_per_user >= 1,
             "LLMWEB_USER_DOCS_MB and LLMWEB_QUEUE_PER_USER must be >= 1",
         )
+        check(self.anon_per_address >= 1, "LLMWEB_ANON_PER_ADDRESS must be >= 1")
+        self.proxy_networks  # noqa: B018  (ConfigError for an address that is not one)
         check(self.anon_retention_days >= 0, "LLMWEB_ANON_RETENTION_DAYS must be >= 0 (0 = keep forever)")
         check(self.temperature >= 0, "LLMWEB_TEMPERATURE must be >= 0")
         check(
@@ -165,7 +169,9 @@ class Settings:
     @property
     def is_single_user(self) -> bool:
         """One person's install: every browser is the same owner ("local"). Auto: bound to a loopback
-        address without login (a server others reach, or one with accounts, keeps visitors apart)."""
+        address without login (a server others reach, or one with accounts, keeps visitors apart).
+        This is the install's ceiling: web/identity.py decides per request (a proxied request, or one
+        from another machine, is a stranger even here)."""
         if self.single_user != "auto":
             return self.single_user == "1"
         return not self.login and self.host in ("127.0.0.1", "localhost", "::1")
@@ -179,6 +185,20 @@ class Settings:
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
+
+    @property
+    def proxy_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """`LLMWEB_TRUSTED_PROXIES` as networks (a bare address is a /32 or /128)."""
+        nets = []
+        for item in self.trusted_proxies.split(","):
+            if item.strip():
+                try:
+                    nets.append(ipaddress.ip_network(item.strip(), strict=False))
+                except ValueError:
+                    raise ConfigError(
+                        f"LLMWEB_TRUSTED_PROXIES: {item.strip()[:60]!r} is not an address or a CIDR (10.0.0.0/8)"
+                    ) from None
+        return tuple(nets)
 
     @property
     def uploads_shared(self) -> bool:

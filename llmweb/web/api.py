@@ -9,9 +9,12 @@ the store: the conversation shows in its owner's list), stateless ones `Stateles
 (chat/stateless.py: the client's messages fitted into the budget). Both go through the one engine
 queue, so a full queue is a 429 here as it is a "busy" message in the UI.
 
-Who the caller is and which owner they act for is web/identity.py's (`ApiCallers`): a key of user
-alice acts for "user:alice" (her conversations in the UI), and without keys the API is open only on
-a loopback bind without login. This module must not work out an owner itself.
+Who the caller is and which owner they act for is web/identity.py's (`ApiCallers`, per request): a
+key of user alice acts for "user:alice" (her conversations in the UI), and without keys the API is
+open only to local requests (web/trust.py: a loopback bind and peer, no proxy headers, a local
+Host). A page of another site is refused (its Origin; a body that is not application/json), and so
+is a Host that is not this machine on a loopback bind (DNS rebinding). This module must not work
+out an owner itself.
 
 A chat turn blocks (it waits on the engine), so each request's turn runs on its own thread
 (`_Pump`), and the event loop only moves its events. A client that disconnects (streaming or
@@ -105,14 +108,14 @@ class OpenAIApi:
     # ---- routes
     async def models(self, request: Request) -> Response:
         try:
-            self.callers.caller(request.headers)
+            self.callers.caller(request)
         except ApiError as e:
             return error_response(e)
         return JSONResponse(models_list([MODEL_ID], self.created))
 
     async def model(self, request: Request, model_id: str) -> Response:
         try:
-            self.callers.caller(request.headers)
+            self.callers.caller(request)
             if model_id not in self.model_names():
                 message = f"The model {model_id[:100]!r} does not exist here."
                 raise ApiError(404, message, type="not_found_error", code="model_not_found")
@@ -130,7 +133,8 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request) -> Response:
         try:
-            caller = self.callers.caller(request.headers)
+            caller = self.callers.caller(request)
+            require_json(request)
             body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
             req = parse_request(body, self.model_names(), self.settings.max_message_chars, request.headers)
             turn = self.start(caller, req)
@@ -450,6 +454,18 @@ async def read_body(request: Request, cap: int) -> bytes:
             raise too_big
         parts.append(part)
     return b"".join(parts)
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is declared JSON: a page of another site can POST text/plain or a form
+    without asking the browser first (CSRF), but never application/json."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(
+            415,
+            "Send the body as JSON, with the header Content-Type: application/json.",
+            code="unsupported_media_type",
+        )
 
 
 def _retry() -> dict[str, str]:

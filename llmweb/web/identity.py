@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from llmweb.config import Settings
@@ -30,6 +29,7 @@ from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER
 from llmweb.web.accounts import ApiKeys
 from llmweb.web.api_wire import ApiError
+from llmweb.web.trust import cross_site, headers_of, host_is_local, is_forwarded, origin_of
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,18 @@ def _login_name(request) -> str | None:
     return getattr(request, "username", None) or None
 
 
+def acts_as_single_user(settings: Settings, request, port: int | None = None) -> bool:
+    """Is this request the single user of a single-user install? `LLMWEB_SINGLE_USER=1` says so for
+    every request; `auto` only for a local one (web/trust.py: loopback bind and peer, no forwarding
+    headers, a local Host)."""
+    if settings.single_user == "1":
+        return True
+    return settings.is_single_user and origin_of(settings, request, port).local
+
+
 def browser_owner(settings: Settings, token, request) -> str:
     """A page event's owner: the single user, the login account, or the browser's token."""
-    if settings.is_single_user:
+    if acts_as_single_user(settings, request):
         return LOCAL_OWNER
     name = _login_name(request)
     if name:
@@ -75,7 +84,7 @@ def browser_owner(settings: Settings, token, request) -> str:
 
 def gradio_api_owner(settings: Settings, conversation_id: str, request) -> str:
     """A gradio_client call's owner: the single user, the login account, or (anonymous) the conversation's own id."""
-    if settings.is_single_user:
+    if acts_as_single_user(settings, request):
         return LOCAL_OWNER
     name = _login_name(request)
     return login_owner(name) if name else API_CONVERSATION + conversation_id
@@ -96,7 +105,7 @@ class Caller:
 
 
 class ApiCallers:
-    """The OpenAI API's callers, from `Authorization: Bearer <key>` and the server's settings."""
+    """The OpenAI API's callers, from the request (web/trust.py) and `Authorization: Bearer <key>`."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -111,13 +120,16 @@ class ApiCallers:
 
     @property
     def open(self) -> bool:
-        """Without keys, the API answers only on a loopback bind without login."""
+        """Without keys, the API answers only on a loopback bind without login (and there, only local requests)."""
         return self.settings.on_loopback and not self.settings.login
 
-    def caller(self, headers: Mapping[str, str]) -> Caller:
-        """The caller's owner from `Authorization: Bearer <key>`; ApiError 401 without a valid key
-        where one is needed. Without keys (loopback only), whatever key a client sends is ignored."""
-        single = self.settings.is_single_user
+    def caller(self, request) -> Caller:
+        """The caller's owner. ApiError 403 for a page of another site or (on a loopback bind) a Host that
+        is not this machine; 401 without a valid key where one is needed. Without keys (local requests on a
+        loopback bind only), whatever key a client sends is ignored."""
+        port = server_port(request)
+        refuse_browser_attacks(self.settings, request, port)
+        single = acts_as_single_user(self.settings, request, port)
         if not self.keys.configured:
             if not self.open:
                 raise ApiError(
@@ -127,8 +139,17 @@ class ApiCallers:
                     type="authentication_error",
                     code="api_key_required",
                 )
+            if not origin_of(self.settings, request, port).local:
+                raise ApiError(
+                    401,
+                    "This server's API answers without a key only to this machine directly; this request came "
+                    "through a proxy or from elsewhere. Set keys "
+                    "(LLMWEB_API_KEYS, or `python -m llmweb user key NAME`).",
+                    type="authentication_error",
+                    code="api_key_required",
+                )
             return Caller(LOCAL_OWNER if single else None)
-        scheme, _, key = (headers.get("authorization") or "").partition(" ")
+        scheme, _, key = (headers_of(request).get("authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise ApiError(
                 401,
@@ -142,3 +163,30 @@ class ApiCallers:
         if single:
             return Caller(LOCAL_OWNER)
         return Caller(login_owner(who.name) if who.name else f"key:{who.tag}")
+
+
+def server_port(request) -> int | None:
+    """The port a Starlette request arrived on (its ASGI scope's server), None when unknown."""
+    scope = getattr(request, "scope", None)
+    server = scope.get("server") if isinstance(scope, dict) else None
+    return server[1] if server and isinstance(server[1], int) else None
+
+
+def refuse_browser_attacks(settings: Settings, request, port: int | None) -> None:
+    """ApiError 403 for what only a hostile page sends: a cross-site request (CSRF), or, on a loopback
+    bind, a direct request whose Host is not this machine (a DNS-rebinding page)."""
+    headers = headers_of(request)
+    if cross_site(headers):
+        raise ApiError(
+            403,
+            "Requests from another site's page are refused (its Origin is not this server).",
+            type="permission_error",
+            code="cross_site_request",
+        )
+    if settings.on_loopback and not is_forwarded(headers) and not host_is_local(headers.get("host"), port):
+        raise ApiError(
+            403,
+            "This server answers only to localhost, 127.0.0.1 or [::1] (the Host header names another machine).",
+            type="permission_error",
+            code="host_not_allowed",
+        )

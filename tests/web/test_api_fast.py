@@ -311,6 +311,9 @@ class FakeLibrary:
         return [Chunk("The capital of France is Paris.", "geography.md", heading="Europe", score=0.9, doc_id="g")]
 
 
+LOCAL_URL, LOCAL_PEER = "http://127.0.0.1:7860", ("127.0.0.1", 50000)  # as a program on this machine calls
+
+
 def rig(tmp_path, *, library=None, **kw):
     limits = {k: kw.pop(k) for k in ("queue_size", "queue_per_user", "max_batch") if k in kw}
     s = make_settings(tmp_path, recall=False, **kw)
@@ -319,7 +322,7 @@ def rig(tmp_path, *, library=None, **kw):
     store = Store(tmp_path / "api.sqlite3")
     chat = Chat(s, engine, fmt, store, BUDGET, library=library)
     runtime = SimpleNamespace(settings=s, store=store, chat=chat, engine=engine, loaded=None, wait_ready=lambda t: chat)
-    client = TestClient(FastAPI(routes=api_routes(runtime)))
+    client = TestClient(FastAPI(routes=api_routes(runtime)), base_url=LOCAL_URL, client=LOCAL_PEER)
     return SimpleNamespace(client=client, runner=runner, fmt=fmt, store=store, chat=chat, engine=engine)
 
 

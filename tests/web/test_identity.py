@@ -13,6 +13,8 @@ from llmweb.web.api_wire import ApiError
 from tests.conftest import make_settings
 
 NOBODY, BOB = SimpleNamespace(username=None), SimpleNamespace(username="bob")
+# a program on this machine calling a loopback-bound server directly
+HERE = SimpleNamespace(username=None, client=SimpleNamespace(host="127.0.0.1"), headers={"host": "127.0.0.1:7860"})
 
 
 @pytest.fixture
@@ -40,21 +42,25 @@ def test_a_gradio_client_without_login_owns_each_conversation_through_its_id(sha
 
 
 def test_the_open_api_callers_conversations_own_themselves_and_keys_are_needed_off_loopback(shared, tmp_path):
-    caller = identity.ApiCallers(shared).caller({})
+    caller = identity.ApiCallers(shared).caller(HERE)
     assert caller.owner is None and caller.of_conversation("c1") == "api:c1"
     assert caller.stateless_owner == identity.OPEN_STATELESS_OWNER
     exposed = make_settings(tmp_path / "lan", single_user="0", host="0.0.0.0")
     with pytest.raises(ApiError) as refused:
-        identity.ApiCallers(exposed).caller({})
+        identity.ApiCallers(exposed).caller(HERE)
     assert refused.value.status == 401
 
 
 def test_an_api_key_acts_for_its_user_or_for_itself(shared, tmp_path):
     keyed = make_settings(tmp_path / "keys", single_user="0", api_keys="alice:sk-alice-1234567890,sk-nobody-1234567890")
     callers = identity.ApiCallers(keyed)
-    assert callers.caller({"authorization": "Bearer sk-alice-1234567890"}).owner == "user:alice"
-    assert callers.caller({"authorization": "Bearer sk-nobody-1234567890"}).owner.startswith("key:")
+    assert callers.caller(_with(authorization="Bearer sk-alice-1234567890")).owner == "user:alice"
+    assert callers.caller(_with(authorization="Bearer sk-nobody-1234567890")).owner.startswith("key:")
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic sk-alice-1234567890"}):
         with pytest.raises(ApiError) as e:
-            callers.caller(headers)
+            callers.caller(_with(**headers))
         assert e.value.status == 401
+
+
+def _with(**headers) -> SimpleNamespace:
+    return SimpleNamespace(username=None, client=HERE.client, headers={**HERE.headers, **headers})

@@ -1,0 +1,148 @@
+"""What a request's transport says about who sent it: this machine directly, or anyone else.
+
+The trust model (README, "Security"): a request is LOCAL, and may act as a single-user install's
+one owner (and use a keyless `/v1`), only when all of these hold:
+
+  - the server is bound to a loopback address (`Settings.on_loopback`);
+  - the TCP peer is a loopback address;
+  - no `Forwarded`, `X-Forwarded-*` or `X-Real-IP` header arrives (a proxy on the same host, such
+    as nginx, Caddy or cloudflared in front of 127.0.0.1, forwards strangers: they are not local);
+  - the `Host` header names this machine (localhost, 127.0.0.1 or [::1], with the server's port when
+    it is known), so a page of another site that rebinds its DNS name to 127.0.0.1 is not local.
+
+Everything else is a stranger: a multi-user request. Its client ADDRESS is the TCP peer, unless the
+peer is one of `LLMWEB_TRUSTED_PROXIES`: then the rightmost address of `X-Forwarded-For` (or of
+`Forwarded: for=`) that is not itself a trusted proxy. A header from an untrusted peer is never
+believed for the address (anyone can send one), only counted as a reason not to trust the request.
+
+Pure functions over a request's peer address and headers (Gradio's `gr.Request` and Starlette's
+`Request` both have `.client.host` and `.headers`). This module must not decide an owner
+(web/identity.py does) or keep state.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from llmweb.config import Settings
+
+LOCAL_HOSTNAMES = ("localhost", "127.0.0.1", "[::1]")
+_FORWARDING = ("forwarded", "x-real-ip")  # and every x-forwarded-* header
+_FOR = re.compile(r'for\s*=\s*("[^"]*"|[^;,\s]+)', re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a request came from: its client's address ("" unknown) and whether it is local."""
+
+    address: str
+    local: bool
+    forwarded: bool  # a forwarding header arrived (from a proxy, or from someone pretending)
+    host_ok: bool  # the Host header names this machine (checked only on a loopback bind)
+
+
+def headers_of(request) -> dict[str, str]:
+    """A request's headers, lower-cased; a repeated header's values joined with ", "."""
+    raw = getattr(request, "headers", None)
+    if raw is None:
+        return {}
+    items: Iterable = raw.items() if hasattr(raw, "items") else []
+    if hasattr(raw, "multi_items"):  # Starlette's Headers: every line of a repeated header
+        items = raw.multi_items()
+    out: dict[str, str] = {}
+    for k, v in items:
+        k = str(k).lower()
+        out[k] = f"{out[k]}, {v}" if k in out else str(v)
+    return out
+
+
+def peer_of(request) -> str:
+    client = getattr(request, "client", None)
+    host = getattr(client, "host", None) if client is not None else None
+    return host if isinstance(host, str) else ""
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    text = text.strip().strip('"')
+    if text.startswith("["):  # [v6]:port
+        text = text[1 : text.find("]")] if "]" in text else text
+    elif text.count(":") == 1:  # v4:port
+        text = text.split(":")[0]
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def is_loopback(address: str) -> bool:
+    ip = _ip(address)
+    return ip is not None and ip.is_loopback
+
+
+def _trusted(address: str, networks) -> bool:
+    ip = _ip(address)
+    return ip is not None and any(ip in net for net in networks)
+
+
+def is_forwarded(headers: Mapping[str, str]) -> bool:
+    return any(k in _FORWARDING or k.startswith("x-forwarded-") for k in headers)
+
+
+def _forwarded_chain(headers: Mapping[str, str]) -> list[str]:
+    """The hops a proxy recorded, oldest first: X-Forwarded-For, else Forwarded's for= values."""
+    if headers.get("x-forwarded-for"):
+        return [h.strip() for h in headers["x-forwarded-for"].split(",") if h.strip()]
+    return [m.group(1).strip('"') for m in _FOR.finditer(headers.get("forwarded", ""))]
+
+
+def client_address(settings: Settings, peer: str, headers: Mapping[str, str]) -> str:
+    """The client's address: the peer, or (behind trusted proxies) the rightmost untrusted hop."""
+    networks = settings.proxy_networks
+    if not networks or not _trusted(peer, networks):
+        return peer
+    chain = _forwarded_chain(headers)
+    for hop in reversed(chain):
+        if not _trusted(hop, networks):
+            ip = _ip(hop)
+            return str(ip) if ip is not None else hop[:64]
+    return str(_ip(chain[0]) or chain[0][:64]) if chain else peer
+
+
+def host_is_local(host: str | None, port: int | None = None) -> bool:
+    """Does a `Host` header name this machine (localhost, 127.0.0.1, [::1]), with `port` if given?"""
+    if not host:
+        return False
+    host = host.strip().lower()
+    name, _, given = host.rpartition(":") if not host.endswith("]") else (host, "", "")
+    if not name:  # no port at all
+        name, given = host, ""
+    if name not in LOCAL_HOSTNAMES:
+        return False
+    if given and not given.isdigit():
+        return False
+    return port is None or not given or int(given) == port
+
+
+def origin_of(settings: Settings, request, port: int | None = None) -> Origin:
+    """Where `request` came from, and whether it is local (this module's docstring)."""
+    headers, peer = headers_of(request), peer_of(request)
+    forwarded = is_forwarded(headers)
+    host_ok = host_is_local(headers.get("host"), port)
+    local = settings.on_loopback and is_loopback(peer) and not forwarded and host_ok
+    return Origin(client_address(settings, peer, headers), local, forwarded, host_ok)
+
+
+def cross_site(headers: Mapping[str, str]) -> bool:
+    """A browser request sent by a page of another site: its `Origin` is not this server's Host
+    (or is "null"), or the browser says so (`Sec-Fetch-Site: cross-site`)."""
+    if headers.get("sec-fetch-site", "").lower() == "cross-site":
+        return True
+    origin = headers.get("origin")
+    if origin is None:
+        return False  # not a browser's cross-origin request (curl, SDKs, same-origin GETs)
+    parts = urlsplit(origin.strip())
+    return not parts.netloc or parts.netloc.lower() != (headers.get("host") or "").strip().lower()
