@@ -63,7 +63,8 @@ class Settings:
     top_p: float = 0.9
     repetition_penalty: float = 1.1
     # the engine
-    queue_size: int = 8
+    queue_size: int = 8  # background jobs (summaries) waiting: 4 x this; visitors are bounded by max_wait_s
+    max_wait_s: float = 120.0  # the waiting room: a request estimated to wait longer is refused with the estimate
     max_batch: int = 0  # requests sharing each decode step; 0 = by device (4 on CPU, 8 on GPU); 1 = serial
     request_timeout_s: float = 120.0
     admission_wait_s: float = 10.0
@@ -136,6 +137,7 @@ class Settings:
         check(0 <= self.chunk_overlap < self.chunk_tokens, "need 0 <= LLMWEB_CHUNK_OVERLAP < LLMWEB_CHUNK_TOKENS")
         check(self.top_k <= self.max_top_k, "LLMWEB_TOP_K must be <= LLMWEB_MAX_TOP_K")
         check(self.request_timeout_s > 0 and self.kv_ttl_s > 0, "time limits must be > 0")
+        check(self.max_wait_s > 0, "LLMWEB_MAX_WAIT_S must be > 0 (seconds a request may be estimated to wait)")
         check(
             not self.auth or all(":" in pair for pair in self.auth.split(",")),
             "LLMWEB_AUTH must look like user:password (several: user1:pw1,user2:pw2)",

@@ -184,3 +184,13 @@ def fake_engine(runner: FakeRunner | None = None, **limits):
 
     runner = runner or FakeRunner()
     return Engine(runner, KVStore(1 << 30, 600), EngineLimits(**limits)), runner
+
+
+def frozen_pace(step_s: float, prefill_tok_s: float = 1e9):
+    """A `Pace` that measures nothing: the waiting room's estimates follow from the work alone (a
+    test sets `engine.pace` to it for exact figures)."""
+    from llmweb.engine.waitroom import Pace
+
+    pace = Pace(prefill_tok_s=prefill_tok_s, step_s=step_s)
+    pace.stepped = pace.prefilled = lambda *measured: None  # type: ignore[method-assign]
+    return pace

@@ -19,6 +19,7 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
+from llmweb.cli.main import GRADIO_QUEUE_SIZE
 from llmweb.records import LOCAL_OWNER as LOCAL
 from llmweb.retrieval.library import LOCAL_OWNER
 from llmweb.runtime import Runtime
@@ -32,7 +33,7 @@ WAIT_S = 300  # generous: the CI machine has 2 cores and other suites may run at
 def serve(runtime, **launch):
     """Launch the app as `llmweb serve` does (same queue size, launch options), on a free port."""
     demo = build_app(runtime)
-    demo.queue(default_concurrency_limit=None, max_size=runtime.settings.queue_size * 8)
+    demo.queue(default_concurrency_limit=None, max_size=GRADIO_QUEUE_SIZE)
     kw = {**launch_kwargs(runtime.settings), "server_port": None, "quiet": True, "prevent_thread_lock": True}
     kw.update(launch)
     _app, url, _ = demo.launch(**kw)

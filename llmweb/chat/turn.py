@@ -36,6 +36,7 @@ class Started:
 @dataclass(frozen=True)
 class Queued:
     position: int
+    wait_s: float = 0.0  # the engine's estimate of the wait until it starts
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class TurnRunner:
         try:
             for event in handle.events():
                 if isinstance(event, Waiting):
-                    yield Queued(event.position)
+                    yield Queued(event.position, event.wait_s)
                 elif isinstance(event, Tokens):
                     text = self._decode(job, handle)
                     if stop and any(s in text.lstrip() for s in stop):

@@ -29,6 +29,11 @@ def on_spaces(env=os.environ) -> bool:
     return env.get("SYSTEM") == "spaces"
 
 
+# Gradio's own queue must never refuse before the engine's waiting room does (LLMWEB_MAX_WAIT_S: bounded by
+# the estimated wait, not a count); with no concurrency limit its events leave it at once.
+GRADIO_QUEUE_SIZE = 4096
+
+
 def serve_settings(args, env=os.environ) -> Settings:
     """Settings for `serve`: on Hugging Face Spaces, bind 0.0.0.0 and keep data in a writable dir."""
     overrides = {"host": args.host, "port": args.port}
@@ -57,7 +62,7 @@ def launch_app(runtime, **overrides):
     from llmweb.web.ui import build_app, launch_kwargs
 
     demo = build_app(runtime)
-    demo.queue(default_concurrency_limit=None, max_size=runtime.settings.queue_size * 8)
+    demo.queue(default_concurrency_limit=None, max_size=GRADIO_QUEUE_SIZE)
     kw = {**launch_kwargs(runtime.settings), "app_kwargs": {"routes": api_routes(runtime)}, **overrides}
     _app, url, _ = demo.launch(**kw)
     return demo, url

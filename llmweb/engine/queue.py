@@ -5,8 +5,10 @@ Strangers share one server, so the interactive queue is fair between owners
 waiting (running ones do not count), and the owners take turns, round-robin (`FairQueue`: the
 owner served least recently goes next; one owner's requests first-in first-out).
 `handle.position` counts what is really ahead in that order, so it can grow when a new owner
-arrives. Background jobs (summaries) start only when no interactive request waits; they have
-their own bound and no per-owner cap.
+arrives. The interactive lane has no count bound: a request is refused when its estimated wait
+(engine/waitroom.py: the work ahead of it in this order and of the running batch, over the
+measured throughput) passes `max_wait_s`. Background jobs (summaries) start only when no
+interactive request waits; they have their own bound (a count) and no per-owner cap.
 
 Owns: the order of waiting requests and the queue bounds (`BusyError`). Must not: lock (the
 engine holds its lock around every call), admit, run or finish a request, or import torch.
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 
 from llmweb.engine.request import EngineLimits, Handle
+from llmweb.engine.waitroom import busy_message
 from llmweb.errors import BusyError
 
 
@@ -84,20 +88,24 @@ class FairQueue:
         return False
 
     def position(self, handle: Handle) -> int:
-        """1 = served next, if nothing new arrives; 0 = not waiting here.
+        """1 = served next, if nothing new arrives; 0 = not waiting here."""
+        ahead = self.ahead(handle)
+        return 0 if ahead is None else len(ahead) + 1
 
-        The owners take turns in `_order()`, one request each per round, so ahead of the request
-        at index i of its owner's queue are i requests (or all there are) of every owner, plus
-        the i-th of each owner whose turn comes earlier in the round.
-        """
-        owner = handle.request.owner
-        mine = [h for _, h in self._owners.get(owner, ())]
-        if handle not in mine:
-            return 0
-        i = mine.index(handle)
-        order = self._order()
-        earlier = order[: order.index(owner)]
-        return sum(min(len(self._owners[o]), i) for o in order) + sum(len(self._owners[o]) > i for o in earlier) + 1
+    def ahead(self, handle: Handle) -> list[Handle] | None:
+        """The requests served before this one, in order, if nothing new arrives; None if it is not
+        waiting here."""
+        order = self.serving_order()
+        if not any(h is handle for h in order):
+            return None
+        return order[: next(i for i, h in enumerate(order) if h is handle)]
+
+    def serving_order(self) -> list[Handle]:
+        """Every waiting request in the order it will be served if nothing new arrives: the owners
+        take turns in `_order()`, one request each per round."""
+        queues = [self._owners[o] for o in self._order()]
+        rounds = max((len(q) for q in queues), default=0)
+        return [q[i][1] for i in range(rounds) for q in queues if i < len(q)]
 
     def drain(self) -> list[Handle]:
         """Take every waiting request out (at shutdown)."""
@@ -112,28 +120,31 @@ class FairQueue:
 
 class Lanes:
     """The engine's waiting requests: `interactive` (a `FairQueue`) and `background` (first in,
-    first out, served only when no interactive request waits). Not thread-safe: the engine holds
-    its lock around every call."""
+    first out, served only when no interactive request waits). `wait_s(ahead)` estimates how
+    long a request with the requests `ahead` before it waits (the engine's waiting room; without
+    one, nothing is refused for its wait). Not thread-safe: the engine holds its lock around
+    every call."""
 
-    def __init__(self, limits: EngineLimits) -> None:
+    def __init__(self, limits: EngineLimits, wait_s: Callable[[list[Handle]], float] | None = None) -> None:
         self.limits = limits
         self.interactive = FairQueue()
         self.background: deque[Handle] = deque()
+        self.wait_s = wait_s or (lambda ahead: 0.0)
 
     def __bool__(self) -> bool:
         return bool(self.interactive) or bool(self.background)
 
-    def push(self, handle: Handle) -> None:
-        """Queue a request; BusyError when its lane is full or, interactive, its owner already has
-        `queue_per_user` requests waiting."""
+    def push(self, handle: Handle) -> float:
+        """Queue a request and return its estimated wait. BusyError when, interactive, its owner
+        already has `queue_per_user` requests waiting or its estimated wait is over `max_wait_s`;
+        background, when `4 x queue_size` jobs wait."""
         request = handle.request
-        lane = self.background if request.background else self.interactive
-        bound = self.limits.queue_size * (4 if request.background else 1)
-        if len(lane) >= bound:
-            raise BusyError(f"The model is busy: {len(lane)} requests are waiting. Try again in a moment.")
         if request.background:
+            if len(self.background) >= self.limits.queue_size * 4:
+                n = len(self.background)
+                raise BusyError(f"The model is busy: {n} background jobs are waiting. Try again in a moment.")
             self.background.append(handle)
-            return
+            return 0.0
         mine = self.interactive.waiting(request.owner)
         if mine >= self.limits.queue_per_user:
             raise BusyError(
@@ -141,6 +152,11 @@ class Lanes:
                 "waiting; wait for them to finish or stop one."
             )
         self.interactive.push(handle)
+        _, wait = self.estimate(handle)
+        if wait > self.limits.max_wait_s:
+            self.interactive.remove(handle)
+            raise BusyError(busy_message(wait, self.limits.max_wait_s))
+        return wait
 
     def peek(self) -> Handle | None:
         """The request to admit next: interactive first (fair between owners), then background."""
@@ -160,6 +176,14 @@ class Lanes:
 
     def position(self, handle: Handle) -> int:
         return self.interactive.position(handle)
+
+    def estimate(self, handle: Handle) -> tuple[int, float]:
+        """(position, estimated seconds until it starts) of a waiting interactive request; (0, 0.0)
+        for any other."""
+        ahead = self.interactive.ahead(handle)
+        if ahead is None:
+            return 0, 0.0
+        return len(ahead) + 1, self.wait_s(ahead)
 
     def drain(self) -> list[Handle]:
         """Take every waiting request out (at shutdown)."""

@@ -1,8 +1,9 @@
 """What the engine, its callers and its runners share: a request, its events, its `Handle`, its
 `Slot` in the batch, the `Runner` protocol, and the engine's limits and counters.
 
-    submit(GenerationRequest) -> Handle       (engine/scheduler.py; BusyError when the queue is full)
-    for event in handle.events(): ...        Waiting(position) | Tokens(ids) | Restarted(reason);
+    submit(GenerationRequest) -> Handle       (engine/scheduler.py; BusyError over the owner's cap or
+                                              the waiting room's bound, engine/waitroom.py)
+    for event in handle.events(): ...        Waiting(position, wait_s) | Tokens(ids) | Restarted(reason);
                                               raises domain errors
     handle.generated                          the ids of the reply so far (reset by Restarted)
     handle.stats                              GenerationStats once finished
@@ -56,6 +57,7 @@ def capped(request: GenerationRequest, cap: int) -> GenerationRequest:
 @dataclass(frozen=True)
 class Waiting:
     position: int  # 1 = next
+    wait_s: float = 0.0  # the estimated wait until it starts (engine/waitroom.py)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class Queued(Protocol):
     """The engine as a handle sees it: where its request waits, and how it leaves the queue."""
 
     def position(self, handle: Handle) -> int: ...
+
+    def wait(self, handle: Handle) -> tuple[int, float]: ...  # (position, estimated seconds); (0, 0) once running
 
     def withdraw(self, handle: Handle) -> None: ...
 
@@ -124,8 +128,8 @@ class Handle:
         return self._engine.position(self)
 
     def events(self, poll_s: float = 0.5) -> Iterator[Waiting | Tokens | Restarted]:
-        """Yield Waiting every `poll_s` while queued, then Tokens as they come (Restarted before an
-        OOM retry); raise the request's error if any.
+        """Yield Waiting (the position and the estimated wait) every `poll_s` while queued, then
+        Tokens as they come (Restarted before an OOM retry); raise the request's error if any.
 
         Waiting repeats even when the position has not changed: a consumer that streams to a
         client (a Gradio generator) only learns that its client left when it yields, and must not
@@ -135,9 +139,9 @@ class Handle:
             try:
                 item = self._events.get(timeout=poll_s)
             except queue.Empty:
-                pos = self.position
+                pos, wait = self._engine.wait(self)
                 if pos:
-                    yield Waiting(pos)
+                    yield Waiting(pos, wait)
                 continue
             if item is _DONE:
                 if self.error is not None:
@@ -260,8 +264,9 @@ class Runner(Protocol):
 
 @dataclass
 class EngineLimits:
-    queue_size: int = 8  # interactive requests waiting, in all
-    queue_per_user: int = 2  # of those, per owner; more from that owner get BusyError
+    queue_size: int = 8  # background jobs (summaries) waiting: 4 x this; interactive ones are bounded by the wait
+    queue_per_user: int = 2  # interactive requests waiting per owner; more from that owner get BusyError
+    max_wait_s: float = 120.0  # a request whose estimated wait is longer is refused (engine/waitroom.py)
     max_new_tokens: int = 256
     request_timeout_s: float = 120.0
     admission_wait_s: float = 10.0

@@ -5,7 +5,9 @@ it does not import torch: it schedules and a `Runner` runs the batch on the mode
 time (engine/local.py: `LocalRunner`; engine/remote.py: `RemoteRunner`, an OpenAI-compatible
 server; tests use a scripted `FakeRunner`). `local_engine(...)` / `remote.remote_engine(...)`
 wire the two. The request, its events and `Handle` are in request.py; the waiting requests
-(fair between owners) in queue.py; memory (admission, giving way, idle release) in admission.py.
+(fair between owners) in queue.py; their estimated wait, which bounds the queue, and the
+throughput it is measured from in waitroom.py; memory (admission, giving way, idle release) in
+admission.py.
 
 Whoever submits (UI, API, CLI, tests), requests go through this one worker: Gradio's concurrency
 limits are per event group and guarantee nothing (docs/architecture.md).
@@ -48,6 +50,7 @@ from llmweb.engine.request import (
     Slot,
     capped,
 )
+from llmweb.engine.waitroom import Pace, running_work, wait_s, waiting_work
 from llmweb.errors import AdmissionError, BusyError, Cancelled, LlmwebError
 from llmweb.records import GenerationStats
 
@@ -66,7 +69,8 @@ class Engine:
         self.limits = limits
         self.counters = EngineCounters()
         self._lock = threading.Condition()
-        self._waiting = Lanes(limits)  # interactive (fair between owners) and background requests
+        self.pace = Pace()  # the throughput measured here, for the waiting room's estimates
+        self._waiting = Lanes(limits, self._wait_s)  # interactive (fair between owners) and background requests
         self._running: list[Slot] = []  # the batch, oldest first (only the worker changes it, under the lock)
         self._memory = Admission(runner, kv, limits, self.counters)
         self._stopped = False
@@ -96,6 +100,17 @@ class Engine:
     def position(self, handle: Handle) -> int:
         with self._lock:
             return self._waiting.position(handle)
+
+    def wait(self, handle: Handle) -> tuple[int, float]:
+        """(position, estimated seconds until it starts) while the request waits; (0, 0.0) after."""
+        with self._lock:
+            return self._waiting.estimate(handle)
+
+    def _wait_s(self, ahead: list[Handle]) -> float:
+        """The waiting room's estimate for a request with `ahead` before it (under the lock)."""
+        running = [running_work(s, self.pace) for s in self._running]
+        queued = [waiting_work(h.request, self.pace) for h in ahead]
+        return wait_s(running, queued, self.limits.max_batch, self.pace)
 
     @property
     def queue_depth(self) -> int:
@@ -223,9 +238,12 @@ class Engine:
         # 1) prefill, chunked: a long prompt costs the others one chunk per token, never a freeze
         joining = next((s for s in self._running if not s.ready), None)
         if joining is not None:
+            before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
             try:
                 if not self.runner.prefill(joining):
                     self._give_way(joining, "oom")
+                else:
+                    self.pace.prefilled(joining.stats.prefilled_tokens - before, time.perf_counter() - t0)
             except GiveWay as e:
                 self._give_way(joining, e.reason, e.message)
             except BaseException as e:
@@ -235,9 +253,12 @@ class Engine:
         if decoding:
             for s in decoding:
                 s.stats.batch_size = max(s.stats.batch_size, len(decoding))
+            t0 = time.perf_counter()
             try:
                 if not self.runner.decode(decoding):
                     self._give_way(decoding[-1], "oom")  # the youngest gives way; the others' caches are intact
+                else:
+                    self.pace.stepped(time.perf_counter() - t0)
             except BaseException as e:
                 self._fail(decoding, e)
 
@@ -260,6 +281,8 @@ class Engine:
         self.runner.release(slot, keep=True)
         error = slot.conclude()
         self.counters.served += 1
+        if not slot.request.background and slot.finish in ("eos", "length"):
+            self.pace.replied(len(slot.generated))
         slot.handle._finish(slot.stats, error)
 
     def _fail(self, slots: list[Slot], error: BaseException) -> None:

@@ -58,6 +58,7 @@ def _queue_limits(s: Settings, budget: Budget) -> dict[str, Any]:
         admission_wait_s=s.admission_wait_s,
         kv_reuse=s.kv_reuse,
         queue_per_user=s.queue_per_user,
+        max_wait_s=s.max_wait_s,
     )
 
 

@@ -70,7 +70,9 @@ from llmweb.web.api_wire import (
     parse_request,
     sse,
 )
+from llmweb.web.failures import public_message
 from llmweb.web.identity import ApiCallers, Caller
+from llmweb.web.login import login_routes
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,8 @@ ENDPOINTS = "GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions"
 
 
 def api_routes(runtime) -> list:
-    """The API's routes, to put in front of Gradio's own (they take precedence)."""
+    """The API's routes, to put in front of Gradio's own (they take precedence); with them, when login
+    is on, the login form's route with its back-off (web/login.py)."""
     api = OpenAIApi(runtime)
     router = APIRouter()
     router.add_api_route("/v1/models", api.models, methods=["GET"], include_in_schema=False)
@@ -88,7 +91,7 @@ def api_routes(runtime) -> list:
     router.add_api_route(
         "/v1/{path:path}", api.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
     )
-    return list(router.routes)
+    return list(router.routes) + login_routes(runtime.settings)
 
 
 class OpenAIApi:
@@ -146,7 +149,7 @@ class OpenAIApi:
                 raise
         except ApiError as e:
             return error_response(e)
-        except LlmwebError as e:
+        except Exception as e:
             return error_response(api_error(e))
         fitted = next((e for e in early if isinstance(e, Fitted)), None)
         reply = _Reply(req, turn, fitted, Completion(req.model, "chatcmpl-" + secrets.token_hex(12)))
@@ -383,7 +386,7 @@ class _Reply:
                     return Response(status_code=499)  # nobody reads it
                 try:
                     event = step.result()
-                except LlmwebError as e:
+                except Exception as e:
                     return error_response(api_error(e))
                 if event is None:
                     return error_response(ApiError(500, "The chat turn ended without a reply.", type="server_error"))
@@ -404,14 +407,15 @@ class _Reply:
         while True:
             try:
                 event = await pump.next()
-            except LlmwebError as e:  # after the headers: an error event, as OpenAI streams do
+            except Exception as e:  # after the headers: an error event, as OpenAI streams do
                 yield sse(api_error(e).body())
                 return
             if event is None:
                 yield sse(ApiError(500, "The chat turn ended without a reply.", type="server_error").body())
                 return
             if isinstance(event, Queued):
-                yield f": waiting, {event.position} ahead\n\n".encode()  # keeps proxies open; notices a client gone
+                # keeps proxies open; notices a client gone
+                yield f": waiting, number {event.position}, about {event.wait_s:.0f} s\n\n".encode()
             elif isinstance(event, Delta):
                 shown = self.on_delta(event.text)
                 if len(shown) > len(sent) and shown.startswith(sent):
@@ -472,9 +476,12 @@ def _retry() -> dict[str, str]:
     return {"Retry-After": str(RETRY_AFTER_S)}
 
 
-def api_error(e: LlmwebError) -> ApiError:
-    """A domain error as the API reports it; its sentence is the message."""
-    message = str(e)
+def api_error(e: BaseException) -> ApiError:
+    """A failure as the API reports it: a domain error's sentence, anything else a 500 whose message
+    is only a ref to the log (web/failures.py)."""
+    message = public_message(e)
+    if not isinstance(e, LlmwebError):
+        return ApiError(500, message, type="server_error")
     if isinstance(e, NotFound):
         return ApiError(404, message, type="not_found_error", code="conversation_not_found")
     if isinstance(e, InputError):

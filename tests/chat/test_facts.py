@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmweb.chat import facts as facts_mod
 from llmweb.chat.session import Finished
@@ -232,3 +234,29 @@ def test_a_fact_stated_in_turn_1_in_korean_or_german_is_in_the_prompt_at_turn_40
         assert fin.stats.gen.prompt_tokens + fin.stats.sections["reserve"] <= 512
     finally:
         rt.close()
+
+
+# --- linear rewrites: the same answers as the regexes they replaced (issue 25) ------------------
+
+# the expressions before issue 25, kept here as references of the answers
+OLD_SENTENCE = r"[^.!?。！？\n]+(?:[.!?。！？]+|$)"
+OLD_WORD = r"[^\W\d_](?:[^\W\d_]|['’\-])*|\d[\d,.:/\-]*"
+
+
+@given(st.text(alphabet="ab .!?\n。！x7-'’é\u0301", max_size=40))
+def test_sentence_and_word_regexes_answer_as_the_old_ones(text):
+    import re
+
+    assert facts_mod._SENTENCE.findall(text) == re.findall(OLD_SENTENCE, text)
+    assert facts_mod._WORD.findall(text) == re.findall(OLD_WORD, text)
+
+
+def test_a_line_of_62000_dashes_is_one_quick_pass():
+    """The issue's message: under the 1,024-token limit, 70-100 s per pass of the old regex."""
+    import time
+
+    text = "-" * 62_000 + "\nMy name is Bo."
+    t0 = time.thread_time()
+    assert facts_mod.sentences(text) == ["My name is Bo."]
+    assert facts_mod.extract_facts([text]) == ["My name is Bo."]
+    assert time.thread_time() - t0 < 1.0

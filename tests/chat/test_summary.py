@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from hypothesis import given
@@ -177,3 +178,32 @@ def test_clean_summary_keeps_plain_text_and_caps_at_a_sentence():
     long = "Ana wants tickets. " * 3 + "Bob pays for them all later on"
     assert clean_summary(long, 12, fmt) == "Ana wants tickets. Ana wants tickets. Ana wants tickets."
     assert clean_summary("Summary: Ana wants tickets. I hope this helps.", 50, fmt) == "Ana wants tickets."
+
+
+# --- the trailing chatter in one pass: the same answer as the old substitution loop (issue 25) ---
+
+_OLD_CHATTER_START = r"(?:let me know|i hope|hope this|feel free|is there anything|if you (?:need|have|want|would))"
+OLD_TRAILING_CHATTER = re.compile(r"(?:^|(?<=[.!?]))\s*" + _OLD_CHATTER_START + r"[^.!?]*[.!?]*\s*$", re.I)
+
+
+def old_drop_trailing_chatter(joined: str) -> str:
+    while True:
+        shorter = OLD_TRAILING_CHATTER.sub("", joined)
+        if shorter == joined:
+            return joined
+        joined = shorter
+
+
+@given(st.lists(st.sampled_from(["Let me know", "I hope", " ", ".", "!", "?", "x", "Feel free", "hope this", "ab"])))
+def test_trailing_chatter_is_dropped_as_before(pieces):
+    from llmweb.chat.summary import _drop_trailing_chatter
+
+    text = "".join(pieces)
+    assert _drop_trailing_chatter(text) == old_drop_trailing_chatter(text)
+    joined = " ".join(text.split())
+    assert _drop_trailing_chatter(joined) == old_drop_trailing_chatter(joined)
+
+
+def test_many_chatter_sentences_are_dropped_in_one_pass():
+    text = "The user likes tea." + " Let me know." * 20_000
+    assert clean_summary(text, 100, FakeFormat()) == "The user likes tea."

@@ -16,6 +16,7 @@ from llmweb.engine.local import local_engine
 from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import AdmissionError, BusyError, OutOfMemory, TimedOut
+from tests.fakes import frozen_pace
 
 SYSTEM = "You are a helpful assistant."
 
@@ -111,14 +112,15 @@ def test_five_threads_are_served_one_at_a_time(engine, fmt):
     assert engine.counters.max_active == 1
 
 
-def test_full_queue_is_a_clear_busy_error(fp32_model, fmt):
-    e = make_engine(fp32_model, queue_size=2)
+def test_a_wait_over_the_bound_is_a_clear_busy_error(fp32_model, fmt):
+    e = make_engine(fp32_model, max_wait_s=89.5)
+    e.pace = frozen_pace(step_s=1.0)  # a second per token: the first leaves within 59 s, the others take 30 s each
     try:
         ids = prompt(fmt, ("user", "Write a long story."))
         first = e.submit(req(fmt, ids, n=60))
         next(ev for ev in first.events() if isinstance(ev, Tokens))  # it runs: it holds no place in the queue
-        queued = [e.submit(req(fmt, ids, n=4)) for _ in range(2)]
-        with pytest.raises(BusyError, match="busy: 2 requests are waiting"):
+        queued = [e.submit(req(fmt, ids, n=30)) for _ in range(2)]  # the second waits at most 59 + 30 s
+        with pytest.raises(BusyError, match=r"busy: about \d+ s of work is waiting, over this server's limit of 90 s"):
             e.submit(req(fmt, ids, n=4))
         assert queued[1].position == 2
         first.cancel()

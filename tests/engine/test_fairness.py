@@ -91,7 +91,8 @@ def test_only_the_latest_turns_are_remembered_and_the_forgotten_owner_still_goes
 
 
 def test_lanes_bound_each_lane_cap_owners_only_interactive_and_serve_background_last():
-    lanes = Lanes(EngineLimits(queue_size=2, queue_per_user=1))
+    # interactive: bounded by the estimated wait (here 10 s per request ahead), not by a count
+    lanes = Lanes(EngineLimits(queue_size=2, queue_per_user=1, max_wait_s=15), wait_s=lambda ahead: 10.0 * len(ahead))
     a1, b1 = Handle(req(owner="A"), engine=None), Handle(req(owner="B"), engine=None)
     jobs = [Handle(req(owner="A", background=True), engine=None) for _ in range(9)]
     lanes.push(jobs[0])
@@ -100,11 +101,11 @@ def test_lanes_bound_each_lane_cap_owners_only_interactive_and_serve_background_
     with pytest.raises(BusyError, match="you already have 1 request waiting"):
         lanes.push(Handle(req(owner="A"), engine=None))
     lanes.push(b1)
-    with pytest.raises(BusyError, match="2 requests are waiting"):
+    with pytest.raises(BusyError, match="about 20 s of work is waiting, over this server's limit of 15 s"):
         lanes.push(Handle(req(owner="C"), engine=None))
     for job in jobs[1:8]:
         lanes.push(job)  # background: 4 x queue_size, no per-owner cap
-    with pytest.raises(BusyError, match="8 requests are waiting"):
+    with pytest.raises(BusyError, match="8 background jobs are waiting"):
         lanes.push(jobs[8])
     assert lanes.peek() is a1 and lanes.position(a1) == 1 and lanes.position(jobs[0]) == 0
     assert lanes.take(a1) and not lanes.take(a1) and lanes.remove(jobs[3]) and not lanes.remove(jobs[3])
@@ -204,13 +205,16 @@ def test_requests_without_an_owner_share_one_bucket(engine):
         h.cancel()
 
 
-def test_the_global_bound_still_holds_with_its_own_message():
-    e, runner = fake_engine(FakeRunner(token_delay_s=0.005), queue_size=3)
+def test_the_wait_bound_holds_for_every_owner_with_its_own_message():
+    e, runner = fake_engine(FakeRunner(token_delay_s=0.2), queue_size=3, max_wait_s=17)
     try:
-        first = busy_with(e, runner, "A")
-        waiting = [e.submit(req(owner=o)) for o in "BCD"]
-        with pytest.raises(BusyError, match="busy: 3 requests are waiting"):
+        e.pace.step_s, e.pace.stepped = 0.05, lambda seconds: None  # held still: the estimates are exact
+        first = busy_with(e, runner, "A")  # 256 tokens: ~12.8 s left
+        waiting = [e.submit(req(owner=o, n=40)) for o in "BCD"]  # 2 s each: D waits ~16.8 s
+        over = r"busy: about 1[89] s of work is waiting, over this server's limit of 17 s"
+        with pytest.raises(BusyError, match=over):
             e.submit(req(owner="E"))
+        assert [h.position for h in waiting] == [1, 2, 3] and e.counters.refused == 1
         first.cancel()
         for h in waiting:
             h.cancel()

@@ -40,13 +40,15 @@ def test_scripted_reply_streams_one_event_per_token(engine):
     assert h.generated == [7, 8, 9] and h.stats.finish_reason == "eos"
 
 
-def test_a_full_queue_refuses_at_once_with_the_count(engine):
+def test_a_queue_past_the_wait_bound_refuses_at_once_with_the_estimate(engine):
     e, runner = engine
-    runner.token_delay_s = 0.05
-    first = e.submit(req(n=100))
+    runner.token_delay_s = 0.5
+    e.pace.step_s, e.pace.stepped = 0.05, lambda seconds: None  # held still: the estimates are exact
+    e.limits.max_wait_s = 10.0
+    first = e.submit(req(n=100))  # ~5 s left
     wait_for(runner.running.is_set)
-    waiting = [e.submit(req(owner=owner)) for owner in "abc"]  # one each: under the per-owner cap
-    with pytest.raises(BusyError, match="3 requests are waiting"):
+    waiting = [e.submit(req(n=40, owner=owner)) for owner in "abc"]  # 2 s each; c waits ~9 s
+    with pytest.raises(BusyError, match=r"busy: about 11 s of work is waiting, over this server's limit of 10 s"):
         e.submit(req(owner="d"))
     assert [h.position for h in waiting] == [1, 2, 3]
     first.cancel()

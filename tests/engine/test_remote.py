@@ -13,6 +13,7 @@ from llmweb.engine.remote import RemoteConfig, RemoteError, remote_engine
 from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
 from llmweb.errors import BusyError, LlmwebError
 from tests.fake_openai import FakeOpenAI, decode, encode
+from tests.fakes import frozen_pace
 
 PROMPT = encode("<|user|>Hi<|assistant|>")
 
@@ -168,11 +169,12 @@ def test_a_server_down_is_retried_then_reported_as_unreachable(make):
 
 
 def test_the_in_flight_cap_holds_and_the_queue_is_the_engines(make):
-    e, server, _ = make(reply="z" * 60, delay_s=0.05, engine={"max_batch": 2, "queue_size": 2, "queue_per_user": 1})
+    e, server, _ = make(reply="z" * 60, delay_s=0.05, engine={"max_batch": 2, "max_wait_s": 64.9, "queue_per_user": 1})
+    e.pace = frozen_pace(step_s=1.0)  # 64 s per request: c and d wait at most 64 s, e at least 65 s
     handles = [e.submit(req(owner=o)) for o in "ab"]
     _wait(lambda: server.in_flight == 2)
     handles += [e.submit(req(owner=o)) for o in "cd"]  # they wait in the engine's queue
-    with pytest.raises(BusyError, match="2 requests are waiting"):
+    with pytest.raises(BusyError, match=r"about \d+ s of work is waiting, over this server's limit of 65 s"):
         e.submit(req(owner="e"))
     assert [h.position for h in handles] == [0, 0, 1, 2]
     for h in handles:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmweb.errors import InputError
 from llmweb.retrieval.documents import (
@@ -435,3 +437,16 @@ def test_very_long_names_are_refused():
         display_name("a/" * 2048 + "b.md")
     assert MAX_PATH_CHARS == 4096
     assert safe_name("x" * 300 + ".md") == "x" * 197 + ".md"  # long, not refused: cut to MAX_NAME_CHARS
+
+
+OLD_ATX = r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$"  # cubic on a heading line of blanks
+
+
+@given(st.text(alphabet=" #\tab", max_size=16))
+def test_atx_heading_scan_answers_as_the_old_regex(line):
+    import re
+
+    from llmweb.retrieval.documents import _atx_heading
+
+    m = re.match(OLD_ATX, line)
+    assert _atx_heading(line) == (m.group(2) if m else None)

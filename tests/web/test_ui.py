@@ -304,7 +304,7 @@ def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime):
         shown.append(out[1][-1]["content"]) or out for out in h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
     ]
     *streaming, final = outs
-    assert shown[:-1] == ["*Waiting: 1 ahead in the queue…*", "Par", "Paris"]
+    assert shown[:-1] == ["*Waiting: number 1 in the queue, about 1 s…*", "Par", "Paris"]
     assert all(isinstance(v, dict) and v.get("__type__") == "update" for v in streaming[-1][2:-1]), "others skipped"
     panel = Panel(*final[:-1])
     assert final[-1] == "" and panel.conv_state == streaming[0][0]

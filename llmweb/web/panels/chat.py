@@ -117,7 +117,8 @@ class ChatHandlers(PanelHandlers):
             if isinstance(event, Started):
                 conv_id = event.conv_id
             elif isinstance(event, Queued):
-                shown[-1] = {"role": "assistant", "content": f"*Waiting: {event.position} ahead in the queue…*"}
+                wait = f"number {event.position} in the queue, about {max(round(event.wait_s), 1)} s"
+                shown[-1] = {"role": "assistant", "content": f"*Waiting: {wait}…*"}
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Delta):
                 shown[-1] = {"role": "assistant", "content": event.text}
