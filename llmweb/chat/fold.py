@@ -43,7 +43,10 @@ def grounded(previous: str, turns: Sequence[Turn], written: str, *, name: str = 
     source = previous + "\n" + "\n".join(f"{t.user}\n{t.assistant}" for t in turns)
     result = facts.ground(written, source)
     if result.dropped:
-        log.info("summary for %s: dropped %d ungrounded sentences: %s", name, len(result.dropped), result.dropped)
+        # the sentences are the user's conversation: their lengths at INFO, their text at DEBUG only
+        lengths = [len(d) for d in result.dropped]
+        log.info("summary for %s: dropped %d ungrounded sentences (%s characters)", name, len(lengths), lengths)
+        log.debug("summary for %s: the dropped sentences: %s", name, result.dropped)
     return result.text
 
 

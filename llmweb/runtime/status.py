@@ -8,6 +8,7 @@ or check a server (runtime/health.py does).
 from __future__ import annotations
 
 import logging
+from urllib.parse import urlsplit
 
 log = logging.getLogger("llmweb.runtime")
 
@@ -15,6 +16,7 @@ log = logging.getLogger("llmweb.runtime")
 class StatusLine:
     def __init__(self, text: str = "Starting…"):
         self.text = text
+        self._down = ""  # the last reason the remote engine was down, logged once
 
     def progress(self, message: str) -> None:
         """A start-up step: shown, and logged."""
@@ -32,11 +34,32 @@ class StatusLine:
         self.text = f"{what}: {error}"
 
     def remote_up(self, url: str, model: str, token_ids: bool, started: str) -> None:
+        """The remote engine answers. The page names it "remote engine" and its model, never its
+        address (LLMWEB_ENGINE_URL may be a private host, or carry a key): that goes to the log."""
         prompts = "token-id prompts" if token_ids else "text prompts"
-        self.text = f"Ready: remote engine {url} · model {model} · reachable · {prompts} · {started}."
+        text = f"Ready: remote engine · model {model} · reachable · {prompts} · {started}."
+        if text != self.text:
+            log.info("remote engine %s reachable, model %s", url, model)
+        self.text = text
 
     def remote_down(self, url: str, why: str, retry_s: float) -> None:
+        if why != self._down:
+            log.warning("remote engine %s not reachable: %s", url, why)
+            self._down = why
         self.text = (
-            f"Ready, but the remote engine {url} is not reachable ({why}); retrying every "
+            f"Ready, but the remote engine is not reachable ({_hidden(why, url)}); retrying every "
             f"{retry_s:.0f} s. Messages fail until it answers."
         )
+
+
+def _hidden(text: str, url: str) -> str:
+    """`text` without the engine's address: the URL, its credentials and host[:port] (connection
+    errors name them)."""
+    parts = urlsplit(url) if url else None
+    found = {url}
+    if parts is not None:
+        userinfo, _, hostport = parts.netloc.rpartition("@")
+        found |= {parts.netloc, userinfo, hostport, parts.hostname or ""}
+    for secret in sorted((f for f in found if len(f) >= 4), key=len, reverse=True):
+        text = text.replace(secret, "…")
+    return text

@@ -9,20 +9,44 @@ EXPORT_VERSION, nor write an imported row that `parse_export` has not checked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from llmweb.errors import InputError
-from llmweb.records import Source, TurnStats
+from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
 from llmweb.store.conversations import ConversationQueries
-from llmweb.store.models import ChatSettings, Conversation, new_id
+from llmweb.store.models import MAX_TITLE_CHARS, ChatSettings, Conversation, new_id
 from llmweb.store.owners import require_owned, seen
 
 EXPORT_FORMAT = "llmweb.conversation"
 EXPORT_VERSION = 1
+
+# caps on what one import may hold (a shared server: an import is a stranger's file)
+MAX_IMPORT_CHARS = 32 * 2**20  # the whole document, before parsing
+MAX_IMPORT_TURNS = 5_000  # turns in all: the chat's and every version's
+MAX_IMPORT_VERSIONS = 500  # version rows in all, nested ones included
+MAX_VERSION_DEPTH = 20  # versions inside versions
+MAX_IMPORT_FACTS = 2_000  # facts in all
+MAX_TURN_CHARS = 1_000_000  # one message or one reply
+MAX_FACT_CHARS = 10_000
+MAX_SUMMARY_CHARS = 200_000
+MAX_SOURCES = 100  # sources under one reply
+MAX_NAME_CHARS = 4_096  # a source's file name, heading or snippet
+MAX_STAT_INT = 2**53  # any figure in a turn's stats
+MAX_TIME = 1e11  # unix seconds (year ~5000)
+# the prompt sections a turn's stats may name: chat/context.py's SECTIONS (a test keeps them equal;
+# the store may not import the chat)
+SECTION_NAMES = ("system", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
+SOURCE_KINDS = ("document", "recall")
+_TOP = ("format", "version", "title", "created", "updated", "summary", "summarized_upto", "turns")
+_TOP_OPTIONAL = ("id", "settings", "facts", "versions")
+_TURN = ("idx", "user", "assistant", "stats", "sources", "created")
 
 TurnRow = tuple[str, str, str, str, float]  # user, assistant, stats JSON, sources JSON, created
 VersionRow = tuple[int, int, str | None]  # fork, version, body JSON (None: the active version)
@@ -113,9 +137,14 @@ def to_json(conv: Conversation, versions: list[dict]) -> str:
 
 
 def parse_export(text: str) -> Imported:
-    """An export document, checked whole; anything malformed is one InputError."""
+    """An export document, checked whole against the format; anything malformed or over a cap is
+    one InputError that names what is wrong."""
+    if len(text) > MAX_IMPORT_CHARS:
+        raise InputError(f"That export is over {MAX_IMPORT_CHARS // 2**20} MB of text; it cannot be imported.")
     try:
         return _parse(json.loads(text))
+    except RecursionError:
+        raise InputError("This file is not an llmweb conversation export (nested too deeply).") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise InputError(f"This file is not an llmweb conversation export ({e}).") from None
 
@@ -123,46 +152,63 @@ def parse_export(text: str) -> Imported:
 def _parse(doc: Any) -> Imported:
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
         raise ValueError("not an llmweb export")
-    if doc.get("version") != EXPORT_VERSION:
-        raise ValueError(f"unknown export version {doc.get('version')!r}")
-    turns = sorted(doc["turns"], key=lambda t: t["idx"])
+    if doc.get("version") != EXPORT_VERSION or isinstance(doc.get("version"), bool):
+        raise ValueError(f"unknown export version {str(doc.get('version'))[:20]!r}")
+    doc = _fields(doc, "the export", _TOP, _TOP_OPTIONAL)
+    caps = _Caps()
+    turns = _items(doc["turns"], "turns", MAX_IMPORT_TURNS)
+    turns = [_fields(t, "a turn", _TURN) for t in turns]
+    caps.turns(len(turns))
+    turns.sort(key=lambda t: _int(t["idx"], "a turn's idx", MAX_IMPORT_TURNS))
     if [t["idx"] for t in turns] != list(range(len(turns))):
         raise ValueError("turn indices are not 0..n-1")
-    upto = int(doc["summarized_upto"])
-    if not 0 <= upto <= len(turns):
-        raise ValueError("summarized_upto out of range")
+    upto = _int(doc["summarized_upto"], "summarized_upto", len(turns))
     rows = [
-        (
-            t["user"],
-            t["assistant"],
-            _stats_json(t["stats"]),
-            json.dumps([Source.from_dict(s).to_dict() for s in t["sources"]]),
-            float(t["created"]),
-        )
+        _turn_row(t["user"], t["assistant"], _stats_json(t["stats"]), _sources_json(t["sources"]), t["created"])
         for t in turns
     ]
-    if not all(isinstance(v, str) for r in rows for v in r[:2]):
-        raise ValueError("turn text must be strings")
-    facts = [(str(f["text"]), int(bool(f["pinned"])), float(f["created"])) for f in doc.get("facts", [])]
-    versions = _import_versions(doc.get("versions", []), len(turns))
+    facts = [_fact(f) for f in _items(doc.get("facts", []), "facts", MAX_IMPORT_FACTS)]
+    caps.facts(len(facts))
+    versions = _import_versions(doc.get("versions", []), len(turns), caps)
     settings = json.dumps(ChatSettings.from_dict(doc.get("settings", {})).to_dict())
-    head = (str(doc["title"]), float(doc["created"]), float(doc["updated"]), str(doc["summary"]), upto, settings)
+    title = _text(doc["title"], "the title", MAX_TITLE_CHARS)
+    summary = _text(doc["summary"], "the summary", MAX_SUMMARY_CHARS)
+    head = (title, _time(doc["created"]), _time(doc["updated"]), summary, upto, settings)
     return Imported(head, rows, facts, versions)
 
 
-def _import_versions(rows: Any, n_turns: int) -> list[tuple[int, int, str | None]]:
+def _turn_row(user: Any, assistant: Any, stats: str, sources: str, created: Any) -> TurnRow:
+    return (
+        _text(user, "a message", MAX_TURN_CHARS),
+        _text(assistant, "a reply", MAX_TURN_CHARS),
+        stats,
+        sources,
+        _time(created),
+    )
+
+
+def _fact(f: Any) -> tuple[str, int, float]:
+    f = _fields(f, "a fact", ("text", "pinned", "created"))
+    if not isinstance(f["pinned"], bool | int):
+        raise ValueError("a fact's pinned must be true or false")
+    return _text(f["text"], "a fact", MAX_FACT_CHARS), int(bool(f["pinned"])), _time(f["created"])
+
+
+def _import_versions(rows: Any, n_turns: int, caps: _Caps, depth: int = 0) -> list[tuple[int, int, str | None]]:
     """An export's version rows, checked: each fork has versions 0..k-1, exactly one of them active
     (body null) at a fork inside the active turns, and every other body is a well-formed version."""
-    if not isinstance(rows, list):
-        raise TypeError("versions must be a list")
+    if depth > MAX_VERSION_DEPTH:
+        raise ValueError(f"versions nested over {MAX_VERSION_DEPTH} deep")
     out: list[tuple[int, int, str | None]] = []
     groups: dict[int, list[tuple[int, bool]]] = {}
-    for r in rows:
-        fork, version, body = int(r["fork"]), int(r["version"]), r["body"]
-        if body is not None:
-            _check_body(body)
+    for r in _items(rows, "versions", MAX_IMPORT_VERSIONS):
+        r = _fields(r, "a version", ("fork", "version", "body"))
+        fork = _int(r["fork"], "a version's fork", MAX_IMPORT_TURNS)
+        version = _int(r["version"], "a version's number", MAX_IMPORT_VERSIONS)
+        body = None if r["body"] is None else _body(r["body"], caps, depth)
         groups.setdefault(fork, []).append((version, body is None))
-        out.append((fork, version, None if body is None else json.dumps(body)))
+        out.append((fork, version, body))
+    caps.versions(len(out))
     for fork, members in groups.items():
         if sorted(v for v, _ in members) != list(range(len(members))) or sum(a for _, a in members) != 1:
             raise ValueError(f"the versions at turn {fork + 1} are not numbered 0..n-1 with one active")
@@ -171,34 +217,193 @@ def _import_versions(rows: Any, n_turns: int) -> list[tuple[int, int, str | None
     return out
 
 
-def _check_body(body: Any) -> None:
-    if not isinstance(body, dict) or not isinstance(body.get("turns"), list):
-        raise TypeError("a version must be an object with turns")
-    for t in body["turns"]:
+def _body(body: Any, caps: _Caps, depth: int) -> str:
+    """A stored version (store/versions.py's JSON), checked and written again from the checked values."""
+    body = _fields(body, "a version", ("turns", "summary", "summarized_upto", "facts", "nested"))
+    turns = []
+    for t in _items(body["turns"], "a version's turns", MAX_IMPORT_TURNS):
+        if not isinstance(t, list) or len(t) != 5:
+            raise ValueError("a version's turn must be [user, assistant, stats, sources, created]")
         user, assistant, stats, sources, created = t
-        if not (isinstance(user, str) and isinstance(assistant, str)):
-            raise ValueError("turn text must be strings")
-        _stats_json(json.loads(stats))
-        [Source.from_dict(s) for s in json.loads(sources)]
-        float(created)
-    if not isinstance(body["summary"], str) or not 0 <= int(body["summarized_upto"]):
-        raise ValueError("a version's summary is malformed")
-    for text, created in body["facts"]:
-        if not isinstance(text, str):
-            raise ValueError("facts must be text")
-        float(created)
-    for nested in body["nested"]:
-        fork, version, inner = nested
-        int(fork), int(version)
-        if inner is not None:
-            _check_body(json.loads(inner))
+        stats = _stats_json(json.loads(_text(stats, "a version's stats", MAX_TURN_CHARS)))
+        sources = _sources_json(json.loads(_text(sources, "a version's sources", MAX_TURN_CHARS)))
+        turns.append(list(_turn_row(user, assistant, stats, sources, created)))
+    caps.turns(len(turns))
+    facts = []
+    for f in _items(body["facts"], "a version's facts", MAX_IMPORT_FACTS):
+        if not isinstance(f, list) or len(f) != 2:
+            raise ValueError("a version's fact must be [text, created]")
+        facts.append([_text(f[0], "a fact", MAX_FACT_CHARS), _time(f[1])])
+    caps.facts(len(facts))
+    nested = []
+    for n in _items(body["nested"], "a version's nested versions", MAX_IMPORT_VERSIONS):
+        if not isinstance(n, list) or len(n) != 3:
+            raise ValueError("a nested version must be [fork, version, body]")
+        inner = n[2] if n[2] is None else json.loads(_text(n[2], "a nested version", MAX_IMPORT_CHARS))
+        nested.append({"fork": n[0], "version": n[1], "body": inner})
+    checked = _import_versions(nested, MAX_IMPORT_TURNS, caps, depth + 1)
+    summary = _text(body["summary"], "a version's summary", MAX_SUMMARY_CHARS)
+    upto = _int(body["summarized_upto"], "a version's summarized_upto", MAX_IMPORT_TURNS)
+    return json.dumps(
+        {
+            "turns": turns,
+            "summary": summary,
+            "summarized_upto": upto,
+            "facts": facts,
+            "nested": [list(v) for v in checked],
+        }
+    )
 
 
 def _stats_json(d: Any) -> str:
-    """Imported stats, checked by reading them as TurnStats; an empty object stays empty."""
+    """Imported stats, checked field by field and written again as TurnStats writes them (keys of
+    older formats that TurnStats no longer has are left out, as TurnStats.from_dict leaves them);
+    an empty object stays empty."""
     if not isinstance(d, dict):
         raise TypeError("stats must be an object")
-    return json.dumps(TurnStats.from_dict(d).to_dict() if d else {})
+    if not d:
+        return "{}"
+    for name, value in d.items():
+        kind = _STAT_KINDS.get(name)
+        if kind == "sections":
+            _sections(value)
+        elif kind == "mem":
+            if value is not None and not isinstance(value, dict):
+                raise ValueError("stats' mem must be an object")
+            for k, v in (value or {}).items():
+                if k not in _MEM_KEYS:
+                    raise ValueError(f"unknown key {str(k)[:40]!r} in stats' mem")
+                if v is not None:
+                    _int(v, f"stats' {k}", MAX_STAT_INT, lo=-MAX_STAT_INT)
+        elif kind is not None:
+            _STAT_CHECKS[kind](value, f"stats' {name}")
+    return json.dumps(TurnStats.from_dict(d).to_dict())
+
+
+def _sections(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ValueError("stats' sections must be an object")
+    for name, n in value.items():
+        if name not in SECTION_NAMES:
+            raise ValueError(f"unknown prompt section {str(name)[:40]!r}")
+        _int(n, f"the {name} section", MAX_STAT_INT)
+
+
+def _sources_json(items: Any) -> str:
+    out = []
+    for s in _items(items, "sources", MAX_SOURCES):
+        s = _fields(s, "a source", ("n", "source"), ("page", "heading", "score", "kind", "snippet"))
+        if s.get("kind", "document") not in SOURCE_KINDS:
+            raise ValueError(f"unknown source kind {str(s.get('kind'))[:20]!r}")
+        source = Source(
+            _int(s["n"], "a source's n", MAX_SOURCES, lo=1),
+            _text(s["source"], "a source's name", MAX_NAME_CHARS),
+            None if s.get("page") is None else _int(s["page"], "a source's page", MAX_STAT_INT),
+            None if s.get("heading") is None else _text(s["heading"], "a source's heading", MAX_NAME_CHARS),
+            _float(s.get("score", 0.0), "a source's score"),
+            s.get("kind", "document"),
+            _text(s.get("snippet", ""), "a source's snippet", MAX_NAME_CHARS),
+        )
+        out.append(source.to_dict())
+    return json.dumps(out)
+
+
+# -- the checks each field gets --------------------------------------------------------------------
+
+
+class _Caps:
+    """Counts what a whole document holds, its versions' bodies included, against the caps."""
+
+    def __init__(self) -> None:
+        self.n = {"turns": 0, "facts": 0, "versions": 0}
+
+    def _add(self, what: str, n: int, cap: int) -> None:
+        self.n[what] += n
+        if self.n[what] > cap:
+            raise ValueError(f"over {cap:,} {what} in all")
+
+    def turns(self, n: int) -> None:
+        self._add("turns", n, MAX_IMPORT_TURNS)
+
+    def facts(self, n: int) -> None:
+        self._add("facts", n, MAX_IMPORT_FACTS)
+
+    def versions(self, n: int) -> None:
+        self._add("versions", n, MAX_IMPORT_VERSIONS)
+
+
+def _fields(d: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    """`d` as an object with every `required` key, and no key but those and `optional`."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{where} must be an object")
+    unknown = [k for k in d if k not in required and k not in optional]
+    if unknown:
+        raise ValueError(f"unknown key {str(unknown[0])[:40]!r} in {where}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise KeyError(f"{where} has no {missing[0]!r}")
+    return d
+
+
+def _items(v: Any, where: str, cap: int) -> list:
+    if not isinstance(v, list):
+        raise TypeError(f"{where} must be a list")
+    if len(v) > cap:
+        raise ValueError(f"over {cap:,} {where}")
+    return v
+
+
+def _text(v: Any, where: str, cap: int) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{where} must be text")
+    if len(v) > cap:
+        raise ValueError(f"{where} is over {cap:,} characters")
+    return v
+
+
+def _int(v: Any, where: str, hi: int, lo: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ValueError(f"{where} must be a whole number from {lo} to {hi}")
+    return v
+
+
+def _float(v: Any, where: str) -> float:
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or abs(v) > MAX_STAT_INT:
+        raise ValueError(f"{where} must be a number")
+    return float(v)
+
+
+def _time(v: Any) -> float:
+    t = _float(v, "a time")
+    if not 0 <= t <= MAX_TIME:
+        raise ValueError("a time is out of range")
+    return t
+
+
+def _bool(v: Any, where: str) -> None:
+    if not isinstance(v, bool):
+        raise ValueError(f"{where} must be true or false")
+
+
+def _reason(v: Any, where: str) -> None:
+    if not isinstance(v, str) or not _REASON.fullmatch(v):
+        raise ValueError(f"{where} must be a short word")
+
+
+_STAT_CHECKS = {
+    "int": lambda v, where: _int(v, where, MAX_STAT_INT),
+    "float": lambda v, where: _float(v, where),
+    "bool": _bool,
+    "str": _reason,
+}
+_STAT_KINDS = {
+    **{f.name: str(f.type) for f in dataclasses.fields(GenerationStats)},
+    **{f.name: str(f.type) for f in dataclasses.fields(TurnStats) if f.name != "gen"},
+    "sections": "sections",
+    "mem": "mem",
+}
+_MEM_KEYS = {f.name for f in dataclasses.fields(MemorySnapshot)} | {"cuda_fragmentation_bytes"}
+_REASON = re.compile(r"[a-z_]{0,20}")
 
 
 # -- the Markdown transcript -------------------------------------------------------------------

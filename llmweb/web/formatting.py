@@ -31,6 +31,24 @@ NO_TURNS = "*No turns yet. Ask something.*"
 STOPPED = "\n\n*(stopped)*"
 
 _MD_LEAD = re.compile(r"^\s*(#{1,6}\s+|[>*+-]\s+|\d+[.)]\s+)+")
+_SCHEME = re.compile(r"(?i)\b(javascript|vbscript|data|file)(\s*):")
+
+
+def escape(value: object, *, inline: bool = False) -> str:
+    """The one escape of everything the page shows that it did not write itself: user and model
+    text, imported fields, file names, error sentences. `& < > "` become entities (safe as element
+    text and inside attributes, which llmweb always writes in double quotes, in gr.HTML, SVG and
+    Markdown alike; an apostrophe stays one); `[` becomes `&#91;`, so Markdown makes no link or
+    image of it (a reply cannot make the browser fetch a URL, nor show a disguised link); a
+    `javascript:`-like scheme gets a zero-width space before its colon. `inline=True` is for one
+    line inside Markdown (a table cell, a list item, a sentence): whitespace runs become one space
+    and `|` an entity, so the value cannot start a block (a fence, a heading) or a table cell.
+    Every other function here passes outside strings through it."""
+    text = " ".join(str(value).split()) if inline else str(value)
+    text = html.escape(text, quote=False).replace('"', "&quot;").replace("[", "&#91;")
+    if inline:
+        text = text.replace("|", "&#124;")
+    return _SCHEME.sub("\\1\\2\u200b:", text)
 
 
 def warnings(s: TurnStats, mem_limit_bytes: int = 0) -> list[str]:
@@ -56,7 +74,7 @@ def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
         return NO_TURNS
     g, mem = s.gen, s.mem
     lines = [
-        f"**Turn {s.turn}** · {g.finish_reason}",
+        f"**Turn {s.turn}** · {escape(g.finish_reason, inline=True)}",
         f"- prompt **{g.prompt_tokens:,}** tokens: "
         + (
             f"reused {g.reused_tokens:,} of {g.prompt_tokens:,} from this chat's cache, "
@@ -93,9 +111,9 @@ def sections_html(s: TurnStats | None) -> str:
         if n <= 0:
             continue
         pct = 100 * n / limit
-        colour = SECTION_COLOURS.get(name, "#9ca3af")
-        bars.append(f'<div title="{name}: {n} tokens" style="width:{pct:.2f}%;background:{colour}"></div>')
-        legend.append(f'<span><i style="background:{colour}"></i>{name} {n:,} ({pct:.0f}%)</span>')
+        colour, label = SECTION_COLOURS.get(name, "#9ca3af"), escape(name)
+        bars.append(f'<div title="{label}: {n} tokens" style="width:{pct:.2f}%;background:{colour}"></div>')
+        legend.append(f'<span><i style="background:{colour}"></i>{label} {n:,} ({pct:.0f}%)</span>')
     free = max(limit - sum(s.sections.values()), 0)
     legend.append(f"<span>free {free:,} of {limit:,}</span>")
     return f'<div class="llmweb-bar">{"".join(bars)}</div><div class="llmweb-legend">{"".join(legend)}</div>'
@@ -108,7 +126,10 @@ def sources_message(sources: Sequence[Source]) -> dict | None:
     lines = []
     for s in sources:
         snippet = _MD_LEAD.sub("", s.snippet)  # a chunk may start with "# Heading": not a heading here
-        lines.append(f"**[{s.n}] {html.escape(s.label())}** · score {s.score:.2f}\n> {html.escape(snippet)}")
+        lines.append(
+            f"**[{escape(s.n)}] {escape(s.label(), inline=True)}** · score {float(s.score):.2f}\n"
+            f"> {escape(snippet, inline=True)}"
+        )
     return {
         "role": "assistant",
         "content": "\n\n".join(lines),
@@ -123,14 +144,19 @@ def history_messages(conv) -> list[dict]:
     for t in conv.turns:
         stopped = t.stats is not None and t.stats.stopped
         marker = f"\n\n{version_marker(*versions[t.idx])}" if t.idx in versions else ""
-        out.append({"role": "user", "content": t.user + marker})
-        out.append(
-            {"role": "assistant", "content": (t.assistant or "") + (STOPPED if stopped else "") or "*(no reply)*"}
-        )
+        out.append({"role": "user", "content": escape(t.user) + marker})
+        reply = escape(t.assistant or "") + (STOPPED if stopped else "")
+        out.append({"role": "assistant", "content": reply or "*(no reply)*"})
         src = sources_message(t.sources)
         if src:
             out.append(src)
     return out
+
+
+def message_text(shown: str) -> str:
+    """What the visitor wrote, back from a message the page shows (`history_messages` escaped it):
+    the edit control hands the shown text back."""
+    return html.unescape(VERSION_MARKER.sub("", shown)).replace("\u200b:", ":")
 
 
 def version_marker(active: int, count: int) -> str:
@@ -152,13 +178,13 @@ def fact_label(f) -> str:
 
 def summary_markdown(conv) -> str:
     parts = [
-        f"**Summary of the first {conv.summarized_upto} turns:** {html.escape(conv.summary)}"
+        f"**Summary of the first {conv.summarized_upto} turns:** {escape(conv.summary, inline=True)}"
         if conv.summary
         else "*No summary yet: the whole conversation still fits in the window.*"
     ]
     if conv.facts:
         parts.append("**Facts you stated** (kept word for word; 📌 = pinned, never dropped):")
-        parts += [f"- {'📌 ' if f.pinned else ''}{html.escape(f.text)}" for f in conv.facts]
+        parts += [f"- {'📌 ' if f.pinned else ''}{escape(f.text, inline=True)}" for f in conv.facts]
     else:
         parts.append(
             "*No facts kept yet. Facts you state are kept when their turn leaves the window; "
@@ -172,7 +198,7 @@ def documents_markdown(docs) -> str:
     if not docs:
         return "*No documents yet. Add .txt, .md, .pdf, .html or .docx files above.*"
     rows = ["| document | chunks | whose |", "|---|---:|---|"] + [
-        f"| {html.escape(d.source)} | {d.chunks} | {'yours (private)' if d.scope == 'yours' else 'shared'} |"
+        f"| {escape(d.source, inline=True)} | {d.chunks} | {'yours (private)' if d.scope == 'yours' else 'shared'} |"
         for d in docs
     ]
     return "\n".join(rows)
@@ -180,7 +206,7 @@ def documents_markdown(docs) -> str:
 
 def ingest_markdown(reports) -> str:
     """One line per uploaded file (`IngestReport`): ✅ added, or ⚠️ and why not."""
-    return "\n\n".join(("✅ " if r.ok else "⚠️ ") + html.escape(r.describe()) for r in reports)
+    return "\n\n".join(("✅ " if r.ok else "⚠️ ") + escape(r.describe(), inline=True) for r in reports)
 
 
 _MEMORY_MEASURES = (
@@ -259,7 +285,7 @@ def line_chart_html(frame, y: str, series: str, title: str, colours: dict[str, s
     legend = []
     for n, (name, rows) in enumerate(frame.sort_values("turn").groupby(series, sort=False)):
         colour = (colours or {}).get(name) or _SERIES_COLOURS[n % len(_SERIES_COLOURS)]
-        label = html.escape(str(name))
+        label = escape(name)
         points = [(px(int(t)), py(v), int(t), float(v)) for t, v in zip(rows["turn"], rows[y])]
         if len(points) > 1:
             path = " ".join(f"{x:.1f},{yy:.1f}" for x, yy, _, _ in points)
@@ -271,13 +297,13 @@ def line_chart_html(frame, y: str, series: str, title: str, colours: dict[str, s
         ]
         legend.append(f'<span><i style="background:{colour}"></i>{label}</span>')
     svg = (
-        f'<svg viewBox="0 0 {w} {h}" width="100%" role="img" aria-label="{html.escape(title)} by turn">'
+        f'<svg viewBox="0 0 {w} {h}" width="100%" role="img" aria-label="{escape(title)} by turn">'
         + "".join(parts)
         + "</svg>"
     )
     return (
-        f'<div class="llmweb-plot"><div><strong>{html.escape(title)}</strong> '
-        f'<small>({html.escape(y)} by turn)</small></div>{svg}<div class="llmweb-legend">{"".join(legend)}</div></div>'
+        f'<div class="llmweb-plot"><div><strong>{escape(title)}</strong> '
+        f'<small>({escape(y)} by turn)</small></div>{svg}<div class="llmweb-legend">{"".join(legend)}</div></div>'
     )
 
 

@@ -80,10 +80,7 @@ def test_the_health_watch_words_the_status_line_up_down_and_answering_badly():
     status = StatusLine()
     up = SimpleNamespace(server=FakeServer(), probe=lambda: SimpleNamespace(ids=True))
     assert RemoteHealth(up, "http://x", status, "started in 1 s", retry_s=5).check()
-    assert (
-        status.text
-        == "Ready: remote engine http://x · model fake-model · reachable · token-id prompts · started in 1 s."
-    )
+    assert status.text == "Ready: remote engine · model fake-model · reachable · token-id prompts · started in 1 s."
     down = SimpleNamespace(server=FakeServer("connection refused"), probe=lambda: None)
     assert not RemoteHealth(down, "http://x", status, "", retry_s=5).check()
     assert "not reachable (connection refused); retrying every 5 s" in status.text
@@ -94,6 +91,17 @@ def test_the_health_watch_words_the_status_line_up_down_and_answering_badly():
     bad = SimpleNamespace(server=FakeServer(), probe=refuse)
     assert not RemoteHealth(bad, "http://x", status, "", retry_s=5).check()
     assert "not reachable (PermissionError: wrong key)" in status.text
+
+
+def test_the_status_line_never_shows_the_engine_address():
+    """LLMWEB_ENGINE_URL may be a private host or carry a key: the page says "remote engine"."""
+    url = "http://user:key@10.1.2.3:8000/v1"
+    status = StatusLine()
+    status.remote_up(url, "qwen", True, "started in 1 s")
+    assert "10.1.2.3" not in status.text and "key" not in status.text and "model qwen" in status.text
+    why = "ConnectionError: HTTPConnectionPool(host='10.1.2.3', port=8000): refused by user:key@10.1.2.3:8000"
+    status.remote_down(url, why, 5)
+    assert "10.1.2.3" not in status.text and "user:key" not in status.text and "refused" in status.text
 
 
 def test_the_status_line_shows_progress_and_failures():

