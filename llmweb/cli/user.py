@@ -1,4 +1,7 @@
-"""`python -m llmweb user add | remove | list | key`: the users file from the command line.
+"""`python -m llmweb user add | remove [--purge] | list | key`: the users file from the command line.
+
+A removed user's sessions end on a running server at their next action (web/identity.py checks that a
+session's user still exists); `--purge` also deletes what they stored, as "Delete all my data" does.
 
 It edits the file that web/accounts.py reads, through accounts.py's own functions; it must not
 write the file itself, print a stored hash, or start the server. Problems raise LlmwebError
@@ -17,6 +20,9 @@ from pathlib import Path
 
 from llmweb.config import Settings, check_username
 from llmweb.errors import InputError
+from llmweb.retrieval.library import private_namespace
+from llmweb.retrieval.storage import delete_namespace
+from llmweb.store.db import Store
 from llmweb.web.accounts import (
     DEFAULT_FILE_NAME,
     check_password,
@@ -28,6 +34,9 @@ from llmweb.web.accounts import (
     save_users,
     users_file_path,
 )
+from llmweb.web.identity import login_owner
+
+STORE_FILE = "llmweb.sqlite3"  # in the data dir, as llmweb.runtime opens it
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +57,32 @@ def add_parser(sub) -> None:
     a.add_argument("name")
     a.add_argument("--password-stdin", action="store_true", help="read the password from stdin (one line)")
     a.add_argument("--replace", action="store_true", help="set a new password if the user exists")
-    r = users.add_parser("remove", parents=[common], help="remove a user")
+    r = users.add_parser(
+        "remove", parents=[common], help="remove a user (a running server ends their sessions at once)"
+    )
     r.add_argument("name")
+    r.add_argument(
+        "--purge",
+        action="store_true",
+        help="also delete everything the user stored: chats, facts and private documents",
+    )
     users.add_parser("list", parents=[common], help="list users and when they were added")
     k = users.add_parser("key", parents=[common], help="make a new API key for a user (printed once)")
     k.add_argument("name")
     k.add_argument("--revoke", action="store_true", help="remove all the user's API keys instead")
     u.set_defaults(func=cmd_user)
+
+
+def purge_owner(settings: Settings, owner: str) -> tuple[int, bool]:
+    """Everything `owner` stored, as "Delete all my data" removes it: the store's chats and facts,
+    and the private library (chat/session.py's `delete_owner`, without loading a model). Returns
+    (chats deleted, whether a private library was deleted)."""
+    store = Store(settings.data_dir / STORE_FILE)
+    try:
+        chats = len(store.delete_owner(owner))
+    finally:
+        store.close()
+    return chats, delete_namespace(settings, private_namespace(owner))
 
 
 def read_password(from_stdin: bool) -> str:
@@ -121,6 +149,10 @@ def cmd_user(args, settings=None) -> int:
         del users[name]
         save_users(path, users)
         log.info("user %r removed from %s", name, path)
-        print(f"removed user {name} from {path}")
+        print(f"removed user {name} from {path}; a server reading it ends their sessions at their next action")
+        if getattr(args, "purge", False):
+            chats, docs = purge_owner(settings, login_owner(name))
+            log.info("user %r purged: %d chats%s", name, chats, " and their documents" if docs else "")
+            print(f"deleted {chats} chat{'s' if chats != 1 else ''}" + (" and their documents" if docs else ""))
         return 0
     raise InputError(f"unknown user command {args.user_command!r}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -39,6 +40,7 @@ import secrets
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,12 @@ MAX_FILE_BYTES = 16 * 1024 * 1024
 SCRYPT_MAXMEM = 256 * 1024 * 1024  # refuse cost parameters (from a hand-edited file) that need more
 API_KEY_PREFIX = "llmweb-"  # keys made by `user key NAME`: the prefix, then 256 random bits
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+# login back-off: after FREE failures for a name or from an address, each further failure doubles the
+# wait (1 s, 2 s, 4 s ...) up to CAP; a quiet CAP after the last wait forgets the failures
+BACKOFF_FREE = 3
+BACKOFF_BASE_S = 1.0
+BACKOFF_CAP_S = 300.0
+BACKOFF_KEYS = 10_000  # names and addresses remembered, least recently failed dropped first
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +307,58 @@ def users_file_path(settings, file: Path | None = None) -> Path:
     return Path(settings.data_dir) / DEFAULT_FILE_NAME
 
 
+class LoginBackoff(InputError):
+    """A login refused without checking the password: too many failures lately for the name or address."""
+
+    def __init__(self, wait_s: float):
+        self.wait_s = max(1, round(wait_s + 0.49))
+        super().__init__(f"Too many failed logins; try again in {self.wait_s} s.")
+
+
+class LoginThrottle:
+    """Failed logins per user name (as typed: known or not) and per client address, with an exponential,
+    capped wait. In memory, bounded (BACKOFF_KEYS); `clock` is for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # key -> (failures, wait until)
+
+    @staticmethod
+    def _keys(name: str, address: str | None) -> list[str]:
+        return [f"name:{name[:MAX_USERNAME_CHARS]}"] + ([f"address:{address}"] if address else [])
+
+    def wait_s(self, name: str, address: str | None = None) -> float:
+        """Seconds until `name` (and `address`) may try again; 0 when they may now."""
+        now = self._clock()
+        with self._lock:
+            waits = [self._failures[k][1] - now for k in self._keys(name, address) if k in self._failures]
+        return max([0.0, *waits])
+
+    def failed(self, name: str, address: str | None = None) -> None:
+        now = self._clock()
+        with self._lock:
+            for key in self._keys(name, address):
+                count, until = self._failures.pop(key, (0, now))
+                if now > until + BACKOFF_CAP_S:  # quiet for long enough: start over
+                    count = 0
+                count += 1
+                wait = (
+                    0.0
+                    if count <= BACKOFF_FREE
+                    else min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (count - BACKOFF_FREE - 1))
+                )
+                self._failures[key] = (count, now + wait)
+            while len(self._failures) > BACKOFF_KEYS:
+                self._failures.popitem(last=False)
+
+    def succeeded(self, name: str) -> None:
+        """The name's failures are forgotten (not the address's: logging in to one's own account must not
+        reset an address that guesses at others)."""
+        with self._lock:
+            self._failures.pop(self._keys(name, None)[0], None)
+
+
 class Accounts:
     """Checks logins against the LLMWEB_AUTH users and the users file."""
 
@@ -308,6 +368,7 @@ class Accounts:
         self._file = UsersFile(users_file) if users_file is not None else None
         # Unknown names are checked against this, so they cost the same scrypt as real ones.
         self._dummy = new_record("-", secrets.token_urlsafe(16), params=params)
+        self.throttle = LoginThrottle()
         file_users = self._file.users() if self._file else {}
         where = self._file.path if self._file else "LLMWEB_AUTH"
         for name in sorted(self._env.keys() & file_users.keys()):
@@ -327,19 +388,45 @@ class Accounts:
     def names(self) -> list[str]:
         return sorted(self._env.keys() | (self._file.users().keys() if self._file else set()))
 
-    def verify(self, username: str, password: str) -> bool:
-        """True for a known user with the right password. Never raises for bad input."""
+    def exists(self, name: str) -> bool:
+        """Is `name` a user now (LLMWEB_AUTH, or the users file as it is on disk)? A removed user is not."""
+        return isinstance(name, str) and self._lookup(name) is not None
+
+    def verify(self, username: str, password: str, address: str | None = None) -> bool:
+        """True for a known user with the right password. Never raises for bad input; False without
+        hashing while the name or address is backing off (`check` says for how long)."""
+        try:
+            return self.check(username, password, address)
+        except LoginBackoff:
+            return False
+
+    def check(self, username: str, password: str, address: str | None = None) -> bool:
+        """As `verify`, but LoginBackoff (with the wait) while the name or address backs off after
+        failed logins: then no scrypt runs at all (a flood of guesses costs the server nothing)."""
         if not isinstance(username, str) or not isinstance(password, str):
             return False
         record = self._lookup(username) if USERNAME_RE.fullmatch(username) else None
+        shown = f"user {username!r}" if record is not None else "an unknown user name"  # maybe a misplaced password
+        wait = self.throttle.wait_s(username, address)
+        if wait > 0:
+            log.warning("login refused for %s from %s: backing off %.0f s after failed logins", shown, address, wait)
+            raise LoginBackoff(wait)
         ok = (record or self._dummy).matches(password) and record is not None
         if ok:
+            self.throttle.succeeded(username)
             log.info("user %r logged in", username)
-        elif record is not None:
-            log.info("failed login for user %r", username)
         else:
-            log.info("failed login for an unknown user name")  # the "name" may be a misplaced password
+            self.throttle.failed(username, address)
+            log.info("failed login for %s from %s", shown, address)
         return ok
+
+
+@functools.lru_cache(maxsize=16)
+def accounts_for(settings) -> Accounts:
+    """The server's one `Accounts` for these settings: Gradio's auth callable, the login route
+    (web/login.py) and the check that a session's user still exists (web/identity.py) share it, and
+    with it the login back-off."""
+    return Accounts.from_settings(settings)
 
 
 def gradio_auth(settings) -> Callable[[str, str], Awaitable[bool]] | None:
@@ -350,7 +437,7 @@ def gradio_auth(settings) -> Callable[[str, str], Awaitable[bool]] | None:
     """
     if not settings.login:
         return None
-    accounts = Accounts.from_settings(settings)
+    accounts = accounts_for(settings)
 
     async def check_login(username: str, password: str) -> bool:
         return await asyncio.to_thread(accounts.verify, username, password)

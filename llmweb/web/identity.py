@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from llmweb.config import Settings
 from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER
-from llmweb.web.accounts import ApiKeys
+from llmweb.web.accounts import ApiKeys, accounts_for
 from llmweb.web.api_wire import ApiError
 from llmweb.web.trust import cross_site, headers_of, host_is_local, is_forwarded, origin_of
 
@@ -57,8 +57,24 @@ def login_owner(name: str) -> str:
     return f"user:{name}"
 
 
-def _login_name(request) -> str | None:
-    return getattr(request, "username", None) or None
+def _login_name(request, settings: Settings | None = None) -> str | None:
+    """The login account of a request; InputError when its user was removed since it logged in
+    (`python -m llmweb user remove`): its Gradio sessions end here, the page asks to log in again."""
+    name = getattr(request, "username", None) or None
+    if name and settings is not None and settings.login and not accounts_for(settings).exists(name):
+        _end_sessions(request, name)
+        log.info("a session of the removed user %r ended", name)
+        raise InputError("Your account no longer exists on this server. Reload the page to log in again.")
+    return name
+
+
+def _end_sessions(request, name: str) -> None:
+    """Forget every Gradio login session of `name` (the app's token -> user map the cookies point to)."""
+    app = getattr(getattr(request, "request", None), "app", None)
+    tokens = getattr(app, "tokens", None)
+    if isinstance(tokens, dict):
+        for token in [t for t, user in tokens.items() if user == name]:
+            tokens.pop(token, None)
 
 
 def acts_as_single_user(settings: Settings, request, port: int | None = None) -> bool:
@@ -72,9 +88,9 @@ def acts_as_single_user(settings: Settings, request, port: int | None = None) ->
 
 def browser_owner(settings: Settings, token, request) -> str:
     """A page event's owner: the single user, the login account, or the browser's token."""
+    name = _login_name(request, settings)  # first: a removed user's session ends even on a single-user install
     if acts_as_single_user(settings, request):
         return LOCAL_OWNER
-    name = _login_name(request)
     if name:
         return login_owner(name)
     if not is_owner_token(token):
@@ -84,9 +100,9 @@ def browser_owner(settings: Settings, token, request) -> str:
 
 def gradio_api_owner(settings: Settings, conversation_id: str, request) -> str:
     """A gradio_client call's owner: the single user, the login account, or (anonymous) the conversation's own id."""
+    name = _login_name(request, settings)
     if acts_as_single_user(settings, request):
         return LOCAL_OWNER
-    name = _login_name(request)
     return login_owner(name) if name else API_CONVERSATION + conversation_id
 
 

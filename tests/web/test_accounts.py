@@ -351,3 +351,145 @@ def test_no_password_or_hash_reaches_the_log(users_path, settings, monkeypatch, 
     assert "user 'alice' added" in caplog.text and "user 'alice' removed" in caplog.text
     assert "failed login for user 'alice'" in caplog.text and "failed login for user 'carol'" in caplog.text
     assert "failed login for an unknown user name" in caplog.text
+
+
+# ---- login back-off
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def throttled(users_path, monkeypatch):
+    """alice in the users file, a fake clock, and a count of scrypt runs."""
+    add(users_path, "alice", SECRET)
+    acc = Accounts(users_file=users_path)
+    clock = Clock()
+    acc.throttle = accounts.LoginThrottle(clock)
+    runs = []
+    real = Scrypt.hash
+    monkeypatch.setattr(Scrypt, "hash", lambda self, pw, salt: runs.append(1) or real(self, pw, salt))
+    return acc, clock, runs
+
+
+def test_failed_logins_for_a_name_back_off_exponentially_without_running_scrypt(throttled, caplog):
+    acc, clock, runs = throttled
+    for _ in range(accounts.BACKOFF_FREE):
+        assert not acc.check("alice", OTHER, "198.51.100.1")
+    runs.clear()
+    assert not acc.check("alice", OTHER, "198.51.100.2")  # the 4th failure: 1 s to wait
+    waits = []
+    for _ in range(4):
+        with pytest.raises(accounts.LoginBackoff) as refused:
+            acc.check("alice", SECRET, "198.51.100.3")  # even the right password, from another address
+        waits.append(refused.value.wait_s)
+        assert "try again in" in str(refused.value)
+        clock.now += refused.value.wait_s
+        assert not acc.check("alice", OTHER, "198.51.100.3")
+    assert waits == [1, 2, 4, 8], "doubling"
+    assert len(runs) == 1 + 4, "scrypt ran for the attempts let through, never for a refused one"
+    assert not acc.verify("alice", SECRET), "verify: False while backing off"
+    assert "backing off" in caplog.text and SECRET not in caplog.text and OTHER not in caplog.text
+    clock.now += accounts.BACKOFF_CAP_S
+    assert acc.check("alice", SECRET, "198.51.100.3"), "the wait is capped, and then the right password works"
+
+
+def test_one_address_guessing_many_names_backs_off_and_other_addresses_do_not(throttled):
+    acc, clock, runs = throttled
+    for i in range(accounts.BACKOFF_FREE + 1):
+        assert not acc.check(f"guess{i}", OTHER, "203.0.113.66")
+    runs.clear()
+    with pytest.raises(accounts.LoginBackoff):
+        acc.check("alice", SECRET, "203.0.113.66")
+    assert runs == []
+    assert acc.check("alice", SECRET, "192.0.2.10"), "alice from her own address is not held up"
+
+
+def test_the_wait_is_capped_and_the_throttle_forgets_old_names(monkeypatch):
+    clock = Clock()
+    t = accounts.LoginThrottle(clock)
+    for _ in range(40):
+        t.failed("x", None)
+    assert t.wait_s("x") == accounts.BACKOFF_CAP_S
+    monkeypatch.setattr(accounts, "BACKOFF_KEYS", 3)
+    for name in "abcd":
+        t.failed(name, None)
+    assert len(t._failures) == 3
+
+
+def test_the_login_route_backs_off_per_address_behind_a_trusted_proxy_and_makes_gradios_session(tmp_path, users_path):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from llmweb.web.login import login_routes
+
+    add(users_path, "alice", SECRET)
+    s = Settings(data_dir=tmp_path, auth_file=users_path, trusted_proxies="127.0.0.1")
+    app = FastAPI(routes=login_routes(s))
+    app.tokens, app.cookie_id = {}, "c1"  # what Gradio's App has
+    http = TestClient(app, base_url="http://127.0.0.1:7860", client=("127.0.0.1", 5000))
+    attacker = {"X-Forwarded-For": "203.0.113.66"}
+    for i in range(accounts.BACKOFF_FREE + 1):
+        r = http.post("/login", data={"username": f"name{i}", "password": OTHER}, headers=attacker)
+        assert r.status_code == 400 and r.json()["detail"] == "Incorrect credentials."
+    held = http.post("/login", data={"username": "alice", "password": SECRET}, headers=attacker)
+    assert held.status_code == 400 and "try again in 1 s" in held.json()["detail"]
+    assert held.headers["retry-after"] == "1" and not app.tokens
+    ok = http.post("/login/", data={"username": "alice", "password": SECRET}, headers={"X-Forwarded-For": "192.0.2.7"})
+    assert ok.status_code == 200 and list(app.tokens.values()) == ["alice"]
+    assert "access-token-c1" in ok.headers["set-cookie"] and "httponly" in ok.headers["set-cookie"].lower()
+    assert login_routes(Settings(data_dir=tmp_path)) == [], "no login, no route"
+
+
+# ---- removing a user
+
+
+def test_a_removed_users_session_stops_working_at_their_next_event(tmp_path, users_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from llmweb.web import identity
+
+    add(users_path, "alice", SECRET)
+    s = Settings(data_dir=tmp_path, auth_file=users_path)
+    app = SimpleNamespace(tokens={"t-alice": "alice", "t-alice-2": "alice", "t-bob": "bob"})
+    page = SimpleNamespace(username="alice", request=SimpleNamespace(app=app), client=None, headers={})
+    assert identity.browser_owner(s, "", page) == "user:alice"
+    assert identity.gradio_api_owner(s, "c1", page) == "user:alice"
+    assert user_cli(["remove", "alice", "--file", str(users_path)], s, monkeypatch) == 0
+    assert "ends their sessions" in capsys.readouterr().out
+    with pytest.raises(InputError, match="no longer exists"):
+        identity.browser_owner(s, "", page)
+    assert app.tokens == {"t-bob": "bob"}, "Gradio's sessions of alice are gone: a reload shows the login page"
+    with pytest.raises(InputError, match="no longer exists"):
+        identity.gradio_api_owner(s, "c1", page)
+
+
+def test_remove_purge_deletes_the_users_chats_and_documents_and_nobody_elses(tmp_path, users_path, monkeypatch):
+    from llmweb.retrieval.library import private_namespace
+    from llmweb.retrieval.storage import namespace_dir
+    from llmweb.store.db import Store
+
+    add(users_path, "alice", SECRET)
+    add(users_path, "bob", OTHER)
+    s = Settings(data_dir=tmp_path, auth_file=users_path)
+    store = Store(tmp_path / "llmweb.sqlite3")
+    store.create_conversation("user:alice")
+    kept = store.create_conversation("user:bob")
+    store.close()
+    docs = namespace_dir(s, private_namespace("user:alice"))
+    docs.mkdir(parents=True)
+    (docs / "manifest.json").write_text("{}")
+    assert user_cli(["remove", "alice", "--purge", "--file", str(users_path)], s, monkeypatch) == 0
+    store = Store(tmp_path / "llmweb.sqlite3")
+    try:
+        assert store.list_conversations("user:alice") == []
+        assert [c.id for c in store.list_conversations("user:bob")] == [kept]
+    finally:
+        store.close()
+    assert not docs.exists()
+    assert "bob" in load_users(users_path) and "alice" not in load_users(users_path)

@@ -1,0 +1,64 @@
+"""The login form's `POST /login`, in front of Gradio's own: the same cookies, with a back-off.
+
+Gradio's login route hands `launch(auth=...)` the name and password only, so it cannot back off per
+client address. This route replaces it (cli/main.py puts it in front of Gradio's routes, with the
+API's): it reads the client's address (web/trust.py, LLMWEB_TRUSTED_PROXIES), and while the name or
+the address backs off after failed logins it refuses at once, without running scrypt, saying how
+long to wait (web/accounts.py: `Accounts.check`, `LoginThrottle`). On success it makes Gradio's own
+session: a random token in the app's `tokens`, in the same two HttpOnly cookies Gradio sets.
+
+The refusal is a 400 like a wrong password (Gradio's login page shows its message only for a 400),
+with the wait in `detail` and `Retry-After`. This module must not decide an owner (identity.py does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from llmweb.config import Settings
+from llmweb.web.accounts import LoginBackoff, accounts_for
+from llmweb.web.trust import origin_of
+
+MAX_FORM_FIELD = 4096  # characters of a name or password read from the form
+
+
+def login_routes(settings: Settings) -> list:
+    """`POST /login` (and `/login/`) when login is on; nothing otherwise."""
+    if not settings.login:
+        return []
+    accounts = accounts_for(settings)
+
+    async def login(request: Request) -> Response:
+        form = await request.form()
+        username = str(form.get("username") or "")[:MAX_FORM_FIELD].strip()
+        password = str(form.get("password") or "")[:MAX_FORM_FIELD]
+        address = origin_of(settings, request).address
+        try:
+            ok = await asyncio.to_thread(accounts.check, username, password, address)
+        except LoginBackoff as e:
+            return JSONResponse({"detail": str(e)}, status_code=400, headers={"Retry-After": str(e.wait_s)})
+        if not ok:
+            return JSONResponse({"detail": "Incorrect credentials."}, status_code=400)
+        return _session(request, username)
+
+    router = APIRouter()
+    for path in ("/login", "/login/"):
+        router.add_api_route(path, login, methods=["POST"], include_in_schema=False)
+    return list(router.routes)
+
+
+def _session(request: Request, username: str) -> Response:
+    """Gradio's own login session: its `app.tokens` and its two cookies."""
+    app = request.app
+    token = secrets.token_urlsafe(16)
+    app.tokens[token] = username
+    response = JSONResponse(content={"success": True})
+    response.set_cookie(
+        key=f"access-token-{app.cookie_id}", value=token, httponly=True, samesite="none", secure=True
+    )
+    response.set_cookie(key=f"access-token-unsecure-{app.cookie_id}", value=token, httponly=True)
+    return response
