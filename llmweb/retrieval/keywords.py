@@ -3,7 +3,7 @@
 Contract:
 - A `KeywordIndex` is an in-memory SQLite database with one contentless FTS5 table
   (`tokenize="porter unicode61"`), whose rowids are the chunk ids of exactly one published
-  `retrieval._State`, plus the generation it describes. It is immutable once built: `derive(...)`
+  `retrieval.storage.State`, plus the generation it describes. It is immutable once built: `derive(...)`
   returns a new one (a copy with rows added and removed) and leaves the original untouched, the
   way `retrieval._apply` treats the FAISS index. Readers in several threads share one; a lock
   serialises their queries (a search takes ~7 ms at 10k chunks of README text, p50).
