@@ -1,5 +1,5 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile]` and `capacity`.
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load]` and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
 
@@ -18,6 +18,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 per-request tok/s, TTFT p50/p95, peak memory
   hostile.py    `bench hostile`: each text function on pathological inputs at 1x and 16x their size; the
                 ratio of the times (linear ~16, quadratic ~256; at most 25). No model.
+  load.py       `bench load`: 16 visitors x 3 turns at once through `/chat` of a scratch server: busy
+                refusals, p50/p95; one visitor's turn idle vs. while a client sends pathological messages
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
 
 The contract: a benchmark changes engine settings only through public configuration (a Runtime
@@ -34,7 +36,7 @@ import sys
 
 from llmweb.errors import ConfigError
 
-BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency", "decode", "hostile"]
+BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency", "decode", "hostile", "load"]
 
 
 def register(sub) -> None:
@@ -42,7 +44,7 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile",
+        "| hostile | load",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -131,6 +133,7 @@ def bench_command(args) -> int:
         "quant": _bench_quant,
         "ttft": _bench_ttft,
         "hostile": _bench_hostile,
+        "load": _bench_load,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
     return run(args)
@@ -258,6 +261,18 @@ def _bench_hostile(args) -> int:
     result = hostile.run(progress=_stderr)
     _print(result, args.json, hostile.markdown)
     return 0 if result["all_linear"] else 1
+
+
+def _bench_load(args) -> int:
+    """Exit status 1 when a visitor was refused as busy or a turn went unanswered."""
+    from llmweb.config import Settings
+
+    from . import load
+
+    result = load.run(Settings.from_env(), max_new_tokens=args.max_new_tokens or 16, progress=_stderr)
+    _print(result, args.json, load.markdown)
+    figures = result["load"]
+    return 0 if figures["refusals"] == 0 and figures["answered"] == figures["turns"] and not figures["errors"] else 1
 
 
 def capacity_command(args) -> int:
