@@ -2,18 +2,23 @@
 
 Every stored thing has an owner, a string, and every read names one. This module decides it:
 
-  - a single-user install (`Settings.is_single_user`): always LOCAL_OWNER, whoever asks;
+  - a single-user install (`Settings.is_single_user`): LOCAL_OWNER, but only for a request from this
+    machine directly (web/trust.py; `LLMWEB_SINGLE_USER=1`: every request); anyone else, through a
+    proxy or from another machine, is a stranger as on a multi-user install;
   - a login account (Gradio's `request.username`, or an API key made for a user): "user:<name>";
-  - an anonymous browser: "anon:<token>", the token minted on its first visit (192 bits, kept in
-    an encrypted `gr.BrowserState`, never shown, never in a URL) and checked on every event;
+  - an anonymous browser: "anon:<token>", the token minted on the server by the page's first event
+    that needs one (web/visitors.py: 192 bits, kept in a `gr.BrowserState`, never shown, never in a
+    URL), checked on every event, and counted per client address;
   - a gradio_client caller without login: each conversation owns itself ("api:<id>": the id is
     the capability), so a browser's conversation is never reachable through the API;
   - an OpenAI-API caller (`ApiCallers`): a key of user alice is "user:alice", a key of no user
-    "key:<tag>"; without keys the API is open only on a loopback bind without login, and then each
-    conversation owns itself as above ("api:<id>"), a stateless call OPEN_STATELESS_OWNER.
+    "key:<tag>"; without keys the API answers only local requests on a loopback bind without login,
+    and then each conversation owns itself as above ("api:<id>"), a stateless call OPEN_STATELESS_OWNER;
+    a login account removed from the users file stops working at its next event.
 
 It must not store anything, decide what an owner may see (the store and library scope every read
-by the owner they are given), or import gradio: a Gradio request is read only for its `username`.
+by the owner they are given), or import gradio: a Gradio request is read for its `username`, its
+client and headers (web/trust.py), and its app's login sessions (to end a removed user's).
 Passwords and key hashes are web/accounts.py's; this module only asks it whom a key belongs to.
 """
 
@@ -84,6 +89,11 @@ def acts_as_single_user(settings: Settings, request, port: int | None = None) ->
     if settings.single_user == "1":
         return True
     return settings.is_single_user and origin_of(settings, request, port).local
+
+
+def needs_owner_token(settings: Settings, request) -> bool:
+    """Is this page event an anonymous browser's (so its owner is its token)?"""
+    return not getattr(request, "username", None) and not acts_as_single_user(settings, request)
 
 
 def browser_owner(settings: Settings, token, request) -> str:

@@ -1,16 +1,16 @@
 """The visitor and their data as a whole: the page's first event (a new browser gets its owner
-token, web/identity.py mints it) and "Delete all my data". This module must not mint or check an
+token, web/visitors.py mints it) and "Delete all my data". This module must not mint or check an
 owner itself, nor delete anything but through the chat (every chat, fact, recall index and private
-document of the one owner).
+document of the one owner) and the owner's export files (panels/transfer.py).
 """
 
 from __future__ import annotations
 
 import gradio as gr
 
-from llmweb.web.identity import is_owner_token, new_owner_token
 from llmweb.web.panels.base import PanelHandlers, user_errors
 from llmweb.web.panels.documents import DocumentHandlers
+from llmweb.web.panels.transfer import delete_exports
 
 
 class AccountHandlers(PanelHandlers):
@@ -22,16 +22,17 @@ class AccountHandlers(PanelHandlers):
 
     @user_errors
     def visit(self, token, conv_id, request: gr.Request) -> tuple:
-        """First event of every page load: give a new browser its owner token, then show its chat."""
-        token = token if is_owner_token(token) else new_owner_token()
-        owner = self.owner(token, request)
+        """First event of every page load: give a new browser its owner token (the one its page's
+        earlier events already used, if any: web/visitors.py), then show its chat."""
+        owner, kept = self.visitors.resolve(token, request, first=True)
         self.store.touch_owner(owner)
-        return (token, *self._open(owner, conv_id or ""))
+        return (kept or token, *self._open(owner, conv_id or ""))
 
     @user_errors
     def delete_everything(self, token, request: gr.Request) -> tuple:
         """ "Delete all my data", confirmed: every chat, fact, recall index and private document."""
         owner = self.owner(token, request)
         n = self._chat().delete_owner(owner)
+        delete_exports(owner)
         gr.Info(f"Deleted {n} chats and your uploaded documents.")
         return (*self._open(owner, ""), *self.documents.documents(token, request), gr.update(visible=False))

@@ -30,7 +30,7 @@ from llmweb.web.formatting import (
     summary_markdown,
     version_choices,
 )
-from llmweb.web.identity import browser_owner
+from llmweb.web.visitors import visitors_for
 
 WAIT_READY_S = 600.0
 
@@ -100,10 +100,12 @@ class PanelHandlers:
         self.runtime = runtime
         self.store = runtime.store
         self.settings = runtime.settings
+        self.visitors = visitors_for(runtime.settings)  # one per server: the page tokens and per-address counts
 
     def owner(self, token: str, request: gr.Request | None) -> str:
-        """The caller's owner (web/identity.py): the single user, the login account, or the browser's token."""
-        return browser_owner(self.settings, token, request)
+        """The caller's owner (web/identity.py): the single user, the login account, or the browser's
+        token; an event sent before its page had a token gets the page's, minted now (web/visitors.py)."""
+        return self.visitors.resolve(token, request)[0]
 
     def _chat(self):
         return self.runtime.wait_ready(WAIT_READY_S)
