@@ -119,9 +119,9 @@ def test_a_wait_over_the_bound_is_a_clear_busy_error(fp32_model, fmt):
         ids = prompt(fmt, ("user", "Write a long story."))
         first = e.submit(req(fmt, ids, n=60))
         next(ev for ev in first.events() if isinstance(ev, Tokens))  # it runs: it holds no place in the queue
-        queued = [e.submit(req(fmt, ids, n=30)) for _ in range(2)]  # the second waits at most 59 + 30 s
+        queued = [e.submit(req(fmt, ids, n=30, owner=o)) for o in "ab"]  # b waits at most 59 + 30 s
         with pytest.raises(BusyError, match=r"busy: about \d+ s of work is waiting, over this server's limit of 90 s"):
-            e.submit(req(fmt, ids, n=4))
+            e.submit(req(fmt, ids, n=4, owner="c"))
         assert queued[1].position == 2
         first.cancel()
         for h in queued:
