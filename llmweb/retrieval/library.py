@@ -57,7 +57,7 @@ from llmweb.config import Settings
 from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER, Chunk
 from llmweb.retrieval import hybrid
-from llmweb.retrieval.documents import MB, hash_bytes, safe_name
+from llmweb.retrieval.documents import MB, hash_bytes, load_document, safe_name
 from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.hybrid import Reranker, Retrieval
 from llmweb.retrieval.index import DOCS, Index, IngestReport, Progress
@@ -173,8 +173,10 @@ class Library:
         return own + shared
 
     def usage_bytes(self, owner: str) -> int:
-        """Bytes of uploaded files in `owner`'s private library (what `user_docs_mb` caps)."""
-        return sum(d.size for d in self._private(owner).documents())
+        """What `owner`'s private library counts against `user_docs_mb`: per document, its file's
+        bytes or its extracted text's characters, whichever is more (`_quota_size`)."""
+        index = self._private(owner)
+        return sum(_quota_size(index, d) for d in index.documents())
 
     # -- changing --------------------------------------------------------------
 
@@ -244,11 +246,13 @@ class Library:
         """Refuse (InputError) uploads that would take a private library past settings.user_docs_mb.
 
         Counts what would really be stored: not files the index refuses anyway (too big, unreadable,
-        nameless), not content already held, and a same-named file replaces the earlier version.
+        nameless), not content already held, and a same-named file replaces the earlier version. A
+        compressed format counts what it unpacks to (`_upload_size`): a small .docx or .pdf may
+        hold far more text than its bytes.
         """
         limit = self.settings.user_docs_mb * MB
         docs = index.documents()
-        used = sum(d.size for d in docs)
+        used = sum(_quota_size(index, d) for d in docs)
         held = {d.doc_id for d in docs}
         by_name = {d.source: d for d in docs if d.kind == "document"}
         adding = 0
@@ -265,7 +269,8 @@ class Library:
                 continue
             held.add(doc_id)
             old = by_name.pop(name, None)
-            adding += max(size - (old.size if old is not None else 0), 0)
+            size = _upload_size(path, given, size)
+            adding += max(size - (_quota_size(index, old) if old is not None else 0), 0)
         if adding and used + adding > limit:
             raise InputError(
                 f"Not added: these files ({_mb(adding)}) would bring your documents to {_mb(used + adding)}, "
@@ -333,3 +338,23 @@ def migrate_legacy(settings: Settings) -> bool:
 
 def _mb(n: int) -> str:
     return f"{n / MB:.1f} MB"
+
+
+COMPRESSED_SUFFIXES = (".pdf", ".docx")  # formats whose text may be far more than the file's bytes
+
+
+def _quota_size(index: Index, doc: DocumentInfo) -> int:
+    """What a stored document counts against the quota: its file's bytes, or the characters of its
+    extracted text (where its last chunk ends) when more."""
+    return max(doc.size, max((c.end for c in index.chunks(doc.doc_id)), default=0))
+
+
+def _upload_size(path: str | os.PathLike, given: str, size: int) -> int:
+    """What an upload will count against the quota (`_quota_size`), before it is stored: a compressed
+    format is parsed (within documents.py's limits on what it may unpack to) and its text measured."""
+    if Path(given).suffix.lower() not in COMPRESSED_SUFFIXES:
+        return size
+    try:
+        return max(size, len(load_document(Path(path), given).text))
+    except InputError:
+        return size  # refused by the index too, with its own message

@@ -317,12 +317,29 @@ class Handlers:
 
 # ---- wiring
 
-PRIVATE = dict(api_visibility="private")  # every UI event: not a gradio_client endpoint
+# Gradio runs each (sync) handler on its thread pool (launch's max_threads, 40). Every event belongs
+# to a concurrency group whose limit caps the threads it may hold, and the limits add up to less than
+# the pool: handlers that wait (a streaming turn, Stop waiting for the partial turn, a file being
+# indexed) cannot hold every thread, and the page's quick events always find one. Past its limit, an
+# event waits in Gradio's queue.
+CONCURRENCY = {"generate": 20, "stop": 4, "files": 2, "page": 8, "status": 2}
+GRADIO_THREADS = 40  # gradio's launch(max_threads=...) default, which llmweb keeps
+# every 10 minutes, Gradio deletes the uploads and download copies it made over 30 minutes ago (the
+# handlers delete an upload as soon as it is read; this catches any left, e.g. an abandoned upload)
+GRADIO_CACHE_TTL = (600, 1800)
+
+
+def group(name: str, **kw) -> dict:
+    """An event's concurrency settings (a UI event is not a gradio_client endpoint, unless `kw` says)."""
+    return dict(api_visibility="private", concurrency_id=name, concurrency_limit=CONCURRENCY[name]) | kw
+
+
+PRIVATE, GENERATE, STOP, FILES, STATUS = (group(n) for n in ("page", "generate", "stop", "files", "status"))
 
 
 def build_app(runtime) -> gr.Blocks:
     h = Handlers(runtime)
-    with gr.Blocks(title="llmweb") as demo:
+    with gr.Blocks(title="llmweb", delete_cache=GRADIO_CACHE_TTL) as demo:
         ui = layout(h.status.status_text, runtime.secret)
         shown = ui.outputs(*Panel._fields)
         me = [ui.owner_state]  # every handler's last input: who is asking (with the request)
@@ -333,29 +350,34 @@ def build_app(runtime) -> gr.Blocks:
         demo.load(h.account.visit, [ui.owner_state, ui.conv_state], [ui.owner_state] + shown, **PRIVATE).then(
             h.docs.documents, me, library, **PRIVATE
         )
-        ui.confirm_all_btn.click(h.account.delete_everything, me, shown + library + [ui.confirm_row], **PRIVATE)
-        ui.files.upload(h.docs.upload, [ui.files] + me, library + [ui.ingest_md, ui.files], **PRIVATE)
+        ui.confirm_all_btn.click(h.account.delete_everything, me, shown + library + [ui.confirm_row], **FILES)
+        ui.files.upload(h.docs.upload, [ui.files] + me, library + [ui.ingest_md, ui.files], **FILES)
         ui.remove_btn.click(h.docs.remove_document, [ui.remove_dd] + me, library + [ui.ingest_md], **PRIVATE)
-        ui.timer.tick(h.status.tick, None, [ui.status, ui.timer], show_progress="hidden", **PRIVATE)
+        ui.timer.tick(h.status.tick, None, [ui.status, ui.timer], show_progress="hidden", **STATUS)
 
-        gr.api(h.endpoints.api_chat, api_name="chat")
-        gr.api(h.endpoints.api_stats, api_name="stats")
+        gr.api(
+            h.endpoints.api_chat, api_name="chat", concurrency_id="generate", concurrency_limit=CONCURRENCY["generate"]
+        )
+        gr.api(h.endpoints.api_stats, api_name="stats", concurrency_id="page", concurrency_limit=CONCURRENCY["page"])
+    for fn in demo.fns.values():  # events Gradio adds itself (the status line's callable value): a group too
+        if fn.fn is not None and fn.concurrency_id not in CONCURRENCY:
+            fn.concurrency_id, fn.concurrency_limit = "status", CONCURRENCY["status"]
     return demo
 
 
 def _wire_chat(ui: Layout, h: ChatHandlers, shown: list, me: list) -> None:
     """Send (box and button), retry, Continue, edit, undo, the version switcher, and Stop."""
     inputs = ui.outputs("msg", "chatbot", "conv_state", "use_docs") + me
-    ev_submit = ui.msg.submit(h.respond, inputs, shown + [ui.msg], api_name="respond_enter", **PRIVATE)
-    ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], api_name="respond", **PRIVATE)
-    ev_retry = ui.chatbot.retry(h.regenerate, [ui.conv_state, ui.use_docs] + me, shown, **PRIVATE)
-    ev_more = ui.more_btn.click(h.continue_reply, [ui.conv_state, ui.use_docs] + me, shown, **PRIVATE)
-    ev_edit = ui.chatbot.edit(h.edit, [ui.conv_state, ui.use_docs] + me, shown, **PRIVATE)
+    ev_submit = ui.msg.submit(h.respond, inputs, shown + [ui.msg], **group("generate", api_name="respond_enter"))
+    ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], **group("generate", api_name="respond"))
+    ev_retry = ui.chatbot.retry(h.regenerate, [ui.conv_state, ui.use_docs] + me, shown, **GENERATE)
+    ev_more = ui.more_btn.click(h.continue_reply, [ui.conv_state, ui.use_docs] + me, shown, **GENERATE)
+    ev_edit = ui.chatbot.edit(h.edit, [ui.conv_state, ui.use_docs] + me, shown, **GENERATE)
     for button, handler in ((ui.prev_version_btn, h.prev_version), (ui.next_version_btn, h.next_version)):
         button.click(handler, [ui.conv_state, ui.version_dd] + me, shown, **PRIVATE)
     ui.chatbot.undo(h.undo, [ui.conv_state] + me, shown + [ui.msg], **PRIVATE)
     ui.stop.click(None, None, None, cancels=[ev_submit, ev_send, ev_retry, ev_more, ev_edit]).then(
-        h.after_stop, [ui.conv_state, ui.chatbot] + me, shown, **PRIVATE
+        h.after_stop, [ui.conv_state, ui.chatbot] + me, shown, **STOP
     )
 
 
@@ -371,9 +393,9 @@ def _wire_sidebar(ui: Layout, h: Handlers, shown: list, me: list) -> None:
     ui.rename_btn.click(**renamed, **PRIVATE)
     ui.title_box.submit(**renamed, **PRIVATE)
     ui.delete_btn.click(h.chats.delete_chat, [ui.conv_state] + me, shown, **PRIVATE)
-    ui.export_md.click(h.transfer.export_md, [ui.conv_state] + me, ui.export_md, **PRIVATE)
-    ui.export_json.click(h.transfer.export_json, [ui.conv_state] + me, ui.export_json, **PRIVATE)
-    ui.import_btn.upload(h.transfer.import_chat, [ui.import_btn] + me, shown, **PRIVATE)
+    ui.export_md.click(h.transfer.export_md, [ui.conv_state] + me, ui.export_md, **FILES)
+    ui.export_json.click(h.transfer.export_json, [ui.conv_state] + me, ui.export_json, **FILES)
+    ui.import_btn.upload(h.transfer.import_chat, [ui.import_btn] + me, shown, **FILES)
     ui.delete_all_btn.click(lambda: gr.update(visible=True), None, ui.confirm_row, **PRIVATE)
     ui.cancel_all_btn.click(lambda: gr.update(visible=False), None, ui.confirm_row, **PRIVATE)
 

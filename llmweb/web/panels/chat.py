@@ -16,7 +16,7 @@ import gradio as gr
 from llmweb.chat.session import Delta, Finished, Queued, Started, clean_message
 from llmweb.errors import InputError
 from llmweb.store.models import ChatSettings
-from llmweb.web.formatting import VERSION_MARKER, history_messages
+from llmweb.web.formatting import escape, history_messages, message_text
 from llmweb.web.panels.base import Panel, PanelHandlers, user_errors
 
 # after Stop, the most to wait for the partial turn to be stored: the worker stops within a step,
@@ -36,7 +36,10 @@ class ChatHandlers(PanelHandlers):
         if conv_id is None and not use_docs:  # the box is this chat's setting: keep it from the first turn
             conv_id = self.store.create_conversation(owner)
             chat.set_settings(owner, conv_id, ChatSettings(use_docs=False))
-        shown = list(history or []) + [{"role": "user", "content": message}, {"role": "assistant", "content": "…"}]
+        shown = list(history or []) + [
+            {"role": "user", "content": escape(message)},
+            {"role": "assistant", "content": "…"},
+        ]
         for panel in self._stream(owner, conv_id, shown, chat.send(owner, conv_id, message, use_docs=bool(use_docs))):
             yield (*panel, "")
 
@@ -57,8 +60,8 @@ class ChatHandlers(PanelHandlers):
             raise InputError("There is no reply to regenerate or continue yet.")
         last = conv.turns[-1]
         shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:-1]))
-        so_far = last.assistant if more else "…"
-        shown += [{"role": "user", "content": last.user}, {"role": "assistant", "content": so_far}]
+        so_far = escape(last.assistant) if more else "…"
+        shown += [{"role": "user", "content": escape(last.user)}, {"role": "assistant", "content": so_far}]
         events = (chat.continue_reply if more else chat.regenerate)(owner, conv_id, use_docs=bool(use_docs))
         yield from self._stream(owner, conv_id, shown, events)
 
@@ -81,12 +84,12 @@ class ChatHandlers(PanelHandlers):
         turn = sum(1 for m in messages[:index] if m.get("role") == "user")
         value = edited.value
         text = value.get("content", "") if isinstance(value, dict) else value
-        text = VERSION_MARKER.sub("", text if isinstance(text, str) else "")
+        text = message_text(text if isinstance(text, str) else "")  # the shown text is escaped
         if not 0 <= turn < len(conv.turns) or messages[index].get("role") != "user":
             raise InputError("Only your own messages can be edited.")
         clean_message(text, self.settings.max_message_chars)
         shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:turn]))
-        shown += [{"role": "user", "content": text}, {"role": "assistant", "content": "…"}]
+        shown += [{"role": "user", "content": escape(text)}, {"role": "assistant", "content": "…"}]
         events = chat.edit(owner, conv_id, turn, text, use_docs=bool(use_docs))
         yield from self._stream(owner, conv_id, shown, events)  # the switcher then shows this fork (the latest)
 
@@ -121,7 +124,7 @@ class ChatHandlers(PanelHandlers):
                 shown[-1] = {"role": "assistant", "content": f"*Waiting: {wait}…*"}
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Delta):
-                shown[-1] = {"role": "assistant", "content": event.text}
+                shown[-1] = {"role": "assistant", "content": escape(event.text)}
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Finished):
                 notes, prompt = " ".join(event.notes), event.prompt_text()

@@ -12,6 +12,7 @@ import gradio as gr
 from llmweb.errors import InputError
 from llmweb.web.formatting import documents_markdown, escape, ingest_markdown
 from llmweb.web.panels.base import PanelHandlers, user_errors
+from llmweb.web.panels.transfer import forget_upload
 
 
 class DocumentHandlers(PanelHandlers):
@@ -35,7 +36,11 @@ class DocumentHandlers(PanelHandlers):
         def tell(done, total, what):
             progress((done, max(total, 1)), desc=what)
 
-        reports = self.runtime.library.ingest_uploads(owner, [(p, Path(p).name) for p in paths], progress=tell)
+        try:
+            reports = self.runtime.library.ingest_uploads(owner, [(p, Path(p).name) for p in paths], progress=tell)
+        finally:
+            for p in paths:  # indexed (or refused): Gradio's upload copy is not kept
+                forget_upload(p)
         return *self.documents(token, request), ingest_markdown(reports), None
 
     @user_errors

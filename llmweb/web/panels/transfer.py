@@ -1,18 +1,76 @@
 """Export and import: a chat as a Markdown or JSON file to download, and a JSON export read back as
 a new chat of the caller's. A file is refused whole (too large, not text, not an export) and
-changes nothing. The formats are the store's (export) and the chat's (import); this module only
-moves files between the page and them.
+changes nothing. Files do not stay: an uploaded export is deleted once read, an export file after
+EXPORT_TTL_S, and all of an owner's on "Delete all my data". The formats are the store's (export)
+and the chat's (import); this module only moves files between the page and them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import tempfile
+import time
 from pathlib import Path
 
 import gradio as gr
+from gradio.processing_utils import hash_file
+from gradio.utils import get_upload_folder
 
 from llmweb.errors import InputError
 from llmweb.web.panels.base import Panel, PanelHandlers, user_errors
+
+log = logging.getLogger("llmweb.web")
+
+EXPORT_TTL_S = 300.0  # an export file lives this long: the browser downloads it at once
+EXPORTS = Path(tempfile.gettempdir()) / "llmweb-exports"  # one folder per owner (a hash of it), never listed
+
+
+def export_folder(owner: str, root: Path | None = None) -> Path:
+    return (root or EXPORTS) / hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def sweep_exports(now: float | None = None, root: Path | None = None) -> int:
+    """Delete every owner's export files older than EXPORT_TTL_S (Gradio's own copy of a download
+    goes with its cache: gr.Blocks(delete_cache=...) in web/ui.py); how many were deleted."""
+    now, n = time.time() if now is None else now, 0
+    for path in (root or EXPORTS).glob("*/*"):
+        try:
+            if now - path.stat().st_mtime > EXPORT_TTL_S:
+                path.unlink()
+                n += 1
+        except OSError:
+            continue  # gone meanwhile
+    return n
+
+
+def delete_exports(owner: str, root: Path | None = None) -> int:
+    """ "Delete all my data": the owner's export files, and Gradio's cached copy of each download."""
+    folder, n = export_folder(owner, root), 0
+    for path in list(folder.glob("*")) if folder.is_dir() else []:
+        copy = Path(get_upload_folder()) / hash_file(path) / path.name
+        forget_upload(copy)
+        path.unlink(missing_ok=True)
+        n += 1
+    if folder.is_dir():
+        folder.rmdir()
+    return n
+
+
+def forget_upload(path: str | Path | None) -> None:
+    """Delete a file Gradio keeps (an upload once read, a download's copy) and its folder if empty;
+    only ever inside Gradio's upload folder (a path from elsewhere is left alone)."""
+    if not path:
+        return
+    cache, path = Path(get_upload_folder()).resolve(), Path(path).resolve()
+    if cache not in path.parents:
+        return
+    try:
+        path.unlink(missing_ok=True)
+        if path.parent != cache and not any(path.parent.iterdir()):
+            path.parent.rmdir()
+    except OSError as e:
+        log.debug("could not delete %s: %s", path, e)
 
 
 class TransferHandlers(PanelHandlers):
@@ -29,7 +87,10 @@ class TransferHandlers(PanelHandlers):
     def _export(self, owner: str, conv_id: str, kind: str) -> str:
         self._current(owner, conv_id)
         text = self.store.export_markdown(owner, conv_id) if kind == "md" else self.store.export_json(owner, conv_id)
-        path = Path(tempfile.mkdtemp(prefix="llmweb-export-")) / f"conversation-{conv_id[:8]}.{kind}"
+        sweep_exports()
+        folder = export_folder(owner)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = folder / f"conversation-{conv_id[:8]}.{kind}"
         path.write_text(text, encoding="utf-8")
         return str(path)
 
@@ -41,12 +102,14 @@ class TransferHandlers(PanelHandlers):
         if not file:
             raise InputError("Pick an llmweb .json export to import.")
         path = Path(file if isinstance(file, str) else file.name)
-        if path.stat().st_size > self.settings.max_file_mb * 2**20:
-            raise InputError(f"That file is larger than {self.settings.max_file_mb} MB (LLMWEB_MAX_FILE_MB).")
         try:
+            if path.stat().st_size > self.settings.max_file_mb * 2**20:
+                raise InputError(f"That file is larger than {self.settings.max_file_mb} MB (LLMWEB_MAX_FILE_MB).")
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise InputError("That file is not text (UTF-8): it is not an llmweb .json export.") from None
+        finally:
+            forget_upload(path)  # read (or refused): Gradio's upload copy is not kept
         conv_id = self._chat().import_json(owner, text)
         conv = self.store.get(owner, conv_id)
         return self.panel(owner, conv, f"Imported “{conv.title}” ({len(conv.turns)} turns).")

@@ -1,0 +1,105 @@
+"""Limits and cleanup in front of strangers (issue 25): every Gradio event belongs to a concurrency
+group whose limits add up to less than Gradio's thread pool, so waiting handlers (a streaming turn,
+Stop waiting for the partial turn, a file being indexed) cannot hold every worker thread; Stop's wait
+is bounded; export files and Gradio's upload copies do not stay; streamed text is escaped."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from llmweb.web.panels import chat as chat_panel
+from llmweb.web.panels import transfer
+from llmweb.web.panels.base import Panel
+from llmweb.web.ui import CONCURRENCY, GRADIO_CACHE_TTL, GRADIO_THREADS, Handlers, build_app
+from tests.web.test_ui import A_TOKEN, NOBODY, runtime  # noqa: F401 (a fixture)
+
+HOSTILE = '"><img src=x onerror=alert(1)>'
+
+
+def test_every_event_has_a_bounded_group_and_the_groups_leave_threads_free(runtime):  # noqa: F811
+    demo = build_app(runtime)
+    fns = [fn for fn in demo.fns.values() if fn.fn is not None]
+    assert fns
+    for fn in fns:
+        assert fn.concurrency_id in CONCURRENCY, (fn.name, fn.concurrency_id)
+        assert fn.concurrency_limit == CONCURRENCY[fn.concurrency_id], fn.name
+    assert sum(CONCURRENCY.values()) < GRADIO_THREADS, "some thread always free for the page's quick events"
+    group = {fn.name: fn.concurrency_id for fn in fns}
+    assert group["respond"] == group["regenerate"] == group["api_chat"] == "generate"
+    assert group["after_stop"] == "stop" and group["upload"] == group["import_chat"] == "files"
+    assert CONCURRENCY["stop"] < GRADIO_THREADS // 4
+    assert demo.delete_cache == GRADIO_CACHE_TTL
+
+
+def test_after_stop_waits_a_bounded_time(runtime, monkeypatch):  # noqa: F811
+    """A stop whose partial turn never arrives returns after STOP_WAIT_S, not later."""
+    h = Handlers(runtime)
+    *_, final = h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
+    conv = Panel(*final[:-1]).conv_state
+    monkeypatch.setattr(chat_panel, "STOP_WAIT_S", 0.3)
+    history = [{"role": "user", "content": "Capital?"}] * 5  # asks for turns that never come
+    t0 = time.monotonic()
+    h.chat.after_stop(conv, history, A_TOKEN, NOBODY)
+    assert time.monotonic() - t0 < 2.0
+    assert chat_panel.STOP_WAIT_S <= 30
+
+
+def test_streamed_messages_are_escaped(runtime):  # noqa: F811
+    h = Handlers(runtime)
+    for out in h.chat.respond(HOSTILE, [], "", True, A_TOKEN, NOBODY):
+        texts = [m["content"] for m in out[1] if m["role"] == "user"]
+        assert texts and all("<img" not in t for t in texts), texts
+
+
+@pytest.fixture
+def gradio_cache(tmp_path, monkeypatch):
+    """Gradio's upload folder, here."""
+    cache = tmp_path / "gradio"
+    cache.mkdir()
+    monkeypatch.setattr(transfer, "get_upload_folder", lambda: str(cache))
+    return cache
+
+
+def test_an_imported_file_is_deleted_once_read_even_when_refused(runtime, tmp_path, gradio_cache):  # noqa: F811
+    h = Handlers(runtime)
+    bad = gradio_cache / "a1b2" / "bad.json"
+    bad.parent.mkdir()
+    bad.write_text('{"format": "llmweb.conversation", "version": 1, "onerror": 1}')
+    elsewhere = tmp_path / "mine.json"  # not Gradio's: never deleted
+    elsewhere.write_text("{}")
+    for path in (bad, elsewhere):
+        with pytest.raises(Exception, match="onerror|not an llmweb"):
+            h.transfer.import_chat(str(path), A_TOKEN, NOBODY)
+    assert not bad.exists() and not bad.parent.exists() and gradio_cache.is_dir()
+    assert elsewhere.exists()
+
+
+def test_exports_expire_and_go_with_delete_all(runtime, tmp_path, monkeypatch, gradio_cache):  # noqa: F811
+    monkeypatch.setattr(transfer, "EXPORTS", tmp_path / "exports")
+    h = Handlers(runtime)
+    *_, final = h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
+    conv = Panel(*final[:-1]).conv_state
+    path = transfer.Path(h.transfer.export_json(conv, A_TOKEN, NOBODY))
+    assert path.is_file() and path.parent.parent == tmp_path / "exports"
+    assert A_TOKEN not in str(path), "the folder is a hash of the owner"
+    assert transfer.sweep_exports(now=time.time()) == 0, "fresh: kept"
+    assert transfer.sweep_exports(now=time.time() + transfer.EXPORT_TTL_S + 1) == 1 and not path.exists()
+
+    path = transfer.Path(h.transfer.export_md(conv, A_TOKEN, NOBODY))
+    copy = gradio_cache / transfer.hash_file(path) / path.name  # where Gradio keeps its copy of the download
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(path.read_bytes())
+    h.account.delete_everything(A_TOKEN, NOBODY)
+    assert not path.exists() and not path.parent.exists() and not copy.exists()
+
+
+def test_uploaded_documents_are_deleted_once_indexed(runtime, gradio_cache):  # noqa: F811
+    seen = []
+    runtime.library.ingest_uploads = lambda owner, files, progress=None: seen.extend(files) or []
+    up = gradio_cache / "abc" / "notes.txt"
+    up.parent.mkdir(parents=True)
+    up.write_text("hello")
+    Handlers(runtime).docs.upload([str(up)], A_TOKEN, NOBODY, progress=lambda *a, **k: None)
+    assert seen and not up.exists() and not up.parent.exists()
