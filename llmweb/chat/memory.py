@@ -118,6 +118,8 @@ class Folds:
             job = self._jobs.get(conv.id)
             if job is not None and job.is_alive():
                 return
+            for done in [k for k, j in self._jobs.items() if not j.is_alive()]:  # only folds in flight are kept
+                del self._jobs[done]
             job = threading.Thread(
                 target=self._fold,
                 name=f"summary-{conv.id[:8]}",

@@ -10,6 +10,7 @@ It must not plan prompts, store turns or call the model (the embedder is the lib
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from llmweb.chat import facts
@@ -50,13 +51,17 @@ def covered(passage: Chunk, known: set[str]) -> bool:
     return facts.detail_terms(user_text) <= known and not facts.unkept_statements(user_text, known)
 
 
+RECALL_INDEXES = 256  # recall indexes kept open, the least recently used dropped first (reopened from disk)
+
+
 class RecallCache:
-    """The recall index of every conversation in use, by conversation id. Thread-safe."""
+    """The recall index of the conversations in use, by conversation id, at most RECALL_INDEXES of
+    them (an Index reads nothing until used, so reopening one is cheap). Thread-safe."""
 
     def __init__(self, settings: Settings, library):
         self.settings = settings
         self.library = library  # its embedder embeds the passages
-        self._indexes: dict = {}  # conversation id -> its recall Index
+        self._indexes: OrderedDict = OrderedDict()  # conversation id -> its recall Index, oldest first
         self._lock = threading.Lock()
 
     def index(self, conv_id: str):
@@ -68,6 +73,10 @@ class RecallCache:
                 index = self._indexes[conv_id] = Index(
                     self.settings, f"recall-{conv_id}", embedder=self.library.embedder
                 )
+                while len(self._indexes) > RECALL_INDEXES:
+                    self._indexes.popitem(last=False)
+            else:
+                self._indexes.move_to_end(conv_id)
             return index
 
     def recall(self, conv, text: str) -> list[Chunk]:
