@@ -7,7 +7,9 @@ messages round-trip unchanged. Stats and sources are stored as JSON text. A conv
 created with its first turn (`add_turn(..., create=True)`), so no empty chats pile up.
 
 Every method takes the caller's owner first and scopes its SQL by it (in the statement, or through
-store/owners.py); another owner's conversation is the same `NotFound` as a missing one. It must
+store/owners.py); another owner's conversation is the same `NotFound` as a missing one. A write
+given the owner's `generation` (read with the chat, `Conversation.generation`, before a reply or
+a fold began) commits nothing when the owner deleted all their data since (`Deleted`). It must
 not fork the chat (store/versions.py does) nor know of tokens, models or the UI.
 """
 
@@ -38,15 +40,16 @@ from llmweb.store.models import (
     stats_from_text,
     stats_text,
 )
-from llmweb.store.owners import owned, owned_row, seen
+from llmweb.store.owners import check_generation, generation_of, owned, owned_row, seen
 
 
 class ConversationQueries(Connection):
-    def create_conversation(self, owner: str, title: str = DEFAULT_TITLE) -> str:
+    def create_conversation(self, owner: str, title: str = DEFAULT_TITLE, *, generation: int | None = None) -> str:
         """An empty conversation (scripts, imports, tests; the chat creates one with its first turn)."""
         conv_id = new_id()
         now = time.time()
         with self._write() as db:
+            check_generation(db, owner, generation)
             _insert_conversation(db, owner, conv_id, title, now)
         return conv_id
 
@@ -79,8 +82,11 @@ class ConversationQueries(Connection):
             ]
             facts = facts_of(db, conv_id)
             versions = versions_of(db, conv_id)
+            generation = generation_of(db, owner)
         chosen = ChatSettings.from_dict(json.loads(settings))
-        return Conversation(conv_id, title, summary, upto, turns, facts, created, updated, owner, chosen, versions)
+        return Conversation(
+            conv_id, title, summary, upto, turns, facts, created, updated, owner, chosen, versions, generation
+        )
 
     def add_turn(
         self,
@@ -92,15 +98,18 @@ class ConversationQueries(Connection):
         sources: Sequence[Source] = (),
         *,
         create: bool = False,
+        generation: int | None = None,
     ) -> int:
         """Append a finished turn and return its 0-based index. The first turn of a conversation
         still titled DEFAULT_TITLE also gives it a title made from the user's message. With
         `create`, a conversation that does not exist yet is created by this turn (`conv_id` from
-        `new_id()`); one that belongs to another owner is still `NotFound`."""
+        `new_id()`); one that belongs to another owner is still `NotFound`. With `generation`, a
+        turn begun before the owner deleted all their data is `Deleted` (nothing created)."""
         # Serialise before the transaction: a value JSON cannot hold fails here, changing nothing.
         stats_json, sources_json = stats_text(stats), sources_text(sources)
         now = time.time()
         with self._write() as db:
+            check_generation(db, owner, generation)
             row = db.execute("SELECT title, owner FROM conversations WHERE id = ?", (conv_id,)).fetchone()
             if row is None and create:
                 _insert_conversation(db, owner, conv_id, DEFAULT_TITLE, now)
@@ -141,11 +150,14 @@ class ConversationQueries(Connection):
         assistant: str,
         stats: TurnStats | None = None,
         sources: Sequence[Source] = (),
+        *,
+        generation: int | None = None,
     ) -> None:
         """Replace the reply (and its figures and sources) of turn `idx`, which must still be the last
         one and not folded into the summary (regenerate, continue); else an InputError, nothing changed."""
         stats_json, sources_json = stats_text(stats), sources_text(sources)
         with self._write() as db:
+            check_generation(db, owner, generation)
             last = _last_turn(db, owner, conv_id)
             if last.idx != idx:
                 raise InputError("This chat changed meanwhile (another tab?): reload it and try again.")
@@ -157,10 +169,13 @@ class ConversationQueries(Connection):
             )
             db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
 
-    def set_summary(self, owner: str, conv_id: str, summary: str, summarized_upto: int) -> None:
+    def set_summary(
+        self, owner: str, conv_id: str, summary: str, summarized_upto: int, *, generation: int | None = None
+    ) -> None:
         """Record the rolling summary covering the oldest `summarized_upto` turns.
         Does not touch `updated`: compression is not user activity and must not reorder the list."""
         with self._write() as db:
+            check_generation(db, owner, generation)
             n, _ = turn_count(db, owner, conv_id)
             if not 0 <= summarized_upto <= n:
                 raise ValueError(f"summarized_upto={summarized_upto} outside 0..{n} (the turn count)")

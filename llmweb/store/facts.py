@@ -11,7 +11,7 @@ import time
 
 from llmweb.store.connection import Connection
 from llmweb.store.models import Fact, NotFound
-from llmweb.store.owners import FACT_OWNED, require_owned
+from llmweb.store.owners import FACT_OWNED, check_generation, require_owned
 
 
 def facts_of(db: sqlite3.Connection, conv_id: str) -> list[Fact]:
@@ -25,8 +25,13 @@ def facts_of(db: sqlite3.Connection, conv_id: str) -> list[Fact]:
 
 
 class FactQueries(Connection):
-    def add_fact(self, owner: str, conv_id: str, text: str, pinned: bool = True) -> int:
+    def add_fact(
+        self, owner: str, conv_id: str, text: str, pinned: bool = True, *, generation: int | None = None
+    ) -> int:
+        """A fact of the owner's conversation; its id. With `generation` (a fold's, read before it
+        began), `Deleted` when the owner deleted all their data since: nothing is added."""
         with self._write() as db:
+            check_generation(db, owner, generation)
             require_owned(db, owner, conv_id)
             cur = db.execute(
                 "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, ?, ?)",

@@ -69,6 +69,10 @@ class NotFound(LlmwebError, LookupError):
     """The conversation (or fact) does not exist, or no longer does."""
 
 
+class Deleted(NotFound):
+    """The owner deleted all their data after this write's turn or fold began: it commits nothing."""
+
+
 @dataclass(frozen=True, slots=True)
 class ConversationInfo:
     """One row of the conversation list."""
@@ -124,11 +128,17 @@ class Conversation:
     owner: str = ""
     settings: ChatSettings = field(default_factory=ChatSettings)
     versions: dict[int, tuple[int, int]] = field(default_factory=dict)  # fork turn -> (active version, count)
+    generation: int = 0  # the owner's generation when read (store/owners.py): a write passes it back
 
 
 def new_id() -> str:
     """A conversation id: 128 random bits, hex. Unguessable, so an id can serve as a capability."""
     return secrets.token_hex(16)
+
+
+def deleted() -> Deleted:
+    """The one answer for a write that began before its owner's "Delete all my data"."""
+    return Deleted("This chat was deleted.")
 
 
 def missing(conv_id: str) -> NotFound:

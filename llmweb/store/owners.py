@@ -6,6 +6,9 @@ caller's owner, in the same statement or through `owned` here; facts are reached
 conversation of the same owner (FACT_OWNED). Another owner's conversation behaves exactly like one
 that does not exist: the same `NotFound` (models.missing), from one indexed query. `owners`
 remembers when each owner was last seen, for the retention purge (`idle_owners`, `delete_owner`).
+`owner_generations` is the tombstone of a delete: `delete_owner` bumps the owner's generation in
+its transaction, and a write that read an older one (a reply or a fold that began before the
+delete) commits nothing (`check_generation`, inside the write's transaction: `Deleted`).
 
 It must not decide who the caller is (web/ does) nor open transactions of its own beyond the
 three owner methods of `OwnerQueries`.
@@ -17,7 +20,7 @@ import sqlite3
 import time
 
 from llmweb.store.connection import Connection
-from llmweb.store.models import missing
+from llmweb.store.models import deleted, missing
 
 # a fact is the caller's when its conversation is (parameters: conversation id, owner)
 FACT_OWNED = "conversation_id = ? AND conversation_id IN (SELECT id FROM conversations WHERE owner = ?)"
@@ -43,6 +46,19 @@ def owned_row(db: sqlite3.Connection, owner: str, conv_id: str, columns: str) ->
     return found
 
 
+def generation_of(db: sqlite3.Connection, owner: str) -> int:
+    """The owner's generation: how many times they deleted all their data (0: never)."""
+    row = db.execute("SELECT generation FROM owner_generations WHERE owner = ?", (owner,)).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def check_generation(db: sqlite3.Connection, owner: str, generation: int | None) -> None:
+    """`Deleted` unless the owner's generation is still `generation`, the one the writer read
+    before its work began (None: a write that reads what it changes in its own transaction)."""
+    if generation is not None and generation_of(db, owner) != generation:
+        raise deleted()
+
+
 def seen(db: sqlite3.Connection, owner: str, now: float) -> None:
     db.execute(
         "INSERT INTO owners (owner, created, last_seen) VALUES (?, ?, ?) "
@@ -60,12 +76,30 @@ class OwnerQueries(Connection):
             seen(db, owner, time.time())
 
     def delete_owner(self, owner: str) -> list[str]:
-        """Delete everything the owner stored here (conversations, turns, facts); return the conversation ids."""
+        """Delete everything the owner stored here (conversations, turns, facts); return the
+        conversation ids. Bumps the owner's generation: a write begun before commits nothing."""
         with self._write() as db:
             ids = [r[0] for r in db.execute("SELECT id FROM conversations WHERE owner = ?", (owner,))]
             db.execute("DELETE FROM conversations WHERE owner = ?", (owner,))
             db.execute("DELETE FROM owners WHERE owner = ?", (owner,))
+            db.execute(
+                "INSERT INTO owner_generations (owner, generation) VALUES (?, 1) "
+                "ON CONFLICT(owner) DO UPDATE SET generation = generation + 1",
+                (owner,),
+            )
         return ids
+
+    def generation(self, owner: str) -> int:
+        """The owner's generation now: a turn of a new chat reads it before it begins, and its
+        write passes it back (`add_turn(..., generation=)`)."""
+        with self._read() as db:
+            return generation_of(db, owner)
+
+    def alive(self, owner: str, conv_id: str, generation: int) -> bool:
+        """Is `conv_id` still the owner's, with no "Delete all my data" since `generation`? (The
+        recall index checks this before it writes its folder.)"""
+        with self._read() as db:
+            return generation_of(db, owner) == generation and owned(db, owner, conv_id)
 
     def idle_owners(self, prefix: str, idle_s: float, now: float | None = None) -> list[str]:
         """Owners whose name starts with `prefix` (e.g. "anon:") and who were last seen `idle_s` ago or more."""

@@ -99,6 +99,16 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (conversation_id, fork, version)
         )""",
     ),
+    (  # 6: owner generations. "Delete all my data" (`delete_owner`) bumps the owner's generation, and
+        # the row outlives the delete: it is the tombstone. A write of a turn, summary, fact or
+        # conversation that read an older generation commits nothing (store/owners.py
+        # `check_generation`), so a reply or a fold that started before the delete cannot recreate
+        # what it deleted. No row: generation 0.
+        """CREATE TABLE owner_generations (
+            owner           TEXT PRIMARY KEY,
+            generation      INTEGER NOT NULL CHECK (generation >= 0)
+        )""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -21,7 +21,7 @@ from llmweb.records import Source, TurnStats
 from llmweb.store.connection import Connection
 from llmweb.store.conversations import TURN_COLUMNS, insert_turn, turn_count, versions_of
 from llmweb.store.models import sources_text, stats_text
-from llmweb.store.owners import require_owned, seen
+from llmweb.store.owners import check_generation, require_owned, seen
 
 
 class VersionQueries(Connection):
@@ -36,6 +36,8 @@ class VersionQueries(Connection):
         assistant: str,
         stats: TurnStats | None = None,
         sources: Sequence[Source] = (),
+        *,
+        generation: int | None = None,
     ) -> None:
         """Replace turn `idx` and every turn after it by one new turn (an edited message and its
         reply), keeping what was there as another version of the chat from `idx` on; the new one
@@ -44,6 +46,7 @@ class VersionQueries(Connection):
         stats_json, sources_json = stats_text(stats), sources_text(sources)
         now = time.time()
         with self._write() as db:
+            check_generation(db, owner, generation)
             n, upto = turn_count(db, owner, conv_id)
             if not 0 <= idx < n:
                 raise InputError("That message is no longer in this chat: reload it and try again.")

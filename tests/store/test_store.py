@@ -644,6 +644,61 @@ def test_delete_owner_removes_everything_of_that_owner_only(store: Store):
     assert store._db.execute("SELECT COUNT(*) FROM facts").fetchone()[0] == 0
 
 
+def test_a_write_begun_before_delete_all_commits_nothing_and_says_the_chat_was_deleted(store: Store):
+    """Issue 25: "Delete all my data" bumps the owner's generation in its transaction; a turn,
+    summary, fact or conversation write that read the older one (a reply or a fold in flight)
+    commits nothing: `Deleted`, a `NotFound` with a sentence for the user."""
+    from llmweb.store.models import Deleted
+
+    conv = new_id()
+    store.add_turn(A, conv, "my locker code is 4471", "noted", None, (), create=True)
+    theirs = new_id()
+    store.add_turn(B, theirs, "hello", "hi", None, (), create=True)
+    before = store.get(A, conv).generation
+    assert before == store.generation(A) == 0 and store.alive(A, conv, before)
+    assert store.delete_owner(A) == [conv]
+    assert store.generation(A) == before + 1 and not store.alive(A, conv, before)
+    fresh = new_id()
+    writes = {
+        "first turn of a new chat": lambda: store.add_turn(
+            A, fresh, "u", "a", None, (), create=True, generation=before
+        ),
+        "turn": lambda: store.add_turn(A, conv, "u", "a", None, (), generation=before),
+        "regenerated reply": lambda: store.replace_last_reply(A, conv, 0, "a", generation=before),
+        "edit": lambda: store.edit_turn(A, conv, 0, "u", "a", generation=before),
+        "summary": lambda: store.set_summary(A, conv, "s", 1, generation=before),
+        "fact": lambda: store.add_fact(A, conv, "f", pinned=False, generation=before),
+        "conversation": lambda: store.create_conversation(A, generation=before),
+    }
+    for what, write in writes.items():
+        with pytest.raises(Deleted, match="^This chat was deleted.$"):
+            write()
+        assert isinstance(Deleted("x"), NotFound), what
+    assert store.list_conversations(A) == [] and not store.exists(A, fresh)
+    counts = [store._db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("turns", "facts", "versions")]
+    assert counts == [1, 0, 0], "only B's turn is left"
+    # B is untouched, and A may start again with the generation as it is now
+    assert store.add_turn(B, theirs, "again", "yes", None, (), generation=store.generation(B)) == 1
+    again = new_id()
+    store.add_turn(A, again, "new start", "ok", None, (), create=True, generation=store.generation(A))
+    assert [c.id for c in store.list_conversations(A)] == [again]
+    assert store.delete_owner(A) == [again] and store.generation(A) == before + 2
+
+
+@pytest.mark.parametrize("fixture", ["schema1", "schema2", "schema3"])
+def test_every_old_database_migrates_to_owner_generations(tmp_path: Path, fixture: str):
+    import shutil
+
+    path = tmp_path / "old.sqlite3"
+    shutil.copy(REPO / "tests" / "fixtures" / f"{fixture}.sqlite3", path)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        owners = [r[0] for r in s._db.execute("SELECT DISTINCT owner FROM conversations")]
+        assert owners and all(s.generation(o) == 0 for o in owners)
+        s.delete_owner(owners[0])
+        assert s.generation(owners[0]) == 1 and s.list_conversations(owners[0]) == []
+
+
 def test_idle_owners_lists_anonymous_owners_past_the_retention(store: Store):
     store.create_conversation("anon:old")
     store.create_conversation("anon:new")
