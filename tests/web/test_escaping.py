@@ -163,3 +163,15 @@ def test_an_unexpected_error_shows_only_a_ref_and_logs_the_details(caplog):
 
 def test_a_domain_error_shows_its_sentence():
     assert _toast(InputError("Pick a file first.")) == "Pick a file first."
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_the_status_line_escapes_what_a_server_said(hostile):
+    """The status line may quote a remote engine's words (its model name, its error)."""
+    from llmweb.web.panels.endpoints import StatusHandlers
+
+    runtime = SimpleNamespace(store=None, settings=None, status=f"Ready: remote engine · model {hostile}")
+    handlers = StatusHandlers.__new__(StatusHandlers)
+    handlers.runtime = runtime
+    found = elements(markdown_html(handlers.status_text()))
+    assert found.tags <= MARKDOWN_TAGS and not found.attrs, (found.tags, found.attrs)

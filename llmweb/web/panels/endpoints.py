@@ -14,6 +14,7 @@ import gradio as gr
 
 from llmweb.chat.session import Delta, Finished, Queued, Started, clean_message
 from llmweb.store.models import new_id
+from llmweb.web.formatting import escape
 from llmweb.web.identity import gradio_api_owner
 from llmweb.web.panels.base import PanelHandlers, user_errors
 
@@ -55,7 +56,7 @@ class StatusHandlers(PanelHandlers):
     """The status line at the top of the page: what the runtime is doing, until the model is ready."""
 
     def status_text(self) -> str:
-        return f"**llmweb** · {self.runtime.status}"
+        return f"**llmweb** · {escape(self.runtime.status, inline=True)}"  # it may quote a server's words
 
     def tick(self) -> tuple:
         """The timer: refresh the status line, and stop ticking once the model is ready."""
