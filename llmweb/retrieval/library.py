@@ -14,7 +14,7 @@ Contract:
   cross-encoder (`settings.reranker`) reorders the result. `retrieve` gives the same answer with
   its figures (the CLI's `search --raw`). `remove` answers the same error for a document
   that exists elsewhere and one that does not exist at all, so it cannot be used to probe.
-- Uploads go to the owner's private library (or the shared one when `settings.uploads_shared`);
+- Uploads go to the owner's private library (or the shared one when `shares_uploads(owner)`);
   a private library is capped at `settings.user_docs_mb` of uploaded files, checked before anything
   is written. Parsing, per-file limits and bad-input reports are `retrieval.Index`'s, unchanged.
 - One `Embedder` serves every namespace; private `Index` objects are cached (LRU, PRIVATE_CACHE).
@@ -168,9 +168,17 @@ class Library:
         """
         own = [LibraryDocument.of(d, "yours", True) for d in self._private(owner).documents()]
         mine = {d.doc_id for d in own}
-        removable = self.settings.uploads_shared
+        removable = self.shares_uploads(owner)
         shared = [LibraryDocument.of(d, "shared", removable) for d in self.shared.documents() if d.doc_id not in mine]
         return own + shared
+
+    def shares_uploads(self, owner: str) -> bool:
+        """Do `owner`'s uploads join the shared library (and may they remove from it)? With
+        LLMWEB_SHARED_UPLOADS=1 everyone's do; with auto only the single user's (LOCAL_OWNER): a
+        stranger on a single-user install (through a proxy, web/trust.py) keeps theirs private."""
+        if self.settings.shared_uploads == "1":
+            return True
+        return self.settings.uploads_shared and owner == LOCAL_OWNER
 
     def usage_bytes(self, owner: str) -> int:
         """What `owner`'s private library counts against `user_docs_mb`: per document, its file's
@@ -190,7 +198,7 @@ class Library:
         take the owner's private library past settings.user_docs_mb.
         """
         namespace = private_namespace(owner)  # checks the owner in either mode
-        if self.settings.uploads_shared:
+        if self.shares_uploads(owner):
             return self.shared.ingest_uploads(files, progress)
         with self._gate(namespace):  # one upload at a time per owner: the quota check stays true
             index = self._private(owner)
@@ -206,7 +214,7 @@ class Library:
 
         InputError, with one message whatever the reason, when `owner` has no such document.
         """
-        targets = [self._private(owner)] + ([self.shared] if self.settings.uploads_shared else [])
+        targets = [self._private(owner)] + ([self.shared] if self.shares_uploads(owner) else [])
         removed = None
         for index in targets:
             try:

@@ -971,3 +971,99 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path, browser):
                 context.close()
     finally:
         stop_server(srv)
+
+
+# ---- a first message before the page has its session (its own server: a slow cold start)
+SLOW_LOAD_S = 20.0  # the model load, slowed: the message waits for it
+SLOW_VISIT_S = 15.0  # the page load's own event, slowed as on a CPU busy loading the model
+SLOW_START = """
+import functools, sys, time
+from llmweb.engine import models
+from llmweb.web.panels import account
+load_s, visit_s, port = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+real_load, real_visit = models.load, account.AccountHandlers.visit
+def slow_load(*a, **k):
+    time.sleep(load_s)
+    return real_load(*a, **k)
+@functools.wraps(real_visit)
+def slow_visit(*a, **k):
+    time.sleep(visit_s)
+    return real_visit(*a, **k)
+models.load, account.AccountHandlers.visit = slow_load, slow_visit
+from llmweb.cli.main import main
+sys.exit(main(["serve", "--port", port]))
+"""
+
+
+def start_slow_server(data_dir: Path, port: int, env_changes: dict[str, str | None]) -> Server:
+    """As `start_server`, through a launcher that slows the model load and the page load's event."""
+    env = dict(os.environ)
+    env.update(
+        LLMWEB_DATA_DIR=str(data_dir),
+        LLMWEB_CACHE_DIR=str(MODEL_CACHE),
+        LLMWEB_MAX_NEW_TOKENS="24",
+        LLMWEB_SAMPLE_DOCS="0",
+        LLMWEB_HOST="127.0.0.1",
+        GRADIO_ANALYTICS_ENABLED="False",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("LLMWEB_AUTH", None)
+    for name, value in env_changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    log_path = data_dir / "slow-start-server.log"
+    with open(log_path, "ab") as log:
+        argv = [sys.executable, "-c", SLOW_START, str(SLOW_LOAD_S), str(SLOW_VISIT_S), str(port)]
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    srv = Server(proc, f"http://127.0.0.1:{port}/", log_path)
+    try:
+        poll(lambda: http_status(srv.url + "gradio_api/info") == 200, STARTUP_S, "the slow server to serve", srv)
+    except BaseException:
+        stop_server(srv)
+        raise
+    return srv
+
+
+def test_a_first_message_sent_before_the_page_has_its_session_is_answered_and_kept(tmp_path, browser):
+    """A visitor (LLMWEB_SINGLE_USER=0) types before the page load's event has answered, with the
+    model still loading: the message is not refused ("This page has no session yet"), it waits for
+    the model and is answered, and after a reload the chat is still theirs (the page kept the token
+    the server minted for that first message)."""
+    data_dir = tmp_path / "slow-start-data"
+    data_dir.mkdir()
+    env = {"LLMWEB_SINGLE_USER": "0", "LLMWEB_SECRET": None, "LLMWEB_AUTH_FILE": None, "LLMWEB_SHARED_UPLOADS": None}
+    srv = start_slow_server(data_dir, free_port(), env)
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        pg = open_page(context, srv)
+        with step(pg, "first-message"):
+            pg.locator(MESSAGE_BOX).wait_for(state="visible")
+            assert "Ready" not in pg.locator("#llmweb-status").inner_text(), "the model must still be loading"
+            send(pg, "What is the capital of France?")
+            reply = poll(
+                lambda: next((t for t in reply_texts(pg)[-1:] if is_real_text(t)), ""),
+                SLOW_LOAD_S + READY_S,
+                "the first message's reply (after the model loaded)",
+                srv,
+                pg,
+            )
+            assert user_texts(pg) == ["What is the capital of France?"], user_texts(pg)
+            assert "no session" not in reply.lower()
+        with step(pg, "first-message-reload"):
+            poll(lambda: stats_turn(pg) == 1, REPLY_S, "the finished turn's stats", srv, pg)
+            time.sleep(SLOW_VISIT_S + 1)  # the page load's event has answered: the token is in the browser
+            pg.reload(wait_until="domcontentloaded")
+            poll(
+                lambda: user_texts(pg) == ["What is the capital of France?"],
+                SLOW_VISIT_S + REPLY_S,
+                "the reloaded page to show the first chat (the same owner)",
+                srv,
+                pg,
+            )
+            assert "(1)" in pg.locator("#llmweb-conversations").inner_text()
+            shot(pg, "first-message.png")
+    finally:
+        context.close()
+        stop_server(srv)

@@ -162,3 +162,15 @@ def test_a_wrong_host_is_refused_on_a_loopback_install(api, host):
     assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
     r = api.client.post("/v1/chat/completions", json=body(), headers={"Host": host})
     assert r.status_code == 403
+
+
+def test_a_strangers_uploads_stay_private_on_a_single_user_install(tmp_path):
+    """Through a proxy a visitor is not LOCAL_OWNER, so the single user's shared uploads are not theirs."""
+    from llmweb.retrieval.library import Library
+
+    fake = SimpleNamespace(dim=384, label="fake")
+    local = Library(make_settings(tmp_path / "a"), embedder=fake)  # auto: shared uploads for the single user
+    assert local.shares_uploads(LOCAL_OWNER)
+    assert not local.shares_uploads(f"anon:{TOKEN}") and not local.shares_uploads("user:bob")
+    assert Library(make_settings(tmp_path / "b", shared_uploads="1"), embedder=fake).shares_uploads(f"anon:{TOKEN}")
+    assert not Library(make_settings(tmp_path / "c", shared_uploads="0"), embedder=fake).shares_uploads(LOCAL_OWNER)
