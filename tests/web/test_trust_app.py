@@ -14,6 +14,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from llmweb.cli.main import launch_app
+from llmweb.records import LOCAL_OWNER
 from llmweb.runtime import Runtime
 from llmweb.web import accounts
 from llmweb.web.accounts import Scrypt, load_users, new_record, save_users
@@ -33,6 +34,8 @@ def serve(tmp_path):
         demo, url = launch_app(runtime, server_port=None, quiet=True, prevent_thread_lock=True)
         launched.append((demo, runtime))
         return url.rstrip("/")
+
+    start.runtime = lambda: launched[-1][1]
 
     yield start
     for demo, runtime in launched:
@@ -84,3 +87,12 @@ def test_login_backs_off_and_a_removed_users_session_ends(serve, tmp_path, monke
     assert page.get("/gradio_api/login_check").status_code == 401, (
         "every session of alice ended: the page asks to log in"
     )
+
+
+def test_on_a_loopback_install_a_proxied_page_event_is_a_stranger_not_the_single_user(serve):
+    url = serve()
+    conv = serve.runtime().store.create_conversation(LOCAL_OWNER)  # the single user's chat
+    assert Client(url, verbose=False).predict(conv, api_name="/stats") == "{}", "this machine: the owner"
+    proxied = Client(url, headers={"X-Forwarded-For": "203.0.113.9"}, verbose=False)
+    with pytest.raises(AppError, match="no longer exists"):
+        proxied.predict(conv, api_name="/stats")  # through nginx on the same host: someone else
