@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from functools import partial
+from threading import Event
 
 from llmweb.chat import context, summary
 from llmweb.chat.fold import Memory, fold, learn, turns_fitting
@@ -25,7 +28,7 @@ from llmweb.engine.scheduler import Engine
 from llmweb.errors import InputError, LlmwebError
 from llmweb.records import Turn
 from llmweb.store.db import Store
-from llmweb.store.models import Conversation
+from llmweb.store.models import Conversation, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +39,10 @@ class Summariser:
     def __init__(self, settings: Settings, engine: Engine, fmt: ChatFormat, budget: context.Budget):
         self.settings, self.engine, self.fmt, self.budget = settings, engine, fmt, budget
 
-    def write(self, previous: str, turns: list[Turn]) -> str:
+    def write(self, previous: str, turns: list[Turn], *, owner: str = "") -> str:
         """The summary after folding `turns`: `previous` with a paragraph about them appended (the
         cached prefix survives); when that passes the cap, everything merged into half the cap.
+        The engine jobs are `owner`'s (cancelled with their other requests: `Engine.cancel_owner`).
 
         Turns go in batches, oldest first, each sized against the summary as it is by then (every
         paragraph makes the next prompt longer); a summary over its cap is merged before the next
@@ -55,18 +59,19 @@ class Summariser:
         text = previous.strip()
         while pending:
             if count(text) > cap:
-                text = self._merge(text, cap)
+                text = self._merge(text, cap, owner)
             n = turns_fitting(self.fmt, text, pending, segment_cap, limit)
-            segment = self._generate(*summary.segment_request_messages(text, pending[:n], segment_cap), segment_cap)
+            request = summary.segment_request_messages(text, pending[:n], segment_cap)
+            segment = self._generate(*request, segment_cap, owner)
             text = f"{text}\n{segment}".strip() if segment else text
             pending = pending[n:]
-        return self._merge(text, cap) if count(text) > cap else text
+        return self._merge(text, cap, owner) if count(text) > cap else text
 
-    def _merge(self, text: str, cap: int) -> str:
+    def _merge(self, text: str, cap: int, owner: str) -> str:
         """Rare: rewrite the whole summary into half its cap (the cached prefix is lost once)."""
-        return self._generate(*summary.summary_request_messages(text, [], cap // 2), cap // 2)
+        return self._generate(*summary.summary_request_messages(text, [], cap // 2), cap // 2, owner)
 
-    def _generate(self, system: str, user: str, cap: int) -> str:
+    def _generate(self, system: str, user: str, cap: int, owner: str) -> str:
         ids = render_prompt(self.fmt, system, [("user", user)])
         if len(ids) > self.budget.context_limit - cap:
             raise InputError(f"summary prompt of {len(ids)} tokens does not fit the context")
@@ -78,9 +83,21 @@ class Summariser:
                 repetition_penalty=self.settings.repetition_penalty,
                 stop_ids=self.fmt.stop_ids,
                 background=True,
+                owner=owner,
             )
         )
         return summary.clean_summary(self.fmt.decode(handle.result()), cap, self.fmt)
+
+
+class FoldJob(threading.Thread):
+    """A fold in flight: its thread, whose chat it folds, and the flag that stops it before its next
+    write (`Folds.stop`: "Delete all my data"). `fold` is called with `args`, then the flag."""
+
+    def __init__(self, fold: Callable[..., None], owner: str, conv_id: str, args: tuple):
+        self.owner = owner
+        self.stopped = threading.Event()
+        super().__init__(target=fold, name=f"summary-{conv_id[:8]}", args=(owner, conv_id, *args, self.stopped))
+        self.daemon = True
 
 
 class Folds:
@@ -98,7 +115,7 @@ class Folds:
         self.settings, self.engine, self.fmt, self.store, self.budget = settings, engine, fmt, store, budget
         self.recalls = recalls
         self.summariser = Summariser(settings, engine, fmt, budget)
-        self._jobs: dict[str, threading.Thread] = {}
+        self._jobs: dict[str, FoldJob] = {}
         self._lock = threading.Lock()
 
     def after_turn(self, conv: Conversation, new: Turn, plan: context.ContextPlan, mine: TurnSettings) -> None:
@@ -120,11 +137,8 @@ class Folds:
                 return
             for done in [k for k, j in self._jobs.items() if not j.is_alive()]:  # only folds in flight are kept
                 del self._jobs[done]
-            job = threading.Thread(
-                target=self._fold,
-                name=f"summary-{conv.id[:8]}",
-                args=(conv.owner, conv.id, conv.summary, window[:n], conv.summarized_upto, mine.recall),
-                daemon=True,
+            job = FoldJob(
+                self._fold, conv.owner, conv.id, (conv.summary, window[:n], conv.summarized_upto, mine.recall)
             )
             self._jobs[conv.id] = job
         job.start()
@@ -136,24 +150,50 @@ class Folds:
         for j in jobs:
             j.join(timeout)
 
-    def _fold(self, owner: str, conv_id: str, previous: str, turns: list[Turn], first: int, recall: bool) -> None:
+    def stop(self, owner: str) -> list[FoldJob]:
+        """Flag the owner's folds in flight to write nothing more ("Delete all my data"; the caller
+        cancels their engine jobs and waits for them); they are returned."""
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.owner == owner and j.is_alive()]
+        for j in jobs:
+            j.stopped.set()
+        return jobs
+
+    def _fold(
+        self, owner: str, conv_id: str, previous: str, turns: list[Turn], first: int, recall: bool, stop: Event
+    ) -> None:
         """Fold turns out of the window (`turns` are turn indices first, first + 1, ...): index them for
-        recall, keep the user's facts, summarise."""
+        recall, keep the user's facts, summarise. Every write passes the owner's generation read with
+        the chat (the store refuses it after a "Delete all my data": `Deleted`), and none is made
+        once `stop` is set."""
         try:
-            if self.store.get(owner, conv_id).summarized_upto != first:
+            conv = self.store.get(owner, conv_id)
+            if conv.summarized_upto != first:
                 return  # an earlier fold finished after this turn read the chat; the next turn decides again
+            generation = conv.generation
+
+            def alive() -> bool:  # the recall index writes its folder only while this holds
+                return not stop.is_set() and self.store.alive(owner, conv_id, generation)
+
             if recall and self.recalls.library is not None:
-                self.recalls.add(conv_id, enumerate(turns, first))
+                self.recalls.add(conv_id, enumerate(turns, first), alive=alive)
             known = Memory(previous, tuple(self.store.facts(owner, conv_id)))
             try:
-                folded = fold(known, turns, self.summariser.write, name=conv_id)
+                folded = fold(known, turns, partial(self.summariser.write, owner=owner), name=conv_id)
             except LlmwebError as e:  # the window still moves on: facts and recall keep what matters
+                if stop.is_set():
+                    return
                 log.warning("summary for %s failed (%s); keeping the previous summary", conv_id, e)
                 folded = learn(known, turns)
             for fact in folded.facts[len(known.facts) :]:
-                self.store.add_fact(owner, conv_id, fact.text, pinned=False)
-            self.store.set_summary(owner, conv_id, folded.summary, first + len(turns))
-            self._warm(owner, conv_id)
+                if stop.is_set():
+                    return
+                self.store.add_fact(owner, conv_id, fact.text, pinned=False, generation=generation)
+            if not stop.is_set():
+                self.store.set_summary(owner, conv_id, folded.summary, first + len(turns), generation=generation)
+                self._warm(owner, conv_id)
+        except NotFound:  # deleted meanwhile (`Deleted` too): nothing of it is left to fold
+            log.info("folding turns for %s: the chat was deleted", conv_id)
         except Exception:  # the turn already streamed; a failed fold is tried again next turn
             log.exception("folding turns for %s failed", conv_id)
 

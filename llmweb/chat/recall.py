@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 from llmweb.chat import facts
 from llmweb.config import Settings
@@ -25,6 +26,8 @@ from llmweb.records import Chunk, Turn
 # lost now, "Which company do I work for?", is a fact).
 RECALL_MIN_SCORE = 0.40
 RECALL_CANDIDATES = 4  # recall looks at this many passages per turn it may recall
+
+Alive = Callable[[], bool]  # does the chat a recall writer read still exist (store.alive)?
 
 
 def recall_chunks(turns: Iterable[tuple[int, Turn]]) -> list[Chunk]:
@@ -100,25 +103,47 @@ class RecallCache:
             best.setdefault(c.doc_id, c)
         return [c for c in best.values() if not covered(c, known)][:k]
 
-    def add(self, conv_id: str, turns: Iterable[tuple[int, Turn]]) -> None:
-        """Index folded turns (index, turn) of a conversation."""
-        self.index(conv_id).add_chunks(recall_chunks(turns))
-
-    def follow(self, conv_id: str, fork: int, folded: Iterable[tuple[int, Turn]]) -> None:
-        """Another version of the chat is active from turn `fork` on: the other branch's turns from
-        there leave the index, and this one's `folded` turns (from `fork` on) come in."""
-        index = self.index(conv_id)
-        for doc_id in [d.doc_id for d in index.documents()]:
-            if doc_id.startswith("turn-") and int(doc_id.removeprefix("turn-")) >= fork:
-                index.remove(doc_id)
-        chunks = recall_chunks(folded)
-        if chunks:
+    def add(self, conv_id: str, turns: Iterable[tuple[int, Turn]], *, alive: Alive) -> bool:
+        """Index folded turns (index, turn) of a conversation, if `alive()` still holds when the
+        index is written (`_writing`); False when it did not and nothing was written."""
+        chunks = recall_chunks(turns)
+        with self._writing(conv_id, alive) as index:
+            if index is None:
+                return False
             index.add_chunks(chunks)
+        return True
+
+    def follow(self, conv_id: str, fork: int, folded: Iterable[tuple[int, Turn]], *, alive: Alive) -> None:
+        """Another version of the chat is active from turn `fork` on: the other branch's turns from
+        there leave the index, and this one's `folded` turns (from `fork` on) come in (while
+        `alive()` holds: `_writing`)."""
+        chunks = recall_chunks(folded)
+        with self._writing(conv_id, alive) as index:
+            if index is None:
+                return
+            for doc_id in [d.doc_id for d in index.documents()]:
+                if doc_id.startswith("turn-") and int(doc_id.removeprefix("turn-")) >= fork:
+                    index.remove(doc_id)
+            if chunks:
+                index.add_chunks(chunks)
 
     def forget(self, conv_id: str) -> None:
-        """A deleted conversation: its index leaves memory and disk."""
+        """A deleted conversation: its index leaves memory and disk. Called after the store's delete
+        committed; a writer in flight either wrote before (and its folder goes now) or sees its
+        chat gone (`_writing`) and writes nothing."""
         from llmweb.retrieval.storage import delete_namespace
 
         with self._lock:
             self._indexes.pop(conv_id, None)
         delete_namespace(self.settings, f"recall-{conv_id}")
+
+    @contextmanager
+    def _writing(self, conv_id: str, alive: Alive) -> Iterator:
+        """The conversation's index to write, holding its folder's lock (the one `forget`'s delete
+        takes), if `alive()` (the chat still exists, no "Delete all my data" since the writer read
+        it: `Store.alive`) holds under that lock; else None. So no writer recreates the folder of
+        a chat deleted before it wrote."""
+        from llmweb.retrieval.storage import namespace_dir, thread_lock_for
+
+        with thread_lock_for(namespace_dir(self.settings, f"recall-{conv_id}")):
+            yield self.index(conv_id) if alive() else None

@@ -55,6 +55,9 @@ __all__ = ["Chat", "Delta", "Finished", "Queued", "Started", "clean_message", "r
 # Regenerate must give a new reply: with greedy decoding (LLMWEB_TEMPERATURE=0, the default) it
 # samples at this temperature instead, with a fresh seed.
 REGENERATE_TEMPERATURE = 0.7
+# "Delete all my data" waits this long for the owner's folds in flight to stop (a fold's summary job is
+# cancelled; its recall embedding runs to the end). Past it, the store's generation check still holds.
+STOP_WAIT_S = 30.0
 
 Record = Callable[[str, TurnStats, list[Source]], None]  # (reply, stats, sources) into the store
 
@@ -122,11 +125,13 @@ class Chat:
         conv = (
             self.store.get(owner, conv_id)
             if conv_id is not None and not new
-            else Conversation(conv_id or new_id(), DEFAULT_TITLE, "", 0, [], owner=owner)
+            else Conversation(
+                conv_id or new_id(), DEFAULT_TITLE, "", 0, [], owner=owner, generation=self.store.generation(owner)
+            )
         )
 
-        def record(reply: str, stats: TurnStats, sources: list[Source]) -> None:
-            self.store.add_turn(owner, conv.id, text, reply, stats, sources, create=new)
+        def record(reply: str, stats: TurnStats, sources: list[Source]) -> None:  # Deleted after "Delete all my data"
+            self.store.add_turn(owner, conv.id, text, reply, stats, sources, create=new, generation=conv.generation)
 
         yield from self._answer(conv, text, record, how)
 
@@ -157,7 +162,7 @@ class Chat:
         version of the chat from there on (`Store.edit_turn`: the old turns stay, as another
         version). Refused when the turn is already folded into the summary."""
         text = clean_message(text, self.settings.max_message_chars)
-        conv = self.store.get(owner, conv_id) if conv_id is not None else None
+        conv = self._settled(owner, conv_id) if conv_id is not None else None
         if conv is None or not 0 <= turn < len(conv.turns):
             raise InputError("That message is no longer in this chat: reload it and try again.")
         if turn < conv.summarized_upto:
@@ -165,7 +170,7 @@ class Chat:
         conv = replace(conv, turns=conv.turns[:turn])
 
         def record(reply: str, stats: TurnStats, sources: list[Source]) -> None:
-            self.store.edit_turn(owner, conv.id, turn, text, reply, stats, sources)
+            self.store.edit_turn(owner, conv.id, turn, text, reply, stats, sources, generation=conv.generation)
 
         yield from self._answer(conv, text, record, _How(use_docs))
 
@@ -180,15 +185,15 @@ class Chat:
         replaces the old one, and the turn. `cut_short`: only a reply cut by the cap or stopped."""
         if conv_id is None:
             raise InputError("There is no reply to regenerate or continue yet.")
-        self.wait_background(conv_id)  # a fold in flight may be taking the last turn
+        conv = self._settled(owner, conv_id)
         last = self.store.last_turn(owner, conv_id)
         if cut_short and (last.stats is None or last.stats.gen.finish_reason not in ("length", "cancelled")):
             raise InputError("The last reply is complete: only a reply cut short or stopped can be continued.")
         text = clean_message(last.user, self.settings.max_message_chars)
-        conv = self.store.get(owner, conv_id)
 
         def record(reply: str, stats: TurnStats, sources: list[Source]) -> None:
-            self.store.replace_last_reply(owner, conv.id, last.idx, reply, stats, sources)
+            g = conv.generation
+            self.store.replace_last_reply(owner, conv.id, last.idx, reply, stats, sources, generation=g)
 
         return replace(conv, turns=[t for t in conv.turns if t.idx < last.idx]), text, record, last
 
@@ -252,6 +257,13 @@ class Chat:
     def wait_background(self, conv_id: str | None = None, timeout: float | None = None) -> None:
         self.folds.wait(conv_id, timeout)  # the folds in flight (of one chat, or all)
 
+    def _settled(self, owner: str, conv_id: str) -> Conversation:
+        """The chat read once its fold in flight is done: edit, regenerate and continue plan from
+        it (a fold may be taking the turn they change: its summary, facts and recall would keep
+        the old text), as undo and a version switch wait before they change it."""
+        self.wait_background(conv_id)
+        return self.store.get(owner, conv_id)
+
     # ---- per-chat settings (chat/settings.py)
     def turn_settings(self, chosen: ChatSettings) -> TurnSettings:
         return turn_settings(self.settings, self.budget, chosen)
@@ -271,7 +283,8 @@ class Chat:
         conv_id = self.store.import_json(owner, text)
         conv = self.store.get(owner, conv_id)
         if conv.summarized_upto and self.library is not None and self.turn_settings(conv.settings).recall:
-            self.recalls.add(conv_id, ((t.idx, t.as_turn()) for t in conv.turns[: conv.summarized_upto]))
+            folded = ((t.idx, t.as_turn()) for t in conv.turns[: conv.summarized_upto])
+            self.recalls.add(conv_id, folded, alive=self._alive(conv))
         return conv_id
 
     def switch_version(self, owner: str, conv_id: str, fork: int, version: int) -> None:
@@ -285,7 +298,7 @@ class Chat:
             return
         conv = self.store.get(owner, conv_id)
         folded = conv.turns[fork : conv.summarized_upto] if self.turn_settings(conv.settings).recall else []
-        self.recalls.follow(conv_id, fork, ((t.idx, t.as_turn()) for t in folded))
+        self.recalls.follow(conv_id, fork, ((t.idx, t.as_turn()) for t in folded), alive=self._alive(conv))
 
     def undo(self, owner: str, conv_id: str):
         """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is
@@ -304,7 +317,17 @@ class Chat:
 
     def delete_owner(self, owner: str) -> int:
         """Everything the owner stored: conversations, facts, recall indexes, caches, private documents.
-        Returns the number of conversations deleted."""
+        Returns the number of conversations deleted.
+
+        First their work in flight stops: their folds write nothing more, and their engine requests
+        (replies, summaries, waiting or running) are cancelled; the folds are waited for (a while).
+        Then the store deletes and bumps the owner's generation, so a reply or fold that began
+        before commits nothing (its end is `Deleted`: "This chat was deleted."), and a recall
+        writer in flight writes no folder (chat/recall.py)."""
+        folds = self.folds.stop(owner)
+        self.engine.cancel_owner(owner)
+        for job in folds:
+            job.join(STOP_WAIT_S)
         ids = self.store.delete_owner(owner)
         for conv_id in ids:
             self._forget(conv_id)
@@ -317,6 +340,10 @@ class Chat:
         longer (the retention of anonymous visitors); (owners, conversations) deleted."""
         owners = [o for prefix in prefixes for o in self.store.idle_owners(prefix, idle_s, now)]
         return len(owners), sum(self.delete_owner(o) for o in owners)
+
+    def _alive(self, conv: Conversation) -> Callable[[], bool]:
+        """Is `conv` (as read) still there, with no "Delete all my data" since? (recall's writers)"""
+        return lambda: self.store.alive(conv.owner, conv.id, conv.generation)
 
     def _forget(self, conv_id: str) -> None:
         self.engine.drop_session(conv_id)

@@ -142,6 +142,16 @@ class Engine:
             self._lock.notify_all()
         handle._finish(None, Cancelled("Cancelled before it started."))
 
+    def cancel_owner(self, owner: str) -> int:
+        """Cancel every request of `owner`, waiting or running, replies and background jobs alike
+        ("Delete all my data"); how many. Each ends as `Handle.cancel` ends it."""
+        with self._lock:
+            queued = self._waiting.interactive.serving_order() + list(self._waiting.background)
+            handles = [h for h in [s.handle for s in self._running] + queued if h.request.owner == owner]
+        for h in handles:
+            h.cancel()
+        return len(handles)
+
     def release_fragmentation(self) -> int:  # see Admission.release_fragmentation
         return self._memory.release_fragmentation()
 
