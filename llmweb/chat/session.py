@@ -14,6 +14,11 @@ Compression runs after the reply (chat/memory.py): when the window's history pas
 high-water mark, the oldest turns are folded into the rolling summary by a background engine job,
 so the prompt prefix changes rarely (and the session KV cache is dropped only then). Recall's
 indexes are chat/recall.py's, the per-chat settings and their checks chat/settings.py's.
+
+Races: edit, regenerate and continue read the chat once its fold in flight is done (`_settled`);
+undo and a version switch wait for it too. Every write of a turn passes the owner's generation read
+with the chat, so a reply that outlives "Delete all my data" stores nothing (`Deleted`);
+`delete_owner` first stops the owner's folds and cancels their engine requests.
 It must not turn domain errors into messages (the web layer and the CLI do).
 """
 

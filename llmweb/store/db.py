@@ -22,6 +22,13 @@ bits (`new_id`): unguessable. Deleting something already gone is not an error.
 Missing conversations raise `NotFound` (a `LookupError` and an `LlmwebError`, so the UI can show
 its message as it is).
 
+"Delete all my data" (`delete_owner`) bumps the owner's generation (store/owners.py; the row is
+the delete's tombstone). A writer that works for a while before it writes (a reply, a background
+fold) reads the generation with the chat (`Conversation.generation`, `generation`) and passes it
+to its write; one begun before a delete commits nothing and raises `Deleted` ("This chat was
+deleted.", a `NotFound`), so no reply or fold recreates what was deleted. `alive` answers the
+same for writers outside the store (the recall folders).
+
 This module only assembles the facade: it must hold no SQL of its own. The store knows nothing of
 tokens, models or the UI; it imports only the standard library and llmweb's errors and records.
 """
