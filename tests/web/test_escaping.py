@@ -17,6 +17,7 @@ from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
 from llmweb.store.models import Conversation, Fact, StoredTurn
 from llmweb.web import formatting as f
 from llmweb.web.panels.base import user_errors
+from tests.web.test_ui import runtime  # noqa: F401 (a fixture)
 
 HOSTILE = [
     '"><img src=x onerror=alert(1)>',
@@ -170,8 +171,29 @@ def test_the_status_line_escapes_what_a_server_said(hostile):
     """The status line may quote a remote engine's words (its model name, its error)."""
     from llmweb.web.panels.endpoints import StatusHandlers
 
-    runtime = SimpleNamespace(store=None, settings=None, status=f"Ready: remote engine · model {hostile}")
     handlers = StatusHandlers.__new__(StatusHandlers)
-    handlers.runtime = runtime
+    handlers.runtime = SimpleNamespace(status=f"Ready: remote engine · model {hostile}")
     found = elements(markdown_html(handlers.status_text()))
     assert found.tags <= MARKDOWN_TAGS and not found.attrs, (found.tags, found.attrs)
+
+
+def test_the_issues_import_is_refused_and_its_toast_is_escaped(runtime, tmp_path):  # noqa: F811
+    """Issue 25's carrier: an export whose stats name a section `"><img src=x onerror=…>`."""
+    import json
+
+    from llmweb.web.ui import Handlers
+    from tests.web.test_ui import A_TOKEN, NOBODY
+
+    h = Handlers(runtime)
+    *_, final = h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
+    owner, conv = f"anon:{A_TOKEN}", final[0]
+    doc = json.loads(runtime.store.export_json(owner, conv))
+    doc["turns"][0]["stats"]["sections"] = {'"><img src=x onerror=alert(1)>': 5}
+    path = tmp_path / "shared.json"
+    path.write_text(json.dumps(doc))
+    before = runtime.store.list_conversations(owner)
+    with pytest.raises(gr.Error) as e:
+        h.transfer.import_chat(str(path), A_TOKEN, NOBODY)
+    assert "unknown prompt section" in e.value.message
+    assert not {"img"} & elements(e.value.message).tags and "<" not in e.value.message
+    assert runtime.store.list_conversations(owner) == before
