@@ -5,6 +5,7 @@ is bounded; export files and Gradio's upload copies do not stay; streamed text i
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -86,6 +87,11 @@ def test_exports_expire_and_go_with_delete_all(runtime, tmp_path, monkeypatch, g
     assert A_TOKEN not in str(path), "the folder is a hash of the owner"
     assert transfer.sweep_exports(now=time.time()) == 0, "fresh: kept"
     assert transfer.sweep_exports(now=time.time() + transfer.EXPORT_TTL_S + 1) == 1 and not path.exists()
+    stale = transfer.Path(h.transfer.export_json(conv, A_TOKEN, NOBODY))
+    old = time.time() - transfer.EXPORT_TTL_S - 1
+    os.utime(stale, (old, old))
+    h.account.visit(A_TOKEN, conv, NOBODY)  # any page load sweeps
+    assert not stale.exists()
 
     path = transfer.Path(h.transfer.export_md(conv, A_TOKEN, NOBODY))
     copy = gradio_cache / transfer.hash_file(path) / path.name  # where Gradio keeps its copy of the download

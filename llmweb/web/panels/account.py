@@ -10,7 +10,7 @@ import gradio as gr
 
 from llmweb.web.panels.base import PanelHandlers, user_errors
 from llmweb.web.panels.documents import DocumentHandlers
-from llmweb.web.panels.transfer import delete_exports
+from llmweb.web.panels.transfer import delete_exports, sweep_exports
 
 
 class AccountHandlers(PanelHandlers):
@@ -26,6 +26,7 @@ class AccountHandlers(PanelHandlers):
         earlier events already used, if any: web/visitors.py), then show its chat."""
         owner, kept = self.visitors.resolve(token, request, first=True)
         self.store.touch_owner(owner)
+        sweep_exports()  # every page load: no export file outlives EXPORT_TTL_S by long, even unrequested
         return (kept or token, *self._open(owner, conv_id or ""))
 
     @user_errors
