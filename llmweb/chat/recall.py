@@ -4,6 +4,8 @@ Owns: one recall index per conversation (`RecallCache`: made on first use, kept 
 deleted with the chat), what goes into it (`recall_chunks`, used by every fold: chat/fold.py),
 keeping it in step with the active version of the chat, and the choice of passages
 (`RecallCache.recall`: confident matches that bring back what the summary and facts lost).
+Every write is checked against the store under the folder's lock (`alive`: the chat is still
+there, no "Delete all my data" since its writer read it), so none recreates a deleted chat's folder.
 It must not plan prompts, store turns or call the model (the embedder is the library's).
 """
 
