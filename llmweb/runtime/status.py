@@ -8,6 +8,7 @@ or check a server (runtime/health.py does).
 from __future__ import annotations
 
 import logging
+import re
 from urllib.parse import urlsplit
 
 log = logging.getLogger("llmweb.runtime")
@@ -30,8 +31,9 @@ class StatusLine:
         )
 
     def failed(self, what: str, error: BaseException) -> None:
-        """A start-up that failed: `what` names the step ("Model failed to load")."""
-        self.text = f"{what}: {error}"
+        """A start-up that failed: `what` names the step ("Model failed to load"). The page gets the
+        error's words without file paths (the runtime logs the whole error)."""
+        self.text = f"{what}: {_no_paths(str(error))}"
 
     def remote_up(self, url: str, model: str, token_ids: bool, started: str) -> None:
         """The remote engine answers. The page names it "remote engine" and its model, never its
@@ -47,7 +49,7 @@ class StatusLine:
             log.warning("remote engine %s not reachable: %s", url, why)
             self._down = why
         self.text = (
-            f"Ready, but the remote engine is not reachable ({_hidden(why, url)}); retrying every "
+            f"Ready, but the remote engine is not reachable ({_no_paths(_hidden(why, url))}); retrying every "
             f"{retry_s:.0f} s. Messages fail until it answers."
         )
 
@@ -63,3 +65,11 @@ def _hidden(text: str, url: str) -> str:
     for secret in sorted((f for f in found if len(f) >= 4), key=len, reverse=True):
         text = text.replace(secret, "…")
     return text
+
+
+_PATH = re.compile(r"(?<![\w.:/])(?:/|~/|[A-Za-z]:\\)[^\s'\"]+")
+
+
+def _no_paths(text: str) -> str:
+    """`text` with every absolute file path shown as "…" (a server's folders are not a visitor's)."""
+    return _PATH.sub("…", text)

@@ -104,6 +104,14 @@ def test_the_status_line_never_shows_the_engine_address():
     assert "10.1.2.3" not in status.text and "user:key" not in status.text and "refused" in status.text
 
 
+def test_a_failed_start_shows_no_file_paths():
+    status = StatusLine()
+    status.failed("Model failed to load", FileNotFoundError("[Errno 2] No such file: '/srv/llmweb/models/x.gguf'"))
+    assert status.text == "Model failed to load: [Errno 2] No such file: '…'"
+    status.failed("Model failed to load", OSError(r"cannot open C:\\models\\x and ~/cache/y; 1/2 done"))
+    assert "models" not in status.text and "cache" not in status.text and "1/2 done" in status.text
+
+
 def test_the_status_line_shows_progress_and_failures():
     status = StatusLine()
     assert status.text == "Starting…"
