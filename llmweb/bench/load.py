@@ -11,7 +11,10 @@
                 the median latencies, measured in one run (target: at most 2).
 
 `run()` starts `python -m llmweb serve` in a scratch data dir (a separate process: the clients'
-threads do not share its interpreter), every visitor its own owner (`LLMWEB_SINGLE_USER=0`).
+threads do not share its interpreter), every visitor its own owner (`LLMWEB_SINGLE_USER=0`); the
+server inherits the environment. On a CPU shared with other work, OpenMP's threads can wait on
+each other for long: measured on a 2-core machine at a load of ~8, one 16-token turn took 7-16 s
+with torch's default threads and ~1 s with `OMP_NUM_THREADS=1`, so the table says which it ran with.
 tests/test_load.py runs `crowd` against an app launched in the test process.
 """
 
@@ -223,14 +226,21 @@ def run(settings, visitors: int = VISITORS, turns: int = TURNS, max_new_tokens: 
         finally:
             proc.terminate()
             proc.wait(30)
-    return {"visitors": visitors, "turns_each": turns, "max_new_tokens": max_new_tokens, "load": load, "attack": attack}
+    return {
+        "visitors": visitors,
+        "turns_each": turns,
+        "max_new_tokens": max_new_tokens,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "default"),  # the server inherits it
+        "load": load,
+        "attack": attack,
+    }
 
 
 def markdown(result: dict) -> str:
     load, attack = result["load"], result["attack"]
     lines = [
         f"## bench load: {result['visitors']} visitors x {result['turns_each']} turns at once "
-        f"(replies of at most {result['max_new_tokens']} tokens)",
+        f"(replies of at most {result['max_new_tokens']} tokens; OMP_NUM_THREADS {result['omp_num_threads']})",
         "",
         "| turns | answered | busy refusals | p50 | p95 | max | wall |",
         "|---|---|---|---|---|---|---|",
