@@ -216,11 +216,29 @@ def _as_document(text: str) -> Any:
     return parse_document(text.encode(), "hostile.md")
 
 
+def _detect(text: str) -> object:
+    """A whole-document task's rule over a message (chat/document_plan.py), with 200 documents to name."""
+    from llmweb.chat import document_plan
+
+    docs = [document_plan.DocRef(f"d{i}", f"document-{i}.txt", float(i)) for i in range(200)]
+    return document_plan.detect(f"Summarise {text} document-7.txt", docs, force=True)
+
+
+def _as_chunks(text: str) -> list:
+    """The text as a document's chunks of 2,000 characters, each overlapping the last by 100."""
+    from llmweb.records import Chunk
+
+    step = 1_900
+    return [
+        Chunk(text[i : i + 2_000], "x.txt", start=i, end=min(i + 2_000, len(text))) for i in range(0, len(text), step)
+    ]
+
+
 def targets(chunking: bool = True) -> list[Target]:
     """Every text function on a path from a stranger's text (chat message, upload, import, the
     model's own replies folded into summaries). The API's wire parsing (web/api_wire.py) is a peer
     layer that bench may not import: tests/test_linear_text.py adds it to these."""
-    from llmweb.chat import facts, summary
+    from llmweb.chat import document_plan, facts, summary
     from llmweb.chat.session import clean_message
     from llmweb.retrieval import keywords
 
@@ -239,6 +257,8 @@ def targets(chunking: bool = True) -> list[Target]:
         Target("session.clean_message", lambda t: clean_message(t, 10**8)),
         Target("keywords.content_words", keywords.content_words),
         Target("documents.display_name", _display_name),
+        Target("document_plan.detect", _detect),
+        Target("document_plan.split", lambda chunks: document_plan.split(chunks, 64, _words), _as_chunks),
         Target("documents.parse .txt", _parse(".txt"), lambda t: t.encode()),
         Target("documents.parse .md", _parse(".md"), lambda t: t.encode()),
         Target("documents.parse .html", _parse(".html"), lambda t: t.encode()),

@@ -131,6 +131,18 @@ class Budget:
         """Tokens the prompt may take: the context less the reply's reserve."""
         return self.context_limit - self.max_new_tokens
 
+    def piece_room(self, overhead: int, reply: int) -> int:
+        """Tokens of document text one step of a whole-document task may read: the context less
+        the step's prompt without the text (`overhead`) and its reply cap. InputError when the
+        instruction and the reply alone leave no room (chat/document_plan.py)."""
+        room = self.context_limit - overhead - reply
+        if room < 16:
+            raise InputError(
+                f"This request is too long to read a document with: its instruction takes {overhead:,} "
+                f"tokens of the {self.context_limit:,}-token context. Shorten it."
+            )
+        return room
+
     @property
     def system_prompt_room(self) -> int:
         """The most tokens a chat's own system prompt may take: a quarter of the context."""

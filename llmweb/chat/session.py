@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from llmweb.chat import context, facts
+from llmweb.chat.document_task import DocumentTasks
 from llmweb.chat.memory import Folds
 from llmweb.chat.recall import RecallCache
 from llmweb.chat.settings import TurnSettings, check_pins, checked, clean_message, turn_settings
@@ -101,6 +102,7 @@ class Chat:
         self.runner = TurnRunner(settings, engine, fmt)
         self.recalls = RecallCache(settings, library)
         self.folds = Folds(settings, engine, fmt, store, budget, self.recalls)
+        self.documents = DocumentTasks(settings, engine, fmt, store, budget, library)
 
     # ---- the turn, over four snapshots of the chat
     def send(
@@ -116,13 +118,16 @@ class Chat:
         sampling: Sampling | None = None,
         stop: Sequence[str] = (),
         cancel: Cancel | None = None,
+        whole_document: bool = False,
     ) -> Iterator[Event]:
         """One turn. `conv_id=None` starts a conversation with an id made here; `new=True` starts one
         with `conv_id`, which the caller must have made with `store.new_id()` (never a client's).
         The chat's own settings (`ChatSettings`: system prompt, temperature, reply cap, documents,
         memory mode) apply over the configuration's; `use_docs` None follows the chat's.
         `sampling` (an API request's temperature, top_p, max_tokens) applies over those; a reply
-        that shows one of `stop` is cancelled there; `cancel` stops it from another thread."""
+        that shows one of `stop` is cancelled there; `cancel` stops it from another thread. A message
+        that asks for a whole-document task (or any, with `whole_document`) reads the whole document
+        instead (chat/document_task.py)."""
         how = _How(use_docs, seed, wait_summary, sampling, tuple(stop), cancel)
         text = clean_message(text, self.settings.max_message_chars)
         new = new or conv_id is None
@@ -138,6 +143,11 @@ class Chat:
         def record(reply: str, stats: TurnStats, sources: list[Source]) -> None:  # Deleted after "Delete all my data"
             self.store.add_turn(owner, conv.id, text, reply, stats, sources, create=new, generation=conv.generation)
 
+        if whole_document or use_docs is not False:
+            intent = self.documents.detect(owner, text, force=whole_document)
+            if intent is not None:
+                yield from self.documents.answer(conv, intent, record, cancel)
+                return
         yield from self._answer(conv, text, record, how)
 
     def regenerate(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from llmweb.chat import context
+from llmweb.chat.document_plan import DocumentStats
 from llmweb.chat.tokens import ChatFormat
 from llmweb.config import Settings
 from llmweb.engine.request import GenerationRequest, Handle, Tokens, Waiting
@@ -45,6 +46,15 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A whole-document task's progress (chat/document_task.py): `done` of `total` sections."""
+
+    done: int
+    total: int
+    text: str  # "Reading section 3 of 12…"
+
+
+@dataclass(frozen=True)
 class Finished:
     reply: str
     stats: TurnStats
@@ -52,12 +62,13 @@ class Finished:
     notes: list[str] = field(default_factory=list)
     prompt: tuple[tuple[str, str], ...] = ()  # the planned messages (role, text), system first
     conv_id: str = ""  # the conversation the turn was stored in
+    document: DocumentStats | None = None  # a whole-document task's figures (chat/document_task.py)
 
     def prompt_text(self) -> str:
         return "\n\n".join(f"### {role}\n{text}" for role, text in self.prompt)
 
 
-Event = Started | Queued | Delta | Finished
+Event = Started | Queued | Progress | Delta | Finished
 
 
 def finish(events: Iterator) -> Finished:

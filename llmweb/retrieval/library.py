@@ -28,7 +28,7 @@ maps it to its private library through `private_namespace`, which refuses a miss
   - `ingest_uploads`: into that owner's private library (or the shared one when
     `settings.uploads_shared`), one upload at a time per owner (`_gate`), within the owner's quota
     (`_check_quota`), before anything is written;
-  - `documents` / `is_empty` / `usage_bytes` / `search`: the shared library plus that owner's own,
+  - `documents` / `is_empty` / `usage_bytes` / `search` / `chunks`: the shared library plus that owner's own,
     with `removable` set per owner; `remove`: that owner's own (plus the shared one only when
     `uploads_shared`), one message whether a document is elsewhere or nowhere;
   - `delete_owner`: that owner's private library, nothing else.
@@ -171,6 +171,14 @@ class Library:
         removable = self.shares_uploads(owner)
         shared = [LibraryDocument.of(d, "shared", removable) for d in self.shared.documents() if d.doc_id not in mine]
         return own + shared
+
+    def chunks(self, owner: str, doc_id: str) -> list[Chunk]:
+        """One document's chunks in document order, if `owner` can read it (their own copy first,
+        then the shared library's); [] for a document they cannot read, as for one that is not there."""
+        for index in (self._private(owner), self.shared):
+            if doc_id in index:
+                return index.chunks(doc_id)
+        return []
 
     def shares_uploads(self, owner: str) -> bool:
         """Do `owner`'s uploads join the shared library (and may they remove from it)? With

@@ -11,6 +11,7 @@ Where each part lives:
   store/versions.py       edited turns fork the chat; switching between versions
   store/facts.py          the user's sentences kept verbatim
   store/search.py         full-text search over the turns (FTS5)
+  store/pieces.py         whole-document tasks' per-piece results (a cache)
   store/exchange.py       JSON export/import (format and validation) and the Markdown transcript
 
 Ownership: every conversation belongs to an OWNER (the login account "user:<name>", an anonymous
@@ -38,11 +39,12 @@ from __future__ import annotations
 from llmweb.store.exchange import ExchangeQueries
 from llmweb.store.facts import FactQueries
 from llmweb.store.owners import OwnerQueries
+from llmweb.store.pieces import PieceQueries
 from llmweb.store.search import SearchQueries
 from llmweb.store.versions import VersionQueries
 
 
-class Store(ExchangeQueries, VersionQueries, FactQueries, SearchQueries, OwnerQueries):
+class Store(ExchangeQueries, VersionQueries, FactQueries, SearchQueries, PieceQueries, OwnerQueries):
     """All conversations in one SQLite file. Safe to share between threads (store/connection.py).
 
     Open with `Store(path)`; close with `close()` or use it as a context manager."""

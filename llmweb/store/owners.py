@@ -82,6 +82,7 @@ class OwnerQueries(Connection):
             ids = [r[0] for r in db.execute("SELECT id FROM conversations WHERE owner = ?", (owner,))]
             db.execute("DELETE FROM conversations WHERE owner = ?", (owner,))
             db.execute("DELETE FROM owners WHERE owner = ?", (owner,))
+            db.execute("DELETE FROM document_pieces WHERE owner = ?", (owner,))  # whole-document results
             db.execute(
                 "INSERT INTO owner_generations (owner, generation) VALUES (?, 1) "
                 "ON CONFLICT(owner) DO UPDATE SET generation = generation + 1",

@@ -109,6 +109,19 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             generation      INTEGER NOT NULL CHECK (generation >= 0)
         )""",
     ),
+    (  # 7: whole-document tasks' per-piece results (store/pieces.py), keyed by owner, document (its
+        # content hash), task, piece and model; deleted with the document and with the owner's data
+        """CREATE TABLE document_pieces (
+            owner           TEXT NOT NULL,
+            doc_id          TEXT NOT NULL,
+            task            TEXT NOT NULL,
+            piece           INTEGER NOT NULL CHECK (piece >= 0),
+            model           TEXT NOT NULL,
+            text            TEXT NOT NULL,
+            created         REAL NOT NULL,
+            PRIMARY KEY (owner, doc_id, task, piece, model)
+        )""",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

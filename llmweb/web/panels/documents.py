@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from llmweb.chat.document_task import remove_document
 from llmweb.errors import InputError
 from llmweb.web.formatting import documents_markdown, escape, ingest_markdown
 from llmweb.web.panels.base import PanelHandlers, user_errors
@@ -47,5 +48,5 @@ class DocumentHandlers(PanelHandlers):
     def remove_document(self, doc_id, token, request: gr.Request) -> tuple:
         if not doc_id:
             raise InputError("Pick a document to remove first.")
-        info = self.runtime.library.remove(self.owner(token, request), doc_id)
+        info = remove_document(self.runtime.library, self.store, self.owner(token, request), doc_id)
         return *self.documents(token, request), f"Removed {escape(info.source, inline=True)} ({info.chunks} chunks)."
