@@ -32,19 +32,31 @@ STOPPED = "\n\n*(stopped)*"
 
 _MD_LEAD = re.compile(r"^\s*(#{1,6}\s+|[>*+-]\s+|\d+[.)]\s+)+")
 _SCHEME = re.compile(r"(?i)\b(javascript|vbscript|data|file)(\s*):")
+_LINKS = re.compile(r"\](?=[(:])")
 
 
-def escape(value: object, *, inline: bool = False) -> str:
+def escape(value: object, *, inline: bool = False, message: bool = False) -> str:
     """The one escape of everything the page shows that it did not write itself: user and model
-    text, imported fields, file names, error sentences. `& < > "` become entities (safe as element
-    text and inside attributes, which llmweb always writes in double quotes, in gr.HTML, SVG and
-    Markdown alike; an apostrophe stays one); `[` becomes `&#91;`, so Markdown makes no link or
-    image of it (a reply cannot make the browser fetch a URL, nor show a disguised link); a
-    `javascript:`-like scheme gets a zero-width space before its colon. `inline=True` is for one
-    line inside Markdown (a table cell, a list item, a sentence): whitespace runs become one space
-    and `|` an entity, so the value cannot start a block (a fence, a heading) or a table cell.
-    Every other function here passes outside strings through it."""
-    text = " ".join(str(value).split()) if inline else str(value)
+    text, imported fields, file names, error sentences.
+
+    By default `& < > "` become entities (safe as element text and inside attributes, which llmweb
+    always writes in double quotes, in gr.HTML, SVG and Markdown alike; an apostrophe stays one);
+    `[` becomes `&#91;`, so Markdown makes no link or image of it (a reply cannot make the browser
+    fetch a URL, nor show a disguised link); a `javascript:`-like scheme gets a zero-width space
+    before its colon. `inline=True` is for one line inside Markdown (a table cell, a list item, a
+    sentence): whitespace runs become one space and `|` an entity, so the value cannot start a
+    block (a fence, a heading) or a table cell.
+
+    `message=True` is for a chat message, Markdown the Chatbot renders, code blocks included,
+    where an entity would show as written (`&lt;` in a code sample). There, a zero-width space
+    goes after every `<` (no tag, comment or autolink starts with it) and between `]` and `(` or
+    `:` (no link, image or link definition, so no `javascript:` link either); the text reads as
+    written, code too. `message_text` takes the spaces out again."""
+    text = str(value)
+    if message:
+        return _LINKS.sub("]\u200b", text.replace("<", "<\u200b"))
+    if inline:
+        text = " ".join(text.split())
     text = html.escape(text, quote=False).replace('"', "&quot;").replace("[", "&#91;")
     if inline:
         text = text.replace("|", "&#124;")
@@ -144,8 +156,8 @@ def history_messages(conv) -> list[dict]:
     for t in conv.turns:
         stopped = t.stats is not None and t.stats.stopped
         marker = f"\n\n{version_marker(*versions[t.idx])}" if t.idx in versions else ""
-        out.append({"role": "user", "content": escape(t.user) + marker})
-        reply = escape(t.assistant or "") + (STOPPED if stopped else "")
+        out.append({"role": "user", "content": escape(t.user, message=True) + marker})
+        reply = escape(t.assistant or "", message=True) + (STOPPED if stopped else "")
         out.append({"role": "assistant", "content": reply or "*(no reply)*"})
         src = sources_message(t.sources)
         if src:
@@ -154,9 +166,10 @@ def history_messages(conv) -> list[dict]:
 
 
 def message_text(shown: str) -> str:
-    """What the visitor wrote, back from a message the page shows (`history_messages` escaped it):
-    the edit control hands the shown text back."""
-    return html.unescape(VERSION_MARKER.sub("", shown)).replace("\u200b:", ":")
+    """What the visitor wrote, back from a message the page shows (`history_messages` escaped it
+    with `escape(..., message=True)`): the edit control hands the shown text back."""
+    text = VERSION_MARKER.sub("", shown)
+    return text.replace("<\u200b", "<").replace("]\u200b", "]")
 
 
 def version_marker(active: int, count: int) -> str:

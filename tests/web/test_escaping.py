@@ -197,3 +197,32 @@ def test_the_issues_import_is_refused_and_its_toast_is_escaped(runtime, tmp_path
     assert "unknown prompt section" in e.value.message
     assert not {"img"} & elements(e.value.message).tags and "<" not in e.value.message
     assert runtime.store.list_conversations(owner) == before
+
+
+def test_a_code_sample_in_a_message_reads_as_written():
+    """In a message, code shows every character as the model wrote it (an entity would show as
+    `&lt;` inside code): only zero-width spaces are added, and no tag or link comes of it."""
+    code = 'if a[0](x) < 3 && s == "<b>" & t[i]: print(f"{x}")  # [ref]: http://x.test'
+    reply = f"Try:\n\n```python\n{code}\n```\n\nor `{code}`, then <b>bold</b> [link](http://x.test)"
+    conv = Conversation("c", "t", "", 0, [StoredTurn(0, "q", reply, None, [])])
+    shown = markdown_html(f.history_messages(conv)[1]["content"])
+
+    class Code(HTMLParser):
+        def __init__(self):
+            super().__init__(convert_charrefs=True)
+            self.depth, self.texts = 0, []
+
+        def handle_starttag(self, tag, attrs):
+            self.depth += tag == "code"
+
+        def handle_endtag(self, tag):
+            self.depth -= tag == "code"
+
+        def handle_data(self, data):
+            if self.depth:
+                self.texts.append(data.replace("\u200b", ""))
+
+    parsed = Code()
+    parsed.feed(shown)
+    assert [t.strip() for t in parsed.texts] == [code, code]
+    assert elements(shown).tags == {"p", "pre", "code"}, "no <b>, no <a>"

@@ -37,7 +37,7 @@ class ChatHandlers(PanelHandlers):
             conv_id = self.store.create_conversation(owner)
             chat.set_settings(owner, conv_id, ChatSettings(use_docs=False))
         shown = list(history or []) + [
-            {"role": "user", "content": escape(message)},
+            {"role": "user", "content": escape(message, message=True)},
             {"role": "assistant", "content": "…"},
         ]
         for panel in self._stream(owner, conv_id, shown, chat.send(owner, conv_id, message, use_docs=bool(use_docs))):
@@ -60,8 +60,11 @@ class ChatHandlers(PanelHandlers):
             raise InputError("There is no reply to regenerate or continue yet.")
         last = conv.turns[-1]
         shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:-1]))
-        so_far = escape(last.assistant) if more else "…"
-        shown += [{"role": "user", "content": escape(last.user)}, {"role": "assistant", "content": so_far}]
+        so_far = escape(last.assistant, message=True) if more else "…"
+        shown += [
+            {"role": "user", "content": escape(last.user, message=True)},
+            {"role": "assistant", "content": so_far},
+        ]
         events = (chat.continue_reply if more else chat.regenerate)(owner, conv_id, use_docs=bool(use_docs))
         yield from self._stream(owner, conv_id, shown, events)
 
@@ -89,7 +92,7 @@ class ChatHandlers(PanelHandlers):
             raise InputError("Only your own messages can be edited.")
         clean_message(text, self.settings.max_message_chars)
         shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:turn]))
-        shown += [{"role": "user", "content": escape(text)}, {"role": "assistant", "content": "…"}]
+        shown += [{"role": "user", "content": escape(text, message=True)}, {"role": "assistant", "content": "…"}]
         events = chat.edit(owner, conv_id, turn, text, use_docs=bool(use_docs))
         yield from self._stream(owner, conv_id, shown, events)  # the switcher then shows this fork (the latest)
 
@@ -124,7 +127,7 @@ class ChatHandlers(PanelHandlers):
                 shown[-1] = {"role": "assistant", "content": f"*Waiting: {wait}…*"}
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Delta):
-                shown[-1] = {"role": "assistant", "content": escape(event.text)}
+                shown[-1] = {"role": "assistant", "content": escape(event.text, message=True)}
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Finished):
                 notes, prompt = " ".join(event.notes), event.prompt_text()
