@@ -50,9 +50,10 @@ def test_ui_panel_and_plots_update_after_each_turn(served):
 
     runtime, _url = served
     h = Handlers(runtime)
-    history, conv = [], ""
+    here = SimpleNamespace(username=None, client=SimpleNamespace(host="127.0.0.1"), headers={"host": "127.0.0.1"})
+    history, conv = [], ""  # a browser on this machine (the single user), without login
     for turn, question in enumerate(["What is the capital of France?", "And of Italy?"], 1):
-        *_, final = h.chat.respond(question, history, conv, True, "", SimpleNamespace(username=None))
+        *_, final = h.chat.respond(question, history, conv, True, "", here)
         panel = Panel(*final[:-1])
         conv, history, stats_md, bar = panel.conv_state, panel.chatbot, panel.stats_md, panel.bar
         assert f"**Turn {turn}**" in stats_md and "prompt **" in stats_md

@@ -73,7 +73,10 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, app_mod
         assert [t.stats.turn for t in stored.turns] == [1, 2]
         with serve(again) as (demo, url):
             # what the browser gets on load, with the chat id it kept in its storage
-            nobody = SimpleNamespace(username=None)  # a gr.Request without login (single-user: the local owner)
+            # a gr.Request of a browser on this machine, without login (single-user: the local owner)
+            nobody = SimpleNamespace(
+                username=None, client=SimpleNamespace(host="127.0.0.1"), headers={"host": "127.0.0.1"}
+            )
             opened = ui_handler(demo, "load", "visit")("", conv, nobody)
             values = list(opened.values()) if isinstance(opened, dict) else list(opened)
             assert conv in values, "the page keeps the same chat id"
