@@ -51,16 +51,46 @@ def escape(value: object, *, inline: bool = False, message: bool = False) -> str
     where an entity would show as written (`&lt;` in a code sample). There, a zero-width space
     goes after every `<` (no tag, comment or autolink starts with it) and between `]` and `(` or
     `:` (no link, image or link definition, so no `javascript:` link either); the text reads as
-    written, code too. `message_text` takes the spaces out again."""
+    written. A fenced code block is left exactly as written: Markdown shows it as text, so no tag
+    or link can form there, and a copied code sample has no hidden characters.
+    `message_text` takes the spaces out again."""
     text = str(value)
     if message:
-        return _LINKS.sub("]\u200b", text.replace("<", "<\u200b"))
+        return "".join(part if code else _guard(part) for part, code in _code_parts(text))
     if inline:
         text = " ".join(text.split())
     text = html.escape(text, quote=False).replace('"', "&quot;").replace("[", "&#91;")
     if inline:
         text = text.replace("|", "&#124;")
     return _SCHEME.sub("\\1\\2\u200b:", text)
+
+
+def _guard(prose: str) -> str:
+    """Message prose: a zero-width space after every `<` and between `]` and `(` or `:`."""
+    return _LINKS.sub("]\u200b", prose.replace("<", "<\u200b"))
+
+
+def _code_parts(text: str) -> list[tuple[str, bool]]:
+    """`text` cut into (part, is_code) in order, in one pass over its lines. Code is a fenced block
+    whose opening fence starts its line (no indent: then no list or quote can hold it, so Markdown
+    sees the same block; a backtick fence's info string has no backtick), to its closing fence
+    (the same character, at least as long, at most 3 spaces in) or the end of the text. Everything
+    else counts as prose, inline code spans included: where they start and end depends on the
+    blocks around them, and guarding a span too many costs only hidden characters."""
+    out: list[tuple[str, bool]] = []
+    fence = ""  # the open fence, e.g. "```"
+    for line in text.splitlines(keepends=True):
+        if fence:
+            out.append((line, True))
+            stripped = line.lstrip(" ")
+            if len(line) - len(stripped) < 4 and stripped.startswith(fence) and not stripped.strip().strip(fence[0]):
+                fence = ""
+        elif line[:3] in ("```", "~~~") and not (line[0] == "`" and "`" in line.lstrip("`")):
+            fence = line[: len(line) - len(line.lstrip(line[0]))]
+            out.append((line, True))
+        else:
+            out.append((line, False))
+    return out
 
 
 def warnings(s: TurnStats, mem_limit_bytes: int = 0) -> list[str]:

@@ -201,7 +201,8 @@ def test_the_issues_import_is_refused_and_its_toast_is_escaped(runtime, tmp_path
 
 def test_a_code_sample_in_a_message_reads_as_written():
     """In a message, code shows every character as the model wrote it (an entity would show as
-    `&lt;` inside code): only zero-width spaces are added, and no tag or link comes of it."""
+    `&lt;` inside code); a fenced block is left exactly as written (a copy has no hidden
+    characters); prose and inline code get zero-width spaces; no tag or link comes of either."""
     code = 'if a[0](x) < 3 && s == "<b>" & t[i]: print(f"{x}")  # [ref]: http://x.test'
     reply = f"Try:\n\n```python\n{code}\n```\n\nor `{code}`, then <b>bold</b> [link](http://x.test)"
     conv = Conversation("c", "t", "", 0, [StoredTurn(0, "q", reply, None, [])])
@@ -225,4 +226,26 @@ def test_a_code_sample_in_a_message_reads_as_written():
     parsed = Code()
     parsed.feed(shown)
     assert [t.strip() for t in parsed.texts] == [code, code]
+    message = f.history_messages(conv)[1]["content"]
+    assert f"```python\n{code}\n```" in message, "a code block is kept as written: a copy has no hidden characters"
+    assert "<\u200bb>bold" in message, "prose outside the code is still guarded"
     assert elements(shown).tags == {"p", "pre", "code"}, "no <b>, no <a>"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "- item\n  ```\n  x\n- next\n<img src=x onerror=alert(1)>\n  ```",  # a fence a list item closes
+        "> ```\n<img src=x onerror=alert(1)>",  # a fence inside a quote
+        "```a`b\n<img src=x onerror=alert(1)>\n```",  # not a fence: a backtick in the info string
+        "    ```\n<img src=x onerror=alert(1)>",  # indented: code of another kind, or a list's
+        "`a\nb` <img src=x onerror=alert(1)> `",  # a code span that starts on the line before
+        "# `a\n<img src=x onerror=alert(1)> `",  # a heading's backtick is not the paragraph's
+    ],
+)
+def test_code_that_markdown_may_read_otherwise_stays_guarded(reply):
+    """Only a fence at the start of a line counts as code left as written; any code whose extent
+    depends on the blocks around it is guarded like prose, so no tag comes of it."""
+    conv = Conversation("c", "t", "", 0, [StoredTurn(0, "q", reply, None, [])])
+    shown = markdown_html(f.history_messages(conv)[1]["content"])
+    assert "img" not in elements(shown).tags
