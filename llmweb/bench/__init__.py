@@ -1,5 +1,5 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load]` and `capacity`.
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document]` and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
 
@@ -20,6 +20,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 ratio of the times (linear ~16, quadratic ~256; at most 25). No model.
   load.py       `bench load`: 16 visitors x 3 turns at once through `/chat` of a scratch server: busy
                 refusals, p50/p95; one visitor's turn idle vs. while a client sends pathological messages
+  document.py   `bench document`: a whole-document summary of a text several contexts long, cold and from
+                the cache; another visitor's turn idle and while a task reads
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
 
 The contract: a benchmark changes engine settings only through public configuration (a Runtime
@@ -36,7 +38,7 @@ import sys
 
 from llmweb.errors import ConfigError
 
-BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency", "decode", "hostile", "load"]
+BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency", "decode", "hostile", "load", "document"]
 
 
 def register(sub) -> None:
@@ -44,7 +46,7 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load",
+        "| hostile | load | document",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -95,6 +97,7 @@ def register(sub) -> None:
     b.add_argument("--fillers", type=int, default=12, help="fidelity: filler turns before each checkpoint")
     b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
     b.add_argument("--prompts", default="32,512,1536", help="decode: prompt lengths in tokens, comma-separated")
+    b.add_argument("--parts", type=int, default=4, help="document: copies of the guide in the long text")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=bench_command)
 
@@ -134,6 +137,7 @@ def bench_command(args) -> int:
         "ttft": _bench_ttft,
         "hostile": _bench_hostile,
         "load": _bench_load,
+        "document": _bench_document,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
     return run(args)
@@ -273,6 +277,17 @@ def _bench_load(args) -> int:
     _print(result, args.json, load.markdown)
     figures = result["load"]
     return 0 if figures["refusals"] == 0 and figures["answered"] == figures["turns"] and not figures["errors"] else 1
+
+
+def _bench_document(args) -> int:
+    from llmweb.config import Settings
+
+    from . import document
+
+    settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 64)
+    result = document.run(settings, parts=args.parts, progress=_stderr)
+    _print(result, args.json, document.markdown)
+    return 0
 
 
 def capacity_command(args) -> int:

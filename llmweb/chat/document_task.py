@@ -155,6 +155,12 @@ class DocumentTasks:
         record(fin.reply, fin.stats, fin.sources)
         yield fin
 
+    def stream(self, owner: str, intent: dp.Intent, cancel: Cancel | None = None):
+        """`run` outside a chat (the stateless API): its events, then the Finished; nothing recorded
+        but the pieces' results (with the owner's generation read now)."""
+        fin = yield from self.run(owner, "", 1, self.store.generation(owner), intent, cancel=cancel)
+        yield fin
+
     def _finished(
         self, run: _Run, reply: str, gen: GenerationStats | None, number: int, conv_id: str, t0: float
     ) -> Finished:

@@ -39,6 +39,7 @@ from llmweb.chat.turn import (
     Event,
     Finished,
     Job,
+    Progress,
     Prompt,
     Queued,
     Sampling,
@@ -56,7 +57,7 @@ from llmweb.store.db import Store
 from llmweb.store.models import DEFAULT_TITLE, ChatSettings, Conversation, StoredTurn, new_id
 
 # the events and the message check, for the chat's callers
-__all__ = ["Chat", "Delta", "Finished", "Queued", "Started", "clean_message", "reply_prefix_ids"]
+__all__ = ["Chat", "Delta", "Finished", "Progress", "Queued", "Started", "clean_message", "reply_prefix_ids"]
 
 # Regenerate must give a new reply: with greedy decoding (LLMWEB_TEMPERATURE=0, the default) it
 # samples at this temperature instead, with a fresh seed.

@@ -41,7 +41,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from llmweb.chat.session import Delta, Finished, Queued, Started
+from llmweb.chat.session import Delta, Finished, Progress, Queued, Started
 from llmweb.chat.stateless import Fitted, StatelessChat
 from llmweb.chat.turn import Cancel, Sampling
 from llmweb.errors import (
@@ -63,6 +63,7 @@ from llmweb.web.api_wire import (
     Completion,
     StopScanner,
     Usage,
+    bad,
     finish_reason,
     model_object,
     models_list,
@@ -183,6 +184,7 @@ class OpenAIApi:
                     param="conversation_id",
                 )
             use_docs = True if req.use_docs is None else req.use_docs
+            whole = {"whole_document": True} if req.whole_document else {}
             events = chat.send(
                 owner,
                 conv_id,
@@ -193,9 +195,17 @@ class OpenAIApi:
                 sampling=sampling,
                 stop=req.stop,
                 cancel=cancel,
+                **whole,
             )
             return _Turn(events, cancel, "stateful", conv_id, max_tokens, notes)
         owner = caller.stateless_owner
+        if req.whole_document:  # the last user message, over one of the caller's documents
+            text = next((m.text for m in reversed(req.messages) if m.role == "user"), "")
+            intent = chat.documents.detect(owner, text, force=True)
+            if intent is None:
+                raise bad("x_llmweb.whole_document: name one of your documents in the message.", "x_llmweb")
+            events = chat.documents.stream(owner, intent, cancel)
+            return _Turn(events, cancel, "stateless", None, max_tokens, notes)
         events = self.stateless(chat).send(
             owner,
             [(m.role, m.text) for m in req.messages],
@@ -353,6 +363,7 @@ class _Reply:
             "notes": self.turn.notes + list(f.notes),
             "stop": self.scanner.stopped,
             "stats": st.to_dict(),
+            **({"document": f.document.to_dict()} if f.document is not None else {}),
         }
 
     def on_delta(self, text: str) -> str:
@@ -416,6 +427,8 @@ class _Reply:
             if isinstance(event, Queued):
                 # keeps proxies open; notices a client gone
                 yield f": waiting, number {event.position}, about {event.wait_s:.0f} s\n\n".encode()
+            elif isinstance(event, Progress):  # a whole-document task: a comment line per step
+                yield f": {event.done} of {event.total} sections, {event.text}\n\n".encode()
             elif isinstance(event, Delta):
                 shown = self.on_delta(event.text)
                 if len(shown) > len(sent) and shown.startswith(sent):

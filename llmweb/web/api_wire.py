@@ -69,6 +69,7 @@ KNOWN_FIELDS = {
     "user",
     "conversation_id",
     "use_docs",
+    "x_llmweb",  # llmweb's own options: {"whole_document": true}
     *IGNORED_FIELDS,
     *NEUTRAL,
 }
@@ -129,6 +130,7 @@ class ChatRequest:
     user: str | None = None
     conversation_id: str | None = None  # None: stateless; NEW_CONVERSATION: start one
     use_docs: bool | None = None  # None: on for stateful, off for stateless
+    whole_document: bool = False  # x_llmweb.whole_document: read the whole document (chat/document_task.py)
 
     @property
     def stateful(self) -> bool:
@@ -228,7 +230,17 @@ def parse_request(
         user=user,
         conversation_id=conversation_id,
         use_docs=use_docs,
+        whole_document=_ours(body),
     )
+
+
+def _ours(body: Mapping[str, Any]) -> bool:
+    """llmweb's own options, `x_llmweb`: {"whole_document": bool}; the whole-document flag."""
+    ours = _optional(body, "x_llmweb", dict) or {}
+    for name in ours:
+        if name != "whole_document":
+            raise bad(f"Unrecognized x_llmweb field: {str(name)[:100]}", "x_llmweb", "unknown_parameter")
+    return _optional(ours, "whole_document", bool, "x_llmweb.whole_document") or False
 
 
 def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:

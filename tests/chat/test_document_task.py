@@ -340,3 +340,15 @@ def test_document_tasks_sizes_fit_the_context(tmp_path):
         assert sizes.room >= 16 and sizes.map_cap >= 1
         if sizes.note_cap:
             assert 2 * (sizes.note_cap + 4) <= sizes.fold_room
+
+
+def test_the_stateless_api_path_streams_the_task_and_keeps_only_the_pieces(rig):
+    chat, runner, fmt, store, library = rig
+    library.add(A, "book.txt", doc_chunks("book.txt", 10))
+    intent = chat.documents.detect(A, "Who is in it? book.txt", force=True)
+    assert intent.task == dp.ASK
+    events = list(chat.documents.stream(A, intent))
+    assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
+    assert events[-1].document.read == events[-1].document.pieces
+    assert store.list_conversations(A) == []  # no chat stored
+    assert len(store.piece_results(A, "book.txt", intent.key, chat.documents.model_key)) == events[-1].document.pieces

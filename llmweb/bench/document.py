@@ -1,0 +1,109 @@
+"""`python -m llmweb bench document`: a whole-document task on a text several contexts long.
+
+The text is the bundled guide (data/sample/llmweb-guide.md) `parts` times over, each copy under a
+"# Part k" heading (generated at run time, nothing bundled). One visitor uploads it and asks
+"Summarise long-guide.md" twice: the first run reads every piece through the model, the second
+reads them from the cache (only the fold and the final step run again). Then another visitor's
+short turn is timed on the idle server and again while the first visitor's outline of the same
+document reads it (each step a background request: the turn should not wait for the task).
+
+`run()` builds a Runtime of its own in a scratch data dir that is removed afterwards; the figures
+per run are chat/document_plan.py's `DocumentStats`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .common import scratch_settings
+
+READER, VISITOR = "anon:bench-reader", "anon:bench-visitor"
+NAME = "long-guide.md"
+PROBE = "What colour is the sky on a clear day?"
+SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample" / "llmweb-guide.md"
+
+
+def long_text(parts: int) -> str:
+    """The guide `parts` times over, each copy under its own top heading."""
+    guide = SAMPLE.read_text(encoding="utf-8")
+    return "\n\n".join(f"# Part {k}\n\n{guide}" for k in range(1, parts + 1))
+
+
+def run(settings, loaded=None, parts: int = 4, piece_tokens: int = 48, progress=print) -> dict:
+    """Summarise cold and from the cache, then a visitor's turn idle and during a task; the figures."""
+    from llmweb.chat.turn import Finished, finish
+    from llmweb.runtime import Runtime
+
+    with tempfile.TemporaryDirectory(prefix="llmweb-document-") as root:
+        path = Path(root) / NAME
+        path.write_text(long_text(parts), encoding="utf-8")
+        rt = Runtime(scratch_settings(settings, Path(root) / "data"), loaded=loaded).start(background=False)
+        try:
+            chat = rt.wait_ready()
+            chat.documents.note_tokens = piece_tokens
+            rt.library.ingest_uploads(READER, [(path, NAME)])
+            runs = []
+            for label, text in (("cold", f"Summarise {NAME}"), ("cached", f"Summarise {NAME}")):
+                stats = finish(chat.send(READER, None, text, seed=0)).document
+                assert stats is not None, f"{text!r} was not read as a whole-document task"
+                runs.append({"run": label, **stats.to_dict()})
+                progress(f"document: {label}: {stats.describe()}")
+            idle = _probe(chat)
+            box: dict = {}
+
+            def outline() -> None:
+                box["fin"] = finish(chat.send(READER, None, f"Outline {NAME}", seed=0))
+
+            served = chat.engine.counters.served
+            task = threading.Thread(target=outline, daemon=True)
+            task.start()
+            deadline = time.monotonic() + 120
+            while chat.engine.counters.served == served and time.monotonic() < deadline:  # a step of it ran
+                time.sleep(0.1)
+            during = _probe(chat)
+            task.join()
+            done = box.get("fin")
+            if isinstance(done, Finished) and done.document is not None:
+                runs.append({"run": "outline, with a visitor", **done.document.to_dict()})
+        finally:
+            rt.close()
+    return {
+        "bench": "document",
+        "parts": parts,
+        "document_chars": len(long_text(parts)),
+        "context_limit": chat.budget.context_limit,
+        "piece_tokens": piece_tokens,
+        "runs": runs,
+        "visitor_turn_idle_s": round(idle, 2),
+        "visitor_turn_during_task_s": round(during, 2),
+    }
+
+
+def _probe(chat) -> float:
+    t0 = time.monotonic()
+    chat.ask(VISITOR, None, PROBE, use_docs=False, seed=0)
+    return time.monotonic() - t0
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"Whole-document tasks: the guide x{result['parts']} ({result['document_chars']:,} characters), "
+        f"context {result['context_limit']:,}, at most {result['piece_tokens']} tokens written per piece.",
+        "",
+        "| run | task | pieces | read | from cache | fold depth | tokens read | steps | coverage | time (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["runs"]:
+        lines.append(
+            f"| {r['run']} | {r['task']} | {r['pieces']} | {r['read']} | {r['from_cache']} | {r['fold_depth']} "
+            f"| {r['tokens_read']:,} | {r['steps']} | {r['coverage']:.0%} | {r['seconds']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Another visitor's short turn: {result['visitor_turn_idle_s']:.2f} s idle, "
+        f"{result['visitor_turn_during_task_s']:.2f} s while a task reads the document.",
+    ]
+    return "\n".join(lines)
