@@ -32,6 +32,11 @@ RECALL_CANDIDATES = 4  # recall looks at this many passages per turn it may reca
 Alive = Callable[[], bool]  # does the chat a recall writer read still exist (store.alive)?
 
 
+def recall_namespace(conv_id: str) -> str:
+    """The index folder of a conversation's recall passages (deleted with the conversation)."""
+    return f"recall-{conv_id}"
+
+
 def recall_chunks(turns: Iterable[tuple[int, Turn]]) -> list[Chunk]:
     """Turns (index, turn) as recall passages, two per turn under the turn's doc_id: the whole turn,
     and the user's words alone. A question about what the user said ("Which instrument do I
@@ -76,7 +81,7 @@ class RecallCache:
             index = self._indexes.get(conv_id)
             if index is None:
                 index = self._indexes[conv_id] = Index(
-                    self.settings, f"recall-{conv_id}", embedder=self.library.embedder
+                    self.settings, recall_namespace(conv_id), embedder=self.library.embedder
                 )
                 while len(self._indexes) > RECALL_INDEXES:
                     self._indexes.popitem(last=False)
@@ -137,7 +142,7 @@ class RecallCache:
 
         with self._lock:
             self._indexes.pop(conv_id, None)
-        delete_namespace(self.settings, f"recall-{conv_id}")
+        delete_namespace(self.settings, recall_namespace(conv_id))
 
     @contextmanager
     def _writing(self, conv_id: str, alive: Alive) -> Iterator:
@@ -147,5 +152,5 @@ class RecallCache:
         a chat deleted before it wrote."""
         from llmweb.retrieval.storage import namespace_dir, thread_lock_for
 
-        with thread_lock_for(namespace_dir(self.settings, f"recall-{conv_id}")):
+        with thread_lock_for(namespace_dir(self.settings, recall_namespace(conv_id))):
             yield self.index(conv_id) if alive() else None

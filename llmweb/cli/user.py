@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from llmweb.chat.recall import recall_namespace
 from llmweb.config import Settings, check_username
 from llmweb.errors import InputError
 from llmweb.retrieval.library import private_namespace
@@ -75,14 +76,16 @@ def add_parser(sub) -> None:
 
 def purge_owner(settings: Settings, owner: str) -> tuple[int, bool]:
     """Everything `owner` stored, as "Delete all my data" removes it: the store's chats and facts,
-    and the private library (chat/session.py's `delete_owner`, without loading a model). Returns
-    (chats deleted, whether a private library was deleted)."""
+    their recall indexes, and the private library (chat/session.py's `delete_owner`, without
+    loading a model). Returns (chats deleted, whether a private library was deleted)."""
     store = Store(settings.data_dir / STORE_FILE)
     try:
-        chats = len(store.delete_owner(owner))
+        ids = store.delete_owner(owner)
     finally:
         store.close()
-    return chats, delete_namespace(settings, private_namespace(owner))
+    for conv_id in ids:
+        delete_namespace(settings, recall_namespace(conv_id))
+    return len(ids), delete_namespace(settings, private_namespace(owner))
 
 
 def read_password(from_stdin: bool) -> str:

@@ -470,6 +470,7 @@ def test_a_removed_users_session_stops_working_at_their_next_event(tmp_path, use
 
 
 def test_remove_purge_deletes_the_users_chats_and_documents_and_nobody_elses(tmp_path, users_path, monkeypatch):
+    from llmweb.chat.recall import recall_namespace
     from llmweb.retrieval.library import private_namespace
     from llmweb.retrieval.storage import namespace_dir
     from llmweb.store.db import Store
@@ -478,12 +479,14 @@ def test_remove_purge_deletes_the_users_chats_and_documents_and_nobody_elses(tmp
     add(users_path, "bob", OTHER)
     s = Settings(data_dir=tmp_path, auth_file=users_path)
     store = Store(tmp_path / "llmweb.sqlite3")
-    store.create_conversation("user:alice")
+    gone = store.create_conversation("user:alice")
     kept = store.create_conversation("user:bob")
     store.close()
     docs = namespace_dir(s, private_namespace("user:alice"))
-    docs.mkdir(parents=True)
-    (docs / "manifest.json").write_text("{}")
+    recalls = {c: namespace_dir(s, recall_namespace(c)) for c in (gone, kept)}
+    for folder in (docs, *recalls.values()):
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text("{}")
     assert user_cli(["remove", "alice", "--purge", "--file", str(users_path)], s, monkeypatch) == 0
     store = Store(tmp_path / "llmweb.sqlite3")
     try:
@@ -492,4 +495,6 @@ def test_remove_purge_deletes_the_users_chats_and_documents_and_nobody_elses(tmp
     finally:
         store.close()
     assert not docs.exists()
+    assert not recalls[gone].exists(), "alice's recall indexes go with her chats"
+    assert recalls[kept].exists(), "bob's stay"
     assert "bob" in load_users(users_path) and "alice" not in load_users(users_path)
