@@ -210,6 +210,7 @@ def run(settings, visitors: int = VISITORS, turns: int = TURNS, max_new_tokens: 
     """The crowd, then the attack, against one scratch server (`settings` gives the model cache)."""
     env = {
         "LLMWEB_SINGLE_USER": "0",
+        "LLMWEB_ANON_PER_ADDRESS": "1000",  # the whole crowd comes from this machine's one address
         "LLMWEB_SAMPLE_DOCS": "0",
         "LLMWEB_MAX_NEW_TOKENS": str(max_new_tokens),
         "LLMWEB_CACHE_DIR": str(settings.models_dir),

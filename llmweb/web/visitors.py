@@ -12,6 +12,8 @@ ones a client address may start.
     client address per hour (`AddressQuota`, keyed by web/trust.py's resolved address, bounded LRU):
     every per-owner cap then holds per address too, within that factor. A returning browser's token
     counts once; login accounts, the single user and API keys are not counted.
+  - A gradio_client caller without login who starts a conversation (no id) starts a new owner
+    (the conversation owns itself): it is counted the same way (`admit_api_conversation`).
 
 In-process and in memory: a restart forgets the counts (tokens live in the browsers and the store).
 This module must not decide an owner's kind (web/identity.py does) or store anything.
@@ -28,7 +30,14 @@ from collections.abc import Callable
 
 from llmweb.config import Settings
 from llmweb.errors import InputError
-from llmweb.web.identity import BROWSER, browser_owner, is_owner_token, needs_owner_token, new_owner_token
+from llmweb.web.identity import (
+    API_CONVERSATION,
+    BROWSER,
+    browser_owner,
+    is_owner_token,
+    needs_owner_token,
+    new_owner_token,
+)
 from llmweb.web.trust import origin_of
 
 log = logging.getLogger(__name__)
@@ -100,13 +109,24 @@ class Visitors:
             elif first:
                 token = new_owner_token()
         owner = browser_owner(self.settings, token, request)
-        if owner.startswith(BROWSER) and not self.quota.admit(address, owner):
-            log.warning("refused a new anonymous visitor from %s: %d this hour", address, self.quota.limit)
+        if owner.startswith(BROWSER):
+            self._admit(address, owner)
+        return owner, token if is_owner_token(token) else ""
+
+    def admit_api_conversation(self, owner: str, request) -> None:
+        """A gradio_client caller without login who starts a conversation starts a new owner (the
+        conversation owns itself): counted per address like a new browser, so leaving out the id
+        does not buy a fresh quota. InputError past the address's quota."""
+        if owner.startswith(API_CONVERSATION):
+            self._admit(origin_of(self.settings, request).address, owner)
+
+    def _admit(self, address: str, owner: str) -> None:
+        if not self.quota.admit(address, owner):
+            log.warning("refused a new anonymous owner from %s: %d this hour", address, self.quota.limit)
             raise InputError(
                 f"Too many new visitors from your network in the last hour ({self.quota.limit}). Try again "
                 "later, and let this site keep local storage so your browser is counted once."
             )
-        return owner, token if is_owner_token(token) else ""
 
 
 @functools.lru_cache(maxsize=16)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmweb.errors import InputError
-from llmweb.web.identity import is_owner_token, new_owner_token
+from llmweb.web.identity import gradio_api_owner, is_owner_token, new_owner_token
 from llmweb.web.ui import Handlers
 from llmweb.web.visitors import AddressQuota, PageTokens, Visitors
 from tests.conftest import make_settings
@@ -111,3 +111,16 @@ def test_page_tokens_and_the_quota_stay_bounded(monkeypatch):
     for address in "pqrs":
         assert quota.admit(address, "o")
     assert len(quota._seen) == 2
+
+
+def test_a_gradio_client_caller_who_leaves_out_the_id_gets_no_fresh_quota(tmp_path):
+    """Each new anonymous `/chat` conversation is a new owner (it owns itself): counted per address
+    like a browser, so a script that starts a conversation per message is held to the same cap."""
+    s = make_settings(tmp_path, single_user="0", anon_per_address=2)
+    v = Visitors(s, clock=Clock())
+    for conv in ("c1", "c2"):
+        v.admit_api_conversation(gradio_api_owner(s, conv, page()), page())
+    with pytest.raises(InputError, match="Too many new visitors"):
+        v.admit_api_conversation(gradio_api_owner(s, "c3", page()), page())
+    v.admit_api_conversation(gradio_api_owner(s, "c3", page(peer="198.51.100.8")), page(peer="198.51.100.8"))
+    v.admit_api_conversation("user:alice", page())  # a login account is not counted

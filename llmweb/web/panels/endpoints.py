@@ -17,6 +17,7 @@ from llmweb.store.models import new_id
 from llmweb.web.formatting import escape
 from llmweb.web.identity import gradio_api_owner
 from llmweb.web.panels.base import PanelHandlers, user_errors
+from llmweb.web.visitors import visitors_for
 
 
 class EndpointHandlers(PanelHandlers):
@@ -36,6 +37,8 @@ class EndpointHandlers(PanelHandlers):
         new = not conversation_id
         conv_id = new_id() if new else conversation_id
         owner = self.api_owner(conv_id, request)
+        if new:
+            visitors_for(self.settings).admit_api_conversation(owner, request)
         for event in chat.send(owner, conv_id, message, new=new):
             if isinstance(event, (Started, Queued)):
                 yield "", conv_id  # lets Gradio notice a client that left while queued
