@@ -115,6 +115,7 @@ class Layout:
     stop: gr.Button
     more_btn: gr.Button
     use_docs: gr.Checkbox
+    whole_doc: gr.Checkbox  # read the whole document for this message (chat/document_task.py)
     files: gr.File
     ingest_md: gr.Markdown
     docs_md: gr.Markdown
@@ -220,6 +221,7 @@ def _chat_column() -> dict:
         stop = gr.Button("Stop", variant="stop", scale=0, min_width=90, elem_id="llmweb-stop")
     with gr.Row():
         use_docs = gr.Checkbox(value=True, label="Answer from my documents when relevant", scale=3)
+        whole_doc = gr.Checkbox(value=False, label="Whole document (this message)", scale=2, elem_id="llmweb-whole-doc")
         more_btn = gr.Button("Continue the reply", size="sm", scale=1, elem_id="llmweb-continue")
     with gr.Accordion("Documents", open=False, elem_id="llmweb-documents"):
         files = gr.File(label="Add documents", file_count="multiple", file_types=DOC_TYPES, elem_id="llmweb-upload")
@@ -239,6 +241,7 @@ def _chat_column() -> dict:
         stop=stop,
         more_btn=more_btn,
         use_docs=use_docs,
+        whole_doc=whole_doc,
         files=files,
         ingest_md=ingest_md,
         docs_md=docs_md,
@@ -367,9 +370,11 @@ def build_app(runtime) -> gr.Blocks:
 
 def _wire_chat(ui: Layout, h: ChatHandlers, shown: list, me: list) -> None:
     """Send (box and button), retry, Continue, edit, undo, the version switcher, and Stop."""
-    inputs = ui.outputs("msg", "chatbot", "conv_state", "use_docs") + me
+    inputs = ui.outputs("msg", "chatbot", "conv_state", "use_docs") + me + [ui.whole_doc]  # respond's last argument
     ev_submit = ui.msg.submit(h.respond, inputs, shown + [ui.msg], **group("generate", api_name="respond_enter"))
     ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], **group("generate", api_name="respond"))
+    for sent in (ev_submit, ev_send):  # the whole-document box is per message: it clears once sent
+        sent.then(None, None, ui.whole_doc, js="() => false")
     ev_retry = ui.chatbot.retry(h.regenerate, [ui.conv_state, ui.use_docs] + me, shown, **GENERATE)
     ev_more = ui.more_btn.click(h.continue_reply, [ui.conv_state, ui.use_docs] + me, shown, **GENERATE)
     ev_edit = ui.chatbot.edit(h.edit, [ui.conv_state, ui.use_docs] + me, shown, **GENERATE)

@@ -507,6 +507,24 @@ def test_uploaded_document_is_cited(page, server, tmp_path):
         shot(page, "cited-source.png")
 
 
+def test_a_whole_document_summary_shows_its_progress_and_cites_its_sections(page, server):
+    """Issue 27: the per-message "Whole document" box reads the whole uploaded document, shows
+    "Reading section 1 of 1…" while it runs, cites it, and clears itself once sent."""
+    with step(page, "whole-document"):
+        box = page.locator("#llmweb-whole-doc input[type=checkbox]")
+        box.check()
+        n_thoughts = page.locator(THOUGHTS).count()
+        reply, _turn = ask(page, server, f"Summarise {DOC_NAME}")
+        assert is_real_text(reply), reply
+        seen = recorded(page)
+        assert any("Reading section 1 of 1" in t for t in seen), f"no progress shown: {seen}"
+        stats = page.locator("#llmweb-stats").inner_text()
+        assert f"Read 1 of 1 sections of {DOC_NAME}" in stats and "100% of the text" in stats, stats
+        assert page.locator(THOUGHTS).count() == n_thoughts + 1, "no Sources block after the reply"
+        assert not box.is_checked(), "the whole-document box stays on after the message"
+        shot(page, "whole-document.png")
+
+
 def test_reload_restores_the_chat(page, server):
     with step(page, "reloaded"):
         users_before = user_texts(page)

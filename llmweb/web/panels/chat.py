@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import gradio as gr
 
-from llmweb.chat.session import Delta, Finished, Queued, Started, clean_message
+from llmweb.chat.session import Delta, Finished, Progress, Queued, Started, clean_message
 from llmweb.errors import InputError
 from llmweb.store.models import ChatSettings
 from llmweb.web.formatting import escape, history_messages, message_text
@@ -28,8 +28,11 @@ class ChatHandlers(PanelHandlers):
     """The chat column: its box, Send, the chat's retry/undo/edit controls, Continue, Stop, versions."""
 
     @user_errors
-    def respond(self, message, history, conv_id, use_docs, token, request: gr.Request) -> Iterator[tuple]:
-        """Send from the chat box: streams the reply into the chat, then fills the panel and clears the box."""
+    def respond(
+        self, message, history, conv_id, use_docs, token, request: gr.Request, whole_doc=False
+    ) -> Iterator[tuple]:
+        """Send from the chat box: streams the reply into the chat, then fills the panel and clears the box.
+        `whole_doc` (the box beside the documents one): read the whole document (chat/document_task.py)."""
         chat, owner = self._chat(), self.owner(token, request)
         clean_message(message, self.settings.max_message_chars)
         conv_id = conv_id if conv_id and self.store.exists(owner, conv_id) else None  # None: a new chat
@@ -40,7 +43,9 @@ class ChatHandlers(PanelHandlers):
             {"role": "user", "content": escape(message, message=True)},
             {"role": "assistant", "content": "…"},
         ]
-        for panel in self._stream(owner, conv_id, shown, chat.send(owner, conv_id, message, use_docs=bool(use_docs))):
+        whole = {"whole_document": True} if whole_doc else {}
+        events = chat.send(owner, conv_id, message, use_docs=bool(use_docs), **whole)
+        for panel in self._stream(owner, conv_id, shown, events):
             yield (*panel, "")
 
     @user_errors
@@ -117,8 +122,9 @@ class ChatHandlers(PanelHandlers):
         return self.panel(owner, conv, f"Turn {fork + 1}: version {conv.versions[fork][0] + 1} of {count}.", fork=fork)
 
     def _stream(self, owner: str, conv_id, shown: list[dict], events) -> Iterator[Panel]:
-        """Show a turn's events: the queue position, then the reply as it grows, then the whole panel."""
-        notes, prompt = "", ""
+        """Show a turn's events: the queue position, a whole-document task's progress (under the text
+        so far), then the reply as it grows, then the whole panel."""
+        notes, prompt, so_far = "", "", ""
         for event in events:
             if isinstance(event, Started):
                 conv_id = event.conv_id
@@ -126,7 +132,15 @@ class ChatHandlers(PanelHandlers):
                 wait = f"number {event.position} in the queue, about {max(round(event.wait_s), 1)} s"
                 shown[-1] = {"role": "assistant", "content": f"*Waiting: {wait}…*"}
                 yield Panel.streaming(conv_id, shown)
+            elif isinstance(event, Progress):
+                line = f"*{escape(event.text, inline=True)}*"
+                shown[-1] = {
+                    "role": "assistant",
+                    "content": f"{escape(so_far, message=True)}\n\n{line}" if so_far else line,
+                }
+                yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Delta):
+                so_far = event.text
                 shown[-1] = {"role": "assistant", "content": escape(event.text, message=True)}
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Finished):
