@@ -106,6 +106,15 @@ def test_auto_is_4bit_on_cuda_and_int8_on_the_cpu():
         models.resolve_quant("int8-cpu", "cuda")
 
 
+def test_gqa_attention_is_preferred_on_the_cpu_only_and_an_explicit_setting_wins():
+    env: dict[str, str] = {}
+    assert models.prefer_gqa_attention("cpu", env) and env == {models.GQA_SWITCH: "1"}
+    env = {}
+    assert not models.prefer_gqa_attention("cuda:0", env) and env == {}
+    env = {models.GQA_SWITCH: "0"}
+    assert not models.prefer_gqa_attention("cpu", env), "the user's 0 stays"
+
+
 def _config():
     from transformers import LlamaConfig
 
@@ -130,6 +139,32 @@ def test_the_block_cache_gives_the_eager_caches_greedy_text_token_for_token(fp32
     ids = render_prompt(fmt, "You are helpful.", [("user", "Tell me about lighthouses and their keepers. " * 12)])
     eager, block = _greedy(fp32_model, False, ids, 40), _greedy(fp32_model, True, ids, 40)
     assert len(eager) == 40 and block == eager
+
+
+def test_masked_gqa_attention_gives_the_same_logits_as_repeated_kv_heads(fp32_model, monkeypatch):
+    """The attention a reuse turn and a batched step run: new tokens after a cached prefix, and a
+    left-padded batch with its mask. Grouped KV heads (models.prefer_gqa_attention) must give the
+    logits that the copied heads (repeat_kv) give."""
+    import torch
+    from transformers import DynamicCache
+
+    model = fp32_model.model
+    ids = torch.arange(1000, 1300).unsqueeze(0)
+    batch = torch.stack([ids[0, :64], torch.cat([torch.zeros(16, dtype=torch.long), ids[0, 100:148]])])
+    mask = torch.ones_like(batch)
+    mask[1, :16] = 0
+
+    def logits(gqa: str):
+        monkeypatch.setenv(models.GQA_SWITCH, gqa)
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(ids[:, :260], cache=cache, use_cache=True)
+            reuse = model(ids[:, 260:], cache=cache, use_cache=True).logits
+            batched = model(batch, attention_mask=mask, use_cache=False).logits[:, 16:]
+        return reuse, batched
+
+    for repeated, grouped in zip(logits("0"), logits("1")):
+        assert torch.allclose(repeated, grouped, atol=1e-4), (repeated - grouped).abs().max()
 
 
 @pytest.mark.slow  # loads the model once more, as int8-cpu
