@@ -15,8 +15,9 @@ limits are per event group and guarantee nothing (docs/architecture.md).
 The worker's loop is schedule -> run -> postprocess, until the batch is empty:
   schedule     admit waiting requests while the batch has fewer than `max_batch`
                (LLMWEB_MAX_BATCH) and admission says their memory fits;
-  run          one prompt chunk of the oldest joining request (its session's cache reused: only
-               new tokens are prefilled), then one batched decode pass that gives every decoding
+  run          one prompt chunk of the oldest joining request, a visitor's before a background
+               one (its session's cache reused: only new tokens are prefilled), then one
+               batched decode pass that gives every decoding
                request its next token; a request joins the decode batch once its prompt is in; a
                pass out of memory makes one request give way: the joining one in a prefill, the
                youngest in a decode (the others' caches are as before the pass and they go on);
@@ -246,7 +247,10 @@ class Engine:
         """One step of the batch: a prompt chunk of the oldest joining request, then one token for
         every decoding request."""
         # 1) prefill, chunked: a long prompt costs the others one chunk per token, never a freeze
-        joining = next((s for s in self._running if not s.ready), None)
+        # a visitor's prompt goes before a background one's (a summary, a whole-document step): a
+        # turn that arrives during a long background prefill waits one chunk, not the whole prompt
+        joining = next((s for s in self._running if not s.ready and not s.request.background), None)
+        joining = joining or next((s for s in self._running if not s.ready), None)
         if joining is not None:
             before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
             try:

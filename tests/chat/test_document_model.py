@@ -1,0 +1,103 @@
+"""Whole-document tasks with the real model (issue 27): a document several contexts long is read
+whole, piece by piece, within the context; a second run reads the pieces from the cache; a cancel
+keeps what was read; another visitor's turn runs while a task reads, and sees nothing of it.
+Short on purpose: a 1,024-token context and 24 tokens written per piece."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from llmweb.bench.document import long_text
+from llmweb.chat.turn import Finished, Progress, finish
+from llmweb.runtime import Runtime
+from tests.conftest import make_settings
+
+A, B = "anon:reader-a", "anon:visitor-b"
+NAME = "long-guide.md"
+
+
+@pytest.fixture
+def rig(tmp_path, app_model):
+    rt = Runtime(
+        make_settings(tmp_path, context_limit=1024, max_new_tokens=40, recall=False), loaded=app_model
+    ).start(background=False)
+    chat = rt.wait_ready()
+    chat.documents.note_tokens = 24
+    path = tmp_path / NAME
+    path.write_text(long_text(2), encoding="utf-8")
+    (report,) = rt.library.ingest_uploads(A, [(path, NAME)])
+    assert report.ok
+    yield rt, chat
+    rt.close()
+
+
+def test_a_document_longer_than_the_context_is_read_whole_then_from_the_cache(rig):
+    rt, chat = rig
+    engine_requests = []
+    submit = chat.engine.submit
+
+    def spy(request):
+        engine_requests.append(request)
+        return submit(request)
+
+    chat.engine.submit = spy
+    events = list(chat.send(A, None, f"Summarise {NAME}", seed=0))
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.document is not None
+    first = fin.document
+    doc_tokens = chat.fmt.count(long_text(2))
+    assert doc_tokens > 3 * 1024, "the document is several contexts long"
+    assert first.pieces > 3 and first.read == first.pieces and first.coverage == 1.0 and first.from_cache == 0
+    assert first.tokens_read >= 0.9 * doc_tokens
+    assert all(len(r.prompt_ids) + r.max_new_tokens <= 1024 for r in engine_requests)
+    assert sum(r.background for r in engine_requests) == first.steps - 1 and not engine_requests[-1].background
+    assert fin.reply.strip() and len(fin.sources) == first.pieces and fin.sources[0].source == NAME
+    assert [e.text for e in events if isinstance(e, Progress)][0] == f"Reading section 1 of {first.pieces}…"
+    second = finish(chat.send(A, None, f"Summarise {NAME}", seed=0)).document
+    assert second.from_cache == second.pieces == first.pieces
+    assert second.seconds < first.seconds / 2
+    print(f"\ncold: {first.describe()}\ncached: {second.describe()}")
+
+
+def test_a_cancel_keeps_the_pieces_read(rig):
+    rt, chat = rig
+    stream = chat.send(A, None, f"Outline {NAME}", seed=0)
+    for event in stream:
+        if isinstance(event, Progress) and event.text.startswith("Reading section 3 "):
+            break
+    stream.close()
+    again = finish(chat.send(A, None, f"Outline {NAME}", seed=0)).document
+    assert again.from_cache == 2 and again.read == again.pieces
+
+
+def test_another_visitors_turn_runs_while_a_task_reads_and_sees_nothing_of_it(rig):
+    rt, chat = rig
+    box: dict = {}
+
+    def task():
+        box["fin"] = finish(chat.send(A, None, f"Summarise {NAME}", seed=0))
+        box["a_done"] = time.monotonic()
+
+    served = chat.engine.counters.served
+    thread = threading.Thread(target=task)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while chat.engine.counters.served == served and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    theirs = chat.ask(B, None, "What colour is the sky on a clear day?", use_docs=False, seed=0)
+    b_done = time.monotonic()
+    thread.join(300)
+    assert theirs.reply and theirs.document is None
+    assert b_done < box["a_done"], "B's turn did not wait for A's whole task"
+    print(f"\nB's turn took {b_done - t0:.1f} s while A's task ran {box['fin'].document.seconds:.1f} s")
+    # B names A's document: it is not theirs, so there is no task and retrieval finds nothing of A's
+    assert chat.documents.detect(B, f"Summarise {NAME}") is None
+    key = chat.documents.detect(A, f"Summarise {NAME}").key
+    doc_id = chat.documents.detect(A, f"Summarise {NAME}").docs[0].doc_id
+    assert rt.store.piece_results(B, doc_id, key, chat.documents.model_key) == {}
+    assert rt.store.piece_results(A, doc_id, key, chat.documents.model_key)
+    assert rt.library.chunks(B, doc_id) == []
