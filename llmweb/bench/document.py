@@ -77,15 +77,22 @@ def run(settings, loaded=None, parts: int = 4, piece_tokens: int = 48, progress=
         "context_limit": chat.budget.context_limit,
         "piece_tokens": piece_tokens,
         "runs": runs,
-        "visitor_turn_idle_s": round(idle, 2),
-        "visitor_turn_during_task_s": round(during, 2),
+        "visitor_idle": idle,
+        "visitor_during_task": during,
     }
 
 
-def _probe(chat) -> float:
+def _probe(chat) -> dict:
+    """Another visitor's short turn: its time, first token, decode speed and the batch it shared."""
     t0 = time.monotonic()
-    chat.ask(VISITOR, None, PROBE, use_docs=False, seed=0)
-    return time.monotonic() - t0
+    gen = chat.ask(VISITOR, None, PROBE, use_docs=False, seed=0).stats.gen
+    return {
+        "seconds": round(time.monotonic() - t0, 2),
+        "ttft_s": round(gen.queue_wait_s + gen.ttft_s, 2),
+        "decode_tok_s": round(gen.decode_tok_s, 1),
+        "tokens": gen.generated_tokens,
+        "batch_size": gen.batch_size,
+    }
 
 
 def markdown(result: dict) -> str:
@@ -103,7 +110,13 @@ def markdown(result: dict) -> str:
         )
     lines += [
         "",
-        f"Another visitor's short turn: {result['visitor_turn_idle_s']:.2f} s idle, "
-        f"{result['visitor_turn_during_task_s']:.2f} s while a task reads the document.",
+        "| another visitor's short turn | time (s) | first token (s) | decode tok/s | tokens | batch |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
+    for label, key in (("idle server", "visitor_idle"), ("while a task reads", "visitor_during_task")):
+        v = result[key]
+        lines.append(
+            f"| {label} | {v['seconds']:.2f} | {v['ttft_s']:.2f} | {v['decode_tok_s']} | {v['tokens']} "
+            f"| {v['batch_size']} |"
+        )
     return "\n".join(lines)

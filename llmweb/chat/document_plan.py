@@ -38,7 +38,7 @@ TASKS = (SUMMARISE, TRANSLATE, EXTRACT, OUTLINE, COMPARE, ASK)
 MAX_DOCUMENTS = 2  # compare reads two documents; every other task one
 MAX_NAME_SCAN = 500  # documents whose names a message is matched against
 MAX_DETECT_CHARS = 4_000  # the head of a message the cues are looked for in
-MAX_NOTE_CHARS = 20_000  # a piece's or fold's result as stored
+MAX_LABEL_CHARS = 200  # a piece's "source, heading" as its step's prompt names it
 
 _CUES = (  # (task, pattern): plain alternations, no nested quantifiers (linear)
     (TRANSLATE, re.compile(r"\btranslat(?:e|ion|ing)\b", re.I)),
@@ -172,7 +172,7 @@ def own_text(chunks: Sequence[Chunk]) -> list[tuple[Chunk, str]]:
     out: list[tuple[Chunk, str]] = []
     end = -1
     for c in chunks:
-        skip = max(0, end - c.start) if end > c.start else 0
+        skip = max(0, end - c.start)
         text = c.text[skip:] if skip < len(c.text) else ""
         if text.strip():
             out.append((c, text))
@@ -266,10 +266,10 @@ _FINAL = {
 
 
 def map_message(intent: Intent, piece: Piece | None, total: int) -> str:
-    """The map step's user message for `piece` (None: the message without the text, to size it)."""
-    head = (
-        f"Section [{piece.n if piece else total}] of {total}, from {piece.label() if piece else intent.docs[0].source}:"
-    )
+    """The map step's user message for `piece` (None: the message without its text and label, to
+    size it; the caller adds the longest label)."""
+    where = piece.label()[:MAX_LABEL_CHARS] if piece else ""
+    head = f"Section [{piece.n if piece else total}] of {total}, from {where}:"
     body = piece.text if piece else ""
     order = _MAP[intent.task].format(target=intent.target or "English", request=intent.request)
     return f"{head}\n{body}\n\n{order}"

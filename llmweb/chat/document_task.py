@@ -39,6 +39,7 @@ from llmweb.records import GenerationStats, Source, TurnStats
 
 NOTE_TOKENS = 160  # the most a map or fold step writes (a summary, a list, notes of one piece)
 MAX_PIECES = 400  # a task reads at most this many pieces (about 600,000 tokens at context 2048)
+MARGIN = 8  # tokens each step keeps spare
 
 Keep = Callable[[Finished], None]  # what a task closed early has (a partial reply, marked as stopped)
 Record = Callable[[str, TurnStats, list[Source]], None]  # (reply, stats, sources) into the store
@@ -82,33 +83,39 @@ class DocumentTasks:
         return dp.detect(text, docs, force)
 
     # ---- sizes and pieces
-    def sizes(self, intent: dp.Intent) -> Sizes:
+    def sizes(self, intent: dp.Intent, label_tokens: int = 0) -> Sizes:
+        """The task's sizes; `label_tokens`: its longest piece label ("source, heading"). Each room
+        keeps MARGIN tokens for how the joined text tokenizes against its parts counted apart."""
         fmt, b = self.fmt, self.budget
-        overhead = len(render_prompt(fmt, dp.MAP_SYSTEM, [("user", dp.map_message(intent, None, 9999))]))
+        sized = dp.map_message(intent, None, 9999)
+        overhead = len(render_prompt(fmt, dp.MAP_SYSTEM, [("user", sized)])) + label_tokens + MARGIN
         if intent.task == dp.TRANSLATE:  # a translation is about as long as its text: a third in, two out
             room = b.piece_room(overhead, (b.context_limit - overhead) * 2 // 3)
             return Sizes(room, b.context_limit - overhead - room, 0, 0, 0)
-        fold = len(render_prompt(fmt, dp.FOLD_SYSTEM, [("user", dp.notes_message(intent, [], False))]))
-        final = len(render_prompt(fmt, dp.FOLD_SYSTEM, [("user", dp.notes_message(intent, [], True))]))
+        fold = len(render_prompt(fmt, dp.FOLD_SYSTEM, [("user", dp.notes_message(intent, [], False))])) + MARGIN
+        final = len(render_prompt(fmt, dp.FOLD_SYSTEM, [("user", dp.notes_message(intent, [], True))])) + MARGIN
         note = max(min(self.note_tokens, b.max_new_tokens, (b.context_limit - fold) // 4), 1)
         room = b.piece_room(overhead, note)
         fold_room = b.piece_room(fold, note)
         final_room = b.piece_room(final, b.max_new_tokens)
         return Sizes(room, note, note, fold_room, final_room)
 
-    def pieces(self, owner: str, intent: dp.Intent, room: int) -> list[dp.Piece]:
-        """Every document's pieces in order, numbered across the task (at most MAX_PIECES)."""
+    def pieces(self, owner: str, intent: dp.Intent) -> tuple[Sizes, list[dp.Piece]]:
+        """The task's sizes and every document's pieces in order, numbered across the task (at most
+        MAX_PIECES). Another owner's document reads as no document (`Library.chunks`)."""
+        chunks = [(doc, self.library.chunks(owner, doc.doc_id)) for doc in intent.docs]
+        labels = {c.label()[: dp.MAX_LABEL_CHARS] for _, cs in chunks for c in cs}
+        sizes = self.sizes(intent, max((self.fmt.count(label) for label in labels), default=0))
         out: list[dp.Piece] = []
-        for doc in intent.docs:
-            chunks = self.library.chunks(owner, doc.doc_id)
-            out += dp.split(chunks, room, self.fmt.count, first=len(out) + 1, doc_id=doc.doc_id)
+        for doc, cs in chunks:
+            out += dp.split(cs, sizes.room, self.fmt.count, first=len(out) + 1, doc_id=doc.doc_id)
         if not out:
             raise InputError("That document has no text to read.")
         if len(out) > MAX_PIECES:
             raise InputError(
                 f"That document is {len(out):,} sections long; a whole-document task reads at most {MAX_PIECES:,}."
             )
-        return out
+        return sizes, out
 
     # ---- the run
     def run(
@@ -126,8 +133,7 @@ class DocumentTasks:
         the generator cancels the step in flight, and `keep`, if given, gets what there is (the
         translation so far, or where it stopped); the pieces read are kept in the cache either way."""
         t0 = time.monotonic()
-        sizes = self.sizes(intent)
-        pieces = self.pieces(owner, intent, sizes.room)
+        sizes, pieces = self.pieces(owner, intent)
         yield Started(conv_id)
         run = _Run(self, owner, generation, intent, pieces, sizes, cancel)
         try:

@@ -4,6 +4,7 @@ the pieces, the fold, the cache, cancel, the events, two visitors. No model."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -352,3 +353,13 @@ def test_the_stateless_api_path_streams_the_task_and_keeps_only_the_pieces(rig):
     assert events[-1].document.read == events[-1].document.pieces
     assert store.list_conversations(A) == []  # no chat stored
     assert len(store.piece_results(A, "book.txt", intent.key, chat.documents.model_key)) == events[-1].document.pieces
+
+
+def test_a_long_heading_still_fits_every_step(rig):
+    chat, runner, fmt, store, library = rig
+    heading = " ".join(f"h{i}" for i in range(60))
+    chunks = [dataclasses.replace(c, heading=heading) for c in doc_chunks("long.txt", 12)]
+    library.add(A, "long.txt", chunks)
+    fin = run_task(chat, A, "Summarise long.txt")[1]
+    assert fin.document.read == fin.document.pieces and fin.document.coverage == 1.0
+    assert all(len(r.prompt_ids) + r.max_new_tokens <= 200 for r in runner.requests)
