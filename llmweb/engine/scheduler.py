@@ -16,11 +16,12 @@ The worker's loop is schedule -> run -> postprocess, until the batch is empty:
   schedule     admit waiting requests while the batch has fewer than `max_batch`
                (LLMWEB_MAX_BATCH) and admission says their memory fits;
   run          one prompt chunk of the oldest joining request, a visitor's before a background
-               one (its session's cache reused: only new tokens are prefilled), then one
-               batched decode pass that gives every decoding
-               request its next token; a request joins the decode batch once its prompt is in; a
-               pass out of memory makes one request give way: the joining one in a prefill, the
-               youngest in a decode (the others' caches are as before the pass and they go on);
+               one, which gets a chunk every BACKGROUND_EVERY steps while a visitor decodes (its
+               session's cache reused: only new tokens are prefilled), then one batched decode
+               pass that gives every decoding request its next token; a request joins the decode
+               batch once its prompt is in; a pass out of memory makes one request give way: the
+               joining one in a prefill, the youngest in a decode (the others' caches are as
+               before the pass and they go on);
   postprocess  a request that finished, was cancelled or ran out of time leaves at the end of
                that step; its session keeps its cache.
 The worker itself never dies. When idle, it expires old session caches and releases a fragmented
@@ -58,6 +59,12 @@ from llmweb.records import GenerationStats
 log = logging.getLogger(__name__)
 
 
+# while a visitor's reply decodes, a background prompt (a summary, a whole-document step) gets a
+# prefill chunk on one step in this many (a chunk every step: the visitor's decode fell from 27.8 to
+# 4.1 tok/s next to a whole-document task in `bench document`, on the 2-core CPU)
+BACKGROUND_EVERY = 4
+
+
 class Engine:
     """The scheduler: callers `submit` requests and get a `Handle`; one worker thread admits them
     into the batch and steps it with the `runner` (see the module docstring)."""
@@ -75,6 +82,7 @@ class Engine:
         self._running: list[Slot] = []  # the batch, oldest first (only the worker changes it, under the lock)
         self._memory = Admission(runner, kv, limits, self.counters)
         self._stopped = False
+        self._steps = 0  # steps a background prompt asked for a chunk (`_background_turn`)
         self._thread = threading.Thread(target=self._loop, name="llmweb-engine", daemon=True)
         self._thread.start()
 
@@ -250,7 +258,8 @@ class Engine:
         # a visitor's prompt goes before a background one's (a summary, a whole-document step): a
         # turn that arrives during a long background prefill waits one chunk, not the whole prompt
         joining = next((s for s in self._running if not s.ready and not s.request.background), None)
-        joining = joining or next((s for s in self._running if not s.ready), None)
+        if joining is None and self._background_turn():
+            joining = next((s for s in self._running if not s.ready), None)
         if joining is not None:
             before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
             try:
@@ -275,6 +284,13 @@ class Engine:
                     self.pace.stepped(time.perf_counter() - t0)
             except BaseException as e:
                 self._fail(decoding, e)
+
+    def _background_turn(self) -> bool:
+        """May a background prompt take this step's chunk? While a visitor's reply decodes, on one step
+        in BACKGROUND_EVERY: its decode is not slowed by a chunk every step, and the background moves."""
+        self._steps += 1
+        visitor = any(s.ready and s.finish is None and not s.request.background for s in self._running)
+        return not visitor or self._steps % BACKGROUND_EVERY == 0
 
     def _postprocess(self) -> None:
         """Whoever finished, was cancelled or ran out of time leaves the batch at once."""

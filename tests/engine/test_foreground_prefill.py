@@ -8,6 +8,7 @@ import threading
 import time
 
 from llmweb.engine.request import GenerationRequest
+from llmweb.engine.scheduler import BACKGROUND_EVERY
 from tests.fakes import FakeRunner, fake_engine
 
 CHUNKS = 20  # steps each prompt's prefill takes
@@ -45,5 +46,42 @@ def test_a_visitors_prefill_overtakes_a_background_prompt_half_read():
         assert first < CHUNKS, "the visitor came in while the background prompt was half read"
         assert runner.order[first : first + CHUNKS] == ["visitor"] * CHUNKS, runner.order
         assert runner.order.count("reader") == CHUNKS
+    finally:
+        engine.close()
+
+
+class DecodeLog(ChunkedRunner):
+    """ChunkedRunner that also logs each decode step with a visitor in it (as "decode-v")."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoding = threading.Event()
+
+    def decode(self, slots) -> bool:
+        if any(not s.request.background for s in slots):
+            self.order.append("decode-v")
+            self.decoding.set()
+        return super().decode(slots)
+
+
+def test_a_background_prompt_takes_a_chunk_every_few_steps_while_a_visitor_decodes():
+    runner = DecodeLog()
+    runner.token_delay_s = 0.01
+    runner.enqueue(list(range(100, 180)))  # the visitor's 80-token reply
+    engine, _ = fake_engine(runner, max_batch=4)
+    try:
+        visitor = engine.submit(GenerationRequest([4, 5, 6], 80, owner="visitor"))
+        assert runner.decoding.wait(5)
+        background = engine.submit(GenerationRequest([1, 2, 3], 2, owner="reader", background=True))
+        visitor.result()
+        background.result()
+        order = runner.order
+        last_visitor_step = max(i for i, o in enumerate(order) if o == "decode-v")
+        chunks = [i for i, o in enumerate(order) if o == "reader"]
+        assert len(chunks) == CHUNKS  # it still got through
+        during = [i for i in chunks if i < last_visitor_step]
+        assert len(during) >= 3, order
+        gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
+        assert min(gaps) >= BACKGROUND_EVERY, order  # the visitor's decode steps in between
     finally:
         engine.close()
