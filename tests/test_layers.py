@@ -130,3 +130,34 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     g = graph()
     assert "llmweb.engine.local" in g["llmweb.runtime"], "function-level imports are counted"
     assert layer("llmweb.web.ui") > layer("llmweb.chat.session") > layer("llmweb.store.db")
+
+
+# -- sizes: a class a newcomer can read, a function that fits a screen ---------------------------
+
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 80
+STEPWISE = "# stepwise:"  # on the line above a long pure function that reads as numbered steps
+
+
+def oversized() -> list[str]:
+    """Classes over MAX_CLASS_LINES and functions over MAX_FUNCTION_LINES, except functions marked
+    stepwise (a comment on the line above the def, or above its decorators)."""
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+            if not isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            marked = first >= 2 and lines[first - 2].strip().startswith(STEPWISE)
+            where = f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({size} lines)"
+            if isinstance(node, ast.ClassDef) and size > MAX_CLASS_LINES:
+                out.append("class " + where)
+            elif not isinstance(node, ast.ClassDef) and size > MAX_FUNCTION_LINES and not marked:
+                out.append("def " + where)
+    return out
+
+
+def test_no_class_over_300_lines_and_no_function_over_80():
+    assert not oversized(), "split these along their seams:\n" + "\n".join(oversized())

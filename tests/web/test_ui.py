@@ -223,15 +223,6 @@ class FakeChat:
     def edit(self, owner, conv_id, turn, text, use_docs=True):
         return self.send(owner, conv_id, text, use_docs, edit=turn)
 
-    def regenerate(self, owner, conv_id, use_docs=True):
-        return self.send(owner, conv_id, "", use_docs, redo=True)
-
-    def continue_reply(self, owner, conv_id, use_docs=True):
-        return self.send(owner, conv_id, "", use_docs, more=True)
-
-    def edit(self, owner, conv_id, turn, text, use_docs=True):
-        return self.send(owner, conv_id, text, use_docs, edit=turn)
-
     def send(self, owner, conv_id, text, use_docs=True, new=False, redo=False, more=False, edit=None):
         if edit is not None:  # edit: the new message at turn `edit`, answered "Rome"
             yield Started(conv_id)
