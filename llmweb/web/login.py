@@ -57,8 +57,6 @@ def _session(request: Request, username: str) -> Response:
     token = secrets.token_urlsafe(16)
     app.tokens[token] = username
     response = JSONResponse(content={"success": True})
-    response.set_cookie(
-        key=f"access-token-{app.cookie_id}", value=token, httponly=True, samesite="none", secure=True
-    )
+    response.set_cookie(key=f"access-token-{app.cookie_id}", value=token, httponly=True, samesite="none", secure=True)
     response.set_cookie(key=f"access-token-unsecure-{app.cookie_id}", value=token, httponly=True)
     return response

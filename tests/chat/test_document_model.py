@@ -21,9 +21,9 @@ NAME = "long-guide.md"
 
 @pytest.fixture
 def rig(tmp_path, app_model):
-    rt = Runtime(
-        make_settings(tmp_path, context_limit=1024, max_new_tokens=40, recall=False), loaded=app_model
-    ).start(background=False)
+    rt = Runtime(make_settings(tmp_path, context_limit=1024, max_new_tokens=40, recall=False), loaded=app_model).start(
+        background=False
+    )
     chat = rt.wait_ready()
     chat.documents.note_tokens = 24
     path = tmp_path / NAME

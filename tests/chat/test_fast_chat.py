@@ -385,9 +385,7 @@ def test_continue_a_stopped_reply_and_the_prefix_helper_strips_the_template(rig)
     assert reply_prefix_ids(fmt, "half a reply") == words(fmt, "half a reply")
     assert reply_prefix_ids(fmt, "") == []
     conv = store.create_conversation(OWNER)
-    store.add_turn(
-        OWNER, conv, "question", "half a", turn_stats(None, _plan(chat, "question"), 1, 0)
-    )
+    store.add_turn(OWNER, conv, "question", "half a", turn_stats(None, _plan(chat, "question"), 1, 0))
     runner.enqueue(words(fmt, "reply") + [fmt.END])
     assert finish(chat.continue_reply(OWNER, conv)).reply == "half a reply"
 
