@@ -530,7 +530,7 @@ def test_reload_restores_the_chat(page, server):
         users_before = user_texts(page)
         replies_before = reply_texts(page)
         turn_before = stats_turn(page)
-        assert len(users_before) == 4, users_before
+        assert len(users_before) == 5, users_before  # four questions, then the whole-document summary
 
         page.reload(wait_until="domcontentloaded")
         poll(
