@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmweb.bench.hostile import make_pdf
 from llmweb.errors import InputError
 from llmweb.retrieval.documents import (
     MB,
@@ -37,40 +38,7 @@ def tokenizer():
 
 
 # --------------------------------------------------------------------------- file builders
-
-
-def _esc(s: str) -> str:
-    return s.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
-
-
-def make_pdf(pages: list[str]) -> bytes:
-    """A minimal valid PDF with one Helvetica text line per "\\n"-separated line, one page each."""
-    n = len(pages)
-    kids = " ".join(f"{4 + 2 * i} 0 R" for i in range(n))
-    objs = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        f"<< /Type /Pages /Kids [{kids}] /Count {n} >>".encode(),
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
-    for i, text in enumerate(pages):
-        stream = (
-            "BT /F1 12 Tf 14 TL 72 720 Td " + " ".join(f"({_esc(line)}) Tj T*" for line in text.split("\n")) + " ET"
-        )
-        objs.append(
-            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
-            f"/Contents {5 + 2 * i} 0 R >>".encode()
-        )
-        objs.append(f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream".encode())
-    out = b"%PDF-1.4\n"
-    offsets = []
-    for i, body in enumerate(objs, 1):
-        offsets.append(len(out))
-        out += f"{i} 0 obj\n".encode() + body + b"\nendobj\n"
-    xref = len(out)
-    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode()
-    out += b"".join(f"{o:010d} 00000 n \n".encode() for o in offsets)
-    out += f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
-    return out
+# make_pdf: llmweb/bench/hostile.py's (bench hostile parses the same kind of PDF)
 
 
 def encrypt_pdf(pdf: bytes, user_password: str = "secret") -> bytes:
