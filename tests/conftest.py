@@ -15,7 +15,13 @@ from llmweb.config import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = REPO / "data" / "models"
-MODEL_FIXTURES = {"fp32_model", "app_model", "fmt"}  # a test that uses one of these loads the chat model
+MODEL_FIXTURES = {
+    "fp32_model",
+    "app_model",
+    "llama_model",
+    "runner",
+    "fmt",
+}  # a test that uses one of these loads the chat model
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,11 +41,11 @@ def settings(tmp_path) -> Settings:
     return make_settings(tmp_path)
 
 
-def _load(quant: str, tmp_path_factory):
+def _load(quant: str, tmp_path_factory, **kw):
     from llmweb.engine import models
 
     logging.getLogger("llmweb").setLevel(logging.INFO)
-    return models.load(make_settings(tmp_path_factory.mktemp(f"load-{quant}"), quant=quant, device="cpu"))
+    return models.load(make_settings(tmp_path_factory.mktemp(f"load-{quant}"), quant=quant, device="cpu", **kw))
 
 
 @pytest.fixture(scope="session")
@@ -50,9 +56,29 @@ def fp32_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def app_model(tmp_path_factory):
-    """The embedded model as the app loads it by default on this machine (`auto`: int8-cpu on the CPU;
-    4-bit NF4 is loaded and run by test_decode's bench test)."""
+    """The embedded model as the app loads it by default on this machine (`auto`: the GGUF on
+    llama.cpp on the CPU where llama-cpp-python is installed, else int8-cpu; 4-bit NF4 is loaded and
+    run by test_decode's bench test)."""
     return _load("auto", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def llama_model(tmp_path_factory):
+    """The embedded GGUF file as it ships, on llama.cpp (engine/llama.py)."""
+    return _load("auto", tmp_path_factory, backend="llama.cpp")
+
+
+@pytest.fixture(params=["transformers", "llama.cpp"])
+def runner(request):
+    """Each local runner in turn, for the engine tests that every runner must pass: the transformers
+    runner on the fp32 model (exact greedy), and llama.cpp on the GGUF file."""
+    from tests.fakes import RunnerKind
+
+    if request.param == "transformers":
+        import torch
+
+        return RunnerKind("transformers", request.getfixturevalue("fp32_model"), torch.OutOfMemoryError)
+    return RunnerKind("llama.cpp", request.getfixturevalue("llama_model"), MemoryError)
 
 
 @pytest.fixture(scope="session")

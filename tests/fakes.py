@@ -1,9 +1,12 @@
-"""Deterministic fakes for fast unit tests of pure logic (next to real-model tests, never instead)."""
+"""Deterministic fakes for fast unit tests of pure logic (next to real-model tests, never instead),
+and `RunnerKind`, the real runners' handle for the parametrised engine tests."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from llmweb.engine.kvcache import reusable
 
@@ -194,3 +197,21 @@ def frozen_pace(step_s: float, prefill_tok_s: float = 1e9):
     pace = Pace(prefill_tok_s=prefill_tok_s, step_s=step_s)
     pace.stepped = pace.prefilled = lambda *measured: None  # type: ignore[method-assign]
     return pace
+
+
+@dataclass
+class RunnerKind:
+    """One real runner for the parametrised engine tests (conftest's `runner` fixture): its loaded
+    model, the exception its fault hook raises to inject an out-of-memory pass, and an engine maker."""
+
+    name: str
+    model: Any  # a models.LoadedModel
+    oom: type[BaseException]
+
+    def engine(self, budget_mb: int = 256, fault=None, **limits):
+        from llmweb.engine.backends import make_engine
+        from llmweb.engine.kvcache import KVStore
+        from llmweb.engine.request import EngineLimits
+
+        kv = KVStore(budget_mb * 2**20, ttl_s=600)
+        return make_engine(self.model, kv, EngineLimits(**limits), fault=fault)

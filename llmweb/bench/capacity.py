@@ -161,8 +161,8 @@ def run(
     """Measure every (context, concurrency) combination on one engine; return rows and the setup."""
     from llmweb.chat.tokens import TemplateFormat
     from llmweb.engine import models
+    from llmweb.engine.backends import make_engine
     from llmweb.engine.kvcache import KVStore
-    from llmweb.engine.local import local_engine
     from llmweb.engine.request import EngineLimits, GenerationRequest, auto_max_batch
     from llmweb.runtime import kv_budget_bytes
 
@@ -193,7 +193,7 @@ def run(
         kv_reuse=True,
         max_batch=settings.max_batch or auto_max_batch(loaded.on_cpu),
     )
-    engine = local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token)
+    engine = make_engine(loaded, kv, limits, context=max(contexts))
     rows: list[dict] = []
     method = ""
     t_all = time.perf_counter()

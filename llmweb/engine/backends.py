@@ -1,0 +1,39 @@
+"""One engine factory for a loaded model, whichever runner runs it (models.LoadedModel.backend):
+
+  transformers   engine/local.py's LocalRunner (the GPU path, and the CPU fallback)
+  llama.cpp      engine/llama.py's LlamaRunner (the CPU default for a GGUF model)
+
+Both runners import their heavy libraries (torch, llama_cpp) here lazily, so the caller needs
+neither to import this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llmweb.config import CPU_CONTEXT_CAP
+from llmweb.engine.kvcache import KVStore
+from llmweb.engine.request import EngineLimits
+from llmweb.engine.scheduler import Engine
+
+
+def make_engine(
+    loaded,
+    kv: KVStore,
+    limits: EngineLimits,
+    *,
+    context: int = 0,
+    fault: Callable[[int], None] | None = None,
+    gpu: Callable | None = None,
+) -> Engine:
+    """An engine over `loaded` (a models.LoadedModel). `context`: the tokens one request may hold
+    (the budget's context limit; 0 = the model's, capped as on the CPU) — llama.cpp sizes its KV
+    pool from it, one context per batch slot."""
+    if loaded.backend == "llama.cpp":
+        from llmweb.engine.llama import llama_engine
+
+        context = context or min(loaded.max_context, CPU_CONTEXT_CAP)
+        return llama_engine(loaded.model, kv, limits, context, fault=fault)
+    from llmweb.engine.local import local_engine
+
+    return local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=fault, gpu=gpu)
