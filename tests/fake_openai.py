@@ -10,7 +10,10 @@ for fields OpenAI does not define), `context` (HTTP 400 "maximum context length"
 `statuses` (the next requests' error statuses, e.g. [429, 429]), `cut_after` (close the
 connection after that many text events, no [DONE]), `stall_s` (sleep before the first event),
 `delay_s` (between events), `port` (0 = any free one), `sends_ids` (honour vLLM's
-`return_token_ids`, with ids in this fake's own encoding: only for clients that use it). Every
+`return_token_ids`, with ids in this fake's own encoding: only for clients that use it),
+`eos` (llama.cpp: the reply's end-of-sequence token goes as a text event of its own, then the
+last event with the usage comes `last_delay_s` later), `llama_slots` (llama.cpp: `GET /props`
+names `total_slots`, and `id_slot` in a request keeps its own prefix cache per slot). Every
 completion request's body and headers are kept in `requests` (probes included: `completions`
 leaves them out).
 """
@@ -46,6 +49,9 @@ class FakeOpenAI:
         self.report_cache = knobs.pop("report_cache", True)
         port = knobs.pop("port", 0)
         self.sends_ids = knobs.pop("sends_ids", False)  # answer return_token_ids (ids in this fake's encoding)
+        self.eos = knobs.pop("eos", "")
+        self.last_delay_s = knobs.pop("last_delay_s", 0.0)
+        self.llama_slots = knobs.pop("llama_slots", 0)
         assert not knobs, f"unknown knobs {knobs}"
         self.requests: list[tuple[dict, dict]] = []
         self.in_flight = 0
@@ -60,6 +66,10 @@ class FakeOpenAI:
                 pass
 
             def do_GET(self):
+                if self.path.endswith("/props"):
+                    if not fake.llama_slots:
+                        return fake._json(self, 404, {"error": {"message": "File Not Found"}})
+                    return fake._json(self, 200, {"total_slots": fake.llama_slots})
                 fake._json(self, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
             def do_POST(self):
@@ -103,7 +113,7 @@ class FakeOpenAI:
         if len(ids) > self.context:
             message = f"This model's maximum context length is {self.context} tokens. However, you requested more."
             return self._json(h, 400, {"error": {"message": message, "type": "BadRequestError"}})
-        user = body.get("user", "")
+        user = f"slot {body['id_slot']}" if self.llama_slots and "id_slot" in body else body.get("user", "")
         before = self._last.get(user, [])
         cached = next((i for i, (a, b) in enumerate(zip(before, ids)) if a != b), min(len(before), len(ids)))
         self._last[user] = list(ids)
@@ -127,6 +137,9 @@ class FakeOpenAI:
                     choice["token_ids"] = encode(piece)
                 self._event(h, {"choices": [choice]})
                 time.sleep(self.delay_s)
+            if self.eos and finish == "stop":
+                self._event(h, {"choices": [{"index": 0, "text": self.eos, "finish_reason": None}]})
+                time.sleep(self.last_delay_s)
             usage = {"prompt_tokens": len(ids), "completion_tokens": len(pieces)}
             if self.report_cache:
                 usage["prompt_tokens_details"] = {"cached_tokens": cached}

@@ -13,8 +13,11 @@ streams delivered:
     decode(slots)      record the token ids each stream delivered since the last step (waits up
                        to `TICK_S` for any); a stream that ended sets the slot's finish; one that
                        failed sets `slot.error` (that request alone fails, its partial reply kept)
-    release(slot)      close the stream (a cancel or time limit stops the server's work for it)
-                       and fill the stats: cached tokens as the server reported them
+    release(slot)      after a normal end (a stop id or the length cap), read the stream to its
+                       end first (up to DRAIN_S, normally milliseconds): the server's last event carries the cached
+                       tokens (vLLM's `usage`, llama.cpp's `timings.cache_n`); a cancel or time
+                       limit closes it at once (that stops the server's work for it). Then fill
+                       the stats: cached tokens as the server reported them
     predict/held/available   0 / 0 / unlimited: admission is the in-flight cap `max_batch`
                        (LLMWEB_ENGINE_CONCURRENCY); the server owns its memory and we do not guess
 
@@ -30,6 +33,9 @@ connection lost mid-stream or no data for `read_timeout_s` ends the request with
 and the partial reply. Routing: the conversation id goes as `user` and, hashed, in the
 `routing_header` (a session-affinity router keeps a conversation on the replica that holds its
 prefix cache); the owner, hashed, as `cache_salt` (vLLM keeps owners' prefix caches apart).
+A llama.cpp server (`GET /props` names its `total_slots`) keeps one prompt cache per slot and
+otherwise picks a slot by prompt similarity; `SlotTable` keeps each conversation on the slot that
+holds its prefix (`id_slot`), and a slot busy with another of our requests is never asked for.
 
 Nothing here imports torch. `remote_engine(...)` wires the runner into an `Engine`.
 
@@ -64,6 +70,7 @@ from llmweb.records import MemorySnapshot
 log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # longest wait of one engine step for news from the streams
+DRAIN_S = 0.5  # longest wait at a reply's normal end for the stream's last event (its usage); it blocks the worker
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 CONTEXT_MARKERS = ("maximum context length", "context_length_exceeded", "exceed_context_size", "context length")
 
@@ -119,6 +126,7 @@ class Server:
         self.scheme, self.host, self.port, self.base = config.parts
         self._model = config.model
         self._caps: Capabilities | None = None
+        self._slots: int | None = None  # llama.cpp's total_slots; 0: not a llama.cpp server
         self._lock = threading.Lock()
 
     def connect(self, timeout: float | None = None) -> http.client.HTTPConnection:
@@ -177,6 +185,20 @@ class Server:
             self._model = str(data[0]["id"])
         return self._model
 
+    def slots(self) -> int:
+        """The server's slots when it is a llama.cpp server (`GET /props`), else 0 (asked once)."""
+        if self._slots is None:
+            try:
+                props = self.get_json("/props")
+                total = props.get("total_slots") if isinstance(props, dict) else None
+                self._slots = int(total) if isinstance(total, int) and total > 0 else 0
+            except (OSError, HTTPStatus, ValueError):
+                self._slots = 0
+            log.info(
+                "remote: %s has %s", self.config.url, f"{self._slots} llama.cpp slots" if self._slots else "no slots"
+            )
+        return self._slots
+
     def reachable(self) -> str | None:
         """None when GET /v1/models answers; else why not, in a few words."""
         try:
@@ -231,9 +253,46 @@ class _Call:
     finish: str = ""  # eos | length
     error: BaseException | None = None
     cached: int | None = None  # prompt tokens the server served from its cache, when it says so
+    server_slot: int = -1  # the llama.cpp slot asked for (SlotTable); -1: the server's choice
     closed: bool = False
     conn: http.client.HTTPConnection | None = None
     thread: threading.Thread | None = None
+
+
+class SlotTable:
+    """Which llama.cpp server slot each conversation's prefix lives on.
+
+    `take(key)`: the conversation's own slot if none of our requests holds it now, else the free
+    slot used longest ago (it becomes the conversation's); -1 when every slot is busy (the server
+    chooses). `give(slot)` when the request ends. Our requests are the only ones we know of: a
+    server shared with other clients may still move a prefix.
+    """
+
+    def __init__(self, n: int):
+        self.n = n
+        self.home: dict[str, int] = {}  # conversation -> its slot
+        self.busy: set[int] = set()
+        self.used = [0.0] * n  # when each slot was last taken
+        self._lock = threading.Lock()
+
+    def take(self, key: str | None) -> int:
+        with self._lock:
+            slot = self.home.get(key, -1) if key else -1
+            if slot < 0 or slot in self.busy:
+                free = [i for i in range(self.n) if i not in self.busy]
+                if not free:
+                    return -1
+                slot = min(free, key=lambda i: self.used[i])
+                if key:
+                    self.home = {k: v for k, v in self.home.items() if v != slot}  # its old prefix is gone
+                    self.home[key] = slot
+            self.busy.add(slot)
+            self.used[slot] = time.monotonic()
+            return slot
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self.busy.discard(slot)
 
 
 class RemoteRunner:
@@ -253,6 +312,7 @@ class RemoteRunner:
         self.sleep = sleep
         self._news = threading.Condition()
         self.counters = {"retries": 0, "disconnects": 0}
+        self._table: SlotTable | None = None
 
     # ---- memory: the server's business
     def predict(self, request: GenerationRequest) -> int:
@@ -281,6 +341,10 @@ class RemoteRunner:
     # ---- the batch
     def start(self, slot: Slot) -> None:
         call = _Call()
+        if self._table is None and self.server.slots():
+            self._table = SlotTable(self.server.slots())
+        if self._table is not None:
+            call.server_slot = self._table.take(slot.request.session_id)
         slot.state = call
         slot.stats.reused_tokens, slot.stats.reuse_reported = 0, False
         call.thread = threading.Thread(
@@ -319,7 +383,12 @@ class RemoteRunner:
         call: _Call | None = slot.state
         if call is None:
             return
+        if slot.finish in ("eos", "length") and not call.done:
+            with self._news:  # the server's last event (its usage) is on its way: read it
+                self._news.wait_for(lambda: call.done, timeout=DRAIN_S)
         self._close(call)
+        if self._table is not None and call.server_slot >= 0:
+            self._table.give(call.server_slot)
         if call.cached is not None:
             slot.stats.reused_tokens, slot.stats.reuse_reported = call.cached, True
         slot.stats.prefilled_tokens = slot.stats.prompt_tokens - slot.stats.reused_tokens
@@ -356,7 +425,7 @@ class RemoteRunner:
             except OSError:
                 pass
 
-    def _body(self, request: GenerationRequest) -> tuple[dict, dict[str, str]]:
+    def _body(self, request: GenerationRequest, server_slot: int = -1) -> tuple[dict, dict[str, str]]:
         prompt = list(request.prompt_ids)
         caps = self.server.capabilities(prompt[:8], self.decode_text(prompt[:8]))
         body: dict[str, Any] = {
@@ -370,6 +439,9 @@ class RemoteRunner:
         }
         if request.seed is not None:
             body["seed"] = request.seed
+        if server_slot >= 0:
+            body["id_slot"] = server_slot  # llama.cpp: the slot that holds this conversation's prefix
+            body["cache_prompt"] = True
         headers: dict[str, str] = {}
         if request.session_id:
             body["user"] = _hashed(request.session_id)
@@ -408,7 +480,7 @@ class RemoteRunner:
             if call.closed:
                 return None
             try:
-                body, headers = self._body(request)
+                body, headers = self._body(request, call.server_slot)
                 call.conn = self.server.connect(cfg.read_timeout_s)  # a cancel can shut it while we wait
                 if call.closed:
                     return None

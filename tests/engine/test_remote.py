@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from llmweb.engine.remote import RemoteConfig, RemoteError, remote_engine
+from llmweb.engine.remote import RemoteConfig, RemoteError, SlotTable, remote_engine
 from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
 from llmweb.errors import BusyError, LlmwebError
 from tests.fake_openai import FakeOpenAI, decode, encode
@@ -291,3 +291,70 @@ def test_the_replys_own_token_ids_win_over_its_text_when_the_server_sends_them()
     assert runner._chunk(call, done) is True  # llama.cpp's cache count
     assert [ids for ids, _ in call.events] == [[198], encode("ab")]
     assert call.finish == "length" and call.cached == 7
+
+
+# ---- llama.cpp's server: its last event after a stop token, and its slots
+
+
+def test_a_reply_that_ends_on_a_stop_id_still_reads_the_servers_cached_tokens(make):
+    """llama.cpp streams the end-of-sequence token's text, then the last event with the usage: the
+    slot ends on the stop id first, and must read on to the usage (it was dropped before)."""
+    e, server, _ = make(eos="¶", last_delay_s=0.05)
+    stop = frozenset(encode("¶"))
+    first = e.submit(req(session_id="conv-1", stop_ids=stop))
+    assert decode(first.result()) == "Hello there." and first.stats.finish_reason == "eos"
+    assert first.stats.reuse_reported and first.stats.reused_tokens == 0
+    longer = PROMPT + encode("Hello there.<|user|>More")
+    second = e.submit(req(longer, session_id="conv-1", stop_ids=stop))
+    second.result()
+    assert second.stats.reuse_reported and second.stats.reused_tokens == len(PROMPT)  # the fake caches prompts
+    assert second.stats.prefilled_tokens == len(longer) - second.stats.reused_tokens
+    assert server.gone == 0, "the stream was read to its end, not cut"
+
+
+def test_a_cancel_still_closes_the_stream_at_once(make):
+    e, server, _ = make(reply="word " * 200, delay_s=0.01, eos="¶", last_delay_s=5.0)
+    h = e.submit(req(n=400, stop_ids=frozenset(encode("¶"))))
+    t0 = time.perf_counter()
+    for ev in h.events():
+        if isinstance(ev, Tokens):
+            h.cancel()
+    assert h.stats.finish_reason == "cancelled" and time.perf_counter() - t0 < 3.0
+
+
+def test_each_conversation_keeps_its_llama_cpp_slot(make):
+    e, server, _ = make(llama_slots=2, eos="¶")
+    stop = frozenset(encode("¶"))
+    history = {c: PROMPT + encode(f"{c} asks") for c in ("conv-a", "conv-b")}
+    slots: dict[str, set[int]] = {"conv-a": set(), "conv-b": set()}
+    for turn in range(3):
+        for conv in history:
+            h = e.submit(req(history[conv], session_id=conv, stop_ids=stop))
+            reply = h.result()
+            slots[conv].add(server.completions[-1][0]["id_slot"])
+            if turn:  # the slot's cache is this conversation's last prompt (the fake caches prompts)
+                assert h.stats.reused_tokens == len(history[conv]) - len(reply) - len(encode("<|user|>next"))
+            history[conv] = history[conv] + list(reply) + encode("<|user|>next")
+    assert all(len(s) == 1 for s in slots.values()) and slots["conv-a"] != slots["conv-b"]
+
+
+def test_a_server_without_slots_gets_no_id_slot(make):
+    e, server, _ = make()
+    e.submit(req(session_id="conv-1")).result()
+    assert "id_slot" not in server.completions[0][0]
+
+
+def test_the_slot_table_keeps_homes_and_never_hands_out_a_busy_slot():
+    t = SlotTable(2)
+    a = t.take("a")
+    b = t.take("b")
+    assert {a, b} == {0, 1}
+    assert t.take("c") == -1, "every slot is busy: the server chooses"
+    t.give(a)
+    t.give(b)
+    assert t.take("a") == a and t.take("b") == b, "each conversation goes home"
+    t.give(a)
+    assert t.take("c") == a and "a" not in t.home, "a newcomer takes the free slot; its old owner loses it"
+    t.give(a)
+    t.give(b)
+    assert t.take(None) in (0, 1)
