@@ -7,6 +7,7 @@ FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
     LLMWEB_HOST=0.0.0.0 \
     LLMWEB_PORT=7860 \
     LLMWEB_DATA_DIR=/data \
@@ -19,7 +20,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends build-essential
     && rm -rf /var/lib/apt/lists/*
 COPY requirements.txt ./
 # INSTALL (begin)
-RUN pip install --no-cache-dir -r requirements.txt
+RUN pip install -r requirements.txt
 # INSTALL (end)
 
 COPY --chown=app:app app.py ./

@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 $(VENV)/.installed: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# INSTALL (begin)
-	$(BIN)/pip install --no-cache-dir -r requirements.txt
+	$(BIN)/pip install -r requirements.txt
 	# INSTALL (end)
 	touch $@
 

@@ -135,10 +135,15 @@ def predict(loaded, prompt_tokens: int, max_new_tokens: int, sessions: int, max_
     from llmweb.engine.admission import predict_bytes
     from llmweb.engine.blockcache import BLOCK, KEEP_ROOM
 
-    heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
-    per_session, per_request = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
-    per_session += KEEP_ROOM * loaded.kv_bytes_per_token  # an idle cache's room for the next message (blockcache)
-    per_request += BLOCK * loaded.kv_bytes_per_token  # a running cache's spare room, a block at most
+    if loaded.backend == "llama.cpp":
+        # an idle session is its sequence's state copied to host memory; a running one, its cells in
+        # the context's pool (allocated with the context, resident once written)
+        per_session = per_request = loaded.kv_bytes_per_token * (prompt_tokens + max_new_tokens)
+    else:
+        heads = getattr(loaded.model.config, "num_attention_heads", 0) or 0
+        per_session, per_request = predict_bytes(loaded.kv_bytes_per_token, heads, prompt_tokens, max_new_tokens)
+        per_session += KEEP_ROOM * loaded.kv_bytes_per_token  # an idle cache's room for the next message (blockcache)
+        per_request += BLOCK * loaded.kv_bytes_per_token  # a running cache's spare room, a block at most
     kv = per_session * sessions
     activation = per_request * min(sessions, max_batch)
     return {

@@ -8,8 +8,16 @@ The steps, each measured in the same run on an Engine of its own (public constru
                     which copies the whole cache with torch.cat at every step
   + block cache     the KV cache grows in blocks and a step writes its token in place
   + int8-cpu        (CPU only) torch's dynamic int8 linear layers instead of bitsandbytes, whose
-                    CPU path computes in bf16: the `auto` default on the CPU
+                    CPU path computes in bf16: the CPU default until llama.cpp
+  + llama.cpp       (CPU only, where llama-cpp-python loads) the GGUF file as it ships on
+                    engine/llama.py's runner: the `auto` default on the CPU
   fp32, both caches the greedy text of the block cache must be the eager cache's, token for token
+
+and, on the same GGUF file, prompt lengths and threads, llama.cpp's own `llama-bench` (when it is
+on the PATH, or LLMWEB_LLAMA_BENCH names it): prefill (`-p N`) and decode at that depth (`-n M -d N`),
+the reference the default's decode is held to (README "CPU engines"). The whole reply is measured
+too: a first turn of FIRST_TURN (a 400-token prompt, 128 new tokens), the default against the
+previous default (int8-cpu), interleaved.
 
 Every measurement is one request of `new_tokens` greedy tokens with no stop ids; the runs are
 interleaved (step by step, then again) so drift on a shared machine hits every step alike. The
@@ -28,6 +36,7 @@ from typing import Any
 from .common import SYSTEM
 
 LENGTHS = (32, 512, 1536)
+FIRST_TURN = (400, 128)  # prompt tokens, new tokens
 FIGURES = ("decode_tok_s", "prefill_tok_s", "forward_ms", "sample_ms", "runner_other_ms", "engine_other_ms")
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening, counting the steps, checking the "
@@ -40,16 +49,34 @@ class Step:
     name: str
     quant: str
     block_cache: bool
+    backend: str = "transformers"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.backend, self.quant
 
 
-def steps_for(device: str) -> list[Step]:
+INT8 = "+ int8-cpu weights (the CPU default before llama.cpp)"
+LLAMA = "+ llama.cpp on the GGUF file (auto on the CPU)"
+
+
+def steps_for(device: str, llama_ok: bool = False) -> list[Step]:
     steps = [Step("before: 4bit, DynamicCache (torch.cat per step)", "4bit", False)]
     steps.append(Step("+ block cache", "4bit", True))
     if device == "cpu":
-        steps.append(Step("+ int8-cpu weights (auto on CPU)", "int8-cpu", True))
+        steps.append(Step(INT8, "int8-cpu", True))
+        if llama_ok:
+            steps.append(Step(LLAMA, "auto", False, "llama.cpp"))
     steps.append(Step("fp32, DynamicCache", "fp32", False))
     steps.append(Step("fp32, block cache", "fp32", True))
     return steps
+
+
+def default_step(steps: list[Step], device: str) -> str:
+    names = [s.name for s in steps]
+    if device != "cpu":
+        return names[1]
+    return LLAMA if LLAMA in names else INT8
 
 
 def prompt_of(loaded, length: int) -> list[int]:
@@ -62,13 +89,20 @@ def prompt_of(loaded, length: int) -> list[int]:
 
 def _engine(loaded, block_cache: bool, new_tokens: int):
     from llmweb.engine.kvcache import KVStore
-    from llmweb.engine.local import LocalRunner
     from llmweb.engine.request import EngineLimits
     from llmweb.engine.scheduler import Engine
 
     kv = KVStore(0, 1)
+    limits = EngineLimits(max_new_tokens=new_tokens, kv_reuse=False)
+    if loaded.backend == "llama.cpp":
+        from llmweb.engine.backends import make_engine
+
+        engine = make_engine(loaded, kv, limits)
+        return engine, engine.runner
+    from llmweb.engine.local import LocalRunner
+
     runner = LocalRunner(loaded.model, loaded.device, kv, loaded.kv_bytes_per_token, block_cache=block_cache)
-    return Engine(runner, kv, EngineLimits(max_new_tokens=new_tokens, kv_reuse=False)), runner
+    return Engine(runner, kv, limits), runner
 
 
 def _one(engine, runner, ids: list[int], new_tokens: int) -> dict:
@@ -99,56 +133,64 @@ def _one(engine, runner, ids: list[int], new_tokens: int) -> dict:
 
 
 def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progress=print) -> dict:
-    """Every step at every prompt length, interleaved; medians of `repeats`."""
+    """Every step at every prompt length, interleaved; medians of `repeats`; then the first turn and
+    llama-bench."""
     import torch
 
-    from llmweb.engine import models
+    from llmweb.engine import llama, models
 
     device = models.resolve_device(settings)
-    steps = steps_for(device)
-    loaded: dict[str, Any] = {}
-    for q in dict.fromkeys(s.quant for s in steps):
-        progress(f"bench decode: loading {q}…")
-        loaded[q] = models.load(settings.replace(quant=q), progress=lambda m: None)
-    engines = {s.name: _engine(loaded[s.quant], s.block_cache, new_tokens) for s in steps}
+    steps = steps_for(device, llama.available() is None)
+    loaded: dict[tuple[str, str], Any] = {}
+    for backend, q in dict.fromkeys(s.key for s in steps):
+        progress(f"bench decode: loading {q} on {backend}…")
+        loaded[(backend, q)] = models.load(settings.replace(quant=q, backend=backend), progress=lambda m: None)
+    engines = {s.name: _engine(loaded[s.key], s.block_cache, new_tokens) for s in steps}
+    by_name = {s.name: s for s in steps}
+    default = default_step(steps, device)
     samples: dict[tuple[str, int], list[dict]] = {}
+    first: dict[str, list[float]] = {}
     try:
         for name, (engine, runner) in engines.items():  # warm-up: first-call allocations, not counted
-            _one(engine, runner, prompt_of(loaded[_quant(steps, name)], 32), 4)
+            _one(engine, runner, prompt_of(loaded[by_name[name].key], 32), 4)
         for r in range(repeats):
+            order = steps if r % 2 == 0 else steps[::-1]
             for length in lengths:
-                order = steps if r % 2 == 0 else steps[::-1]
                 for s in order:
                     progress(f"bench decode: repeat {r + 1}/{repeats}, prompt {length}, {s.name}…")
                     engine, runner = engines[s.name]
                     samples.setdefault((s.name, length), []).append(
-                        _one(engine, runner, prompt_of(loaded[s.quant], length), new_tokens)
+                        _one(engine, runner, prompt_of(loaded[s.key], length), new_tokens)
                     )
+            for name in [n for n in (default, INT8) if n in engines][:: 1 if r % 2 == 0 else -1]:
+                progress(f"bench decode: repeat {r + 1}/{repeats}, a first turn of {FIRST_TURN}, {name}…")
+                engine, runner = engines[name]
+                ids = prompt_of(loaded[by_name[name].key], FIRST_TURN[0])
+                first.setdefault(name, []).append(_one(engine, runner, ids, FIRST_TURN[1])["wall_s"])
     finally:
         for engine, _runner in engines.values():
             engine.close()
-    rows: list[dict] = []
-    for s in steps:
-        for length in lengths:
-            xs = samples[(s.name, length)]
-            row: dict = {"step": s.name, "quant": loaded[s.quant].quant, "block_cache": s.block_cache, "prompt": length}
-            for key in FIGURES:
-                row[key] = round(statistics.median(x[key] for x in xs), 2)
-            row["ids"] = xs[0]["ids"]
-            rows.append(row)
+    rows = _rows(steps, lengths, samples, loaded)
     by = {(r["step"], r["prompt"]): r for r in rows}
     base = steps[0].name
-    default = steps[2].name if device == "cpu" else steps[1].name
     for row in rows:
         row["decode_vs_before"] = round(row["decode_tok_s"] / max(by[(base, row["prompt"])]["decode_tok_s"], 1e-9), 2)
     fp32_same = all(by[("fp32, DynamicCache", n)]["ids"] == by[("fp32, block cache", n)]["ids"] for n in lengths)
     for row in rows:
         del row["ids"]
+    gguf = models.gguf_file(settings) if device == "cpu" else None
+    reference = llama_bench(gguf[0], lengths, new_tokens, _threads(settings), repeats, progress) if gguf else None
+    for row in reference or []:
+        ours = by[(default, row["prompt"])]
+        row["default_decode_ratio"] = round(ours["decode_tok_s"] / max(row["decode_tok_s"], 1e-9), 2)
+        row["default_prefill_ratio"] = round(ours["prefill_tok_s"] / max(row["prefill_tok_s"], 1e-9), 2)
+    turn = {name: round(statistics.median(xs), 3) for name, xs in first.items()}
     return {
         "bench": "decode",
         "model": settings.model or models.EMBEDDED_NAME,
         "device": device,
-        "threads": torch.get_num_threads(),
+        "threads": _threads(settings) if LLAMA in engines else torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(),
         "new_tokens": new_tokens,
         "repeats": repeats,
         "lengths": list(lengths),
@@ -156,7 +198,63 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
         "rows": rows,
         "default_vs_before_512": by[(default, 512)]["decode_vs_before"] if 512 in lengths else None,
         "fp32_greedy_identical": fp32_same,
+        "llama_bench": reference,
+        "first_turn": {
+            "prompt": FIRST_TURN[0],
+            "new_tokens": FIRST_TURN[1],
+            "total_s": turn,
+            "default_vs_int8": round(turn[INT8] / max(turn[default], 1e-9), 2) if INT8 in turn else None,
+        },
     }
+
+
+def _rows(steps: list[Step], lengths, samples: dict, loaded: dict) -> list[dict]:
+    rows: list[dict] = []
+    for s in steps:
+        for length in lengths:
+            xs = samples[(s.name, length)]
+            row: dict = {"step": s.name, "quant": loaded[s.key].quant, "block_cache": s.block_cache, "prompt": length}
+            for key in FIGURES:
+                row[key] = round(statistics.median(x[key] for x in xs), 2)
+            row["ids"] = xs[0]["ids"]
+            rows.append(row)
+    return rows
+
+
+def _threads(settings) -> int:
+    from llmweb.engine.llama import default_threads
+
+    return settings.threads or default_threads()
+
+
+def llama_bench(gguf, lengths, new_tokens: int, threads: int, repeats: int, progress=print) -> list[dict] | None:
+    """llama.cpp's `llama-bench` on the GGUF file: prefill of each length (`-p N -n 0`) and decode of
+    `new_tokens` after that many tokens (`-p 0 -n M -d N`); None when it is not installed."""
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    exe = os.environ.get("LLMWEB_LLAMA_BENCH") or shutil.which("llama-bench")
+    if not exe:
+        return None
+    common = [exe, "-m", str(gguf), "-t", str(threads), "-r", str(max(repeats, 1)), "-o", "json"]
+    joined = ",".join(str(n) for n in lengths)
+    progress(f"bench decode: llama-bench, prefill {joined} and decode {new_tokens} at those depths…")
+    out: dict[int, dict] = {n: {"step": "llama.cpp llama-bench (reference)", "prompt": n} for n in lengths}
+    for args, key in (
+        (["-p", joined, "-n", "0"], "prefill_tok_s"),
+        (["-p", "0", "-n", str(new_tokens), "-d", joined], "decode_tok_s"),
+    ):
+        done = subprocess.run(common + args, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            progress(f"bench decode: llama-bench failed ({done.returncode}): {done.stderr[-300:]}")
+            return None
+        for test in json.loads(done.stdout):
+            n = test["n_prompt"] if key == "prefill_tok_s" else test.get("n_depth", 0)
+            if n in out:
+                out[n][key] = round(float(test["avg_ts"]), 2)
+    return list(out.values())
 
 
 def _quant(steps: list[Step], name: str) -> str:
@@ -189,4 +287,37 @@ def markdown(r: dict) -> str:
         f"fp32 greedy text, block cache vs DynamicCache: {'identical' if r['fp32_greedy_identical'] else 'DIFFERENT'}.",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _reference_lines(r))
+
+
+def _reference_lines(r: dict) -> list[str]:
+    lines = []
+    ref = r.get("llama_bench")
+    if ref:
+        lines += [
+            f"### The default against llama.cpp's llama-bench (same GGUF file, {r['threads']} threads)",
+            "",
+            "| prompt | llama-bench decode tok/s | default decode tok/s | ratio | llama-bench prefill tok/s | "
+            "default prefill tok/s | ratio |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        ours = {x["prompt"]: x for x in r["rows"] if x["step"] == r["default_step"]}
+        for x in ref:
+            o = ours[x["prompt"]]
+            lines.append(
+                f"| {x['prompt']} | {x.get('decode_tok_s', 0):.1f} | {o['decode_tok_s']:.1f} | "
+                f"{x.get('default_decode_ratio', 0):.2f} | {x.get('prefill_tok_s', 0):.0f} | "
+                f"{o['prefill_tok_s']:.0f} | {x.get('default_prefill_ratio', 0):.2f} |"
+            )
+        lines.append("")
+    else:
+        lines += ["llama-bench is not on the PATH (or LLMWEB_LLAMA_BENCH): no llama.cpp reference in this run.", ""]
+    ft = r.get("first_turn") or {}
+    if ft.get("total_s"):
+        times = " · ".join(f"{name}: {sec:.2f} s" for name, sec in ft["total_s"].items())
+        ratio = f"; the default finishes **{ft['default_vs_int8']:.2f}x** sooner" if ft.get("default_vs_int8") else ""
+        lines += [
+            f"A first turn of {ft['prompt']} prompt tokens and {ft['new_tokens']} new tokens: {times}{ratio}.",
+            "",
+        ]
+    return lines

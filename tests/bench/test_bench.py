@@ -19,6 +19,7 @@ from llmweb import bench
 from llmweb.bench import capacity, memory, suite
 from llmweb.bench.common import write_reports
 from llmweb.cli.main import build_parser
+from llmweb.engine import llama
 from llmweb.engine.blockcache import KEEP_ROOM
 from tests.conftest import MODEL_CACHE, REPO, make_settings
 
@@ -36,6 +37,10 @@ def run_cli(tmp_path, *args: str, timeout: float = 600) -> subprocess.CompletedP
     )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done
+
+
+# the CPU default: llama.cpp on the GGUF file (f16 KV) where llama-cpp-python loads, else int8-cpu (fp32 KV)
+DEFAULT_QUANT, DEFAULT_KV_PER_TOKEN = ("Q4_1 GGUF", 23_040) if llama.available() is None else ("int8-cpu", 46_080)
 
 
 def printed_paths(stdout: str) -> dict[str, str]:
@@ -80,10 +85,10 @@ def test_capacity_command_writes_table_csv_and_plot(tmp_path):
             pred["predicted_weights_bytes"] + pred["predicted_kv_bytes"] + pred["predicted_activation_bytes"]
         )
         assert int(r["measured_peak_bytes"]) >= int(r["measured_baseline_bytes"]) > 0
-        # every session's cache stays resident: prompt + reply - 1 tokens each, in fp32 (int8-cpu computes in
-        # fp32: 46,080 B/token), with up to KEEP_ROOM tokens of room for the next message (blockcache)
-        assert 0 < int(r["resident_kv_bytes"]) <= k * (prompt + 8 + KEEP_ROOM) * 46_080
-        assert int(r["resident_kv_bytes"]) >= k * (context - 8 - 16) * 46_080
+        # every session's cache stays resident: prompt + reply - 1 tokens each, with up to KEEP_ROOM tokens
+        # of room for the next message (blockcache) or a state header (llama.cpp)
+        assert 0 < int(r["resident_kv_bytes"]) <= k * (prompt + 8 + KEEP_ROOM) * DEFAULT_KV_PER_TOKEN
+        assert int(r["resident_kv_bytes"]) >= k * (context - 8 - 16) * DEFAULT_KV_PER_TOKEN
     kv = {(int(r["context"]), int(r["concurrency"])): int(r["predicted_kv_bytes"]) for r in rows}
     assert kv[(512, 2)] > kv[(512, 1)] > kv[(256, 1)]
 
@@ -92,7 +97,7 @@ def test_capacity_command_writes_table_csv_and_plot(tmp_path):
 def test_bench_concurrency_runs_the_serial_and_the_batched_engine_side_by_side(tmp_path):
     done = run_cli(tmp_path, "bench", "concurrency", "--concurrency", "1,2", "--max-new-tokens", "4", "--json")
     r = json.loads(done.stdout)
-    assert r["bench"] == "concurrency" and r["quant"] == "int8-cpu" and r["max_batch"] == 4  # auto on the CPU
+    assert r["bench"] == "concurrency" and r["quant"] == DEFAULT_QUANT and r["max_batch"] == 4  # auto on the CPU
     rows = {(x["concurrency"], x["engine"]): x for x in r["rows"]}
     assert list(rows) == [(1, "serial"), (1, "batched"), (2, "serial"), (2, "batched")]
     for (k, _engine), x in rows.items():
