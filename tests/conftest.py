@@ -19,6 +19,7 @@ MODEL_FIXTURES = {
     "fp32_model",
     "app_model",
     "llama_model",
+    "int8_model",
     "runner",
     "fmt",
 }  # a test that uses one of these loads the chat model

@@ -1,4 +1,5 @@
-"""Leak guards with the real model (as the app loads it by default: int8-cpu on the CPU) on CPU.
+"""Leak guards with the real model on CPU: the transformers runner (int8-cpu, the CPU default before
+llama.cpp and the fallback) and the llama.cpp runner.
 
 A long session must not grow memory request by request. We check it where it would start: live
 torch tensors (after `gc.collect()`, counted with `gc.get_objects()`) must not grow across 50
@@ -8,6 +9,10 @@ cache per session, and `kv.clear()` frees them all.
 
 A per-request leak fails these tests: keeping each request's cache (or one logits tensor per
 request) in a global list was tried, and both checks caught it.
+
+On llama.cpp there are no torch tensors: every sequence of the context must be empty once its
+request has left, the store holds one saved state per session, and the process's RSS must not grow
+over 50 requests once warm.
 """
 
 from __future__ import annotations
@@ -61,18 +66,25 @@ def created_caches(monkeypatch) -> list:
 
 
 @pytest.fixture(scope="module")
-def fmt4(app_model):
-    return TemplateFormat(app_model.tokenizer)
+def int8_model(tmp_path_factory):
+    from tests.conftest import _load
+
+    return _load("int8-cpu", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def fmt4(int8_model):
+    return TemplateFormat(int8_model.tokenizer)
 
 
 @pytest.fixture
-def engine(app_model):
+def engine(int8_model):
     e = local_engine(
-        app_model.model,
-        app_model.device,
+        int8_model.model,
+        int8_model.device,
         KVStore(256 * 2**20, ttl_s=600),
         EngineLimits(max_new_tokens=8),
-        app_model.kv_bytes_per_token,
+        int8_model.kv_bytes_per_token,
     )
     yield e
     e.close()
@@ -119,3 +131,30 @@ def test_session_caches_are_the_only_ones_kept_and_clear_frees_them(engine, fmt4
     left = alive(created_caches)
     assert not left, f"{len(left)} caches still alive after kv.clear()"
     assert live_tensors() - before <= TENSOR_SLACK
+
+
+def test_llama_cpp_frees_every_sequence_keeps_one_state_per_session_and_rss_stays_flat(llama_model):
+    from llmweb.engine.backends import make_engine
+    from llmweb.engine.telemetry import rss_bytes
+
+    fmt = TemplateFormat(llama_model.tokenizer)
+    e = make_engine(llama_model, KVStore(256 * 2**20, ttl_s=600), EngineLimits(max_new_tokens=8, max_batch=4))
+    ll, runner = e.runner.ll, e.runner
+    try:
+        rss = []
+        for i in range(REQUESTS):
+            ids = render_prompt(fmt, SYSTEM, [("user", QUESTIONS[i % len(QUESTIONS)])])
+            handles = [
+                e.submit(GenerationRequest(ids, 8, session_id=f"s{(i + j) % 3}", owner=f"o{j}")) for j in range(2)
+            ]
+            for h in handles:
+                h.result()
+            rss.append(rss_bytes())
+            assert all(ll.llama_memory_seq_pos_max(runner.mem, s) == -1 for s in range(runner.slots)), (
+                "a finished request left cells in the pool"
+            )
+        assert sorted(e.kv.sessions()) == ["s0", "s1", "s2"]
+        assert rss[-1] - rss[9] < 16 * 2**20, f"RSS grew {(rss[-1] - rss[9]) / 2**20:.1f} MiB over 40 warm requests"
+        assert e.kv.clear() > 0 and e.kv.total_bytes == 0
+    finally:
+        e.close()

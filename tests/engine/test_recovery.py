@@ -99,7 +99,8 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, app_mod
 
 
 @pytest.mark.slow  # a replay subprocess loads the model
-def test_kill_9_during_turn_3_keeps_turns_1_and_2_whole(tmp_path):
+@pytest.mark.parametrize("backend", ["transformers", "llama.cpp"])
+def test_kill_9_during_turn_3_keeps_turns_1_and_2_whole(tmp_path, backend):
     script = tmp_path / "chat.jsonl"
     topics = [
         "a dragon",
@@ -122,7 +123,8 @@ def test_kill_9_during_turn_3_keeps_turns_1_and_2_whole(tmp_path):
         **os.environ,
         "LLMWEB_DATA_DIR": str(data),
         "LLMWEB_CACHE_DIR": str(MODEL_CACHE),
-        "LLMWEB_MAX_NEW_TOKENS": "200",
+        "LLMWEB_MAX_NEW_TOKENS": "800",  # seconds of work even at llama.cpp's speed
+        "LLMWEB_BACKEND": backend,
         "LLMWEB_SAMPLE_DOCS": "0",
         "LLMWEB_DEVICE": "cpu",
         "PYTHONPATH": str(REPO),
@@ -148,8 +150,8 @@ def test_kill_9_during_turn_3_keeps_turns_1_and_2_whole(tmp_path):
                 raise AssertionError(
                     "replay printed fewer than 2 turns: " + (tmp_path / "stderr.txt").read_text()[-2000:]
                 ) from None
-        # turn 3 starts at once (turn 2 was printed after it was stored); 200 tokens take seconds
-        time.sleep(1.0)
+        # turn 3 starts at once (turn 2 was printed after it was stored); 800 tokens take seconds
+        time.sleep(0.5)
         child.send_signal(signal.SIGKILL)
         child.wait(60)
     finally:
@@ -185,8 +187,9 @@ def oom_runtime(tmp_path, app_model):
     def fault(index):
         if plan["left"] and index == plan["at"]:
             plan["left"] -= 1
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            raise oom("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
+    oom = MemoryError if app_model.backend == "llama.cpp" else torch.OutOfMemoryError  # each runner's out of memory
     rt = Runtime(make_settings(tmp_path / "data", max_new_tokens=24), fault=fault, loaded=app_model)
     rt.start(background=False)
     yield rt, plan
