@@ -1,0 +1,99 @@
+"""The llama.cpp runner's own pieces: which backend `auto` picks and why, its sampler against
+transformers' processors, its tokenisation against the transformers tokenizer, the status line.
+
+The engine behaviour on llama.cpp (streaming, cancel, batch, reuse, OOM) is in test_engine.py,
+parametrised over both runners."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from llmweb.config import Settings
+from llmweb.engine import llama, models
+from llmweb.engine.request import GenerationRequest
+from llmweb.errors import ConfigError
+
+
+def settings(tmp_path, **kw) -> Settings:
+    return Settings(data_dir=tmp_path, sample_docs=False, **kw)
+
+
+def test_auto_picks_llama_cpp_for_the_embedded_gguf_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(llama, "available", lambda: None)
+    assert models.resolve_backend(settings(tmp_path), "cpu") == ("llama.cpp", "")
+    assert models.resolve_backend(settings(tmp_path), "cuda") == ("transformers", ""), "the GPU keeps 4-bit"
+    assert models.resolve_backend(settings(tmp_path, quant="int8-cpu"), "cpu")[0] == "transformers", (
+        "an explicit quantisation asks for the transformers path"
+    )
+    assert models.resolve_backend(settings(tmp_path, backend="transformers"), "cpu") == ("transformers", "")
+
+
+def test_auto_falls_back_with_the_reason_and_a_forced_backend_says_why_it_cannot(tmp_path, monkeypatch):
+    monkeypatch.setattr(llama, "available", lambda: "llama-cpp-python is not usable here (ImportError: x)")
+    backend, note = models.resolve_backend(settings(tmp_path), "cpu")
+    assert backend == "transformers" and "llama-cpp-python is not usable here" in note and "int8-cpu" in note
+    with pytest.raises(ConfigError, match="LLMWEB_BACKEND=llama.cpp: llama-cpp-python is not usable"):
+        models.resolve_backend(settings(tmp_path, backend="llama.cpp"), "cpu")
+    monkeypatch.setattr(llama, "available", lambda: None)
+    backend, note = models.resolve_backend(settings(tmp_path, model="some/hub-model"), "cpu")
+    assert backend == "transformers" and "is not one" in note
+    with pytest.raises(ConfigError, match="runs GGUF files"):
+        models.resolve_backend(settings(tmp_path, model="some/hub-model", backend="llama.cpp"), "cpu")
+    with pytest.raises(ConfigError, match="on a GPU use transformers"):
+        models.resolve_backend(settings(tmp_path, backend="llama.cpp"), "cuda")
+    with pytest.raises(ConfigError, match="not there"):
+        models.resolve_backend(settings(tmp_path, model=str(tmp_path / "missing.gguf")), "cpu")
+
+
+def test_the_backend_setting_is_checked():
+    with pytest.raises(ConfigError, match="LLMWEB_BACKEND must be one of auto, llama.cpp, transformers"):
+        Settings(backend="vllm")
+
+
+def _transformers_next(logits: np.ndarray, ids: list[int], penalty: float) -> int:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    scores = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([ids]), torch.tensor(logits)[None, :])
+    return int(scores.argmax())
+
+
+def test_the_samplers_repetition_penalty_is_transformers_own():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        logits = rng.normal(size=64).astype(np.float32)
+        prompt = list(rng.integers(0, 64, size=12))
+        request = GenerationRequest(prompt, 4, repetition_penalty=1.3)
+        ours = llama._Sampler(request, prompt, 64)(logits.copy())
+        assert ours == _transformers_next(logits, prompt, 1.3)
+
+
+def test_the_sampler_is_greedy_at_temperature_0_and_seeded_with_top_p():
+    logits = np.array([0.0, 5.0, 4.9, -1.0], dtype=np.float32)
+    assert llama._Sampler(GenerationRequest([0], 1), [0], 4)(logits) == 1
+    draws = {
+        llama._Sampler(GenerationRequest([0], 1, temperature=1.0, top_p=0.5, seed=s), [0], 4)(logits) for s in range(40)
+    }
+    assert draws == {1}, "top_p 0.5 keeps only the most likely id here (its probability is just over a half)"
+    draws = {
+        llama._Sampler(GenerationRequest([0], 1, temperature=1.0, top_p=1.0, seed=s), [0], 4)(logits) for s in range(40)
+    }
+    assert {1, 2} <= draws
+    same = [llama._Sampler(GenerationRequest([0], 1, temperature=1.0, seed=7), [0], 4)(logits) for _ in range(5)]
+    assert len(set(same)) == 1, "a seed makes the draw repeatable"
+
+
+def test_llama_cpp_tokenises_as_the_transformers_tokenizer(llama_model):
+    texts = [
+        "Hello world, how are you?",
+        "<|im_start|>user\nÜber 3.14 🐍 naïve café<|im_end|>\n",
+        "  spaced\n\nlines\t",
+    ]
+    for text in texts:
+        assert llama_model.model.tokenize(text) == llama_model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_the_status_line_names_llama_cpp(llama_model):
+    assert "llama.cpp" in llama_model.describe() and "GGUF" in llama_model.describe()
+    assert llama_model.kv_bytes_per_token == 30 * 3 * 64 * 2 * 2 and llama_model.backend == "llama.cpp"
