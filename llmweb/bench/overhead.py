@@ -1,4 +1,6 @@
-"""Engine overhead: decode tokens/s of our Engine vs a bare `model.generate` greedy loop.
+"""Engine overhead: decode tokens/s of our Engine vs a bare greedy loop on the same model:
+transformers' `model.generate`, or on llama.cpp `engine.llama.bare_greedy` (its own context, one
+`llama_decode` per token, nothing of ours).
 
 Same prompts and token count on both sides, interleaved A/B repeats (these machines are noisy;
 a ratio from one run means more than two absolute numbers from two), reported as ours / bare.
@@ -21,7 +23,12 @@ TARGET = 0.9  # ours / bare
 
 
 def bare_decode(loaded, ids: list[int], new_tokens: int) -> tuple[float, float, int]:
-    """`model.generate`, greedy, exactly new_tokens; timed by a streamer, as the engine times itself."""
+    """`model.generate` (or llama.cpp's bare loop), greedy, exactly new_tokens; timed by a streamer,
+    as the engine times itself."""
+    if loaded.backend == "llama.cpp":
+        from llmweb.engine.llama import bare_greedy
+
+        return bare_greedy(loaded.model, ids, new_tokens)
     import torch
     from transformers.generation.streamers import BaseStreamer
 

@@ -169,7 +169,7 @@ def test_masked_gqa_attention_gives_the_same_logits_as_repeated_kv_heads(fp32_mo
 
 @pytest.mark.slow  # loads the model once more, as int8-cpu
 def test_int8_cpu_loads_smaller_than_fp32_and_answers(tmp_path, fp32_model):
-    loaded = models.load(make_settings(tmp_path, quant="auto", device="cpu"))
+    loaded = models.load(make_settings(tmp_path, quant="int8-cpu", device="cpu"))
     assert loaded.quant == "int8-cpu" and "int8-cpu" in loaded.describe()
     assert loaded.weights_bytes < 0.6 * fp32_model.weights_bytes
     fmt = TemplateFormat(loaded.tokenizer)
