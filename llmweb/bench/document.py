@@ -100,13 +100,15 @@ def markdown(result: dict) -> str:
         f"Whole-document tasks: the guide x{result['parts']} ({result['document_chars']:,} characters), "
         f"context {result['context_limit']:,}, at most {result['piece_tokens']} tokens written per piece.",
         "",
-        "| run | task | pieces | read | from cache | fold depth | tokens read | steps | coverage | time (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | task | pieces | read | from cache | fold depth | tokens read | steps | coverage "
+        "| first partial result (s) | time (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["runs"]:
         lines.append(
             f"| {r['run']} | {r['task']} | {r['pieces']} | {r['read']} | {r['from_cache']} | {r['fold_depth']} "
-            f"| {r['tokens_read']:,} | {r['steps']} | {r['coverage']:.0%} | {r['seconds']:.1f} |"
+            f"| {r['tokens_read']:,} | {r['steps']} | {r['coverage']:.0%} | {_seconds(r.get('first_partial_s'))} "
+            f"| {r['seconds']:.1f} |"
         )
     lines += [
         "",
@@ -120,3 +122,7 @@ def markdown(result: dict) -> str:
             f"| {v['batch_size']} |"
         )
     return "\n".join(lines)
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"

@@ -311,6 +311,7 @@ class DocumentStats:
     seconds: float
     coverage: float  # the share of the documents' text read, 0..1
     steps: int = 0  # engine requests made
+    first_partial_s: float | None = None  # seconds until the first piece's result; None: none yet
 
     def describe(self) -> str:
         pct = round(self.coverage * 100)
@@ -332,4 +333,5 @@ class DocumentStats:
             "seconds": round(self.seconds, 3),
             "coverage": round(self.coverage, 4),
             "steps": self.steps,
+            "first_partial_s": None if self.first_partial_s is None else round(self.first_partial_s, 3),
         }

@@ -187,9 +187,15 @@ class DocumentTasks:
 
 def remove_document(library, store, owner: str, doc_id: str):
     """Remove one of the owner's documents (`Library.remove`: InputError when it is not theirs) and
-    their whole-document results for it (store/pieces.py); the removed `DocumentInfo`."""
+    the whole-document results for it (store/pieces.py): the owner's, or, when the document was in
+    the shared library (`LLMWEB_UPLOADS_SHARED`), every owner's, since it is gone for all of them.
+    The removed `DocumentInfo`."""
+    shared = any(d.doc_id == doc_id and d.scope == "shared" for d in library.documents(owner))
     info = library.remove(owner, doc_id)
-    store.delete_document_pieces(owner, doc_id)
+    if shared:
+        store.delete_document_pieces_everywhere(doc_id)
+    else:
+        store.delete_document_pieces(owner, doc_id)
     return info
 
 
@@ -207,6 +213,8 @@ class _Run:
         self.stopped = False
         self.last: GenerationStats | None = None
         self.prompt: tuple[tuple[str, str], ...] = ()
+        self.t0 = time.monotonic()
+        self.first_s: float | None = None  # seconds until the first piece's result (the first partial result)
 
     def read(self) -> Generator[Progress | Delta, None, list[tuple[int, str]]]:
         """The map: every piece's result, from the cache or one background step each, in order."""
@@ -217,6 +225,7 @@ class _Run:
             if hit is not None:
                 self.results[p.n] = hit
                 self.from_cache += 1
+                self._first()
                 yield Progress(p.n, total, f"Section {p.n} of {total} from the cache")
             else:
                 yield Progress(p.n - 1, total, f"Reading section {p.n} of {total}…")
@@ -225,6 +234,7 @@ class _Run:
                 if self.stopped:
                     return []
                 self.results[p.n] = text
+                self._first()
                 t.store.put_piece(self.owner, p.doc_id, key, p.index, t.model_key, text, generation=self.generation)
             if self.intent.task == dp.TRANSLATE:
                 yield Delta(self.translation())
@@ -313,6 +323,10 @@ class _Run:
             "Ask again to go on from there: the sections read are kept."
         )
 
+    def _first(self) -> None:
+        if self.first_s is None:
+            self.first_s = time.monotonic() - self.t0
+
     def stats(self, seconds: float) -> dp.DocumentStats:
         done = [p for p in self.pieces if p.n in self.results]
         total_chars = sum(len(p.text) for p in self.pieces) or 1
@@ -327,4 +341,5 @@ class _Run:
             seconds=seconds,
             coverage=sum(len(p.text) for p in done) / total_chars,
             steps=self.steps,
+            first_partial_s=self.first_s,
         )

@@ -6,7 +6,8 @@ of the document's file (retrieval/documents.py `hash_bytes`), so a changed docum
 and never reads an old result. Every query takes the owner and scopes by it in SQL; a write passes
 the owner's generation read before its task began (`Deleted` after a "Delete all my data" since:
 nothing stored). Rows go with the document (`delete_document_pieces`, when it is removed from the
-library) and with the owner (`OwnerQueries.delete_owner`).
+owner's library; `delete_document_pieces_everywhere`, every owner's, when a shared document is
+removed) and with the owner (`OwnerQueries.delete_owner`).
 """
 
 from __future__ import annotations
@@ -47,3 +48,8 @@ class PieceQueries(Connection):
         """Forget the owner's cached results for a document (it left their library); how many."""
         with self._write() as db:
             return db.execute("DELETE FROM document_pieces WHERE owner = ? AND doc_id = ?", (owner, doc_id)).rowcount
+
+    def delete_document_pieces_everywhere(self, doc_id: str) -> int:
+        """Forget every owner's cached results for a shared document that was removed; how many."""
+        with self._write() as db:
+            return db.execute("DELETE FROM document_pieces WHERE doc_id = ?", (doc_id,)).rowcount

@@ -58,6 +58,8 @@ def test_a_document_longer_than_the_context_is_read_whole_then_from_the_cache(ri
     assert [e.text for e in events if isinstance(e, Progress)][0] == f"Reading section 1 of {first.pieces}…"
     second = finish(chat.send(A, None, f"Summarise {NAME}", seed=0)).document
     assert second.from_cache == second.pieces == first.pieces
+    assert 0 < first.first_partial_s < first.seconds and second.first_partial_s < first.first_partial_s
+    assert first.to_dict()["first_partial_s"] == round(first.first_partial_s, 3)
     assert second.seconds < first.seconds / 2
     print(f"\ncold: {first.describe()}\ncached: {second.describe()}")
 

@@ -43,6 +43,7 @@ class FakeLibrary:
 
     def __init__(self):
         self.docs: dict[str, dict[str, list[Chunk]]] = {}  # owner -> doc_id -> chunks
+        self.shared: dict[str, list[Chunk]] = {}  # everyone's; anyone may remove it (uploads_shared)
 
     def add(self, owner: str, name: str, chunks: list[Chunk]) -> None:
         self.docs.setdefault(owner, {})[name] = chunks
@@ -53,15 +54,19 @@ class FakeLibrary:
         return [
             LibraryDocument(d, d, len(c), "yours", True, added=i)
             for i, (d, c) in enumerate(self.docs.get(owner, {}).items())
+        ] + [
+            LibraryDocument(d, d, len(c), "shared", True, added=100 + i) for i, (d, c) in enumerate(self.shared.items())
         ]
 
     def chunks(self, owner, doc_id):
-        return list(self.docs.get(owner, {}).get(doc_id, []))
+        return list(self.docs.get(owner, {}).get(doc_id, self.shared.get(doc_id, [])))
 
     def remove(self, owner, doc_id):
-        if doc_id not in self.docs.get(owner, {}):
-            raise InputError("That document is not in your library (it may have been removed already).")
-        return self.docs[owner].pop(doc_id)
+        if doc_id in self.docs.get(owner, {}):
+            return self.docs[owner].pop(doc_id)
+        if doc_id in self.shared:
+            return self.shared.pop(doc_id)
+        raise InputError("That document is not in your library (it may have been removed already).")
 
     def delete_owner(self, owner):
         return self.docs.pop(owner, None) is not None
@@ -363,3 +368,17 @@ def test_a_long_heading_still_fits_every_step(rig):
     fin = run_task(chat, A, "Summarise long.txt")[1]
     assert fin.document.read == fin.document.pieces and fin.document.coverage == 1.0
     assert all(len(r.prompt_ids) + r.max_new_tokens <= 200 for r in runner.requests)
+
+
+def test_removing_a_shared_document_forgets_every_owners_results_for_it(rig):
+    chat, runner, fmt, store, library = rig
+    library.shared["guide.txt"] = doc_chunks("guide.txt", 10)
+    library.add(B, "mine.txt", doc_chunks("mine.txt", 10))
+    for owner in (A, B):
+        run_task(chat, owner, "Summarise guide.txt")
+    run_task(chat, B, "Summarise mine.txt")
+    key, model = chat.documents.detect(A, "Summarise guide.txt").key, chat.documents.model_key
+    assert store.piece_results(A, "guide.txt", key, model) and store.piece_results(B, "guide.txt", key, model)
+    remove_document(library, store, A, "guide.txt")
+    assert store.piece_results(A, "guide.txt", key, model) == {} == store.piece_results(B, "guide.txt", key, model)
+    assert store.piece_results(B, "mine.txt", key, model), "B's own document keeps its results"
