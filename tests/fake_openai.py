@@ -69,7 +69,10 @@ class FakeOpenAI:
                 if self.path.endswith("/props"):
                     if not fake.llama_slots:
                         return fake._json(self, 404, {"error": {"message": "File Not Found"}})
-                    return fake._json(self, 200, {"total_slots": fake.llama_slots})
+                    settings = {"n_ctx": fake.context}
+                    return fake._json(
+                        self, 200, {"total_slots": fake.llama_slots, "default_generation_settings": settings}
+                    )
                 fake._json(self, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
             def do_POST(self):

@@ -43,9 +43,8 @@ def gguf() -> Path:
 
 def prompt_ids(tokenizer, n: int = 400) -> list[int]:
     msgs = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": TEXT * 12}]
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-    return ids[:n]
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)[:n]
 
 
 class LlamaCpp:

@@ -199,6 +199,23 @@ class Server:
             )
         return self._slots
 
+    def context_length(self) -> int | None:
+        """The context one request may fill on the server, where it says: llama.cpp's per-slot
+        `n_ctx` (`GET /props`), vLLM's `max_model_len` (`GET /v1/models`); None when it does not
+        say or is not reachable (then the model's own figure stands)."""
+        for path, find in (
+            ("/props", lambda d: (d.get("default_generation_settings") or {}).get("n_ctx")),
+            ("/v1/models", lambda d: ((d.get("data") or [{}])[0] or {}).get("max_model_len")),
+        ):
+            try:
+                data = self.get_json(path)
+            except (OSError, HTTPStatus, ValueError):
+                continue
+            value = find(data) if isinstance(data, dict) else None
+            if isinstance(value, int) and value > 1:
+                return value
+        return None
+
     def reachable(self) -> str | None:
         """None when GET /v1/models answers; else why not, in a few words."""
         try:

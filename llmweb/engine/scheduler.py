@@ -16,7 +16,8 @@ The worker's loop is schedule -> run -> postprocess, until the batch is empty:
   schedule     admit waiting requests while the batch has fewer than `max_batch`
                (LLMWEB_MAX_BATCH) and admission says their memory fits;
   run          one prompt chunk of the oldest joining request, a visitor's before a background
-               one, which gets a chunk every BACKGROUND_EVERY steps while a visitor decodes (its
+               one, which gets a chunk while a visitor decodes only every BACKGROUND_EVERY steps
+               and within BACKGROUND_SHARE of the time (its
                session's cache reused: only new tokens are prefilled), then one batched decode
                pass that gives every decoding request its next token; a request joins the decode
                batch once its prompt is in; a pass out of memory makes one request give way: the
@@ -63,6 +64,10 @@ log = logging.getLogger(__name__)
 # prefill chunk on one step in this many (a chunk every step: the visitor's decode fell from 27.8 to
 # 4.1 tok/s next to a whole-document task in `bench document`, on the 2-core CPU)
 BACKGROUND_EVERY = 4
+# ... and no more than this share of the time: a chunk's length is the runner's (512 tokens of int8
+# matrix products, 256 of llama.cpp, about 1 s on the 2-core CPU against a 15 ms decode step), so a
+# step count alone let a visitor's reply decode at 3.7 tok/s next to a whole-document task there
+BACKGROUND_SHARE = 0.25
 
 
 class Engine:
@@ -83,6 +88,7 @@ class Engine:
         self._memory = Admission(runner, kv, limits, self.counters)
         self._stopped = False
         self._steps = 0  # steps a background prompt asked for a chunk (`_background_turn`)
+        self._background_free_at = 0.0  # when a background chunk may run again next to a visitor
         self._thread = threading.Thread(target=self._loop, name="llmweb-engine", daemon=True)
         self._thread.start()
 
@@ -274,6 +280,9 @@ class Engine:
                 self._give_way(joining, e.reason, e.message)
             except BaseException as e:
                 self._fail([joining], e)
+            if joining.request.background:  # it took this long: the visitors get (1/share - 1) times that
+                end = time.perf_counter()
+                self._background_free_at = end + (end - t0) * (1 / BACKGROUND_SHARE - 1)
         # 2) decode: one batched forward pass
         decoding = [s for s in self._running if s.ready and s.finish is None]
         if decoding:
@@ -289,11 +298,18 @@ class Engine:
                 self._fail(decoding, e)
 
     def _background_turn(self) -> bool:
-        """May a background prompt take this step's chunk? While a visitor's reply decodes, on one step
-        in BACKGROUND_EVERY: its decode is not slowed by a chunk every step, and the background moves."""
+        """May a background prompt take this step's chunk? While a visitor's reply decodes, once
+        BACKGROUND_EVERY steps have passed and the last background chunk's time, times
+        (1 / BACKGROUND_SHARE - 1), has gone to the visitors: their decode keeps at least
+        1 - BACKGROUND_SHARE of the time, and the background still moves."""
         self._steps += 1
         visitor = any(s.ready and s.finish is None and not s.request.background for s in self._running)
-        return not visitor or self._steps % BACKGROUND_EVERY == 0
+        if not visitor:
+            return True
+        if self._steps < BACKGROUND_EVERY or time.perf_counter() < self._background_free_at:
+            return False
+        self._steps = 0
+        return True
 
     def _postprocess(self) -> None:
         """Whoever finished, was cancelled or ran out of time leaves the batch at once."""

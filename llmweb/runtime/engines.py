@@ -88,16 +88,13 @@ def remote_parts(settings: Settings, progress: Callable[[str], None]) -> tuple[E
     """A remote engine (no weights here): (engine, budget, tokenizer). The server need not be up."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from llmweb.engine.remote import RemoteConfig, remote_engine
+    from llmweb.engine.remote import RemoteConfig, Server, remote_engine
     from llmweb.engine.request import EngineLimits
 
     s = settings
     source = s.model or tokenizer_dir(s, progress)
     progress(f"Loading the tokenizer of {s.model or models.EMBEDDED_NAME} (the engine is remote)…")
     tokenizer = AutoTokenizer.from_pretrained(source)
-    max_context = int(getattr(AutoConfig.from_pretrained(source), "max_position_embeddings", 0) or 2048)
-    budget = Budget.from_settings(s, max_context, on_cpu=False)  # the server's device, not ours
-    limits = EngineLimits(**_queue_limits(s, budget), max_batch=s.engine_concurrency)
     config = RemoteConfig(
         url=s.engine_url,
         model=s.engine_model,
@@ -105,6 +102,12 @@ def remote_parts(settings: Settings, progress: Callable[[str], None]) -> tuple[E
         routing_header=s.engine_routing_header,
         read_timeout_s=min(s.request_timeout_s, 60.0),
     )
+    max_context = int(getattr(AutoConfig.from_pretrained(source), "max_position_embeddings", 0) or 2048)
+    served = Server(config).context_length()  # a llama.cpp slot holds n_ctx / slots: less than the model's
+    if served:
+        max_context = min(max_context, served)
+    budget = Budget.from_settings(s, max_context, on_cpu=False)  # the server's device, not ours
+    limits = EngineLimits(**_queue_limits(s, budget), max_batch=s.engine_concurrency)
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)

@@ -85,3 +85,41 @@ def test_a_background_prompt_takes_a_chunk_every_few_steps_while_a_visitor_decod
         assert min(gaps) >= BACKGROUND_EVERY, order  # the visitor's decode steps in between
     finally:
         engine.close()
+
+
+class TimedChunks(DecodeLog):
+    """DecodeLog whose background chunks take 50 ms each (a visitor's decode step 5 ms), timed."""
+
+    def __init__(self):
+        super().__init__()
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each background chunk
+
+    def prefill(self, slot) -> bool:
+        if not slot.request.background:
+            return super().prefill(slot)
+        t0 = time.perf_counter()
+        time.sleep(0.03)  # plus ChunkedRunner's 20 ms
+        done = super().prefill(slot)
+        self.spans.append((t0, time.perf_counter()))
+        return done
+
+
+def test_a_background_prompt_gets_at_most_its_share_of_the_time_while_a_visitor_decodes():
+    from llmweb.engine.scheduler import BACKGROUND_SHARE
+
+    runner = TimedChunks()
+    runner.token_delay_s = 0.005
+    runner.enqueue(list(range(100, 2100)))  # the visitor's reply: long enough to cover every chunk
+    engine, _ = fake_engine(runner, max_batch=4, max_new_tokens=2000)
+    try:
+        visitor = engine.submit(GenerationRequest([4, 5, 6], 2000, owner="visitor"))
+        assert runner.decoding.wait(5)
+        background = engine.submit(GenerationRequest([1, 2, 3], 2, owner="reader", background=True))
+        background.result()
+        busy = visitor.stats is None  # the visitor still decoding all along
+        visitor.cancel()
+        assert busy and len(runner.spans) == CHUNKS, (busy, len(runner.spans), len(visitor.generated))
+        for (s0, e0), (s1, _e1) in zip(runner.spans, runner.spans[1:]):
+            assert s1 - e0 >= (e0 - s0) * (1 / BACKGROUND_SHARE - 1) * 0.99, "the visitor got its share first"
+    finally:
+        engine.close()

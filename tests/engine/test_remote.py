@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from llmweb.engine.remote import RemoteConfig, RemoteError, SlotTable, remote_engine
+from llmweb.engine.remote import RemoteConfig, RemoteError, Server, SlotTable, remote_engine
 from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
 from llmweb.errors import BusyError, LlmwebError
 from tests.fake_openai import FakeOpenAI, decode, encode
@@ -358,3 +358,15 @@ def test_the_slot_table_keeps_homes_and_never_hands_out_a_busy_slot():
     t.give(a)
     t.give(b)
     assert t.take(None) in (0, 1)
+
+
+def test_the_servers_own_context_is_read_where_it_says_it():
+    llama_cpp = FakeOpenAI(llama_slots=4, context=2048)  # llama.cpp: n_ctx per slot in /props
+    plain = FakeOpenAI()
+    try:
+        assert Server(RemoteConfig(url=llama_cpp.url)).context_length() == 2048
+        assert Server(RemoteConfig(url=plain.url)).context_length() is None
+        assert Server(RemoteConfig(url="http://127.0.0.1:9", connect_timeout_s=0.5)).context_length() is None
+    finally:
+        llama_cpp.close()
+        plain.close()
