@@ -41,8 +41,10 @@ def gguf() -> Path:
     return folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def prompt_ids(tokenizer, n: int = 400) -> list[int]:
-    msgs = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": TEXT * 12}]
+def prompt_ids(tokenizer, n: int = 400, run: int = 0) -> list[int]:
+    """~n tokens; `run` changes the system prompt's first words, so that no engine can serve a
+    repeat from the previous run's cache (OpenVINO GenAI's pipeline keeps its KV between calls)."""
+    msgs = [{"role": "system", "content": f"Run {run}. You are helpful."}, {"role": "user", "content": TEXT * 12}]
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)[:n]
 
@@ -167,7 +169,7 @@ def main() -> None:
         e.run(ids[:64])  # warm-up
     for r in range(args.repeats):
         for e in engines if r % 2 == 0 else engines[::-1]:
-            samples[e.name].append(e.run(ids))
+            samples[e.name].append(e.run(prompt_ids(tok, run=r + 1)))
     rows = []
     for e in engines:
         ttft = statistics.median(s[0] for s in samples[e.name])
