@@ -261,11 +261,9 @@ class Engine:
         self._memory.frag_floor = 0  # allocations change: the next idle period may release again
 
     def _run(self) -> None:
-        """One step of the batch: a prompt chunk of the oldest joining request, then one token for
-        every decoding request."""
-        # 1) prefill, chunked: a long prompt costs the others one chunk per token, never a freeze
-        # a visitor's prompt goes before a background one's (a summary, a whole-document step): a
-        # turn that arrives during a long background prefill waits one chunk, not the whole prompt
+        """One step: a prompt chunk of the oldest joining request, then a token for every decoding one."""
+        # 1) prefill, chunked: a visitor's prompt before a background one's (a summary, a document
+        # step): a turn that arrives during a long background prefill waits one chunk, not all of it
         joining = next((s for s in self._running if not s.ready and not s.request.background), None)
         if joining is None and self._background_turn():
             joining = next((s for s in self._running if not s.ready), None)
@@ -280,7 +278,7 @@ class Engine:
                 self._give_way(joining, e.reason, e.message)
             except BaseException as e:
                 self._fail([joining], e)
-            if joining.request.background:  # it took this long: the visitors get (1/share - 1) times that
+            if joining.request.background:  # the visitors get (1/share - 1) times its time next
                 end = time.perf_counter()
                 self._background_free_at = end + (end - t0) * (1 / BACKGROUND_SHARE - 1)
         # 2) decode: one batched forward pass
@@ -298,10 +296,8 @@ class Engine:
                 self._fail(decoding, e)
 
     def _background_turn(self) -> bool:
-        """May a background prompt take this step's chunk? While a visitor's reply decodes, once
-        BACKGROUND_EVERY steps have passed and the last background chunk's time, times
-        (1 / BACKGROUND_SHARE - 1), has gone to the visitors: their decode keeps at least
-        1 - BACKGROUND_SHARE of the time, and the background still moves."""
+        """May a background prompt take this step's chunk? Next to a visitor's decode, only after
+        BACKGROUND_EVERY steps and (1 / BACKGROUND_SHARE - 1) times the last chunk's time."""
         self._steps += 1
         visitor = any(s.ready and s.finish is None and not s.request.background for s in self._running)
         if not visitor:
