@@ -11,7 +11,8 @@ cancel, time limits, the session KV store and the stats are the ones the transfo
     start(slot)             a free sequence id; the session's saved KV state (host bytes, from
                             `kv`) is restored into it and cut to the longest common prefix with
                             the prompt (`llama_memory_seq_rm`)
-    prefill(slot)           one `llama_decode` of the next prompt chunk (PREFILL_CHUNK tokens)
+    prefill(slot)           one `llama_decode` of the next prompt chunk (PREFILL_CHUNK tokens,
+                            BACKGROUND_CHUNK for a background request)
                             on the slot's sequence; the last chunk asks for logits and samples
     decode(slots)           ONE `llama_decode` carrying one token per slot, each on its sequence
                             at its own position: the batch, with no padding
@@ -51,6 +52,10 @@ from llmweb.errors import LlmwebError
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256  # prompt tokens per llama_decode: ~1 s on 2 cores, so the batch goes on between chunks
+# a background prompt's (a summary, a whole-document step) chunk: a visitor who arrives while one
+# runs waits for it to end, so it is a quarter of the size (~0.25 s); prefill is compute-bound here,
+# so the smaller chunks cost the background little
+BACKGROUND_CHUNK = 64
 KV_DTYPE_BYTES = 2  # llama.cpp's default KV cache type is f16
 
 _GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4  # ggml.h's enum ggml_log_level
@@ -274,7 +279,7 @@ class LlamaRunner:
 
     def prefill(self, slot: Slot) -> bool:
         seq: _Seq = slot.state
-        end = min(seq.filled + PREFILL_CHUNK, len(seq.prompt))
+        end = min(seq.filled + (BACKGROUND_CHUNK if slot.request.background else PREFILL_CHUNK), len(seq.prompt))
         chunk = seq.prompt[seq.filled : end]
         last = end == len(seq.prompt)
         b = self._batch

@@ -186,14 +186,17 @@ class Server:
         return self._model
 
     def slots(self) -> int:
-        """The server's slots when it is a llama.cpp server (`GET /props`), else 0 (asked once)."""
+        """The server's slots when it is a llama.cpp server (`GET /props`), else 0 (asked until it
+        answers: a server that is down now may be a llama.cpp server once it is up)."""
         if self._slots is None:
             try:
                 props = self.get_json("/props")
-                total = props.get("total_slots") if isinstance(props, dict) else None
-                self._slots = int(total) if isinstance(total, int) and total > 0 else 0
-            except (OSError, HTTPStatus, ValueError):
-                self._slots = 0
+            except OSError:
+                return 0
+            except (HTTPStatus, ValueError):
+                props = None
+            total = props.get("total_slots") if isinstance(props, dict) else None
+            self._slots = int(total) if isinstance(total, int) and total > 0 else 0
             log.info(
                 "remote: %s has %s", self.config.url, f"{self._slots} llama.cpp slots" if self._slots else "no slots"
             )
