@@ -46,7 +46,7 @@ import numpy as np
 from llmweb.engine.kvcache import KVStore, reusable
 from llmweb.engine.request import EngineLimits, GenerationRequest, Slot
 from llmweb.engine.scheduler import Engine
-from llmweb.engine.telemetry import RssPeak, memory_snapshot, rss_bytes
+from llmweb.engine.telemetry import RssPeak, StepTiming, memory_snapshot, rss_bytes
 from llmweb.errors import LlmwebError
 
 log = logging.getLogger(__name__)
@@ -154,16 +154,6 @@ def _model_desc(ptr) -> str:
     buf = ctypes.create_string_buffer(128)
     ll.llama_model_desc(ptr, buf, len(buf))
     return buf.value.decode("utf-8", "replace")
-
-
-@dataclass
-class StepTiming:
-    """Where decode steps' time went (bench decode reads it), as `LocalRunner.timing`."""
-
-    steps: int = 0
-    decode_s: float = 0.0
-    forward_s: float = 0.0  # in llama_decode
-    sample_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -325,11 +315,7 @@ class LlamaRunner:
             seq.rss.peak = max(seq.rss.peak, rss)
             slot.record(seq.last)
         t3 = time.perf_counter()
-        timing = self.timing
-        timing.steps += 1
-        timing.decode_s += t3 - t0
-        timing.forward_s += t2 - t1
-        timing.sample_s += t3 - t2
+        self.timing.add(t0, t1, t2, t3)
         return True
 
     def release(self, slot: Slot, keep: bool) -> None:

@@ -49,19 +49,9 @@ from llmweb.engine.blockcache import BLOCK, compact, new_cache
 from llmweb.engine.kvcache import KVStore, cache_nbytes, reusable
 from llmweb.engine.request import EngineLimits, GenerationRequest, Slot
 from llmweb.engine.scheduler import Engine
-from llmweb.engine.telemetry import RssPeak, is_cuda, memory_snapshot, reset_peak, rss_bytes
+from llmweb.engine.telemetry import RssPeak, StepTiming, is_cuda, memory_snapshot, reset_peak, rss_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepTiming:
-    """Where the decode steps' time went, summed since the runner started (bench decode reads it)."""
-
-    steps: int = 0  # batched decode passes
-    decode_s: float = 0.0  # in `decode`, all of it
-    forward_s: float = 0.0  # the model's forward pass (then the RSS read: runner other)
-    sample_s: float = 0.0  # sampling every row's next token (penalty, warpers, argmax/multinomial)
 
 
 @dataclass(eq=False)
@@ -196,11 +186,7 @@ class LocalRunner:
             batch.crop(length)
             return False
         t3 = time.perf_counter()
-        timing = self.timing
-        timing.steps += 1
-        timing.decode_s += t3 - t0
-        timing.forward_s += t2 - t1
-        timing.sample_s += t3 - t2
+        self.timing.add(t0, t1, t2, t3)
         return True
 
     def release(self, slot: Slot, keep: bool) -> None:

@@ -15,6 +15,7 @@ level (only inside the functions that read CUDA figures).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import psutil
 
@@ -233,3 +234,20 @@ def _read_hwm() -> int:
         return int(m.group(1)) * 1024 if m else 0
     except OSError:
         return 0
+
+
+@dataclass
+class StepTiming:
+    """Where a runner's decode steps' time went, summed since it started (bench decode reads it)."""
+
+    steps: int = 0  # batched decode passes
+    decode_s: float = 0.0  # in `decode`, all of it
+    forward_s: float = 0.0  # the model's forward pass (then the RSS read: runner other)
+    sample_s: float = 0.0  # sampling every row's next token
+
+    def add(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        """One step: it began at t0, its forward pass ran t1..t2, and sampling ended at t3."""
+        self.steps += 1
+        self.decode_s += t3 - t0
+        self.forward_s += t2 - t1
+        self.sample_s += t3 - t2
