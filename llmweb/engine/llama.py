@@ -353,13 +353,9 @@ class LlamaRunner:
         return reused
 
     def _keep(self, slot: Slot, seq: _Seq) -> None:
-        """Every generated id but the last was fed (after a stop id, all of them: it was not kept);
-        a prefill stopped early holds the prompt's first `filled` ids."""
-        generated, finish = slot.generated, slot.finish
-        if seq.filled < len(seq.prompt):
-            held_ids = seq.prompt[: seq.filled]
-        else:
-            held_ids = seq.prompt + (generated if finish == "eos" else generated[:-1])
+        """Save the sequence's state for the session's next turn; `Slot.fed_ids` says which ids it holds."""
+        finish = slot.finish
+        held_ids = slot.fed_ids(seq.prompt, seq.filled)
         top = self.ll.llama_memory_seq_pos_max(self.mem, seq.seq) + 1
         assert top == len(held_ids), f"sequence holds {top} positions but records {len(held_ids)} ids ({finish})"
         if not held_ids:

@@ -216,14 +216,9 @@ class LocalRunner:
         return self._new_cache(self.model.config), 0
 
     def _keep(self, slot: Slot, seq: _Seq, cache) -> None:
-        """Keep the cache for the session's next turn. Every generated token but the last was fed
-        back; after a stop token, all kept ones were (it was not kept). A prefill stopped early
-        holds only the prompt's first `filled` tokens."""
-        generated, finish = slot.generated, slot.finish
-        if seq.filled < len(seq.prompt):
-            held_ids = seq.prompt[: seq.filled]
-        else:
-            held_ids = seq.prompt + (generated if finish == "eos" else generated[:-1])
+        """Keep the cache for the session's next turn; `Slot.fed_ids` says which ids it holds."""
+        finish = slot.finish
+        held_ids = slot.fed_ids(seq.prompt, seq.filled)
         assert cache.get_seq_length() == len(held_ids), (
             f"cache {cache.get_seq_length()} != ids {len(held_ids)} ({finish})"
         )

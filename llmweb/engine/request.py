@@ -209,6 +209,14 @@ class Slot:
         if len(self.generated) >= self.request.max_new_tokens:
             self.finish = "length"
 
+    def fed_ids(self, prompt: list[int], filled: int) -> list[int]:
+        """The ids a runner's cache holds once this slot stops: a prefill stopped early holds the
+        prompt's first `filled`; else the prompt and every generated id but the last (it was sampled,
+        never fed), or all of them after a stop id (the stop id is not kept)."""
+        if filled < len(prompt):
+            return prompt[:filled]
+        return prompt + (self.generated if self.finish == "eos" else self.generated[:-1])
+
     def conclude(self) -> LlmwebError | None:
         """The slot has left the batch: fill in its stats; return the error it ends with, if any
         (its partial reply stays in `handle.generated`)."""
