@@ -18,8 +18,9 @@ WORKDIR /app
 # a C++ compiler for llama-cpp-python, which pip builds from source (the CPU engine)
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential cmake \
     && rm -rf /var/lib/apt/lists/*
-COPY requirements.txt ./
+COPY pre-requirements.txt requirements.txt ./
 # INSTALL (begin)
+RUN pip install -r pre-requirements.txt
 RUN pip install -r requirements.txt
 # INSTALL (end)
 

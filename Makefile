@@ -8,9 +8,10 @@ BIN := $(VENV)/bin
 
 .PHONY: run test test-fast lint install install-dev clean-data
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: pre-requirements.txt requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# INSTALL (begin)
+	$(BIN)/pip install -r pre-requirements.txt
 	$(BIN)/pip install -r requirements.txt
 	# INSTALL (end)
 	touch $@

@@ -23,14 +23,27 @@ def test_dockerfile_installs_exactly_what_make_run_installs():
     assert make and make == docker
 
 
+PIN = r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.+\-]*"
+
+
+def _pins(name: str) -> list[str]:
+    lines = [line.split("#", 1)[0].strip() for line in (REPO / name).read_text().splitlines()]
+    return [line for line in lines if line]
+
+
 def test_requirements_pin_every_dependency():
     for name in ("requirements.txt", "requirements-dev.txt"):
-        for line in (REPO / name).read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                assert re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][0-9A-Za-z.+\-]*", line), (
-                    f"{name}: {line} is not pinned"
-                )
+        for line in _pins(name):
+            assert re.fullmatch(PIN, line), f"{name}: {line} is not pinned"
+
+
+def test_pre_requirements_build_the_pinned_llama_cpp_without_openmp():
+    """pre-requirements.txt (installed first, by make, the Dockerfile and a Space) builds the same
+    pinned llama-cpp-python as requirements.txt names, with only a build setting added."""
+    (line,) = _pins("pre-requirements.txt")
+    pin, option = line.split(" ", 1)
+    assert re.fullmatch(PIN, pin) and pin in _pins("requirements.txt")
+    assert option == "--config-settings=cmake.define.GGML_OPENMP=OFF"
 
 
 def test_space_front_matter_matches_requirements():

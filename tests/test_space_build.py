@@ -1,9 +1,11 @@
 """The repo is a Gradio Space as it is: the environment a Space builds, then a reply from it.
 
-A Space installs `packages.txt` (Debian; here the machine has the compiler already) and then
-`pip install -r requirements.txt`, nothing else: no `--no-deps`, no second requirements file. So
-this test makes a fresh virtual environment, installs exactly that (pip's wheel cache may serve
-the llama-cpp-python wheel that `make install` built, so the test does not compile it twice), and
+A Space installs `packages.txt` (Debian; here the machine has the compiler already), then
+`pip install -r pre-requirements.txt` and `pip install -r requirements.txt`, nothing else: no
+`--no-deps`, no other requirements file. So this test makes a fresh virtual environment, installs
+exactly that (pip's wheel cache may serve the llama-cpp-python wheel that `make install` built, so
+the test does not compile it twice), checks that its llama.cpp has no OpenMP (pre-requirements.txt
+says why), and
 starts `app.py` with `SYSTEM=spaces`, offline (`HF_HUB_OFFLINE=1`: no model may come from a hub),
 on a free port, from this checkout. It asks one question through the OpenAI-compatible API and
 checks the answer and that the status line names llama.cpp.
@@ -53,16 +55,24 @@ def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
         return json.loads(r.read())
 
 
-def test_a_space_built_from_requirements_txt_alone_answers(tmp_path: Path):
+def test_a_space_built_from_its_requirements_files_alone_answers(tmp_path: Path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", "-r", str(REPO / "requirements.txt")],
+    for name in ("pre-requirements.txt", "requirements.txt"):
+        pip = subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "-q", "-r", str(REPO / name)],
+            capture_output=True,
+            text=True,
+            timeout=2400,
+        )
+        assert pip.returncode == 0, f"pip install -r {name} failed:\n{pip.stdout[-2000:]}\n{pip.stderr[-3000:]}"
+    info = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import llama_cpp as ll; print(ll.llama_print_system_info().decode())"],
         capture_output=True,
         text=True,
-        timeout=2400,
-    )
-    assert pip.returncode == 0, f"pip install -r requirements.txt failed:\n{pip.stdout[-2000:]}\n{pip.stderr[-3000:]}"
+        check=True,
+    ).stdout
+    assert "AVX" in info and "OPENMP = 1" not in info, info
     port = _free_port()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

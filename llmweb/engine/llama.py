@@ -73,6 +73,24 @@ def available() -> str | None:
     return None
 
 
+def openmp_note() -> str:
+    """A warning for the status line when this llama.cpp was built with OpenMP, else "".
+
+    torch ships its own libgomp under the same name, so one OpenMP runtime serves both. Once torch
+    has run in another thread (the embedder, a transformers model), there are more OpenMP threads
+    than cores, libgomp stops spinning at barriers, and each of llama.cpp's hundreds of barriers
+    per token sleeps and wakes: on 2 cores decode fell from ~95 to ~50 tok/s. pre-requirements.txt
+    builds it without OpenMP (ggml's own thread pool); an older install may still have it."""
+    import llama_cpp as ll
+
+    if b"OPENMP = 1" not in ll.llama_print_system_info():
+        return ""
+    return (
+        "llama.cpp here was built with OpenMP, which torch's OpenMP slows (decode ~2x slower beside the "
+        "embedder): reinstall it with `pip install --force-reinstall --no-deps --no-cache-dir -r pre-requirements.txt`."
+    )
+
+
 def _init_backend() -> None:
     """llama_backend_init once per process, with llama.cpp's own log sent to ours (warnings and up)."""
     global _backend_ready, _log_callback

@@ -327,7 +327,7 @@ def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
     """The GGUF model on llama.cpp (engine/llama.py) and its transformers tokenizer (same ids)."""
     from transformers import AutoTokenizer
 
-    from llmweb.engine.llama import GgufModel
+    from llmweb.engine.llama import GgufModel, openmp_note
 
     t0 = time.perf_counter()
     source = gguf_file(settings)
@@ -353,6 +353,10 @@ def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         load_s=time.perf_counter() - t0,
         backend="llama.cpp",
     )
+    note = openmp_note()
+    if note:
+        loaded.notes.append(note)
+        log.warning(note)
     progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s ({gguf.threads} threads).")
     return loaded
 

@@ -97,3 +97,19 @@ def test_llama_cpp_tokenises_as_the_transformers_tokenizer(llama_model):
 def test_the_status_line_names_llama_cpp(llama_model):
     assert "llama.cpp" in llama_model.describe() and "GGUF" in llama_model.describe()
     assert llama_model.kv_bytes_per_token == 30 * 3 * 64 * 2 * 2 and llama_model.backend == "llama.cpp"
+
+
+def test_the_installed_llama_cpp_runs_without_openmp(llama_model):
+    """pre-requirements.txt builds llama.cpp without OpenMP, whose runtime torch shares and slows."""
+    assert llama.openmp_note() == ""
+    assert not any("OpenMP" in note for note in llama_model.notes)
+
+
+def test_an_openmp_build_is_named_with_the_fix(monkeypatch):
+    import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 | OPENMP = 1 | REPACK = 1 |")
+    note = llama.openmp_note()
+    assert "OpenMP" in note and "pre-requirements.txt" in note
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 | REPACK = 1 |")
+    assert llama.openmp_note() == ""
