@@ -267,6 +267,8 @@ def targets(chunking: bool = True) -> list[Target]:
         Target("documents.display_name", _display_name),
         Target("document_plan.detect", _detect),
         Target("document_plan.split", lambda chunks: document_plan.split(chunks, 64, _words), _as_chunks),
+        Target("document_plan.attribute", lambda t: document_plan.attribute(t, document_plan.cite_index({1: t}), 1)),
+        Target("document_plan.by_section", lambda t: document_plan.by_section([(1, 2, t)])),
         Target("documents.parse .txt", _parse(".txt"), lambda t: t.encode()),
         Target("documents.parse .md", _parse(".md"), lambda t: t.encode()),
         Target("documents.parse .html", _parse(".html"), lambda t: t.encode()),

@@ -282,6 +282,73 @@ def notes_message(intent: Intent, notes: Sequence[tuple[int, str]], final: bool)
     return f"Notes on {', '.join(d.source for d in intent.docs)}:\n{body}\n\n{order}"
 
 
+_CITE = re.compile(r" ?\[(\d{1,6})\]")
+_POINT = re.compile(r"[^.!?\n]*+[.!?]++|[^.!?\n]++|\n")  # a sentence, its tail, or a line break: possessive, linear
+_CONTENT = re.compile(r"[^\W\d_]{4,}")  # words of four letters or more: what two texts share that means something
+MIN_SHARED = 2  # content words a point must share with a section's note to cite it
+MAX_CITE_CHARS = 40_000  # the most reply text `attribute` reads (a reply is capped far below this)
+MIN_POINT_WORDS = 3  # a point shorter than this (a heading, "Notes:") gets no citation
+
+
+def cite_index(notes: dict[int, str]) -> dict[str, list[int]]:
+    """Content word -> the sections whose notes have it (`attribute`'s index, built once a task)."""
+    index: dict[str, list[int]] = {}
+    for n, text in notes.items():
+        for word in {w.lower() for w in _CONTENT.findall(text)}:
+            index.setdefault(word, []).append(n)
+    return index
+
+
+def attribute(reply: str, index: dict[str, list[int]], total: int, complete: bool = True) -> str:
+    """`reply` with every point (a sentence or a line) citing the section it came from: a citation
+    of a section that does not exist ([n] outside 1..total) is dropped, and a point that cites none
+    gets the section whose note shares the most of its content words (`cite_index`), each word
+    weighted by how few notes have it (1 / their number), when it shares at least MIN_SHARED.
+    Linear in the texts. `complete=False` (a reply still streaming): only the points already ended,
+    those a longer text cannot change, so each result extends the one before."""
+    reply = reply[:MAX_CITE_CHARS]
+    matches = list(_POINT.finditer(reply))
+    if not complete:
+        matches = [m for m in matches if m.end() < len(reply)]
+    out = []
+    for m in matches:
+        point = _CITE.sub(lambda c: c.group(0) if 1 <= int(c.group(1)) <= total else "", m.group(0))
+        words = {w.lower() for w in _CONTENT.findall(point)}
+        if _CITE.search(point) is None and len(words) >= MIN_POINT_WORDS:
+            best = _best_note(words, index)
+            if best:
+                body = point.rstrip(".!? ")
+                point = f"{body} [{best}]{point[len(body) :]}"
+        out.append(point)
+    return "".join(out)
+
+
+def _best_note(words: set[str], index: dict[str, list[int]]) -> int:
+    """The section sharing the most rarity-weighted words (ties: the earlier); 0 for none enough."""
+    score: dict[int, float] = {}
+    shared: dict[int, int] = {}
+    for word in words:
+        where = index.get(word, ())
+        for n in where:
+            score[n] = score.get(n, 0.0) + 1 / len(where)
+            shared[n] = shared.get(n, 0) + 1
+    ranked = sorted((n for n in score if shared[n] >= MIN_SHARED), key=lambda n: (-score[n], n))
+    return ranked[0] if ranked else 0
+
+
+def by_section(notes: Sequence[tuple[int, int, str]], max_chars: int = 240) -> str:
+    """The answer's part that walks the document: one line per top-level note (first section, last
+    section, its text), its first sentence cut to `max_chars`, citing the sections it covers."""
+    lines = []
+    for first, last, text in notes:
+        m = _POINT.search(" ".join(text.split()))
+        head = (m.group(0) if m else "").strip()[:max_chars]
+        if head:
+            cite = f"[{first}]" if first == last else f"[{first}]–[{last}]"
+            lines.append(f"- {cite} {head}")
+    return "By section:\n" + "\n".join(lines) if lines else ""
+
+
 def fold_groups(sizes: Sequence[int], room: int) -> list[range]:
     """Consecutive groups of notes (their token sizes, each with its tag) whose sum fits `room`,
     at least two per group (the caller caps notes so two fit), so each level at least halves them."""

@@ -246,6 +246,7 @@ class _Run:
     ) -> Generator[Progress | Delta, None, tuple[str, GenerationStats | None]]:
         """Fold the notes until they fit the final step, then run it (streamed, foreground)."""
         t = self.t
+        spans = {n: n for n, _ in notes}  # a note's first section -> its last
         while len(notes) > 1 and self._size(notes) > self.sizes.final_room:
             self.depth += 1
             groups = dp.fold_groups([self._size([n]) for n in notes], self.sizes.fold_room)
@@ -262,16 +263,41 @@ class _Run:
                 if self.stopped:
                     return self.stopped_note(), self.last
                 folded.append((part[0][0], cap_text(text, self.sizes.note_cap, t.fmt.count) or "(nothing)"))
+                spans[part[0][0]] = spans[part[-1][0]]
             notes = folded
         if self._size(notes) > self.sizes.final_room:  # one note over the final room: ours, so cut
             notes = [(notes[0][0], cap_text(notes[0][1], self.sizes.final_room - 8, t.fmt.count))]
         yield Progress(len(self.pieces), len(self.pieces), "Writing the answer…")
         msg = dp.notes_message(self.intent, notes, final=True)
-        text, gen = yield from self.step(dp.FOLD_SYSTEM, msg, t.budget.max_new_tokens, background=False, stream=True)
-        return (self.stopped_note() if self.stopped and not text else text), gen
+        index, total = dp.cite_index(self.results), len(self.pieces)
+        text, gen = yield from self.step(
+            dp.FOLD_SYSTEM,
+            msg,
+            t.budget.max_new_tokens,
+            background=False,
+            stream=True,
+            shape=lambda raw: dp.attribute(raw, index, total, complete=False),
+        )
+        if self.stopped and not text:
+            return self.stopped_note(), gen
+        reply = dp.attribute(text, index, total)
+        if self.intent.task in (dp.SUMMARISE, dp.OUTLINE) and total > 1 and not self.stopped:
+            walk = dp.by_section([(n, spans[n], note) for n, note in notes])
+            reply = f"{reply}\n\n{walk}" if walk else reply
+        return reply, gen
 
-    def step(self, system: str, message: str, cap: int, *, background: bool, stream: bool = False) -> Step:
-        """One engine request; its text and stats. Closing the generator cancels it."""
+    def step(
+        self,
+        system: str,
+        message: str,
+        cap: int,
+        *,
+        background: bool,
+        stream: bool = False,
+        shape: Callable[[str], str] | None = None,
+    ) -> Step:
+        """One engine request; its text and stats. Closing the generator cancels it. `stream`: a
+        Delta per token, of `shape(the text so far)` if given (each must extend the one before)."""
         t = self.t
         ids = render_prompt(t.fmt, system, [("user", message)])
         assert len(ids) + cap <= t.budget.context_limit, f"step of {len(ids)} + {cap} tokens over the context"
@@ -295,7 +321,8 @@ class _Run:
         try:
             for event in handle.events():
                 if stream and isinstance(event, Tokens):
-                    yield Delta(t.fmt.decode(handle.generated))
+                    so_far = t.fmt.decode(handle.generated)
+                    yield Delta(shape(so_far.lstrip()) if shape else so_far)
             done = True
         finally:
             if not done:

@@ -5,13 +5,14 @@ Short on purpose: a 1,024-token context and 24 tokens written per piece."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
 import pytest
 
 from llmweb.bench.document import long_text
-from llmweb.chat.turn import Finished, Progress, finish
+from llmweb.chat.turn import Delta, Finished, Progress, finish
 from llmweb.runtime import Runtime
 from tests.conftest import make_settings
 
@@ -55,6 +56,10 @@ def test_a_document_longer_than_the_context_is_read_whole_then_from_the_cache(ri
     assert all(len(r.prompt_ids) + r.max_new_tokens <= 1024 for r in engine_requests)
     assert sum(r.background for r in engine_requests) == first.steps - 1 and not engine_requests[-1].background
     assert fin.reply.strip() and len(fin.sources) == first.pieces and fin.sources[0].source == NAME
+    # the reply cites sections from the start, the middle and the end (its walk through the document)
+    cited = {int(n) for n in re.findall(r"\[(\d+)\]", fin.reply)}
+    assert {1, first.pieces} <= cited and any(1 < n < first.pieces for n in cited), fin.reply
+    assert cited <= set(range(1, first.pieces + 1)), "no citation of a section that does not exist"
     assert [e.text for e in events if isinstance(e, Progress)][0] == f"Reading section 1 of {first.pieces}…"
     second = finish(chat.send(A, None, f"Summarise {NAME}", seed=0)).document
     assert second.from_cache == second.pieces == first.pieces
@@ -103,3 +108,60 @@ def test_another_visitors_turn_runs_while_a_task_reads_and_sees_nothing_of_it(ri
     assert rt.store.piece_results(B, doc_id, key, chat.documents.model_key) == {}
     assert rt.store.piece_results(A, doc_id, key, chat.documents.model_key)
     assert rt.library.chunks(B, doc_id) == []
+
+
+LETTER = "letter.md"
+PAGES = (  # three short pages, each a heading and a paragraph the chunker keeps apart
+    "# Page one\n\nDear Anna, thank you for the books you sent in March. The children read them every evening "
+    "by the window, and the youngest now knows the story of the red boat by heart. ",
+    "# Page two\n\nThe garden is doing well this year. We planted tomatoes, beans and two apple trees near the "
+    "old wall, and the neighbours helped us build a small fence against the rabbits. ",
+    "# Page three\n\nWe hope to visit you in the summer, when the trains run more often. Please write soon and "
+    "tell us how your new work at the library is going. With love, Maria. ",
+)
+
+
+def test_a_translation_streams_each_page_in_the_sources_order(tmp_path, app_model):
+    """Translate on the real model: one step per piece, in the document's order, the reply is
+    the pieces' translations joined in that order, streamed piece by piece (each delta extends
+    the last), and nothing is summarised (no fold step)."""
+    rt = Runtime(make_settings(tmp_path, context_limit=512, max_new_tokens=40, recall=False), loaded=app_model).start(
+        background=False
+    )
+    try:
+        chat = rt.wait_ready()
+        path = tmp_path / LETTER
+        path.write_text("\n\n".join(p * 2 for p in PAGES), encoding="utf-8")
+        (report,) = rt.library.ingest_uploads(A, [(path, LETTER)])
+        assert report.ok
+        requests = []
+        submit = chat.engine.submit
+
+        def spy(request):
+            requests.append(request)
+            return submit(request)
+
+        chat.engine.submit = spy
+        events = list(chat.send(A, None, f"Translate {LETTER} into French", seed=0))
+        fin = events[-1]
+        assert isinstance(fin, Finished) and fin.document is not None and fin.document.task == "translate"
+        doc = fin.document
+        assert doc.pieces >= 3 and doc.read == doc.pieces and doc.coverage == 1.0 and doc.fold_depth == 0
+        assert len(requests) == doc.pieces == doc.steps, "one step per piece, no fold, no final summary"
+        prompts = [chat.fmt.decode(r.prompt_ids) for r in requests]
+        assert all("French" in p for p in prompts)
+        order = [
+            next(i for i, page in enumerate(PAGES) if page.split("\n\n")[1][:40] in p)
+            for p in prompts
+            if any(page.split("\n\n")[1][:40] in p for page in PAGES)
+        ]
+        assert order == sorted(order) and set(order) == {0, 1, 2}, "the pages are read in the source's order"
+        deltas = [e.text for e in events if isinstance(e, Delta)]
+        assert len(deltas) == doc.pieces and all(deltas[i + 1].startswith(deltas[i]) for i in range(len(deltas) - 1))
+        assert fin.reply == deltas[-1] and fin.reply.strip()
+        pieces = fin.reply.split("\n\n")
+        assert len(pieces) >= doc.pieces and all(p.strip() for p in pieces)
+        assert [s.n for s in fin.sources] == list(range(1, doc.pieces + 1))
+        print(f"\n{doc.describe()}\n{fin.reply[:600]}")
+    finally:
+        rt.close()

@@ -5,6 +5,7 @@ the pieces, the fold, the cache, cancel, the events, two visitors. No model."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -216,7 +217,13 @@ def test_a_summary_reads_every_piece_folds_and_cites_them(rig):
     assert stats.from_cache == 0 and stats.fold_depth >= 1 and stats.tokens_read == 60 * 20
     progress = [e.text for e in events if isinstance(e, Progress)]
     assert progress[0] == f"Reading section 1 of {stats.pieces}…" and "Writing the answer…" in progress
-    assert fin.reply == "the book in short [1] [12]"
+    answer, walk = fin.reply.split("\n\nBy section:\n")
+    assert answer == "the book in short [1] [12]"
+    # the walk through the document: one line per top-level note, their spans end to end, [1] to the last
+    spans = [re.match(r"- \[(\d+)\](?:–\[(\d+)\])? a long note", line).groups() for line in walk.splitlines()]
+    bounds = [(int(a), int(b or a)) for a, b in spans]
+    assert bounds[0][0] == 1 and bounds[-1][1] == stats.pieces and len(bounds) > 1
+    assert all(bounds[i + 1][0] == bounds[i][1] + 1 for i in range(len(bounds) - 1))
     assert [s.n for s in fin.sources] == list(range(1, stats.pieces + 1)) and fin.sources[0].heading == "Part 1"
     # every step one request: map steps and folds in the background, the final step a normal one
     background = [r for r in runner.requests if r.background]
@@ -382,3 +389,34 @@ def test_removing_a_shared_document_forgets_every_owners_results_for_it(rig):
     remove_document(library, store, A, "guide.txt")
     assert store.piece_results(A, "guide.txt", key, model) == {} == store.piece_results(B, "guide.txt", key, model)
     assert store.piece_results(B, "mine.txt", key, model), "B's own document keeps its results"
+
+
+NOTES = {
+    1: "The lighthouse keeper counts the stairs and checks the lamp.",
+    2: "Ships reach the harbour during winter storms.",
+    3: "The logbook records the weather every evening.",
+}
+
+
+def test_each_point_of_an_answer_cites_the_section_it_came_from():
+    index = dp.cite_index(NOTES)
+    reply = "The keeper checks the lamp on the stairs. Winter storms bring ships [9]. Weather [3] is logged. Yes.\nEnd"
+    assert dp.attribute(reply, index, 3) == (
+        "The keeper checks the lamp on the stairs [1]. Winter storms bring ships [2]. Weather [3] is logged. Yes.\nEnd"
+    )
+    # no note shares two words: no citation made up
+    assert dp.attribute("Bananas are yellow fruit.", index, 3) == "Bananas are yellow fruit."
+
+
+def test_a_streaming_answers_citations_only_ever_extend_it():
+    index = dp.cite_index(NOTES)
+    reply = "The keeper checks the lamp on the stairs. Winter storms bring ships... Weather is logged every evening"
+    shown = [dp.attribute(reply[:i], index, 3, complete=False) for i in range(len(reply) + 1)]
+    assert all(shown[i + 1].startswith(shown[i]) for i in range(len(shown) - 1))
+    final = dp.attribute(reply, index, 3)
+    assert final.startswith(shown[-1]) and final.endswith("every evening [3]")
+
+
+def test_the_walk_through_the_document_cites_every_span():
+    walk = dp.by_section([(1, 3, "First part. More."), (4, 4, "Second\npart"), (5, 9, "   ")])
+    assert walk == "By section:\n- [1]–[3] First part.\n- [4] Second part"
