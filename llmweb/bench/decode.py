@@ -145,7 +145,9 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
     for backend, q in dict.fromkeys(s.key for s in steps):
         progress(f"bench decode: loading {q} on {backend}…")
         loaded[(backend, q)] = models.load(settings.replace(quant=q, backend=backend), progress=lambda m: None)
-    engines = {s.name: _engine(loaded[s.key], s.block_cache, new_tokens) for s in steps}
+    # the limit fits the first turn too: a cap of `new_tokens` cut its 128 new tokens to 64
+    cap = max(new_tokens, FIRST_TURN[1])
+    engines = {s.name: _engine(loaded[s.key], s.block_cache, cap) for s in steps}
     by_name = {s.name: s for s in steps}
     default = default_step(steps, device)
     samples: dict[tuple[str, int], list[dict]] = {}
@@ -168,7 +170,9 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
                 progress(f"bench decode: repeat {r + 1}/{repeats}, a first turn of {FIRST_TURN}, {name}…")
                 engine, runner = engines[name]
                 ids = prompt_of(loaded[by_name[name].key], FIRST_TURN[0])
-                first.setdefault(name, []).append(_one(engine, runner, ids, FIRST_TURN[1])["wall_s"])
+                done = _one(engine, runner, ids, FIRST_TURN[1])
+                assert len(done["ids"]) == FIRST_TURN[1], f"the first turn wrote {len(done['ids'])} tokens"
+                first.setdefault(name, []).append(done["wall_s"])
             if gguf:  # in every repeat, beside ours: the machine's drift hits both alike
                 references.append(llama_bench(gguf[0], lengths, new_tokens, _threads(settings), 1, progress))
     finally:
