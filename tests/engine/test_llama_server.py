@@ -39,7 +39,10 @@ def llama_server():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     folder, name = models.embedded_gguf()
+    # on a CPU: no flash attention (it takes a chunk's queries one at a time) and no host prompt
+    # cache (it copies the slot's KV at every request); README "Time to first token" measures both
     args = [str(SERVER), "-m", str(folder / name), "-np", "4", "-c", "8192", "--port", str(port)]
+    args += ["-fa", "off", "--cache-ram", "0"]
     proc = subprocess.Popen([*args, "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
