@@ -145,8 +145,7 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
     for backend, q in dict.fromkeys(s.key for s in steps):
         progress(f"bench decode: loading {q} on {backend}…")
         loaded[(backend, q)] = models.load(settings.replace(quant=q, backend=backend), progress=lambda m: None)
-    # the limit fits the first turn too: a cap of `new_tokens` cut its 128 new tokens to 64
-    cap = max(new_tokens, FIRST_TURN[1])
+    cap = max(new_tokens, FIRST_TURN[1])  # the first turn's too (a cap of `new_tokens` cut it short)
     engines = {s.name: _engine(loaded[s.key], s.block_cache, cap) for s in steps}
     by_name = {s.name: s for s in steps}
     default = default_step(steps, device)
