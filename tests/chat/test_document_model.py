@@ -165,3 +165,19 @@ def test_a_translation_streams_each_page_in_the_sources_order(tmp_path, app_mode
         print(f"\n{doc.describe()}\n{fin.reply[:600]}")
     finally:
         rt.close()
+
+
+def test_follow_ups_read_the_answer_from_the_chat_and_reuse_its_cache(rig):
+    """After a whole-document answer, "shorter please" is an ordinary turn: it reads no piece and
+    has the answer (the digest) in its prompt, at the same place in every later turn, so the next
+    turn's KV prefix covers it instead of sending it again."""
+    rt, chat = rig
+    task = finish(chat.send(A, None, f"Summarise {NAME}", seed=0))
+    answer = task.reply.split("\n\nBy section:")[0]
+    shorter = chat.ask(A, task.conv_id, "Shorter please.", seed=0)
+    assert shorter.document is None and shorter.conv_id == task.conv_id
+    assert answer[:200] in shorter.prompt_text(), "the follow-up's prompt holds the whole-document answer"
+    again = chat.ask(A, task.conv_id, "Thanks. And one more line on the install?", seed=0)
+    assert again.document is None and answer[:200] in again.prompt_text()
+    gen = again.stats.gen
+    assert gen.reused_tokens >= gen.prompt_tokens * 0.7, f"reused {gen.reused_tokens} of {gen.prompt_tokens}"
