@@ -35,16 +35,22 @@ def rig(tmp_path, app_model):
     rt.close()
 
 
-def test_a_document_longer_than_the_context_is_read_whole_then_from_the_cache(rig):
-    rt, chat = rig
-    engine_requests = []
+def spy_requests(chat) -> list:
+    """Every engine request the chat submits from now on, in order."""
+    seen: list = []
     submit = chat.engine.submit
 
     def spy(request):
-        engine_requests.append(request)
+        seen.append(request)
         return submit(request)
 
     chat.engine.submit = spy
+    return seen
+
+
+def test_a_document_longer_than_the_context_is_read_whole_then_from_the_cache(rig):
+    rt, chat = rig
+    engine_requests = spy_requests(chat)
     events = list(chat.send(A, None, f"Summarise {NAME}", seed=0))
     fin = events[-1]
     assert isinstance(fin, Finished) and fin.document is not None
@@ -134,14 +140,7 @@ def test_a_translation_streams_each_page_in_the_sources_order(tmp_path, app_mode
         path.write_text("\n\n".join(p * 2 for p in PAGES), encoding="utf-8")
         (report,) = rt.library.ingest_uploads(A, [(path, LETTER)])
         assert report.ok
-        requests = []
-        submit = chat.engine.submit
-
-        def spy(request):
-            requests.append(request)
-            return submit(request)
-
-        chat.engine.submit = spy
+        requests = spy_requests(chat)
         events = list(chat.send(A, None, f"Translate {LETTER} into French", seed=0))
         fin = events[-1]
         assert isinstance(fin, Finished) and fin.document is not None and fin.document.task == "translate"
