@@ -286,7 +286,7 @@ _CITE = re.compile(r" ?\[(\d{1,6})\]")
 _POINT = re.compile(r"[^.!?\n]*+[.!?]++|[^.!?\n]++|\n")  # a sentence, its tail, or a line break: possessive, linear
 _CONTENT = re.compile(r"[^\W\d_]{4,}")  # words of four letters or more: what two texts share that means something
 MIN_SHARED = 2  # content words a point must share with a section's note to cite it
-MAX_CITE_CHARS = 40_000  # the most reply text `attribute` reads (a reply is capped far below this)
+MAX_CITE_CHARS = 40_000  # the reply text `attribute` cites; what follows is kept as it is
 MIN_POINT_WORDS = 3  # a point shorter than this (a heading, "Notes:") gets no citation
 
 
@@ -305,10 +305,11 @@ def attribute(reply: str, index: dict[str, list[int]], total: int, complete: boo
     gets the section whose note shares the most of its content words (`cite_index`), each word
     weighted by how few notes have it (1 / their number), when it shares at least MIN_SHARED.
     Linear in the texts. `complete=False` (a reply still streaming): only the points already ended,
-    those a longer text cannot change, so each result extends the one before."""
-    reply = reply[:MAX_CITE_CHARS]
+    those a longer text cannot change, so each result extends the one before. Past MAX_CITE_CHARS
+    the text follows uncited, none of it lost."""
+    reply, rest = reply[:MAX_CITE_CHARS], reply[MAX_CITE_CHARS:]
     matches = list(_POINT.finditer(reply))
-    if not complete:
+    if not complete and not rest:
         matches = [m for m in matches if m.end() < len(reply)]
     out = []
     for m in matches:
@@ -320,7 +321,7 @@ def attribute(reply: str, index: dict[str, list[int]], total: int, complete: boo
                 body = point.rstrip(".!? ")
                 point = f"{body} [{best}]{point[len(body) :]}"
         out.append(point)
-    return "".join(out)
+    return "".join(out) + rest
 
 
 def _best_note(words: set[str], index: dict[str, list[int]]) -> int:

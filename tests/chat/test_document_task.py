@@ -417,6 +417,16 @@ def test_a_streaming_answers_citations_only_ever_extend_it():
     assert final.startswith(shown[-1]) and final.endswith("every evening [3]")
 
 
+def test_an_answer_past_the_citing_cap_is_kept_whole_and_still_only_grows(monkeypatch):
+    monkeypatch.setattr(dp, "MAX_CITE_CHARS", 60)
+    index = dp.cite_index(NOTES)
+    reply = "The keeper checks the lamp on the stairs. Winter storms bring ships. Then more text follows here"
+    final = dp.attribute(reply, index, 3)
+    assert final.startswith("The keeper checks the lamp on the stairs [1].") and final.endswith(reply[60:])
+    shown = [dp.attribute(reply[:i], index, 3, complete=False) for i in range(len(reply) + 1)]
+    assert all(shown[i + 1].startswith(shown[i]) for i in range(len(shown) - 1)) and shown[-1] == final
+
+
 def test_the_walk_through_the_document_cites_every_span():
     walk = dp.by_section([(1, 3, "First part. More."), (4, 4, "Second\npart"), (5, 9, "   ")])
     assert walk == "By section:\n- [1]–[3] First part.\n- [4] Second part"
