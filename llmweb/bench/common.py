@@ -86,6 +86,14 @@ def engine_decode(engine, ids: list[int], new_tokens: int) -> tuple[float, float
 # ---- the setup
 
 
+def llama_tool(name: str) -> str | None:
+    """A llama.cpp program built beside ours for a side-by-side reference (`llama-bench`,
+    `llama-batched-bench`): LLMWEB_<NAME> names it, else the PATH has it; None when neither."""
+    import shutil
+
+    return os.environ.get("LLMWEB_" + name.upper().replace("-", "_")) or shutil.which(name)
+
+
 def describe_setup(settings, loaded, budget=None) -> dict:
     """The hardware, model, quantisation and the settings that shape the figures."""
     import torch

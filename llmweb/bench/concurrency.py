@@ -13,7 +13,13 @@ LLMWEB_MAX_BATCH: 4 on CPU, 8 on GPU). No stop ids, so every reply is exactly
   - TTFT p50 / p95 as a user sees it: queue wait + time to the first token;
   - the peak memory during the run (CUDA max allocated, or the process peak RSS) and its
     growth over the baseline just before it;
-and the batched engine's ratios against the serial one at the same k. Nothing heavy at import.
+and the batched engine's ratios against the serial one at the same k.
+
+On llama.cpp, the same run also measures llama.cpp's own `llama-batched-bench` (when it is on the
+PATH, or LLMWEB_LLAMA_BATCHED_BENCH names it) on the same GGUF file, prompt length, reply length,
+threads and batch chunk: k sequences at once against one, as llama.cpp alone batches them. Its
+ratio is the bound of ours: a decode step of k sequences costs what llama.cpp's kernels make it
+cost. Nothing heavy at import.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from llmweb.config import Settings
 from llmweb.engine.telemetry import PeakMeter, current_bytes, release_memory
 from llmweb.errors import ConfigError
 
-from .common import prompt_ids, scripted_turns
+from .common import llama_tool, prompt_ids, scripted_turns
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,10 @@ def run(
     prompts = [prompt_ids(loaded, text) for text in scripted_turns(max(concurrencies))]
     rows = []
     t_all = time.perf_counter()
+    references: list[list[dict] | None] = []
+    if loaded.backend == "llama.cpp":  # before ours and after it: the machine's drift hits both alike
+        mean_prompt = round(sum(len(p) for p in prompts) / len(prompts))
+        references.append(batched_bench(loaded.model, mean_prompt, max_new_tokens, concurrencies, progress))
     for k in concurrencies:
         for mode, size in (("serial", 1), ("batched", batch)):
             progress(f"concurrency: {k} chat(s), {mode} engine (max_batch={size})…")
@@ -68,17 +78,80 @@ def run(
         serial = next(r for r in rows if r["concurrency"] == row["concurrency"] and r["engine"] == "serial")
         row["aggregate_vs_serial"] = round(row["aggregate_tok_s"] / max(serial["aggregate_tok_s"], 1e-9), 2)
         row["ttft_p95_vs_serial"] = round(row["ttft_p95_s"] / max(serial["ttft_p95_s"], 1e-9), 2)
+    if references:
+        references.append(batched_bench(loaded.model, mean_prompt, max_new_tokens, concurrencies, progress))
+    reference = _mean_reference(references)
+    for ref in reference or []:
+        ours = next(r for r in rows if r["concurrency"] == ref["concurrency"] and r["engine"] == "batched")
+        ref["ours_vs_serial"] = ours["aggregate_vs_serial"]
     return {
         "bench": "concurrency",
         "model": loaded.name,
         "quant": loaded.quant,
+        "backend": loaded.backend,
         "device": loaded.device,
         "max_new_tokens": max_new_tokens,
         "max_batch": batch,
         "prompt_tokens": [len(p) for p in prompts],
         "total_s": round(time.perf_counter() - t_all, 1),
         "rows": rows,
+        "llama_batched_bench": reference,
     }
+
+
+def _mean_reference(runs: list[list[dict] | None]) -> list[dict] | None:
+    """llama-batched-bench's rows, each figure the mean of the runs that ran; None when none did."""
+    done = [r for r in runs if r]
+    if not done:
+        return None
+    return [
+        {
+            key: (round(sum(r[i][key] for r in done) / len(done), 2) if key != "concurrency" else v)
+            for key, v in row.items()
+        }
+        | {"runs": len(done)}
+        for i, row in enumerate(done[0])
+    ]
+
+
+def batched_bench(model, prompt: int, new_tokens: int, concurrencies: Sequence[int], progress=log.info) -> list | None:
+    """llama.cpp's `llama-batched-bench` on the model's GGUF file: k sequences of `prompt` tokens, each
+    writing `new_tokens`, at once (`-npl`), on a unified KV pool with flash attention off and
+    PREFILL_CHUNK-token batches, as our runner; a row per k. None when it is not installed.
+      aggregate_vs_serial  k x (time for one sequence) / (time for k at once): the same figure as
+                           ours (prefill included), for llama.cpp batching alone
+      decode_vs_one        its decode tok/s at k over at 1 (prefill left out)"""
+    import json
+    import subprocess
+
+    from llmweb.engine.llama import PREFILL_CHUNK
+
+    exe = llama_tool("llama-batched-bench")
+    if not exe:
+        return None
+    ks = sorted(set(concurrencies) | {1})
+    chunk = str(PREFILL_CHUNK)
+    args = [exe, "-m", str(model.path), "-c", str(max(ks) * (prompt + new_tokens) + 256), "-b", chunk, "-ub", chunk]
+    args += ["-npp", str(prompt), "-ntg", str(new_tokens), "-npl", ",".join(map(str, ks)), "-t", str(model.threads)]
+    args += ["-fa", "off", "-kvu", "--output-format", "jsonl"]
+    progress(f"concurrency: llama-batched-bench, {','.join(map(str, ks))} sequences at once…")
+    done = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        progress(f"concurrency: llama-batched-bench failed ({done.returncode}): {done.stderr[-300:]}")
+        return None
+    runs = {r["pl"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))}
+    one = runs[1]
+    return [
+        {
+            "concurrency": k,
+            "tokens_per_s": round(k * new_tokens / runs[k]["t"], 2),
+            "aggregate_vs_serial": round(k * one["t"] / runs[k]["t"], 2),
+            "decode_tok_s": round(runs[k]["speed_tg"], 2),
+            "decode_vs_one": round(runs[k]["speed_tg"] / one["speed_tg"], 2),
+        }
+        for k in ks
+        if k in runs and k in concurrencies
+    ]
 
 
 def _measure(loaded, prompts: list[list[int]], max_new_tokens: int, max_batch: int) -> dict:
@@ -164,4 +237,31 @@ def markdown(r: dict) -> str:
         f"- Total run time {r['total_s']:.0f} s.",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _reference_lines(r))
+
+
+def _reference_lines(r: dict) -> list[str]:
+    ref = r.get("llama_batched_bench")
+    if not ref:
+        if r.get("backend") != "llama.cpp":
+            return []
+        return ["llama-batched-bench is not on the PATH (or LLMWEB_LLAMA_BATCHED_BENCH): no llama.cpp reference.", ""]
+    lines = [
+        f"### Against llama.cpp's own batching (`llama-batched-bench`, same file, prompt, reply length and threads; "
+        f"mean of {ref[0]['runs']} runs, before and after ours)",
+        "",
+        "| chats | llama.cpp tok/s | llama.cpp vs one at a time | ours vs serial | llama.cpp decode at k vs at 1 |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {x['concurrency']} | {x['tokens_per_s']:.1f} | {x['aggregate_vs_serial']:.2f}x "
+        f"| {x['ours_vs_serial']:.2f}x | {x['decode_vs_one']:.2f}x |"
+        for x in ref
+    ]
+    lines += [
+        "",
+        "llama.cpp's tok/s counts the generated tokens over its prefill and decode time, like ours. Its batch "
+        "of k costs what its kernels make a step of k rows cost; ours cannot batch better than that.",
+        "",
+    ]
+    return lines

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .common import SYSTEM
+from .common import SYSTEM, llama_tool
 
 LENGTHS = (32, 512, 1536)
 FIRST_TURN = (400, 128)  # prompt tokens, new tokens
@@ -253,11 +253,9 @@ def llama_bench(gguf, lengths, new_tokens: int, threads: int, repeats: int, prog
     """llama.cpp's `llama-bench` on the GGUF file: prefill of each length (`-p N -n 0`) and decode of
     `new_tokens` after that many tokens (`-p 0 -n M -d N`); None when it is not installed."""
     import json
-    import os
-    import shutil
     import subprocess
 
-    exe = os.environ.get("LLMWEB_LLAMA_BENCH") or shutil.which("llama-bench")
+    exe = llama_tool("llama-bench")
     if not exe:
         return None
     common = [exe, "-m", str(gguf), "-t", str(threads), "-r", str(max(repeats, 1)), "-o", "json"]

@@ -106,6 +106,63 @@ def test_bench_concurrency_runs_the_serial_and_the_batched_engine_side_by_side(t
         serial = rows[(k, "serial")]
         assert x["aggregate_vs_serial"] == pytest.approx(x["aggregate_tok_s"] / serial["aggregate_tok_s"], abs=0.01)
     assert rows[(2, "serial")]["largest_batch"] == 1 and rows[(2, "batched")]["largest_batch"] == 2
+    if r["backend"] == "llama.cpp" and os.environ.get("LLMWEB_LLAMA_BATCHED_BENCH"):  # CI builds it
+        ref = {x["concurrency"]: x for x in r["llama_batched_bench"]}
+        assert list(ref) == [1, 2] and ref[1]["aggregate_vs_serial"] == 1.0 and ref[1]["decode_vs_one"] == 1.0
+        assert all(
+            x["tokens_per_s"] > 0 and x["ours_vs_serial"] == rows[(k, "batched")]["aggregate_vs_serial"]
+            for k, x in ref.items()
+        )
+
+
+def test_batched_bench_runs_llama_cpp_as_our_runner_and_reads_its_ratios(tmp_path, monkeypatch):
+    """The reference's arguments and arithmetic, on a stand-in program that prints llama-batched-bench's
+    jsonl (the real one runs in the test above, in CI)."""
+    from types import SimpleNamespace
+
+    from llmweb.bench.concurrency import _mean_reference, batched_bench, markdown
+
+    log = tmp_path / "args"
+    exe = tmp_path / "llama-batched-bench"
+    lines = [
+        '{"pl": 1, "t": 2.0, "speed_tg": 100.0}',
+        '{"pl": 2, "t": 2.5, "speed_tg": 150.0}',
+        '{"pl": 4, "t": 4.0, "speed_tg": 240.0}',
+    ]
+    exe.write_text("#!/bin/sh\n" + f'echo "$@" > {log}\n' + "".join(f"echo '{x}'\n" for x in lines))
+    exe.chmod(0o755)
+    monkeypatch.setenv("LLMWEB_LLAMA_BATCHED_BENCH", str(exe))
+    ref = batched_bench(SimpleNamespace(path=tmp_path / "m.gguf", threads=2), 48, 128, [2, 4], progress=str)
+    args = log.read_text().split()
+    assert args[args.index("-npl") + 1] == "1,2,4" and args[args.index("-t") + 1] == "2"  # 1 is the baseline
+    assert args[args.index("-fa") + 1] == "off" and "-kvu" in args and args[args.index("-npp") + 1] == "48"
+    assert [x["concurrency"] for x in ref] == [2, 4]
+    assert ref[0]["aggregate_vs_serial"] == pytest.approx(2 * 2.0 / 2.5) and ref[0]["tokens_per_s"] == 2 * 128 / 2.5
+    assert ref[1]["aggregate_vs_serial"] == 2.0 and ref[1]["decode_vs_one"] == 2.4
+    twice = _mean_reference([ref, None, [dict(x, aggregate_vs_serial=x["aggregate_vs_serial"] + 1) for x in ref]])
+    assert [x["aggregate_vs_serial"] for x in twice] == [1.6 + 0.5, 2.5] and twice[0]["runs"] == 2
+    assert _mean_reference([None]) is None
+    ref = _mean_reference([ref])
+    for x in ref:
+        x["ours_vs_serial"] = 1.5
+    md = markdown(
+        {
+            "model": "m",
+            "quant": "Q4_1 GGUF",
+            "backend": "llama.cpp",
+            "device": "cpu",
+            "max_new_tokens": 128,
+            "max_batch": 4,
+            "prompt_tokens": [48],
+            "total_s": 1,
+            "rows": [],
+            "llama_batched_bench": ref,
+        }
+    )
+    assert "| 4 | 128.0 | 2.00x | 1.50x | 2.40x |" in md
+    monkeypatch.setenv("LLMWEB_LLAMA_BATCHED_BENCH", "")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert batched_bench(SimpleNamespace(path=tmp_path / "m.gguf", threads=2), 48, 128, [4], progress=str) is None
 
 
 def test_percentile_interpolates_between_ranks():
