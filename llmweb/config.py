@@ -23,6 +23,7 @@ from llmweb.errors import ConfigError, InputError
 
 QUANTS = ("auto", "4bit", "8bit", "int8-cpu", "bf16", "fp16", "fp32")
 BACKENDS = ("auto", "llama.cpp", "transformers")
+GGUF_REQUANTS = ("off", "q8_0")  # llama.REQUANT_TYPES
 DEVICES = ("auto", "cpu", "cuda")
 CPU_CONTEXT_CAP = 2048  # tokens; prefill cost on CPU grows fast past this
 
@@ -40,6 +41,7 @@ class Settings:
     quant: str = "auto"  # 4bit on CUDA, int8-cpu on the CPU (models.resolve_quant)
     backend: str = "auto"  # llama.cpp for a GGUF model on the CPU, else transformers (models.resolve_backend)
     threads: int = 0  # llama.cpp's threads; 0 = the cores this process may use
+    gguf_requant: str = "off"  # llama.cpp: re-encode the GGUF file once as q8_0 (faster kernels)
     device: str = "auto"
     offload: bool = False
     warmup: bool = False
@@ -116,6 +118,10 @@ class Settings:
         check = _Checker()
         check(self.quant in QUANTS, f"LLMWEB_QUANT must be one of {', '.join(QUANTS)}, not {self.quant!r}")
         check(self.backend in BACKENDS, f"LLMWEB_BACKEND must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+        check(
+            self.gguf_requant in GGUF_REQUANTS,
+            f"LLMWEB_GGUF_REQUANT must be one of {', '.join(GGUF_REQUANTS)}, not {self.gguf_requant!r}",
+        )
         check(self.threads >= 0, "LLMWEB_THREADS must be >= 0 (0 = the cores this process may use)")
         check(self.device in DEVICES, f"LLMWEB_DEVICE must be one of {', '.join(DEVICES)}, not {self.device!r}")
         check(self.context_limit >= 0, "LLMWEB_CONTEXT_LIMIT must be >= 0 (0 = the model's maximum)")

@@ -327,24 +327,30 @@ def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
     """The GGUF model on llama.cpp (engine/llama.py) and its transformers tokenizer (same ids)."""
     from transformers import AutoTokenizer
 
-    from llmweb.engine.llama import GgufModel, openmp_note
+    from llmweb.engine.llama import GgufModel, openmp_note, requantised
 
     t0 = time.perf_counter()
     source = gguf_file(settings)
     assert source is not None, "resolve_backend chose llama.cpp for a GGUF file"
     path, name = source
     folder = tokenizer_source(settings, path, progress)
-    progress(f"Loading {name} on llama.cpp (CPU)…")
     if folder == path:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
         tokenizer = AutoTokenizer.from_pretrained(folder)
+    shipped = ""
+    if settings.gguf_requant != "off":
+        original = GgufModel(path, threads=settings.threads)  # memory-mapped: its type for the status line
+        shipped = f" from {_gguf_type(original)}"
+        original.close()
+        path = requantised(path, settings.gguf_requant, settings.models_dir, original.threads, progress)
+    progress(f"Loading {name} on llama.cpp (CPU)…")
     gguf = GgufModel(path, threads=settings.threads)
     loaded = LoadedModel(
         model=gguf,
         tokenizer=tokenizer,
         name=name,
-        quant=f"{gguf.type_name.split()[-1]} GGUF" if gguf.type_name else "GGUF",
+        quant=f"{_gguf_type(gguf)} GGUF{shipped}",
         device="cpu",
         weights_bytes=gguf.size_bytes,
         max_context=gguf.n_ctx_train or 2048,
@@ -359,6 +365,11 @@ def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         log.warning(note)
     progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s ({gguf.threads} threads).")
     return loaded
+
+
+def _gguf_type(gguf) -> str:
+    """The file's type as llama.cpp names it ("Q4_1"), or "" when it does not say."""
+    return gguf.type_name.split()[-1] if gguf.type_name else ""
 
 
 def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:

@@ -13,7 +13,7 @@ import torch
 from llmweb.config import Settings
 from llmweb.engine import llama, models
 from llmweb.engine.request import GenerationRequest
-from llmweb.errors import ConfigError
+from llmweb.errors import ConfigError, LlmwebError
 
 
 def settings(tmp_path, **kw) -> Settings:
@@ -113,3 +113,51 @@ def test_an_openmp_build_is_named_with_the_fix(monkeypatch):
     assert "OpenMP" in note and "pre-requirements.txt" in note
     monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 | REPACK = 1 |")
     assert llama.openmp_note() == ""
+
+
+def test_the_requant_setting_is_checked():
+    with pytest.raises(ConfigError, match="LLMWEB_GGUF_REQUANT must be one of off, q8_0"):
+        Settings(gguf_requant="q4_0")
+
+
+@pytest.mark.slow  # re-encodes the embedded file (~3 s) and loads it
+def test_requant_reencodes_the_gguf_once_and_the_copy_answers(tmp_path):
+    """LLMWEB_GGUF_REQUANT=q8_0: llama.cpp's own quantiser writes a Q8_0 copy under the models dir
+    once (the status line says what it came from); the next start loads the copy without re-encoding;
+    the copy answers as the model does."""
+    from llmweb.chat.tokens import TemplateFormat, render_prompt
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.request import EngineLimits
+
+    s = settings(tmp_path, cache_dir=tmp_path / "models", gguf_requant="q8_0", device="cpu")  # a models dir of its own
+    said: list[str] = []
+    loaded = models.load(s, progress=said.append)
+    try:
+        assert loaded.backend == "llama.cpp" and loaded.quant == "Q8_0 GGUF from Q4_1", loaded.quant
+        copies = list(s.models_dir.glob("*.q8_0-*.gguf"))
+        assert [loaded.model.path] == copies and not list(s.models_dir.glob(".*tmp*"))
+        assert any("re-encoding" in m for m in said)
+        fmt = TemplateFormat(loaded.tokenizer)
+        ids = render_prompt(fmt, "You are helpful.", [("user", "What is the capital of France?")])
+        engine = llama.llama_engine(loaded.model, KVStore(0, 1), EngineLimits(max_new_tokens=24), 512)
+        try:
+            reply = fmt.decode(engine.submit(GenerationRequest(ids, 24, stop_ids=fmt.stop_ids)).result())
+        finally:
+            engine.close()
+        assert "Paris" in reply, reply
+    finally:
+        loaded.model.close()
+    stamp = copies[0].stat().st_mtime_ns
+    said.clear()
+    again = models.load(s, progress=said.append)
+    again.model.close()
+    assert again.model.path == copies[0] and copies[0].stat().st_mtime_ns == stamp
+    assert not any("re-encoding" in m for m in said), "the second start reuses the copy"
+
+
+def test_a_file_llama_cpp_cannot_reencode_fails_clearly_and_leaves_no_half_file(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(LlmwebError, match="could not re-encode broken.gguf as q8_0"):
+        llama.requantised(bad, "q8_0", tmp_path / "models", 1, progress=str)
+    assert list((tmp_path / "models").iterdir()) == []
