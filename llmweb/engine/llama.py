@@ -143,7 +143,7 @@ def requantised(source: Path, kind: str, folder: Path, threads: int, progress: C
     folder.mkdir(parents=True, exist_ok=True)
     progress(f"First start with LLMWEB_GGUF_REQUANT={kind}: re-encoding {source.name} as {kind.upper()} (once)…")
     t0 = time.perf_counter()
-    tmp = folder / f".{target.name}.tmp-{os.getpid()}"
+    tmp = folder / f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}"
     params = ll.llama_model_quantize_default_params()
     params.ftype = getattr(ll, REQUANT_TYPES[kind])
     params.allow_requantize = True
