@@ -151,7 +151,8 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
     default = default_step(steps, device)
     samples: dict[tuple[str, int], list[dict]] = {}
     first: dict[str, list[float]] = {}
-    gguf = models.gguf_file(settings) if device == "cpu" else None
+    # the file llama.cpp loaded (LLMWEB_GGUF_REQUANT may have re-encoded it), for llama-bench
+    gguf = next((m.model.path for m in loaded.values() if m.backend == "llama.cpp"), None)
     references: list[list[dict] | None] = []
     try:
         for name, (engine, runner) in engines.items():  # warm-up: first-call allocations, not counted
@@ -173,7 +174,7 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
                 assert len(done["ids"]) == FIRST_TURN[1], f"the first turn wrote {len(done['ids'])} tokens"
                 first.setdefault(name, []).append(done["wall_s"])
             if gguf:  # in every repeat, beside ours: the machine's drift hits both alike
-                references.append(llama_bench(gguf[0], lengths, new_tokens, _threads(settings), 1, progress))
+                references.append(llama_bench(gguf, lengths, new_tokens, _threads(settings), 1, progress))
     finally:
         for engine, _runner in engines.values():
             engine.close()
