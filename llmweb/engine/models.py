@@ -380,6 +380,8 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
     backend, note = resolve_backend(settings, device)
     if backend == "llama.cpp":
         return load_gguf(settings, progress)
+    if settings.gguf_requant != "off":
+        note = " ".join(x for x in (note, f"LLMWEB_GGUF_REQUANT={settings.gguf_requant} is for llama.cpp only.") if x)
     loaded = load_transformers(settings, device, progress)
     if note:
         loaded.notes.insert(0, note)

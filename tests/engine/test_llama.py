@@ -155,6 +155,16 @@ def test_requant_reencodes_the_gguf_once_and_the_copy_answers(tmp_path):
     assert not any("re-encoding" in m for m in said), "the second start reuses the copy"
 
 
+def test_requant_on_the_transformers_path_is_named_not_ignored_silently(tmp_path, monkeypatch):
+    def stub(settings, device, progress):
+        return models.LoadedModel(None, None, "m", "int8-cpu", "cpu", 0, 1, 1, 4, 0.0)
+
+    monkeypatch.setattr(models, "load_transformers", stub)
+    loaded = models.load(settings(tmp_path, backend="transformers", gguf_requant="q8_0", device="cpu"))
+    assert loaded.notes == ["LLMWEB_GGUF_REQUANT=q8_0 is for llama.cpp only."]
+    assert models.load(settings(tmp_path, backend="transformers", device="cpu")).notes == []
+
+
 def test_a_file_llama_cpp_cannot_reencode_fails_clearly_and_leaves_no_half_file(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
