@@ -140,6 +140,9 @@ def batched_bench(model, prompt: int, new_tokens: int, concurrencies: Sequence[i
         progress(f"concurrency: llama-batched-bench failed ({done.returncode}): {done.stderr[-300:]}")
         return None
     runs = {r["pl"]: r for r in (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))}
+    if 1 not in runs:
+        progress("concurrency: llama-batched-bench printed no run of one sequence; no reference")
+        return None
     one = runs[1]
     return [
         {

@@ -160,6 +160,8 @@ def test_batched_bench_runs_llama_cpp_as_our_runner_and_reads_its_ratios(tmp_pat
         }
     )
     assert "| 4 | 128.0 | 2.00x | 1.50x | 2.40x |" in md
+    exe.write_text("#!/bin/sh\necho 'main: n_kv_max = 8192'\n" + f"echo '{lines[1]}'\n")  # no run of one
+    assert batched_bench(SimpleNamespace(path=tmp_path / "m.gguf", threads=2), 48, 128, [2], progress=str) is None
     monkeypatch.setenv("LLMWEB_LLAMA_BATCHED_BENCH", "")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert batched_bench(SimpleNamespace(path=tmp_path / "m.gguf", threads=2), 48, 128, [4], progress=str) is None
