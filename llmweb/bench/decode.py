@@ -151,8 +151,7 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
     default = default_step(steps, device)
     samples: dict[tuple[str, int], list[dict]] = {}
     first: dict[str, list[float]] = {}
-    # the file llama.cpp loaded (LLMWEB_GGUF_REQUANT may have re-encoded it), for llama-bench
-    gguf = next((m.model.path for m in loaded.values() if m.backend == "llama.cpp"), None)
+    gguf = next((m.model.path for m in loaded.values() if m.backend == "llama.cpp"), None)  # maybe re-encoded
     references: list[list[dict] | None] = []
     try:
         for name, (engine, runner) in engines.items():  # warm-up: first-call allocations, not counted
