@@ -1,6 +1,6 @@
 """Launch the llmweb web app: `python app.py` (also the Hugging Face Spaces entry point).
 
-Settings come from LLMWEB_* environment variables (README, "Configuration"). Nothing heavy
+Settings come from LLMWEB_* environment variables (docs/configuration.md). Nothing heavy
 happens at import: the model loads in the background once the server is up.
 """
 

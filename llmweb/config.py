@@ -5,8 +5,8 @@ the CLI, tests) and the result is passed down explicitly; no module reads the en
 its own. Every field is checked in `__post_init__`, so a bad value fails at start with a clear
 message instead of deep inside a turn.
 
-The README's configuration table lists every variable below; tests/test_config.py checks that
-the two stay in step.
+docs/configuration.md's table lists every variable below with its default; tests/test_config.py
+checks that the two stay in step.
 """
 
 from __future__ import annotations

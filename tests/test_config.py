@@ -1,4 +1,4 @@
-"""Settings: parsing, checks, and the README's table staying in step with the code."""
+"""Settings: parsing, checks, and docs/configuration.md's table staying in step with the code."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from llmweb.config import Settings, env_names
 from llmweb.errors import ConfigError
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
 def test_env_values_are_parsed_and_checked():
@@ -42,7 +42,28 @@ def test_safe_defaults():
     assert s.host == "127.0.0.1" and s.max_file_mb > 0 and not s.auth
 
 
-def test_readme_table_lists_every_setting():
-    text = README.read_text(encoding="utf-8")
+def test_configuration_table_lists_every_setting():
+    text = CONFIGURATION.read_text(encoding="utf-8")
     documented = set(re.findall(r"^\| `(LLMWEB_[A-Z_]+)` \|", text, flags=re.M))
     assert documented == set(env_names())
+
+
+def _as_written(value: object) -> str:
+    """A default as the table writes it: booleans as 1/0, whole floats without the point."""
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def test_configuration_table_shows_the_code_defaults():
+    """A default written as a plain literal (`256`, `auto`, `off`) is the field's default in
+    Settings; the descriptive ones (*(a file)*, `$LLMWEB_DATA_DIR/models`) are prose."""
+    text = CONFIGURATION.read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `LLMWEB_([A-Z_]+)` \| `([^`$ ]+)` \|", text, flags=re.M)
+    defaults = Settings()
+    assert len(rows) > 40, "the table's literal defaults were not found"
+    wrong = {f"LLMWEB_{name}": (doc, getattr(defaults, name.lower())) for name, doc in rows}
+    wrong = {k: v for k, v in wrong.items() if _as_written(v[1]) != v[0]}
+    assert not wrong, f"docs/configuration.md's default differs from config.py's: {wrong}"

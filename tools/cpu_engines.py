@@ -1,4 +1,4 @@
-"""Measure the CPU engine candidates side by side on the embedded model (README "CPU engines").
+"""Measure the CPU engine candidates side by side on the embedded model (docs/benchmarks.md, "Choosing the CPU engine").
 
 Not part of llmweb: it compares the engines llmweb could run on, in a virtual environment of its
 own that has them all (the project installs only the one it chose):

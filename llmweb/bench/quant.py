@@ -1,7 +1,7 @@
 """`python -m llmweb bench quant`: weights size and decode speed per quantisation, same prompt, one process.
 
 Each quantisation is loaded from `settings.replace(quant=...)` and timed on an Engine of its own
-(`common.timing_engine`); the README's "Why 4-bit is the default" table comes from here.
+(`common.timing_engine`); docs/benchmarks.md's "bench quant" figures come from here.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """`Store`: SQLite persistence of conversations, turns, rolling summaries, per-turn stats, versions
 and facts, in one file, behind one facade. Every caller does `Store(path)` and calls its methods.
 
-Where each part lives:
-
-  store/connection.py     the one connection, WAL and fsync settings, read and write transactions
-  store/schema.py         the DDL as migrations, SCHEMA_VERSION, `migrate`
-  store/models.py         the records it takes and returns (Conversation, ChatSettings, NotFound, ...)
-  store/owners.py         the owner checks every query shares, and the owners table (retention)
-  store/conversations.py  conversations and turns: create, list, get, append, undo, rename, settings
-  store/versions.py       edited turns fork the chat; switching between versions
-  store/facts.py          the user's sentences kept verbatim
-  store/search.py         full-text search over the turns (FTS5)
-  store/pieces.py         whole-document tasks' per-piece results (a cache)
-  store/exchange.py       JSON export/import (format and validation) and the Markdown transcript
+It is assembled from the query groups beside it in store/ (the bases of `Store` below); which
+holds what is docs/architecture.md's "Where to look".
 
 Ownership: every conversation belongs to an OWNER (the login account "user:<name>", an anonymous
 browser "anon:<token>", or LOCAL_OWNER for a single-user install), and every public method takes

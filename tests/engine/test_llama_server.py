@@ -7,7 +7,7 @@ with 4 slots. Through llmweb's remote runner (LLMWEB_ENGINE_URL) and the whole c
 turn must report what the server took from its cache (its last event: `timings.cache_n`, read
 after the stop token), and from turn 2 each turn prefills under 30% of its prompt, because the
 chat stays on its slot (`id_slot`). The late/early TTFT ratio is printed, not asserted (timing is
-for `bench ttft --engine-url`, README "Remote engines").
+for `bench ttft --engine-url`, docs/benchmarks.md "Time to first token").
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def llama_server():
         port = s.getsockname()[1]
     folder, name = models.embedded_gguf()
     # on a CPU: no flash attention (it takes a chunk's queries one at a time) and no host prompt
-    # cache (it copies the slot's KV at every request); README "Time to first token" measures both
+    # cache (it copies the slot's KV at every request); docs/benchmarks.md "Time to first token" measures both
     args = [str(SERVER), "-m", str(folder / name), "-np", "4", "-c", "8192", "--port", str(port)]
     args += ["-fa", "off", "--cache-ram", "0"]
     proc = subprocess.Popen([*args, "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
