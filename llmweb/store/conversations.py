@@ -41,6 +41,7 @@ from llmweb.store.models import (
     stats_text,
 )
 from llmweb.store.owners import check_generation, generation_of, owned, owned_row, seen
+from llmweb.store.schema import OWNER_TAG
 
 
 class ConversationQueries(Connection):
@@ -272,9 +273,14 @@ TURN_COLUMNS = "user, assistant, stats, sources, created"  # a turn's row, less 
 
 def insert_turn(db: sqlite3.Connection, conv_id: str, idx: int, row: tuple[str, str, str, str, float]) -> None:
     """Store turn `idx`: `row` is its TURN_COLUMNS (stats and sources as JSON text)."""
-    db.execute(
-        f"INSERT INTO turns (conversation_id, idx, {TURN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", (conv_id, idx, *row)
-    )
+    db.execute(INSERT_TURN, (conv_id, idx, *row))
+
+
+# a turn's row (conversation id, idx, TURN_COLUMNS) with its owner's search tag (store/schema.py, migration 8)
+INSERT_TURN = (
+    f"INSERT INTO turns (conversation_id, idx, {TURN_COLUMNS}, owner_tag) VALUES "
+    f"(?1, ?2, ?3, ?4, ?5, ?6, ?7, (SELECT {OWNER_TAG} FROM conversations c WHERE c.id = ?1))"
+)
 
 
 def versions_of(db: sqlite3.Connection, conv_id: str) -> dict[int, tuple[int, int]]:

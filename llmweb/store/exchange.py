@@ -20,7 +20,7 @@ from typing import Any
 
 from llmweb.errors import InputError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
-from llmweb.store.conversations import ConversationQueries
+from llmweb.store.conversations import INSERT_TURN, ConversationQueries
 from llmweb.store.models import MAX_TITLE_CHARS, ChatSettings, Conversation, new_id
 from llmweb.store.owners import require_owned, seen
 
@@ -80,8 +80,7 @@ class ExchangeQueries(ConversationQueries):
             )
             seen(db, owner, time.time())
             db.executemany(
-                "INSERT INTO turns (conversation_id, idx, user, assistant, stats, sources, created) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                INSERT_TURN,
                 [(conv_id, i, *r) for i, r in enumerate(doc.turns)],
             )
             db.executemany(

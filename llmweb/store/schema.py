@@ -16,6 +16,11 @@ from pathlib import Path
 from llmweb.errors import ConfigError
 from llmweb.records import LOCAL_OWNER
 
+# An owner's search tag (migration 8): 'o' + the hex of its name + 'x', one token of letters and digits
+# that the tokenizer keeps whole and the porter stemmer leaves alone (no English suffix ends in x).
+# store/search.py's `owner_tag` makes the same in Python.
+OWNER_TAG = "'o' || lower(hex(owner)) || 'x'"
+
 # Each entry moves the schema up one version; applied in order, each in its own transaction.
 # Never edit an entry once released: append a new one.
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -121,6 +126,40 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             created         REAL NOT NULL,
             PRIMARY KEY (owner, doc_id, task, piece, model)
         )""",
+    ),
+    (  # 8: search scoped to the owner before it scans. Each turn carries its owner's tag (OWNER_TAG:
+        # one token no user text can reach, in a column of its own), and the index has it as a third
+        # column, so store/search.py's query matches the owner's tag AND the words: FTS5 never yields
+        # another owner's row to join, rank or snippet. The insert paths set the tag (INSERT_TURN);
+        # the guard refuses a turn without its conversation's.
+        "ALTER TABLE turns ADD COLUMN owner_tag TEXT NOT NULL DEFAULT ''",
+        f"UPDATE turns SET owner_tag = (SELECT {OWNER_TAG} FROM conversations c WHERE c.id = turns.conversation_id)",
+        "DROP TRIGGER turns_fts_insert",
+        "DROP TRIGGER turns_fts_delete",
+        "DROP TRIGGER turns_fts_update",
+        "DROP TABLE turns_fts",
+        """CREATE VIRTUAL TABLE turns_fts USING fts5(
+            user, assistant, owner_tag, content='turns', content_rowid='rowid',
+            tokenize='porter unicode61 remove_diacritics 2'
+        )""",
+        "INSERT INTO turns_fts(turns_fts) VALUES ('rebuild')",
+        f"""CREATE TRIGGER turns_owner_tag BEFORE INSERT ON turns
+            WHEN new.owner_tag IS NOT (SELECT {OWNER_TAG} FROM conversations c WHERE c.id = new.conversation_id)
+            BEGIN SELECT RAISE(ABORT, 'a turn must carry its conversation owner''s tag'); END""",
+        """CREATE TRIGGER turns_fts_insert AFTER INSERT ON turns BEGIN
+            INSERT INTO turns_fts (rowid, user, assistant, owner_tag)
+            VALUES (new.rowid, new.user, new.assistant, new.owner_tag);
+        END""",
+        """CREATE TRIGGER turns_fts_delete AFTER DELETE ON turns BEGIN
+            INSERT INTO turns_fts (turns_fts, rowid, user, assistant, owner_tag)
+            VALUES ('delete', old.rowid, old.user, old.assistant, old.owner_tag);
+        END""",
+        """CREATE TRIGGER turns_fts_update AFTER UPDATE OF user, assistant, owner_tag ON turns BEGIN
+            INSERT INTO turns_fts (turns_fts, rowid, user, assistant, owner_tag)
+            VALUES ('delete', old.rowid, old.user, old.assistant, old.owner_tag);
+            INSERT INTO turns_fts (rowid, user, assistant, owner_tag)
+            VALUES (new.rowid, new.user, new.assistant, new.owner_tag);
+        END""",
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from llmweb.errors import InputError
 from llmweb.records import Source, TurnStats
 from llmweb.store.connection import Connection
-from llmweb.store.conversations import TURN_COLUMNS, insert_turn, turn_count, versions_of
+from llmweb.store.conversations import INSERT_TURN, TURN_COLUMNS, insert_turn, turn_count, versions_of
 from llmweb.store.models import sources_text, stats_text
 from llmweb.store.owners import check_generation, owned, require_owned, seen
 
@@ -198,7 +198,7 @@ def _unstash(db: sqlite3.Connection, conv_id: str, fork: int, body: dict) -> Non
     """Put a stashed version back as the active branch from turn `fork` on (the live tables hold no
     turn from `fork` on: `_stash` took them)."""
     db.executemany(
-        f"INSERT INTO turns (conversation_id, idx, {TURN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        INSERT_TURN,
         [(conv_id, i, *t) for i, t in enumerate(body["turns"], fork)],
     )
     db.execute(
