@@ -21,6 +21,30 @@ from llmweb.records import LOCAL_OWNER
 # store/search.py's `owner_tag` makes the same in Python.
 OWNER_TAG = "'o' || lower(hex(owner)) || 'x'"
 
+
+def _len(value: str) -> str:
+    """SQL for the UTF-8 bytes of a text value (0 for NULL)."""
+    return f"COALESCE(length(CAST({value} AS BLOB)), 0)"
+
+
+_TURN_BYTES = " + ".join(_len(f"{{t}}.{c}") for c in ("user", "assistant", "stats", "sources"))
+
+
+def _bytes_triggers(table: str, size: str, columns: str) -> tuple[str, str, str]:
+    """Triggers that keep conversations.bytes in step with `table`'s rows (`size`: SQL of a row's
+    bytes over the row {t}), on insert, delete and an update of `columns`."""
+    if "length" not in size:  # a column: its bytes
+        size = _len(size)
+    new, old = f"({size.format(t='new')})", f"({size.format(t='old')})"
+    update = "UPDATE conversations SET bytes = bytes {} WHERE id = {}.conversation_id;"
+    return (
+        f"CREATE TRIGGER {table}_bytes_insert AFTER INSERT ON {table} BEGIN {update.format('+ ' + new, 'new')} END",
+        f"CREATE TRIGGER {table}_bytes_delete AFTER DELETE ON {table} BEGIN {update.format('- ' + old, 'old')} END",
+        f"CREATE TRIGGER {table}_bytes_update AFTER UPDATE OF {columns} ON {table} BEGIN "
+        f"{update.format(f'+ {new} - {old}', 'new')} END",
+    )
+
+
 # Each entry moves the schema up one version; applied in order, each in its own transaction.
 # Never edit an entry once released: append a new one.
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -159,6 +183,25 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             VALUES ('delete', old.rowid, old.user, old.assistant, old.owner_tag);
             INSERT INTO turns_fts (rowid, user, assistant, owner_tag)
             VALUES (new.rowid, new.user, new.assistant, new.owner_tag);
+        END""",
+    ),
+    (  # 9: what each conversation holds, in bytes of text (turns, versions, facts, its summary), kept by
+        # triggers, so an owner's total (store/owners.py `check_room`) is a sum over their chats, not a
+        # read of their text. It grows with every write, whichever path makes it.
+        "ALTER TABLE conversations ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0",
+        f"""UPDATE conversations SET bytes = {_len("summary")}
+            + COALESCE((SELECT SUM({_TURN_BYTES.format(t="t")}) FROM turns t
+                        WHERE t.conversation_id = conversations.id), 0)
+            + COALESCE((SELECT SUM({_len("v.body")}) FROM versions v WHERE v.conversation_id = conversations.id), 0)
+            + COALESCE((SELECT SUM({_len("f.text")}) FROM facts f WHERE f.conversation_id = conversations.id), 0)""",
+        *_bytes_triggers("turns", _TURN_BYTES, "user, assistant, stats, sources"),
+        *_bytes_triggers("versions", "{t}.body", "body"),
+        *_bytes_triggers("facts", "{t}.text", "text"),
+        f"""CREATE TRIGGER conversations_bytes_insert AFTER INSERT ON conversations BEGIN
+            UPDATE conversations SET bytes = bytes + {_len("new.summary")} WHERE id = new.id;
+        END""",
+        f"""CREATE TRIGGER conversations_bytes_summary AFTER UPDATE OF summary ON conversations BEGIN
+            UPDATE conversations SET bytes = bytes + {_len("new.summary")} - {_len("old.summary")} WHERE id = new.id;
         END""",
     ),
 )

@@ -25,7 +25,7 @@ from llmweb.records import Source, TurnStats
 from llmweb.store.connection import Connection
 from llmweb.store.conversations import INSERT_TURN, TURN_COLUMNS, insert_turn, turn_count, versions_of
 from llmweb.store.models import sources_text, stats_text
-from llmweb.store.owners import check_generation, owned, require_owned, seen
+from llmweb.store.owners import check_generation, check_room, owned, require_owned, seen, text_bytes
 
 
 class VersionQueries(Connection):
@@ -58,6 +58,7 @@ class VersionQueries(Connection):
                 raise InputError(
                     "That message is already folded into this chat's summary, so it can no longer be edited."
                 )
+            check_room(db, self.caps, owner, size=text_bytes(user, assistant, stats_json, sources_json))
             group = versions_of(db, conv_id).get(idx)
             body = _stash(db, conv_id, idx, taken)
             if group is None:
