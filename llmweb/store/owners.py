@@ -126,6 +126,12 @@ class OwnerQueries(Connection):
             )
         return ids
 
+    def room(self, owner: str, chats: int = 0, size: int = 0) -> None:
+        """`check_room` ahead of a long write (a reply generates for seconds before its turn is
+        stored): the InputError naming the limit now, not after the work. The write checks again."""
+        with self._read() as db:
+            check_room(db, self.caps, owner, chats, size)
+
     def generation(self, owner: str) -> int:
         """The owner's generation now: a turn of a new chat reads it before it begins, and its
         write passes it back (`add_turn(..., generation=)`)."""
