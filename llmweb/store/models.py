@@ -1,6 +1,6 @@
 """The records the store takes and returns: `ChatSettings`, `Conversation`, `StoredTurn`, `Fact`,
-`ConversationInfo`, `SearchHit`, `OwnerCaps`, the `NotFound` error, conversation ids (`new_id`), and how a turn's
-stats and sources are kept as JSON text.
+`ConversationInfo`, `SearchHit`, `OwnerCaps`, the `NotFound` error, conversation ids (`new_id`),
+and how a turn's stats and sources are kept as JSON text.
 
 It owns the shape of these values (ChatSettings checks the kind of each field; chat/session.py
 checks them against the server's limits). It must not run SQL or know who owns what: that is the

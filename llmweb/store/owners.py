@@ -14,7 +14,7 @@ delete) commits nothing (`check_generation`, inside the write's transaction: `De
 write adding a chat or text checks in its transaction.
 
 It must not decide who the caller is (web/ does) nor open transactions of its own beyond the
-three owner methods of `OwnerQueries`.
+owner methods of `OwnerQueries`.
 """
 
 from __future__ import annotations
