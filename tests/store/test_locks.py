@@ -175,3 +175,18 @@ def test_an_edit_racing_an_edit_keeps_both_versions(store, monkeypatch):
     store.edit_turn(A, conv, 1, "tab one", "y")
     assert store.get(A, conv).versions[1] == (3, 4)
     assert [t.user for t in store.get(A, conv).turns][-1] == "tab one"
+
+
+def test_the_fact_check_is_bounded_even_for_facts_the_word_test_cannot_rule_out():
+    """One-word facts found nowhere pass the word test, so each is a search of the whole text: the
+    check stops at its budget, and the facts past it stay with the chat (not taken)."""
+    later = [("lorem ipsum dolor sit amet " * 37_038)[:1_000_000] for _ in range(7)]
+    facts = [(i, f"qz{i:05d}") for i in range(2_000)] + [(9_999, "dolor sit")]
+    t0 = time.perf_counter()
+    assert versions.branch_facts([], later, facts) == []
+    took = time.perf_counter() - t0
+    print(f"\n[locks] 2,000 one-word facts against 7 MB: the bounded check took {took:.2f} s")
+    small = [(1, "ipsum dolor"), (2, "qz"), (3, "sit amet")]
+    assert versions.branch_facts([], later[:1], small) == [1, 3]
+    assert versions.branch_facts([], later[:1], small, budget=1_500_000) == [1], "past the budget: kept"
+    assert versions.branch_facts(["sit amet"], later[:1], small) == [1], "a fact of an earlier turn stays"
