@@ -100,6 +100,9 @@ class Settings:
     shared_uploads: str = "auto"  # auto | 1 | 0: UI uploads join the shared library; auto = single_user
     user_docs_mb: int = 50  # each owner's private uploads, in total
     queue_per_user: int = 2  # waiting requests per owner; more get the busy message
+    owner_max_chats: int = 1000  # conversations one owner may keep (the local owner: not capped)
+    owner_max_stored_mb: int = 200  # text one owner's chats may hold, imports included (the local owner: not capped)
+    owner_document_jobs: int = 2  # whole-document tasks one owner may run at once (the local owner: not capped)
     anon_retention_days: float = 30.0  # purge anonymous owners idle this long; 0 = keep forever
     secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
     trusted_proxies: str = ""  # addresses/CIDRs of proxies whose X-Forwarded-For / Forwarded names the client
@@ -160,6 +163,10 @@ class Settings:
             "LLMWEB_USER_DOCS_MB and LLMWEB_QUEUE_PER_USER must be >= 1",
         )
         check(self.anon_per_address >= 1, "LLMWEB_ANON_PER_ADDRESS must be >= 1")
+        check(
+            min(self.owner_max_chats, self.owner_max_stored_mb, self.owner_document_jobs) >= 1,
+            "LLMWEB_OWNER_MAX_CHATS, LLMWEB_OWNER_MAX_STORED_MB and LLMWEB_OWNER_DOCUMENT_JOBS must be >= 1",
+        )
         self.proxy_networks  # noqa: B018  (ConfigError for an address that is not one)
         check(self.anon_retention_days >= 0, "LLMWEB_ANON_RETENTION_DAYS must be >= 0 (0 = keep forever)")
         check(self.temperature >= 0, "LLMWEB_TEMPERATURE must be >= 0")

@@ -13,7 +13,8 @@ pieces (page/heading) and whose `document` is the `DocumentStats`.
 Each piece's result is kept in the owner's store (store/pieces.py), keyed by the document's
 content hash, the task, the piece and the model, written with the owner's generation read before
 the task began: a run again reads only what it has not read, a cancel keeps every piece already
-read, and nothing is written after a "Delete all my data".
+read, and nothing is written after a "Delete all my data". An owner runs at most
+LLMWEB_OWNER_DOCUMENT_JOBS tasks at once (`_one_more`).
 
 It must not read or write chats (the caller records the turn) nor decide what a message asks (the
 pure rule is document_plan's).
@@ -22,8 +23,10 @@ pure rule is document_plan's).
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from llmweb.chat import document_plan as dp
@@ -35,7 +38,7 @@ from llmweb.config import Settings
 from llmweb.engine.request import GenerationRequest, Tokens
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import InputError
-from llmweb.records import GenerationStats, Source, TurnStats
+from llmweb.records import LOCAL_OWNER, GenerationStats, Source, TurnStats
 
 NOTE_TOKENS = 160  # the most a map or fold step writes (a summary, a list, notes of one piece)
 MAX_PIECES = 400  # a task reads at most this many pieces (about 600,000 tokens at context 2048)
@@ -72,6 +75,8 @@ class DocumentTasks:
     ):
         self.settings, self.engine, self.fmt, self.store, self.budget = settings, engine, fmt, store, budget
         self.library, self.note_tokens = library, note_tokens
+        self._running: dict[str, int] = {}  # owner -> whole-document tasks running now
+        self._running_lock = threading.Lock()
         names = f"{settings.engine_url}|{settings.engine_model}|{settings.model}|{budget.context_limit}"
         self.model_key = hashlib.sha256(names.encode()).hexdigest()[:16]
 
@@ -133,21 +138,46 @@ class DocumentTasks:
         the generator cancels the step in flight, and `keep`, if given, gets what there is (the
         translation so far, or where it stopped); the pieces read are kept in the cache either way."""
         t0 = time.monotonic()
-        sizes, pieces = self.pieces(owner, intent)
-        yield Started(conv_id)
-        run = _Run(self, owner, generation, intent, pieces, sizes, cancel)
+        with self._one_more(owner):
+            sizes, pieces = self.pieces(owner, intent)
+            yield Started(conv_id)
+            run = _Run(self, owner, generation, intent, pieces, sizes, cancel)
+            try:
+                notes = yield from run.read()
+                if intent.task == dp.TRANSLATE or run.stopped:
+                    reply, gen = run.partial(), run.last
+                else:
+                    reply, gen = yield from run.finish(notes)
+            except GeneratorExit:
+                if keep is not None:
+                    run.stopped = True
+                    keep(self._finished(run, run.partial(), run.last, number, conv_id, t0))
+                raise
+            return self._finished(run, reply, gen, number, conv_id, t0)
+
+    @contextmanager
+    def _one_more(self, owner: str) -> Iterator[None]:
+        """One more of the owner's tasks running, while the block runs; an InputError naming the limit
+        when they already run LLMWEB_OWNER_DOCUMENT_JOBS (the local owner is not capped). Each task
+        reads its whole document through the engine: one stranger must not queue dozens at once."""
+        cap = self.settings.owner_document_jobs
+        with self._running_lock:
+            n = self._running.get(owner, 0)
+            if owner != LOCAL_OWNER and n >= cap:
+                raise InputError(
+                    f"You already have {n} whole-document task{'s' if n != 1 else ''} running, the most at once "
+                    f"(LLMWEB_OWNER_DOCUMENT_JOBS = {cap}): wait for one to finish, or stop it."
+                )
+            self._running[owner] = n + 1
         try:
-            notes = yield from run.read()
-            if intent.task == dp.TRANSLATE or run.stopped:
-                reply, gen = run.partial(), run.last
-            else:
-                reply, gen = yield from run.finish(notes)
-        except GeneratorExit:
-            if keep is not None:
-                run.stopped = True
-                keep(self._finished(run, run.partial(), run.last, number, conv_id, t0))
-            raise
-        return self._finished(run, reply, gen, number, conv_id, t0)
+            yield
+        finally:
+            with self._running_lock:
+                left = self._running[owner] - 1
+                if left:
+                    self._running[owner] = left
+                else:
+                    del self._running[owner]
 
     def answer(self, conv, intent: dp.Intent, record: Record, cancel: Cancel | None = None):
         """`run` as a turn of the chat `conv` (as read, before this turn): its events, and the

@@ -28,6 +28,11 @@ from llmweb.records import Chunk, Turn
 # lost now, "Which company do I work for?", is a fact).
 RECALL_MIN_SCORE = 0.40
 RECALL_CANDIDATES = 4  # recall looks at this many passages per turn it may recall
+# A passage is cut at this many characters: the embedder reads its first 256 word pieces (~1,000
+# characters) anyway, a passage past the retrieved-text budget (512 tokens) is never recalled
+# whole, and a batch of 32 passages is what one hold of the embedder's lock tokenizes. Uncut, an
+# import's batch of 1 MB messages held that lock ~24-36 s while every visitor's retrieval waited.
+RECALL_PASSAGE_CHARS = 8_000
 
 Alive = Callable[[], bool]  # does the chat a recall writer read still exist (store.alive)?
 
@@ -47,8 +52,17 @@ def recall_chunks(turns: Iterable[tuple[int, Turn]]) -> list[Chunk]:
     for i, t in turns:
         whole = f"User: {t.user}\nAssistant: {t.assistant}"
         for text in (whole, f"User: {t.user}"):
-            out.append(Chunk(text=text, source=f"turn {i + 1}", doc_id=f"turn-{i}", kind="recall"))
+            out.append(Chunk(text=_cut(text), source=f"turn {i + 1}", doc_id=f"turn-{i}", kind="recall"))
     return out
+
+
+def _cut(text: str) -> str:
+    """`text` within RECALL_PASSAGE_CHARS, cut at a space near the end, marked with an ellipsis."""
+    if len(text) <= RECALL_PASSAGE_CHARS:
+        return text
+    cut = text[: RECALL_PASSAGE_CHARS - 1]
+    space = cut.rfind(" ", RECALL_PASSAGE_CHARS // 2)
+    return (cut[:space] if space > 0 else cut) + "…"
 
 
 def covered(passage: Chunk, known: set[str]) -> bool:

@@ -141,6 +141,8 @@ class Chat:
             )
         )
 
+        self.store.room(owner, chats=int(new), size=len(text.encode("utf-8", "surrogatepass")))  # at a cap: now
+
         def record(reply: str, stats: TurnStats, sources: list[Source]) -> None:  # Deleted after "Delete all my data"
             self.store.add_turn(owner, conv.id, text, reply, stats, sources, create=new, generation=conv.generation)
 

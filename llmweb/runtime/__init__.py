@@ -44,6 +44,7 @@ from llmweb.runtime.samples import seed_sample
 from llmweb.runtime.secret import read_or_create_secret
 from llmweb.runtime.status import StatusLine
 from llmweb.store.db import Store
+from llmweb.store.models import OwnerCaps
 
 if TYPE_CHECKING:
     from llmweb.chat.session import Chat
@@ -70,7 +71,7 @@ class Runtime:
         self.settings = settings
         self._preloaded = loaded  # tests and benchmarks share one loaded model
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = Store(settings.data_dir / "llmweb.sqlite3")
+        self.store = Store(settings.data_dir / "llmweb.sqlite3", caps=OwnerCaps.from_settings(settings))
         self.fault = fault
         self._status = StatusLine()
         self.loaded: models.LoadedModel | None = None

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Self
 
 from llmweb.errors import InputError
+from llmweb.store.models import OwnerCaps
 from llmweb.store.schema import migrate, read_version
 
 BUSY_TIMEOUT_S = 30.0  # wait this long for another process's write lock
@@ -41,8 +42,9 @@ BUSY_TIMEOUT_S = 30.0  # wait this long for another process's write lock
 class Connection:
     """One SQLite file, opened in WAL mode and migrated to the current schema."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, caps: OwnerCaps | None = None):
         self.path = Path(path)
+        self.caps = caps or OwnerCaps()  # what one owner may keep (store/owners.py; none: no cap)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(

@@ -7,7 +7,8 @@ messages round-trip unchanged. Stats and sources are stored as JSON text. A conv
 created with its first turn (`add_turn(..., create=True)`), so no empty chats pile up.
 
 Every method takes the caller's owner first and scopes its SQL by it (in the statement, or through
-store/owners.py); another owner's conversation is the same `NotFound` as a missing one. A write
+store/owners.py); another owner's conversation is the same `NotFound` as a missing one. A write that
+adds a chat or text checks the owner's caps in its transaction (store/owners.py `check_room`). A write
 given the owner's `generation` (read with the chat, `Conversation.generation`, before a reply or
 a fold began) commits nothing when the owner deleted all their data since (`Deleted`). It must
 not fork the chat (store/versions.py does) nor know of tokens, models or the UI.
@@ -40,7 +41,8 @@ from llmweb.store.models import (
     stats_from_text,
     stats_text,
 )
-from llmweb.store.owners import check_generation, generation_of, owned, owned_row, seen
+from llmweb.store.owners import check_generation, check_room, generation_of, owned, owned_row, seen, text_bytes
+from llmweb.store.schema import OWNER_TAG
 
 
 class ConversationQueries(Connection):
@@ -50,6 +52,7 @@ class ConversationQueries(Connection):
         now = time.time()
         with self._write() as db:
             check_generation(db, owner, generation)
+            check_room(db, self.caps, owner, chats=1)
             _insert_conversation(db, owner, conv_id, title, now)
         return conv_id
 
@@ -111,6 +114,8 @@ class ConversationQueries(Connection):
         with self._write() as db:
             check_generation(db, owner, generation)
             row = db.execute("SELECT title, owner FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+            size = text_bytes(user, assistant, stats_json, sources_json)
+            check_room(db, self.caps, owner, chats=int(row is None and create), size=size)
             if row is None and create:
                 _insert_conversation(db, owner, conv_id, DEFAULT_TITLE, now)
                 row = (DEFAULT_TITLE, owner)
@@ -161,6 +166,7 @@ class ConversationQueries(Connection):
             last = _last_turn(db, owner, conv_id)
             if last.idx != idx:
                 raise InputError("This chat changed meanwhile (another tab?): reload it and try again.")
+            check_room(db, self.caps, owner, size=text_bytes(assistant) - text_bytes(last.assistant))
             now = time.time()
             db.execute(
                 "UPDATE turns SET assistant = ?, stats = ?, sources = ?, created = ? "
@@ -272,9 +278,14 @@ TURN_COLUMNS = "user, assistant, stats, sources, created"  # a turn's row, less 
 
 def insert_turn(db: sqlite3.Connection, conv_id: str, idx: int, row: tuple[str, str, str, str, float]) -> None:
     """Store turn `idx`: `row` is its TURN_COLUMNS (stats and sources as JSON text)."""
-    db.execute(
-        f"INSERT INTO turns (conversation_id, idx, {TURN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", (conv_id, idx, *row)
-    )
+    db.execute(INSERT_TURN, (conv_id, idx, *row))
+
+
+# a turn's row (conversation id, idx, TURN_COLUMNS) with its owner's search tag (store/schema.py, migration 8)
+INSERT_TURN = (
+    f"INSERT INTO turns (conversation_id, idx, {TURN_COLUMNS}, owner_tag) VALUES "
+    f"(?1, ?2, ?3, ?4, ?5, ?6, ?7, (SELECT {OWNER_TAG} FROM conversations c WHERE c.id = ?1))"
+)
 
 
 def versions_of(db: sqlite3.Connection, conv_id: str) -> dict[int, tuple[int, int]]:

@@ -20,9 +20,9 @@ from typing import Any
 
 from llmweb.errors import InputError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
-from llmweb.store.conversations import ConversationQueries
+from llmweb.store.conversations import INSERT_TURN, ConversationQueries
 from llmweb.store.models import MAX_TITLE_CHARS, ChatSettings, Conversation, new_id
-from llmweb.store.owners import require_owned, seen
+from llmweb.store.owners import check_room, require_owned, seen, text_bytes
 
 EXPORT_FORMAT = "llmweb.conversation"
 EXPORT_VERSION = 1
@@ -61,6 +61,15 @@ class Imported:
     facts: list[tuple[str, int, float]]  # text, pinned, created
     versions: list[VersionRow]
 
+    def size(self) -> int:
+        """Bytes of text it adds to its owner's chats (as conversations.bytes counts them)."""
+        return (
+            text_bytes(self.head[3])
+            + sum(text_bytes(*r[:4]) for r in self.turns)
+            + sum(text_bytes(f[0]) for f in self.facts)
+            + sum(text_bytes(v[2]) for v in self.versions if v[2] is not None)
+        )
+
 
 class ExchangeQueries(ConversationQueries):
     def export_json(self, owner: str, conv_id: str) -> str:
@@ -73,6 +82,7 @@ class ExchangeQueries(ConversationQueries):
         doc = parse_export(text)
         conv_id = new_id()
         with self._write() as db:
+            check_room(db, self.caps, owner, chats=1, size=doc.size())
             db.execute(
                 "INSERT INTO conversations (id, title, created, updated, summary, summarized_upto, settings, owner) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -80,8 +90,7 @@ class ExchangeQueries(ConversationQueries):
             )
             seen(db, owner, time.time())
             db.executemany(
-                "INSERT INTO turns (conversation_id, idx, user, assistant, stats, sources, created) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                INSERT_TURN,
                 [(conv_id, i, *r) for i, r in enumerate(doc.turns)],
             )
             db.executemany(

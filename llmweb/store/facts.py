@@ -11,7 +11,7 @@ import time
 
 from llmweb.store.connection import Connection
 from llmweb.store.models import Fact, NotFound
-from llmweb.store.owners import FACT_OWNED, check_generation, require_owned
+from llmweb.store.owners import FACT_OWNED, check_generation, check_room, require_owned, text_bytes
 
 
 def facts_of(db: sqlite3.Connection, conv_id: str) -> list[Fact]:
@@ -33,6 +33,7 @@ class FactQueries(Connection):
         with self._write() as db:
             check_generation(db, owner, generation)
             require_owned(db, owner, conv_id)
+            check_room(db, self.caps, owner, size=text_bytes(text))
             cur = db.execute(
                 "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, ?, ?)",
                 (conv_id, text, int(bool(pinned)), time.time()),

@@ -1,6 +1,6 @@
 """The records the store takes and returns: `ChatSettings`, `Conversation`, `StoredTurn`, `Fact`,
-`ConversationInfo`, `SearchHit`, the `NotFound` error, conversation ids (`new_id`), and how a turn's
-stats and sources are kept as JSON text.
+`ConversationInfo`, `SearchHit`, `OwnerCaps`, the `NotFound` error, conversation ids (`new_id`),
+and how a turn's stats and sources are kept as JSON text.
 
 It owns the shape of these values (ChatSettings checks the kind of each field; chat/session.py
 checks them against the server's limits). It must not run SQL or know who owns what: that is the
@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmweb.config import Settings
 from llmweb.errors import LlmwebError
-from llmweb.records import Source, Turn, TurnStats
+from llmweb.records import LOCAL_OWNER, Source, Turn, TurnStats
 
 DEFAULT_TITLE = "New chat"
 TITLE_CHARS = 40  # auto-titles are cut to about this many characters
@@ -162,3 +163,17 @@ def stats_text(stats: TurnStats | None) -> str:
 def sources_text(sources: Sequence[Source]) -> str:
     # ensure_ascii=True (the default) keeps odd strings (e.g. surrogate-escaped file names) storable
     return json.dumps([s.to_dict() for s in sources])
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerCaps:
+    """What one owner may keep (0: no cap). The local owner of a single-user install is not capped
+    (`exempt`): it is the machine's owner, and these caps are for strangers sharing a server."""
+
+    chats: int = 0
+    stored_bytes: int = 0
+    exempt: frozenset[str] = frozenset({LOCAL_OWNER})
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> OwnerCaps:
+        return cls(settings.owner_max_chats, settings.owner_max_stored_mb * 2**20)

@@ -10,8 +10,11 @@ remembers when each owner was last seen, for the retention purge (`idle_owners`,
 its transaction, and a write that read an older one (a reply or a fold that began before the
 delete) commits nothing (`check_generation`, inside the write's transaction: `Deleted`).
 
+`check_room` holds the per-owner caps (`OwnerCaps`: conversations, bytes of text) that every
+write adding a chat or text checks in its transaction.
+
 It must not decide who the caller is (web/ does) nor open transactions of its own beyond the
-three owner methods of `OwnerQueries`.
+owner methods of `OwnerQueries`.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from __future__ import annotations
 import sqlite3
 import time
 
+from llmweb.errors import InputError
 from llmweb.store.connection import Connection
-from llmweb.store.models import deleted, missing
+from llmweb.store.models import OwnerCaps, deleted, missing
 
 # a fact is the caller's when its conversation is (parameters: conversation id, owner)
 FACT_OWNED = "conversation_id = ? AND conversation_id IN (SELECT id FROM conversations WHERE owner = ?)"
@@ -67,6 +71,38 @@ def seen(db: sqlite3.Connection, owner: str, now: float) -> None:
     )
 
 
+def check_room(db: sqlite3.Connection, caps: OwnerCaps, owner: str, chats: int = 0, size: int = 0) -> None:
+    """An InputError naming the limit when `chats` more conversations or `size` more bytes of text
+    would take the owner past `caps` (inside the write's transaction, so two tabs cannot both pass).
+    One indexed count and a sum over the owner's chats (conversations.bytes, migration 9)."""
+    if owner in caps.exempt:
+        return
+    if chats and caps.chats:
+        (n,) = db.execute("SELECT COUNT(*) FROM conversations WHERE owner = ?", (owner,)).fetchone()
+        if n + chats > caps.chats:
+            raise InputError(
+                f"You have {n:,} chats here, the most one person may keep (LLMWEB_OWNER_MAX_CHATS = "
+                f"{caps.chats:,}). Delete one to start another."
+            )
+    if size > 0 and caps.stored_bytes:
+        (used,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM conversations WHERE owner = ?", (owner,)).fetchone()
+        if used + size > caps.stored_bytes:
+            raise InputError(
+                f"Your chats hold {_mb(used)} of text; this would add {_mb(size)}, past the "
+                f"{_mb(caps.stored_bytes)} one person may keep (LLMWEB_OWNER_MAX_STORED_MB). "
+                "Delete some chats first."
+            )
+
+
+def text_bytes(*texts: str) -> int:
+    """The UTF-8 bytes of texts, as the store keeps them (conversations.bytes)."""
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB" if n >= 2**20 else f"{max(n, 0) / 1024:,.0f} kB"
+
+
 class OwnerQueries(Connection):
     """The owners table: when each owner was last seen, and deleting all an owner stored."""
 
@@ -89,6 +125,12 @@ class OwnerQueries(Connection):
                 (owner,),
             )
         return ids
+
+    def room(self, owner: str, chats: int = 0, size: int = 0) -> None:
+        """`check_room` ahead of a long write (a reply generates for seconds before its turn is
+        stored): the InputError naming the limit now, not after the work. The write checks again."""
+        with self._read() as db:
+            check_room(db, self.caps, owner, chats, size)
 
     def generation(self, owner: str) -> int:
         """The owner's generation now: a turn of a new chat reads it before it begins, and its

@@ -16,6 +16,35 @@ from pathlib import Path
 from llmweb.errors import ConfigError
 from llmweb.records import LOCAL_OWNER
 
+# An owner's search tag (migration 8): 'o' + the hex of its name + 'x', one token of letters and digits
+# that the tokenizer keeps whole and the porter stemmer leaves alone (no English suffix ends in x).
+# store/search.py's `owner_tag` makes the same in Python.
+OWNER_TAG = "'o' || lower(hex(owner)) || 'x'"
+
+
+def _len(value: str) -> str:
+    """SQL for the UTF-8 bytes of a text value (0 for NULL)."""
+    return f"COALESCE(length(CAST({value} AS BLOB)), 0)"
+
+
+_TURN_BYTES = " + ".join(_len(f"{{t}}.{c}") for c in ("user", "assistant", "stats", "sources"))
+
+
+def _bytes_triggers(table: str, size: str, columns: str) -> tuple[str, str, str]:
+    """Triggers that keep conversations.bytes in step with `table`'s rows (`size`: SQL of a row's
+    bytes over the row {t}), on insert, delete and an update of `columns`."""
+    if "length" not in size:  # a column: its bytes
+        size = _len(size)
+    new, old = f"({size.format(t='new')})", f"({size.format(t='old')})"
+    update = "UPDATE conversations SET bytes = bytes {} WHERE id = {}.conversation_id;"
+    return (
+        f"CREATE TRIGGER {table}_bytes_insert AFTER INSERT ON {table} BEGIN {update.format('+ ' + new, 'new')} END",
+        f"CREATE TRIGGER {table}_bytes_delete AFTER DELETE ON {table} BEGIN {update.format('- ' + old, 'old')} END",
+        f"CREATE TRIGGER {table}_bytes_update AFTER UPDATE OF {columns} ON {table} BEGIN "
+        f"{update.format(f'+ {new} - {old}', 'new')} END",
+    )
+
+
 # Each entry moves the schema up one version; applied in order, each in its own transaction.
 # Never edit an entry once released: append a new one.
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -121,6 +150,59 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             created         REAL NOT NULL,
             PRIMARY KEY (owner, doc_id, task, piece, model)
         )""",
+    ),
+    (  # 8: search scoped to the owner before it scans. Each turn carries its owner's tag (OWNER_TAG:
+        # one token no user text can reach, in a column of its own), and the index has it as a third
+        # column, so store/search.py's query matches the owner's tag AND the words: FTS5 never yields
+        # another owner's row to join, rank or snippet. The insert paths set the tag (INSERT_TURN);
+        # the guard refuses a turn without its conversation's.
+        "ALTER TABLE turns ADD COLUMN owner_tag TEXT NOT NULL DEFAULT ''",
+        f"UPDATE turns SET owner_tag = (SELECT {OWNER_TAG} FROM conversations c WHERE c.id = turns.conversation_id)",
+        "DROP TRIGGER turns_fts_insert",
+        "DROP TRIGGER turns_fts_delete",
+        "DROP TRIGGER turns_fts_update",
+        "DROP TABLE turns_fts",
+        """CREATE VIRTUAL TABLE turns_fts USING fts5(
+            user, assistant, owner_tag, content='turns', content_rowid='rowid',
+            tokenize='porter unicode61 remove_diacritics 2'
+        )""",
+        "INSERT INTO turns_fts(turns_fts) VALUES ('rebuild')",
+        f"""CREATE TRIGGER turns_owner_tag BEFORE INSERT ON turns
+            WHEN new.owner_tag IS NOT (SELECT {OWNER_TAG} FROM conversations c WHERE c.id = new.conversation_id)
+            BEGIN SELECT RAISE(ABORT, 'a turn must carry its conversation owner''s tag'); END""",
+        """CREATE TRIGGER turns_fts_insert AFTER INSERT ON turns BEGIN
+            INSERT INTO turns_fts (rowid, user, assistant, owner_tag)
+            VALUES (new.rowid, new.user, new.assistant, new.owner_tag);
+        END""",
+        """CREATE TRIGGER turns_fts_delete AFTER DELETE ON turns BEGIN
+            INSERT INTO turns_fts (turns_fts, rowid, user, assistant, owner_tag)
+            VALUES ('delete', old.rowid, old.user, old.assistant, old.owner_tag);
+        END""",
+        """CREATE TRIGGER turns_fts_update AFTER UPDATE OF user, assistant, owner_tag ON turns BEGIN
+            INSERT INTO turns_fts (turns_fts, rowid, user, assistant, owner_tag)
+            VALUES ('delete', old.rowid, old.user, old.assistant, old.owner_tag);
+            INSERT INTO turns_fts (rowid, user, assistant, owner_tag)
+            VALUES (new.rowid, new.user, new.assistant, new.owner_tag);
+        END""",
+    ),
+    (  # 9: what each conversation holds, in bytes of text (turns, versions, facts, its summary), kept by
+        # triggers, so an owner's total (store/owners.py `check_room`) is a sum over their chats, not a
+        # read of their text. It grows with every write, whichever path makes it.
+        "ALTER TABLE conversations ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0",
+        f"""UPDATE conversations SET bytes = {_len("summary")}
+            + COALESCE((SELECT SUM({_TURN_BYTES.format(t="t")}) FROM turns t
+                        WHERE t.conversation_id = conversations.id), 0)
+            + COALESCE((SELECT SUM({_len("v.body")}) FROM versions v WHERE v.conversation_id = conversations.id), 0)
+            + COALESCE((SELECT SUM({_len("f.text")}) FROM facts f WHERE f.conversation_id = conversations.id), 0)""",
+        *_bytes_triggers("turns", _TURN_BYTES, "user, assistant, stats, sources"),
+        *_bytes_triggers("versions", "{t}.body", "body"),
+        *_bytes_triggers("facts", "{t}.text", "text"),
+        f"""CREATE TRIGGER conversations_bytes_insert AFTER INSERT ON conversations BEGIN
+            UPDATE conversations SET bytes = bytes + {_len("new.summary")} WHERE id = new.id;
+        END""",
+        f"""CREATE TRIGGER conversations_bytes_summary AFTER UPDATE OF summary ON conversations BEGIN
+            UPDATE conversations SET bytes = bytes + {_len("new.summary")} - {_len("old.summary")} WHERE id = new.id;
+        END""",
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)

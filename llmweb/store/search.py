@@ -1,7 +1,10 @@
 """Full-text search over the owner's turns: `SearchQueries.search` and `fts_query`.
 
-It reads the FTS5 index of every turn's text (migration 3 in store/schema.py), kept in step by
-triggers, so no write method has to remember it. Hits are scoped to the owner in the same query.
+It reads the FTS5 index of every turn's text (migrations 3 and 8 in store/schema.py), kept in step
+by triggers, so no write method has to remember it. The query matches the owner's tag AND the
+words (`match_expression`), so FTS5 yields the owner's rows only: another owner's are never joined,
+ranked or cut into snippets. A search is bounded in length, in terms and in time (a progress
+handler stops it past SEARCH_TIME_S, with a clear message), since it runs under the store's lock.
 It must not write, and must not format the user's text into SQL: the query is a bound parameter.
 """
 
@@ -9,42 +12,84 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 
 from llmweb.errors import InputError
 from llmweb.store.connection import Connection
 from llmweb.store.models import HIT_END, HIT_START, SearchHit
 
 MAX_QUERY_CHARS = 500  # a search query may be this long
+MAX_QUERY_TERMS = 16  # words and "phrases" in one search
+MAX_PREFIX_TERMS = 4  # of them word* prefixes (each reads every indexed word it starts)
+SEARCH_TIME_S = 2.0  # a search running longer is stopped (it holds the store's lock)
+_PROGRESS_STEPS = 10_000  # SQLite VM steps between two looks at the clock
+_clock = time.monotonic
+
+SEARCH_SQL = """SELECT t.conversation_id, c.title, t.idx, snippet(turns_fts, -1, ?, ?, '…', 12)
+    FROM turns_fts
+    JOIN turns t ON t.rowid = turns_fts.rowid
+    JOIN conversations c ON c.id = t.conversation_id
+    WHERE turns_fts MATCH ? AND c.owner = ?
+    ORDER BY bm25(turns_fts), c.updated DESC, t.idx
+    LIMIT ?"""
 
 
 class SearchQueries(Connection):
     def search(self, owner: str, query: str, limit: int = 20) -> list[SearchHit]:
         """The owner's turns whose text matches `query` (SQLite FTS5 syntax: words, "phrases",
         AND/OR/NOT, (groups), prefix*; see `fts_query`), best first. A query FTS5 cannot read
-        (an open quote, a dangling AND) is an `InputError`."""
+        (an open quote, a dangling AND), one over the caps, or one that runs past SEARCH_TIME_S
+        is an `InputError`."""
         if not isinstance(query, str) or not query.strip():
             raise InputError("Type something to search for.")
         if len(query) > MAX_QUERY_CHARS:
             raise InputError(f"That search has {len(query):,} characters; the limit is {MAX_QUERY_CHARS}.")
+        match = match_expression(owner, query)
+        deadline = _clock() + SEARCH_TIME_S
+        stopped = []
+
+        def too_long() -> bool:
+            if _clock() > deadline:
+                stopped.append(True)
+                return True
+            return False
+
         with self._read() as db:
+            db.set_progress_handler(too_long, _PROGRESS_STEPS)
             try:
-                rows = db.execute(
-                    """SELECT t.conversation_id, c.title, t.idx,
-                              snippet(turns_fts, -1, ?, ?, '…', 12)
-                       FROM turns_fts
-                       JOIN turns t ON t.rowid = turns_fts.rowid
-                       JOIN conversations c ON c.id = t.conversation_id
-                       WHERE turns_fts MATCH ? AND c.owner = ?
-                       ORDER BY bm25(turns_fts), c.updated DESC, t.idx
-                       LIMIT ?""",
-                    (HIT_START, HIT_END, fts_query(query), owner, max(1, int(limit))),
-                ).fetchall()
-            except sqlite3.OperationalError as e:  # only the query text can fail this read
+                rows = db.execute(SEARCH_SQL, (HIT_START, HIT_END, match, owner, max(1, int(limit)))).fetchall()
+            except sqlite3.OperationalError as e:  # only the query text (or the clock) can fail this read
+                if stopped:
+                    raise InputError(
+                        f"That search ran past {SEARCH_TIME_S:g} s and was stopped: use fewer words, "
+                        "or longer ones before a *."
+                    ) from None
                 raise InputError(
                     f'Search could not read {query!r} ({e}). Use plain words, "a phrase in quotes", '
                     "AND, OR, NOT, or word* for a prefix."
                 ) from None
+            finally:
+                db.set_progress_handler(None, 0)
         return [SearchHit(*row) for row in rows]
+
+
+def owner_tag(owner: str) -> str:
+    """The owner's search tag, as store/schema.py's OWNER_TAG makes it in SQL."""
+    return "o" + owner.encode().hex() + "x"
+
+
+def match_expression(owner: str, query: str) -> str:
+    """The FTS5 query of `owner`'s search: their tag in its column AND the words in the text
+    columns. An InputError when the query has over MAX_QUERY_TERMS terms or MAX_PREFIX_TERMS
+    prefixes."""
+    words = fts_query(query)
+    parts = [p for p in _FTS_PART.findall(words) if p not in ("(", ")", "AND", "OR", "NOT")]
+    if len(parts) > MAX_QUERY_TERMS:
+        raise InputError(f"That search has {len(parts)} words or phrases; the limit is {MAX_QUERY_TERMS}.")
+    prefixes = sum(p.endswith("*") for p in parts)
+    if prefixes > MAX_PREFIX_TERMS:
+        raise InputError(f"That search has {prefixes} word* prefixes; the limit is {MAX_PREFIX_TERMS}.")
+    return f'owner_tag : "{owner_tag(owner)}" AND {{user assistant}} : ({words})'
 
 
 _FTS_PART = re.compile(r'"(?:[^"]|"")*"?|[()]|[^\s()"]+')  # a "phrase" (maybe unclosed), a bracket, a word

@@ -430,3 +430,29 @@ def test_an_answer_past_the_citing_cap_is_kept_whole_and_still_only_grows(monkey
 def test_the_walk_through_the_document_cites_every_span():
     walk = dp.by_section([(1, 3, "First part. More."), (4, 4, "Second\npart"), (5, 9, "   ")])
     assert walk == "By section:\n- [1]–[3] First part.\n- [4] Second part"
+
+
+def test_one_owner_at_the_document_jobs_cap_is_refused_and_the_other_is_not(rig):
+    """LLMWEB_OWNER_DOCUMENT_JOBS (2 by default): A's third task at once is refused with the limit
+    named; B's runs; when one of A's ends, A may start another. The local owner is not capped."""
+    from llmweb.records import LOCAL_OWNER
+
+    chat, runner, fmt, store, library = rig
+    assert chat.settings.owner_document_jobs == 2
+    for owner in (A, B, LOCAL_OWNER):
+        library.add(owner, "book.txt", doc_chunks("book.txt", 10))
+    intent = {o: chat.documents.detect(o, "Summarise book.txt") for o in (A, B, LOCAL_OWNER)}
+    running = [chat.documents.stream(A, intent[A]) for _ in range(2)]
+    for task in running:
+        assert isinstance(next(task), Started)  # each holds its place while paused
+    with pytest.raises(InputError) as e:
+        next(chat.documents.stream(A, intent[A]))
+    assert "LLMWEB_OWNER_DOCUMENT_JOBS" in str(e.value) and "2" in str(e.value), str(e.value)
+    assert isinstance(list(chat.documents.stream(B, intent[B]))[-1], Finished), "B is not affected"
+    local = [chat.documents.stream(LOCAL_OWNER, intent[LOCAL_OWNER]) for _ in range(3)]
+    assert all(isinstance(next(t), Started) for t in local)
+    for t in local:
+        t.close()
+    running[0].close()  # one of A's ends (a stop): A may start another
+    assert isinstance(list(chat.documents.stream(A, intent[A]))[-1], Finished)
+    running[1].close()
