@@ -4,7 +4,7 @@ Gradio's login route hands `launch(auth=...)` the name and password only, so it 
 client address. This route replaces it (cli/main.py puts it in front of Gradio's routes, with the
 API's): it reads the client's address (web/trust.py, LLMWEB_TRUSTED_PROXIES), and while the name or
 the address backs off after failed logins it refuses at once, without running scrypt, saying how
-long to wait (web/accounts.py: `Accounts.check`, `LoginThrottle`). On success it makes Gradio's own
+long to wait (web/accounts.py: `Accounts.check`; web/throttle.py). On success it makes Gradio's own
 session: a random token in the app's `tokens`, in the same two HttpOnly cookies Gradio sets.
 
 The refusal is a 400 like a wrong password (Gradio's login page shows its message only for a 400),
@@ -20,7 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from llmweb.config import Settings
-from llmweb.web.accounts import LoginBackoff, accounts_for
+from llmweb.web.accounts import accounts_for
+from llmweb.web.throttle import LoginBackoff
 from llmweb.web.trust import origin_of
 
 MAX_FORM_FIELD = 4096  # characters of a name or password read from the form

@@ -20,7 +20,7 @@ import pytest
 from llmweb.cli import user as user_cli_mod
 from llmweb.config import Settings
 from llmweb.errors import ConfigError, InputError, LlmwebError
-from llmweb.web import accounts
+from llmweb.web import accounts, throttle
 from llmweb.web.accounts import Accounts, Scrypt, gradio_auth, load_users, new_record, save_users
 
 SECRET = "Tr0ub4dor&3-horse"  # distinctive, so a leak anywhere is easy to spot
@@ -370,7 +370,7 @@ def throttled(users_path, monkeypatch):
     add(users_path, "alice", SECRET)
     acc = Accounts(users_file=users_path)
     clock = Clock()
-    acc.throttle = accounts.LoginThrottle(clock)
+    acc.throttle = throttle.LoginThrottle(clock)
     runs = []
     real = Scrypt.hash
     monkeypatch.setattr(Scrypt, "hash", lambda self, pw, salt: runs.append(1) or real(self, pw, salt))
@@ -379,13 +379,13 @@ def throttled(users_path, monkeypatch):
 
 def test_failed_logins_for_a_name_back_off_exponentially_without_running_scrypt(throttled, caplog):
     acc, clock, runs = throttled
-    for _ in range(accounts.BACKOFF_FREE):
+    for _ in range(throttle.BACKOFF_FREE):
         assert not acc.check("alice", OTHER, "198.51.100.1")
     runs.clear()
     assert not acc.check("alice", OTHER, "198.51.100.2")  # the 4th failure: 1 s to wait
     waits = []
     for _ in range(4):
-        with pytest.raises(accounts.LoginBackoff) as refused:
+        with pytest.raises(throttle.LoginBackoff) as refused:
             acc.check("alice", SECRET, "198.51.100.3")  # even the right password, from another address
         waits.append(refused.value.wait_s)
         assert "try again in" in str(refused.value)
@@ -395,16 +395,16 @@ def test_failed_logins_for_a_name_back_off_exponentially_without_running_scrypt(
     assert len(runs) == 1 + 4, "scrypt ran for the attempts let through, never for a refused one"
     assert not acc.verify("alice", SECRET), "verify: False while backing off"
     assert "backing off" in caplog.text and SECRET not in caplog.text and OTHER not in caplog.text
-    clock.now += accounts.BACKOFF_CAP_S
+    clock.now += throttle.BACKOFF_CAP_S
     assert acc.check("alice", SECRET, "198.51.100.3"), "the wait is capped, and then the right password works"
 
 
 def test_one_address_guessing_many_names_backs_off_and_other_addresses_do_not(throttled):
     acc, clock, runs = throttled
-    for i in range(accounts.BACKOFF_FREE + 1):
+    for i in range(throttle.BACKOFF_FREE + 1):
         assert not acc.check(f"guess{i}", OTHER, "203.0.113.66")
     runs.clear()
-    with pytest.raises(accounts.LoginBackoff):
+    with pytest.raises(throttle.LoginBackoff):
         acc.check("alice", SECRET, "203.0.113.66")
     assert runs == []
     assert acc.check("alice", SECRET, "192.0.2.10"), "alice from her own address is not held up"
@@ -412,11 +412,11 @@ def test_one_address_guessing_many_names_backs_off_and_other_addresses_do_not(th
 
 def test_the_wait_is_capped_and_the_throttle_forgets_old_names(monkeypatch):
     clock = Clock()
-    t = accounts.LoginThrottle(clock)
+    t = throttle.LoginThrottle(clock)
     for _ in range(40):
         t.failed("x", None)
-    assert t.wait_s("x") == accounts.BACKOFF_CAP_S
-    monkeypatch.setattr(accounts, "BACKOFF_KEYS", 3)
+    assert t.wait_s("x") == throttle.BACKOFF_CAP_S
+    monkeypatch.setattr(throttle, "BACKOFF_KEYS", 3)
     for name in "abcd":
         t.failed(name, None)
     assert len(t._failures) == 3
@@ -434,7 +434,7 @@ def test_the_login_route_backs_off_per_address_behind_a_trusted_proxy_and_makes_
     app.tokens, app.cookie_id = {}, "c1"  # what Gradio's App has
     http = TestClient(app, base_url="http://127.0.0.1:7860", client=("127.0.0.1", 5000))
     attacker = {"X-Forwarded-For": "203.0.113.66"}
-    for i in range(accounts.BACKOFF_FREE + 1):
+    for i in range(throttle.BACKOFF_FREE + 1):
         r = http.post("/login", data={"username": f"name{i}", "password": OTHER}, headers=attacker)
         assert r.status_code == 400 and r.json()["detail"] == "Incorrect credentials."
     held = http.post("/login", data={"username": "alice", "password": SECRET}, headers=attacker)
