@@ -59,11 +59,12 @@ def launch_app(runtime, **overrides):
     the API's routes in front of its own. Blocks, unless `prevent_thread_lock=True` (tests); returns
     (demo, url)."""
     from llmweb.web.api import api_routes
-    from llmweb.web.ui import build_app, launch_kwargs
+    from llmweb.web.ui import body_cap, build_app, launch_kwargs
 
     demo = build_app(runtime)
     demo.queue(default_concurrency_limit=None, max_size=GRADIO_QUEUE_SIZE)
-    kw = {**launch_kwargs(runtime.settings), "app_kwargs": {"routes": api_routes(runtime)}, **overrides}
+    app_kwargs = {"routes": api_routes(runtime), "middleware": [body_cap(runtime.settings)]}
+    kw = {**launch_kwargs(runtime.settings), "app_kwargs": app_kwargs, **overrides}
     _app, url, _ = demo.launch(**kw)
     return demo, url
 

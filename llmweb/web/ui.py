@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from llmweb.web.accounts import gradio_auth
+from llmweb.web.body_cap import BodyCap
 from llmweb.web.formatting import LATEX_DELIMITERS, NO_PLOT, stats_markdown
 from llmweb.web.panels.account import AccountHandlers
 from llmweb.web.panels.base import Panel
@@ -65,6 +66,13 @@ SCROLL_TO_TURN = """(hit) => {
   }, 300);
   return [];
 }"""
+
+
+def body_cap(settings):
+    """The middleware that caps request bodies before Gradio's routes read them (web/body_cap.py)."""
+    from starlette.middleware import Middleware
+
+    return Middleware(BodyCap, **BodyCap.options(settings))
 
 
 def launch_kwargs(settings) -> dict:
