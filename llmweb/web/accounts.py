@@ -350,7 +350,7 @@ class Accounts:
             raise LoginBackoff(wait)
         ok = (record or self._dummy).matches(password) and record is not None
         if ok:
-            self.throttle.succeeded(username)
+            self.throttle.succeeded(username, address)
             log.info("user %r logged in", username)
         else:
             self.throttle.failed(username, address)

@@ -1,6 +1,9 @@
 """The login back-off: failed logins per user name and per client address, and how long each must wait.
 
-In memory and bounded; it never sees a password, only names, addresses and outcomes. web/accounts.py
+A name's back-off cannot lock its owner out: an address a user has logged in from is known for that
+name and waits only for its own failures, so a stranger guessing at "alice" from elsewhere holds up
+new addresses for alice, never alice's own. In memory and bounded; it never sees a password, only
+names, addresses and outcomes. web/accounts.py
 asks it before running scrypt (so a flood of guesses costs the server nothing) and tells it how each
 check went; it must not decide whether a password is good or whom a session belongs to.
 """
@@ -39,6 +42,7 @@ class LoginThrottle:
         self._clock = clock
         self._lock = threading.Lock()
         self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # key -> (failures, wait until)
+        self._known: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, address) that logged in
 
     @staticmethod
     def _keys(name: str, address: str | None) -> list[str]:
@@ -48,7 +52,10 @@ class LoginThrottle:
         """Seconds until `name` (and `address`) may try again; 0 when they may now."""
         now = self._clock()
         with self._lock:
-            waits = [self._failures[k][1] - now for k in self._keys(name, address) if k in self._failures]
+            keys = self._keys(name, address)
+            if address and (name[:MAX_USERNAME_CHARS], address) in self._known:
+                keys = keys[1:]  # the user's own address: only its own failures count
+            waits = [self._failures[k][1] - now for k in keys if k in self._failures]
         return max([0.0, *waits])
 
     def failed(self, name: str, address: str | None = None) -> None:
@@ -68,8 +75,13 @@ class LoginThrottle:
             while len(self._failures) > BACKOFF_KEYS:
                 self._failures.popitem(last=False)
 
-    def succeeded(self, name: str) -> None:
+    def succeeded(self, name: str, address: str | None = None) -> None:
         """The name's failures are forgotten (not the address's: logging in to one's own account must not
-        reset an address that guesses at others)."""
+        reset an address that guesses at others), and the address is known for the name from now on."""
         with self._lock:
             self._failures.pop(self._keys(name, None)[0], None)
+            if address:
+                self._known.pop((name[:MAX_USERNAME_CHARS], address), None)
+                self._known[(name[:MAX_USERNAME_CHARS], address)] = None
+                while len(self._known) > BACKOFF_KEYS:
+                    self._known.popitem(last=False)

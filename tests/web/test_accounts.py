@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import io
 import json
@@ -397,6 +398,20 @@ def test_failed_logins_for_a_name_back_off_exponentially_without_running_scrypt(
     assert "backing off" in caplog.text and SECRET not in caplog.text and OTHER not in caplog.text
     clock.now += throttle.BACKOFF_CAP_S
     assert acc.check("alice", SECRET, "198.51.100.3"), "the wait is capped, and then the right password works"
+
+
+def test_guesses_at_a_name_from_elsewhere_never_lock_its_owner_out_of_her_own_address(throttled):
+    """The lockout the per-name back-off allowed (issue 35): a stranger failing for "alice" from many
+    addresses held alice herself up. Now an address she logged in from waits only for its own failures;
+    a new address still waits for the name's."""
+    acc, clock, runs = throttled
+    assert acc.check("alice", SECRET, "192.0.2.10"), "alice, from her usual address"
+    for i in range(20):
+        with contextlib.suppress(throttle.LoginBackoff):
+            acc.check("alice", OTHER, f"203.0.113.{i}")
+    with pytest.raises(throttle.LoginBackoff):
+        acc.check("alice", SECRET, "198.51.100.99")  # a new address still waits for the name's back-off
+    assert acc.check("alice", SECRET, "192.0.2.10"), "not locked out from her own address"
 
 
 def test_one_address_guessing_many_names_backs_off_and_other_addresses_do_not(throttled):
