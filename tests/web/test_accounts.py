@@ -461,6 +461,34 @@ def test_the_login_route_backs_off_per_address_behind_a_trusted_proxy_and_makes_
     assert login_routes(Settings(data_dir=tmp_path)) == [], "no login, no route"
 
 
+def test_the_login_route_refuses_a_form_posted_by_another_sites_page(tmp_path, users_path):
+    """Login CSRF (issue 35): another site's page could post the login form and log the visitor in to
+    the attacker's account; now a cross-site Origin, Referer or Sec-Fetch-Site is refused first."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from llmweb.web.login import login_routes
+
+    add(users_path, "alice", SECRET)
+    app = FastAPI(routes=login_routes(Settings(data_dir=tmp_path, auth_file=users_path)))
+    app.tokens, app.cookie_id = {}, "c1"
+    http = TestClient(app, base_url="http://127.0.0.1:7860")
+    form = {"username": "alice", "password": SECRET}
+    for headers in (
+        {"Origin": "https://evil.example"},
+        {"Origin": "null"},
+        {"Referer": "https://evil.example/page"},
+        {"Sec-Fetch-Site": "cross-site"},
+    ):
+        r = http.post("/login", data=form, headers=headers)
+        assert r.status_code == 403 and not app.tokens, headers
+    assert http.post("/login", data=form, headers={"Origin": "http://127.0.0.1:7860"}).status_code == 200
+    assert http.post("/login", data=form, headers={"Referer": "http://127.0.0.1:7860/"}).status_code == 200
+    assert http.post("/login", data=form).status_code == 200, "no Origin: not a browser's cross-site post"
+    proxied = {"Origin": "https://chat.example", "X-Forwarded-Host": "chat.example"}
+    assert http.post("/login", data=form, headers=proxied).status_code == 200, "behind a proxy that sets the Host"
+
+
 # ---- removing a user
 
 
