@@ -145,3 +145,19 @@ def test_request_bodies_are_capped_in_front_of_gradios_routes(tmp_path):
     finally:
         demo.close()
         served.store.close()
+
+
+def test_exports_are_private_to_this_process_and_owner(runtime, gradio_cache):  # noqa: F811
+    """A fixed /tmp/llmweb-exports (issue 35) let another local user plant the folder or read the files;
+    now the root is the process's own mkdtemp folder, each owner's folder 0700, each file 0600."""
+    import stat
+    import tempfile
+
+    h = Handlers(runtime)
+    *_, final = h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
+    path = transfer.Path(h.transfer.export_json(Panel(*final[:-1]).conv_state, A_TOKEN, NOBODY))
+    root = path.parent.parent
+    assert root != transfer.Path(tempfile.gettempdir()) / "llmweb-exports" and root.name.startswith("llmweb-exports-")
+    for p, mode in ((root, 0o700), (path.parent, 0o700), (path, 0o600)):
+        assert stat.S_IMODE(p.stat().st_mode) == mode, (p, oct(p.stat().st_mode))
+    h.account.delete_everything(A_TOKEN, NOBODY)
