@@ -34,6 +34,9 @@ def on_spaces(env=os.environ) -> bool:
 GRADIO_QUEUE_SIZE = 4096
 
 
+PRIVATE_UMASK = 0o077  # every file and folder llmweb creates: 0600 / 0700
+
+
 def serve_settings(args, env=os.environ) -> Settings:
     """Settings for `serve`: on Hugging Face Spaces, bind 0.0.0.0 and keep data in a writable dir."""
     overrides = {"host": args.host, "port": args.port}
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmweb.engine.models import configure_allocator
 
     configure_allocator()
+    os.umask(PRIVATE_UMASK)  # the database, users file, secret and indexes: this user's alone
     try:
         return args.func(args)
     except LlmwebError as e:
