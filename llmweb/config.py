@@ -95,6 +95,7 @@ class Settings:
     auth_file: Path | None = None  # users file with salted scrypt hashes (python -m llmweb user add ...)
     max_file_mb: int = 20
     max_message_chars: int = 100_000
+    web_max_body_kb: int = 4096  # largest body of a request to the page's own routes (uploads: LLMWEB_USER_DOCS_MB)
     # many visitors, one server
     single_user: str = "auto"  # auto | 1 | 0: one owner ("local") for every browser; auto = loopback, no login
     shared_uploads: str = "auto"  # auto | 1 | 0: UI uploads join the shared library; auto = single_user
@@ -144,6 +145,7 @@ class Settings:
             "max_file_mb",
             "max_message_chars",
             "api_max_body_kb",
+            "web_max_body_kb",
             "engine_concurrency",
         ):
             check(getattr(self, name) >= 1, f"LLMWEB_{name.upper()} must be >= 1")

@@ -11,6 +11,7 @@ It must not plan the turn itself or stream replies: chat/turn.py does that.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -31,6 +32,12 @@ from llmweb.store.db import Store
 from llmweb.store.models import Conversation, NotFound
 
 log = logging.getLogger(__name__)
+
+
+def log_id(conv_id: str) -> str:
+    """What a log line calls a chat: "chat-" and 8 hex digits of its id's SHA-256, never the id itself
+    (with the owner's browser token, an id opens the chat; logs are read by more people than that)."""
+    return "chat-" + hashlib.sha256(conv_id.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
 
 class Summariser:
@@ -179,11 +186,11 @@ class Folds:
                 self.recalls.add(conv_id, enumerate(turns, first), alive=alive)
             known = Memory(previous, tuple(self.store.facts(owner, conv_id)))
             try:
-                folded = fold(known, turns, partial(self.summariser.write, owner=owner), name=conv_id)
+                folded = fold(known, turns, partial(self.summariser.write, owner=owner), name=log_id(conv_id))
             except LlmwebError as e:  # the window still moves on: facts and recall keep what matters
                 if stop.is_set():
                     return
-                log.warning("summary for %s failed (%s); keeping the previous summary", conv_id, e)
+                log.warning("summary for %s failed (%s); keeping the previous summary", log_id(conv_id), e)
                 folded = learn(known, turns)
             for fact in folded.facts[len(known.facts) :]:
                 if stop.is_set():
@@ -193,9 +200,9 @@ class Folds:
                 self.store.set_summary(owner, conv_id, folded.summary, first + len(turns), generation=generation)
                 self._warm(owner, conv_id)
         except NotFound:  # deleted meanwhile (`Deleted` too): nothing of it is left to fold
-            log.info("folding turns for %s: the chat was deleted", conv_id)
+            log.info("folding turns for %s: the chat was deleted", log_id(conv_id))
         except Exception:  # the turn already streamed; a failed fold is tried again next turn
-            log.exception("folding turns for %s failed", conv_id)
+            log.exception("folding turns for %s failed", log_id(conv_id))
 
     def _warm(self, owner: str, conv_id: str) -> None:
         """Prefill the folded prompt's prefix now, in the background, into the session's KV cache.
@@ -230,4 +237,4 @@ class Folds:
                 )
             ).result()
         except LlmwebError as e:  # busy, out of memory, shut down: the next turn prefills it itself
-            log.info("warming %s after a fold: %s", conv_id, e)
+            log.info("warming %s after a fold: %s", log_id(conv_id), e)

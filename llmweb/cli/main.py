@@ -34,6 +34,9 @@ def on_spaces(env=os.environ) -> bool:
 GRADIO_QUEUE_SIZE = 4096
 
 
+PRIVATE_UMASK = 0o077  # every file and folder llmweb creates: 0600 / 0700
+
+
 def serve_settings(args, env=os.environ) -> Settings:
     """Settings for `serve`: on Hugging Face Spaces, bind 0.0.0.0 and keep data in a writable dir."""
     overrides = {"host": args.host, "port": args.port}
@@ -59,11 +62,12 @@ def launch_app(runtime, **overrides):
     the API's routes in front of its own. Blocks, unless `prevent_thread_lock=True` (tests); returns
     (demo, url)."""
     from llmweb.web.api import api_routes
-    from llmweb.web.ui import build_app, launch_kwargs
+    from llmweb.web.ui import body_cap, build_app, launch_kwargs
 
     demo = build_app(runtime)
     demo.queue(default_concurrency_limit=None, max_size=GRADIO_QUEUE_SIZE)
-    kw = {**launch_kwargs(runtime.settings), "app_kwargs": {"routes": api_routes(runtime)}, **overrides}
+    app_kwargs = {"routes": api_routes(runtime), "middleware": [body_cap(runtime.settings)]}
+    kw = {**launch_kwargs(runtime.settings), "app_kwargs": app_kwargs, **overrides}
     _app, url, _ = demo.launch(**kw)
     return demo, url
 
@@ -179,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmweb.engine.models import configure_allocator
 
     configure_allocator()
+    os.umask(PRIVATE_UMASK)  # the database, users file, secret and indexes: this user's alone
     try:
         return args.func(args)
     except LlmwebError as e:

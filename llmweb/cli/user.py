@@ -27,14 +27,13 @@ from llmweb.store.db import Store
 from llmweb.web.accounts import (
     DEFAULT_FILE_NAME,
     check_password,
-    key_digest,
     load_users,
-    new_api_key,
     new_record,
     parse_auth_pairs,
     save_users,
     users_file_path,
 )
+from llmweb.web.api_keys import key_digest, new_api_key
 from llmweb.web.identity import login_owner
 
 STORE_FILE = "llmweb.sqlite3"  # in the data dir, as llmweb.runtime opens it

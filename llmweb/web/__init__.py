@@ -4,7 +4,8 @@
   ui.py         the Gradio page: its layout and the wiring of its events
   panels/       the page's event handlers, one module per panel (see panels/__init__.py)
   formatting.py what the page shows, as pure functions (Markdown, HTML, messages, plot tables)
-  accounts.py   login accounts, the users file and API keys
+  accounts.py   login accounts and the users file; throttle.py the login back-off
+  api_keys.py   the OpenAI-compatible API's keys
   api.py        the OpenAI-compatible API's routes; api_wire.py its request parsing and JSON
 
 Transport only: who is calling, reading bounded input, showing results, and turning domain

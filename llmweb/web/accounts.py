@@ -15,14 +15,10 @@ The contract:
   - The file is JSON only, written atomically (temp file in the same folder, fsync, os.replace) with
     mode 0o600 from the moment it exists.
 
-API keys (the OpenAI-compatible API, web/api.py): `LLMWEB_API_KEYS` ("alice:key1,bob:key2", or keys of
-no user), and keys a user holds in the users file (`python -m llmweb user key NAME` prints a new
-one once and keeps only its SHA-256 digest). `ApiKeys.lookup(key)` says whose a key is; no key
-or digest reaches a log line or a message.
-
+The login back-off is web/throttle.py's, API keys web/api_keys.py's (both read this file's users).
 Stdlib only; this module knows nothing of Gradio. `gradio_auth` returns the plain callable that
-web/ui.py hands to `launch(auth=...)`. It says whether a password or a key is good and whose a key
-is; it must not turn that into an owner (web/identity.py does) or keep anything but the users file.
+web/ui.py hands to `launch(auth=...)`. It says whether a password is good; it must not turn that into
+an owner (web/identity.py does) or keep anything but the users file.
 """
 
 from __future__ import annotations
@@ -40,13 +36,13 @@ import secrets
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmweb.config import MAX_USERNAME_CHARS, USERNAME_RE, check_username, parse_api_keys
+from llmweb.config import MAX_USERNAME_CHARS, USERNAME_RE, check_username
 from llmweb.errors import ConfigError, InputError
+from llmweb.web.throttle import LoginBackoff, LoginThrottle
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +54,7 @@ MIN_PASSWORD_CHARS = 8  # for the users file; LLMWEB_AUTH passwords are the oper
 MAX_PASSWORD_CHARS = 1024
 MAX_FILE_BYTES = 16 * 1024 * 1024
 SCRYPT_MAXMEM = 256 * 1024 * 1024  # refuse cost parameters (from a hand-edited file) that need more
-API_KEY_PREFIX = "llmweb-"  # keys made by `user key NAME`: the prefix, then 256 random bits
-_DIGEST = re.compile(r"[0-9a-f]{64}")
-# login back-off: after FREE failures for a name or from an address, each further failure doubles the
-# wait (1 s, 2 s, 4 s ...) up to CAP; a quiet CAP after the last wait forgets the failures
-BACKOFF_FREE = 3
-BACKOFF_BASE_S = 1.0
-BACKOFF_CAP_S = 300.0
-BACKOFF_KEYS = 10_000  # names and addresses remembered, least recently failed dropped first
+_DIGEST = re.compile(r"[0-9a-f]{64}")  # an API key's SHA-256 (web/api_keys.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,58 +296,6 @@ def users_file_path(settings, file: Path | None = None) -> Path:
     return Path(settings.data_dir) / DEFAULT_FILE_NAME
 
 
-class LoginBackoff(InputError):
-    """A login refused without checking the password: too many failures lately for the name or address."""
-
-    def __init__(self, wait_s: float):
-        self.wait_s = max(1, round(wait_s + 0.49))
-        super().__init__(f"Too many failed logins; try again in {self.wait_s} s.")
-
-
-class LoginThrottle:
-    """Failed logins per user name (as typed: known or not) and per client address, with an exponential,
-    capped wait. In memory, bounded (BACKOFF_KEYS); `clock` is for tests."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._failures: OrderedDict[str, tuple[int, float]] = OrderedDict()  # key -> (failures, wait until)
-
-    @staticmethod
-    def _keys(name: str, address: str | None) -> list[str]:
-        return [f"name:{name[:MAX_USERNAME_CHARS]}"] + ([f"address:{address}"] if address else [])
-
-    def wait_s(self, name: str, address: str | None = None) -> float:
-        """Seconds until `name` (and `address`) may try again; 0 when they may now."""
-        now = self._clock()
-        with self._lock:
-            waits = [self._failures[k][1] - now for k in self._keys(name, address) if k in self._failures]
-        return max([0.0, *waits])
-
-    def failed(self, name: str, address: str | None = None) -> None:
-        now = self._clock()
-        with self._lock:
-            for key in self._keys(name, address):
-                count, until = self._failures.pop(key, (0, now))
-                if now > until + BACKOFF_CAP_S:  # quiet for long enough: start over
-                    count = 0
-                count += 1
-                wait = (
-                    0.0
-                    if count <= BACKOFF_FREE
-                    else min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (count - BACKOFF_FREE - 1))
-                )
-                self._failures[key] = (count, now + wait)
-            while len(self._failures) > BACKOFF_KEYS:
-                self._failures.popitem(last=False)
-
-    def succeeded(self, name: str) -> None:
-        """The name's failures are forgotten (not the address's: logging in to one's own account must not
-        reset an address that guesses at others)."""
-        with self._lock:
-            self._failures.pop(self._keys(name, None)[0], None)
-
-
 class Accounts:
     """Checks logins against the LLMWEB_AUTH users and the users file."""
 
@@ -413,7 +350,7 @@ class Accounts:
             raise LoginBackoff(wait)
         ok = (record or self._dummy).matches(password) and record is not None
         if ok:
-            self.throttle.succeeded(username)
+            self.throttle.succeeded(username, address)
             log.info("user %r logged in", username)
         else:
             self.throttle.failed(username, address)
@@ -443,57 +380,3 @@ def gradio_auth(settings) -> Callable[[str, str], Awaitable[bool]] | None:
         return await asyncio.to_thread(accounts.verify, username, password)
 
     return check_login
-
-
-# -- API keys ----------------------------------------------------------------------------------
-
-
-def key_digest(key: str) -> str:
-    """The SHA-256 hex digest a key is known by. Keys are long random strings, so an unsalted hash
-    is enough: what the users file holds cannot be turned back into a key."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def new_api_key() -> str:
-    return API_KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-@dataclass(frozen=True, slots=True)
-class ApiCaller:
-    """Who a valid key belongs to: a user's name, or None for a key of no user; `tag` names the key
-    without revealing it (the first 12 hex digits of its digest)."""
-
-    name: str | None
-    tag: str
-
-
-class ApiKeys:
-    """Bearer keys for the OpenAI-compatible API: LLMWEB_API_KEYS, and the keys users hold in the
-    users file (`python -m llmweb user key NAME`), re-read when the file changes."""
-
-    def __init__(self, pairs: list[tuple[str | None, str]], users_file: Path | None = None):
-        self._env = {key_digest(key): name for name, key in pairs}
-        self._file = UsersFile(users_file) if users_file is not None else None
-
-    @classmethod
-    def from_settings(cls, settings) -> ApiKeys:
-        return cls(parse_api_keys(settings.api_keys), settings.auth_file)
-
-    def _file_keys(self) -> dict[str, str]:
-        users = self._file.users() if self._file else {}
-        return {digest: name for name, record in users.items() for digest in record.api_keys}
-
-    @property
-    def configured(self) -> bool:
-        """Are there any keys? Then every API request needs one."""
-        return bool(self._env) or bool(self._file_keys())
-
-    def lookup(self, key: str) -> ApiCaller | None:
-        """The caller a key belongs to, None for an unknown key (nothing is logged about the key)."""
-        if not isinstance(key, str) or not key:
-            return None
-        digest = key_digest(key)
-        if digest in self._env:
-            return ApiCaller(self._env[digest], digest[:12])
-        name = self._file_keys().get(digest)
-        return ApiCaller(name, digest[:12]) if name is not None else None

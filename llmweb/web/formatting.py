@@ -9,6 +9,7 @@ web/ui.py for the empty panel) call it and place the results.
 from __future__ import annotations
 
 import html
+import inspect
 import re
 from collections.abc import Sequence
 
@@ -47,16 +48,14 @@ def escape(value: object, *, inline: bool = False, message: bool = False) -> str
     sentence): whitespace runs become one space and `|` an entity, so the value cannot start a
     block (a fence, a heading) or a table cell.
 
-    `message=True` is for a chat message, Markdown the Chatbot renders, code blocks included,
-    where an entity would show as written (`&lt;` in a code sample). There, a zero-width space
-    goes after every `<` (no tag, comment or autolink starts with it) and between `]` and `(` or
-    `:` (no link, image or link definition, so no `javascript:` link either); the text reads as
-    written. A fenced code block is left exactly as written: Markdown shows it as text, so no tag
-    or link can form there, and a copied code sample has no hidden characters.
-    `message_text` takes the spaces out again."""
+    `message=True` is for a chat message, Markdown the Chatbot renders (see `_message`): prose gets
+    a zero-width space after every `<` (no tag, comment or autolink starts with it) and between `]`
+    and `(` or `:` (no link, image or link definition, so no `javascript:` link either); a fenced
+    code block the renderer certainly shows as code is left as written (a copied sample has no
+    hidden characters). `message_text` takes the spaces out again."""
     text = str(value)
     if message:
-        return "".join(part if code else _guard(part) for part, code in _code_parts(text))
+        return _message(text)
     if inline:
         text = " ".join(text.split())
     text = html.escape(text, quote=False).replace('"', "&quot;").replace("[", "&#91;")
@@ -70,27 +69,80 @@ def _guard(prose: str) -> str:
     return _LINKS.sub("]\u200b", prose.replace("<", "<\u200b"))
 
 
-def _code_parts(text: str) -> list[tuple[str, bool]]:
-    """`text` cut into (part, is_code) in order, in one pass over its lines. Code is a fenced block
-    whose opening fence starts its line (no indent: then no list or quote can hold it, so Markdown
-    sees the same block; a backtick fence's info string has no backtick), to its closing fence
-    (the same character, at least as long, at most 3 spaces in) or the end of the text. Everything
-    else counts as prose, inline code spans included: where they start and end depends on the
-    blocks around them, and guarding a span too many costs only hidden characters."""
-    out: list[tuple[str, bool]] = []
-    fence = ""  # the open fence, e.g. "```"
-    for line in text.splitlines(keepends=True):
+# -- chat messages, as Gradio 6.31's Chatbot renders them ------------------------------------------
+# The Chatbot's Python side passes a message through `inspect.cleandoc` (tabs become spaces, the common
+# indent of lines 2+ goes, leading and trailing blank lines go); its renderer
+# (gradio/templates/frontend/assets/markdown-code-*.js) then turns every `$$...$$` (latex_delimiters,
+# LATEX_DELIMITERS here) into a placeholder, lexes the rest with marked (GFM, v12's block rules), puts
+# the spans back HTML-escaped and sanitises the HTML with amuchina, which keeps <img src>, <form> and
+# <a href>. So the guard does the same cleandoc, and finds the lines marked shows as fenced code on
+# the text as marked lexes it (a span may hide fence lines), by marked's rules, not CommonMark's: a fence
+# opens with 3+ backticks (no backtick after them on the line) or 3+ tildes, at most 3 spaces in; it
+# closes at the first line of at most 3 spaces, the opening run, then only backticks, tildes and spaces
+# ("```~" closes "```"), else at the end of the text; lines end at "\n" alone (after \r\n and \r
+# became \n), never at U+2028 or a form feed. Gradio adds a block rule of its own: "```mermaid" at the
+# start of a block is a diagram whose text goes into the page as HTML, up to the first "```" anywhere;
+# the guard breaks every "```mermaid" (a zero-width space after it), so it shows as a code block.
+# Anything whose reading depends on the blocks around it is guarded: fence lines themselves (an info
+# string is prose when the line turns out a paragraph's), and, after a list or quote, an indented fence
+# and everything after it (it may be a list item's, which marked reads by the item's indent).
+# tests/web/test_renderer.py renders these cases in the real Chatbot.
+
+LATEX_DELIMITERS = ({"left": "$$", "right": "$$", "display": True},)  # ui.py gives the Chatbot these
+_LATEX = re.compile(r"\$\$[\s\S]+?\$\$")  # the renderer's own pattern for "$$" ... "$$"
+_MERMAID = "```mermaid"
+_FENCE = re.compile(r"( {0,3})(`{3,}(?=[^`]*$)|~{3,})(.*)")  # an opening fence line
+_CONTAINER = re.compile(r"[ \t]*(?:>|(?:[*+-]|\d{1,9}[.)])(?:[ \t]|$))")  # a quote or a list item starts
+_PROSE, _CODE, _FENCE_LINE = 0, 1, 2
+
+
+def _message(text: str) -> str:
+    """A chat message, guarded for the Chatbot's renderer (see above)."""
+    text = inspect.cleandoc(text.replace("\r\n", "\n").replace("\r", "\n"))  # as Gradio's Chatbot does
+    lines: list[list[tuple[str, bool]]] = [[]]  # the lines marked lexes, as (original text, is a $$ span)
+    at = 0
+    for m in _LATEX.finditer(text):
+        _add_lines(lines, text[at : m.start()])
+        lines[-1].append((m.group(), True))
+        at = m.end()
+    _add_lines(lines, text[at:])
+    view = ["".join("%" if is_span else part for part, is_span in line) for line in lines]
+    out = [
+        "".join(part if kind == _CODE and not is_span else _guard(part) for part, is_span in line)
+        for kind, line in zip(_line_kinds(view), lines, strict=True)
+    ]
+    return "\n".join(out).replace(_MERMAID, _MERMAID + "\u200b")
+
+
+def _add_lines(lines: list[list[tuple[str, bool]]], text: str) -> None:
+    first, *rest = text.split("\n")
+    if first:
+        lines[-1].append((first, False))
+    lines += [[(piece, False)] if piece else [] for piece in rest]
+
+
+def _line_kinds(lines: list[str]) -> list[int]:
+    """Each line (as marked lexes it) is prose, code or a fence line, in one pass (see above)."""
+    kinds, fence, all_guarded, container = [], "", False, False
+    for line in lines:
         if fence:
-            out.append((line, True))
-            stripped = line.lstrip(" ")
-            if len(line) - len(stripped) < 4 and stripped.startswith(fence) and not stripped.strip().strip(fence[0]):
-                fence = ""
-        elif line[:3] in ("```", "~~~") and not (line[0] == "`" and "`" in line.lstrip("`")):
-            fence = line[: len(line) - len(line.lstrip(line[0]))]
-            out.append((line, True))
-        else:
-            out.append((line, False))
-    return out
+            rest = line.lstrip(" ")
+            closes = len(line) - len(rest) <= 3 and rest.startswith(fence)
+            closes = closes and not rest[len(fence) :].rstrip(" ").strip("`~")
+            kinds.append(_FENCE_LINE if closes else _CODE)
+            fence = "" if closes else fence
+            continue
+        opening = _FENCE.fullmatch(line)
+        if opening and not all_guarded:
+            if opening[1] and container:  # may be a list item's fence: its extent is the item's
+                all_guarded = True
+            else:
+                fence = opening[2]
+            kinds.append(_FENCE_LINE)
+            continue
+        container = container or bool(_CONTAINER.match(line))
+        kinds.append(_PROSE)
+    return kinds
 
 
 def warnings(s: TurnStats, mem_limit_bytes: int = 0) -> list[str]:
@@ -199,7 +251,7 @@ def message_text(shown: str) -> str:
     """What the visitor wrote, back from a message the page shows (`history_messages` escaped it
     with `escape(..., message=True)`): the edit control hands the shown text back."""
     text = VERSION_MARKER.sub("", shown)
-    return text.replace("<\u200b", "<").replace("]\u200b", "]")
+    return text.replace("<\u200b", "<").replace("]\u200b", "]").replace(_MERMAID + "\u200b", _MERMAID)
 
 
 def version_marker(active: int, count: int) -> str:

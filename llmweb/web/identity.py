@@ -19,7 +19,7 @@ Every stored thing has an owner, a string, and every read names one. This module
 It must not store anything, decide what an owner may see (the store and library scope every read
 by the owner they are given), or import gradio: a Gradio request is read for its `username`, its
 client and headers (web/trust.py), and its app's login sessions (to end a removed user's).
-Passwords and key hashes are web/accounts.py's; this module only asks it whom a key belongs to.
+Passwords are web/accounts.py's, key hashes web/api_keys.py's; this module only asks it whom a key belongs to.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from llmweb.config import Settings
 from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER
-from llmweb.web.accounts import ApiKeys, accounts_for
+from llmweb.web.accounts import accounts_for
+from llmweb.web.api_keys import ApiKeys
 from llmweb.web.api_wire import ApiError
 from llmweb.web.trust import cross_site, headers_of, host_is_local, is_forwarded, origin_of
 

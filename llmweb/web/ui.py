@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import gradio as gr
 
 from llmweb.web.accounts import gradio_auth
-from llmweb.web.formatting import NO_PLOT, stats_markdown
+from llmweb.web.body_cap import BodyCap
+from llmweb.web.formatting import LATEX_DELIMITERS, NO_PLOT, stats_markdown
 from llmweb.web.panels.account import AccountHandlers
 from llmweb.web.panels.base import Panel
 from llmweb.web.panels.chat import ChatHandlers
@@ -65,6 +66,13 @@ SCROLL_TO_TURN = """(hit) => {
   }, 300);
   return [];
 }"""
+
+
+def body_cap(settings):
+    """The middleware that caps request bodies before Gradio's routes read them (web/body_cap.py)."""
+    from starlette.middleware import Middleware
+
+    return Middleware(BodyCap, **BodyCap.options(settings))
 
 
 def launch_kwargs(settings) -> dict:
@@ -207,8 +215,25 @@ def _sidebar() -> dict:
     )
 
 
+def chat_view(**kw) -> gr.Chatbot:
+    """The chat's Chatbot. Its rendering settings are the ones formatting.py's message guard is built
+    for (Markdown, sanitised HTML, LaTeX between $$): tests/web/test_renderer.py renders hostile
+    messages in this very component."""
+    return gr.Chatbot(
+        label="Chat",
+        height=560,
+        elem_id="llmweb-chat",
+        buttons=["copy"],
+        editable="user",
+        render_markdown=True,
+        sanitize_html=True,
+        latex_delimiters=[dict(d) for d in LATEX_DELIMITERS],
+        **kw,
+    )
+
+
 def _chat_column() -> dict:
-    chatbot = gr.Chatbot(label="Chat", height=560, elem_id="llmweb-chat", buttons=["copy"], editable="user")
+    chatbot = chat_view()
     with gr.Row(visible=False, elem_id="llmweb-versions") as versions_row:
         version_dd = gr.Dropdown(label="Versions of this chat", choices=[], scale=4, elem_id="llmweb-version")
         prev_version_btn = gr.Button("‹", size="sm", scale=0, min_width=40, elem_id="llmweb-version-prev")

@@ -112,3 +112,23 @@ def test_ingest_then_search_json(tmp_path):
     hits = json.loads(out.stdout)
     assert hits[0]["source"].endswith("rover.md") and "412 hours" in hits[0]["text"]
     assert set(hits[0]) == {"source", "page", "text", "score"} and len(hits) <= 2
+
+
+def test_files_the_cli_creates_are_private(tmp_path):
+    """World-readable data files (issue 35): after `main` (any command) the process's umask is 077, so
+    the SQLite file, the users file, the secret and the indexes it creates are 0600, folders 0700."""
+    import stat
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys; from pathlib import Path; from llmweb.cli.main import main; "
+        "main(['user', 'list', '--file', sys.argv[1] + '/users.json']); "
+        "from llmweb.store.db import Store; d = Path(sys.argv[1]) / 'data'; d.mkdir(); "
+        "Store(d / 'llmweb.sqlite3').close()"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, capture_output=True, timeout=120)
+    data = tmp_path / "data"
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    for f in data.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, (f, oct(f.stat().st_mode))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import io
 import json
@@ -20,7 +21,7 @@ import pytest
 from llmweb.cli import user as user_cli_mod
 from llmweb.config import Settings
 from llmweb.errors import ConfigError, InputError, LlmwebError
-from llmweb.web import accounts
+from llmweb.web import accounts, throttle
 from llmweb.web.accounts import Accounts, Scrypt, gradio_auth, load_users, new_record, save_users
 
 SECRET = "Tr0ub4dor&3-horse"  # distinctive, so a leak anywhere is easy to spot
@@ -370,7 +371,7 @@ def throttled(users_path, monkeypatch):
     add(users_path, "alice", SECRET)
     acc = Accounts(users_file=users_path)
     clock = Clock()
-    acc.throttle = accounts.LoginThrottle(clock)
+    acc.throttle = throttle.LoginThrottle(clock)
     runs = []
     real = Scrypt.hash
     monkeypatch.setattr(Scrypt, "hash", lambda self, pw, salt: runs.append(1) or real(self, pw, salt))
@@ -379,13 +380,13 @@ def throttled(users_path, monkeypatch):
 
 def test_failed_logins_for_a_name_back_off_exponentially_without_running_scrypt(throttled, caplog):
     acc, clock, runs = throttled
-    for _ in range(accounts.BACKOFF_FREE):
+    for _ in range(throttle.BACKOFF_FREE):
         assert not acc.check("alice", OTHER, "198.51.100.1")
     runs.clear()
     assert not acc.check("alice", OTHER, "198.51.100.2")  # the 4th failure: 1 s to wait
     waits = []
     for _ in range(4):
-        with pytest.raises(accounts.LoginBackoff) as refused:
+        with pytest.raises(throttle.LoginBackoff) as refused:
             acc.check("alice", SECRET, "198.51.100.3")  # even the right password, from another address
         waits.append(refused.value.wait_s)
         assert "try again in" in str(refused.value)
@@ -395,16 +396,30 @@ def test_failed_logins_for_a_name_back_off_exponentially_without_running_scrypt(
     assert len(runs) == 1 + 4, "scrypt ran for the attempts let through, never for a refused one"
     assert not acc.verify("alice", SECRET), "verify: False while backing off"
     assert "backing off" in caplog.text and SECRET not in caplog.text and OTHER not in caplog.text
-    clock.now += accounts.BACKOFF_CAP_S
+    clock.now += throttle.BACKOFF_CAP_S
     assert acc.check("alice", SECRET, "198.51.100.3"), "the wait is capped, and then the right password works"
+
+
+def test_guesses_at_a_name_from_elsewhere_never_lock_its_owner_out_of_her_own_address(throttled):
+    """The lockout the per-name back-off allowed (issue 35): a stranger failing for "alice" from many
+    addresses held alice herself up. Now an address she logged in from waits only for its own failures;
+    a new address still waits for the name's."""
+    acc, clock, runs = throttled
+    assert acc.check("alice", SECRET, "192.0.2.10"), "alice, from her usual address"
+    for i in range(20):
+        with contextlib.suppress(throttle.LoginBackoff):
+            acc.check("alice", OTHER, f"203.0.113.{i}")
+    with pytest.raises(throttle.LoginBackoff):
+        acc.check("alice", SECRET, "198.51.100.99")  # a new address still waits for the name's back-off
+    assert acc.check("alice", SECRET, "192.0.2.10"), "not locked out from her own address"
 
 
 def test_one_address_guessing_many_names_backs_off_and_other_addresses_do_not(throttled):
     acc, clock, runs = throttled
-    for i in range(accounts.BACKOFF_FREE + 1):
+    for i in range(throttle.BACKOFF_FREE + 1):
         assert not acc.check(f"guess{i}", OTHER, "203.0.113.66")
     runs.clear()
-    with pytest.raises(accounts.LoginBackoff):
+    with pytest.raises(throttle.LoginBackoff):
         acc.check("alice", SECRET, "203.0.113.66")
     assert runs == []
     assert acc.check("alice", SECRET, "192.0.2.10"), "alice from her own address is not held up"
@@ -412,11 +427,11 @@ def test_one_address_guessing_many_names_backs_off_and_other_addresses_do_not(th
 
 def test_the_wait_is_capped_and_the_throttle_forgets_old_names(monkeypatch):
     clock = Clock()
-    t = accounts.LoginThrottle(clock)
+    t = throttle.LoginThrottle(clock)
     for _ in range(40):
         t.failed("x", None)
-    assert t.wait_s("x") == accounts.BACKOFF_CAP_S
-    monkeypatch.setattr(accounts, "BACKOFF_KEYS", 3)
+    assert t.wait_s("x") == throttle.BACKOFF_CAP_S
+    monkeypatch.setattr(throttle, "BACKOFF_KEYS", 3)
     for name in "abcd":
         t.failed(name, None)
     assert len(t._failures) == 3
@@ -434,7 +449,7 @@ def test_the_login_route_backs_off_per_address_behind_a_trusted_proxy_and_makes_
     app.tokens, app.cookie_id = {}, "c1"  # what Gradio's App has
     http = TestClient(app, base_url="http://127.0.0.1:7860", client=("127.0.0.1", 5000))
     attacker = {"X-Forwarded-For": "203.0.113.66"}
-    for i in range(accounts.BACKOFF_FREE + 1):
+    for i in range(throttle.BACKOFF_FREE + 1):
         r = http.post("/login", data={"username": f"name{i}", "password": OTHER}, headers=attacker)
         assert r.status_code == 400 and r.json()["detail"] == "Incorrect credentials."
     held = http.post("/login", data={"username": "alice", "password": SECRET}, headers=attacker)
@@ -444,6 +459,34 @@ def test_the_login_route_backs_off_per_address_behind_a_trusted_proxy_and_makes_
     assert ok.status_code == 200 and list(app.tokens.values()) == ["alice"]
     assert "access-token-c1" in ok.headers["set-cookie"] and "httponly" in ok.headers["set-cookie"].lower()
     assert login_routes(Settings(data_dir=tmp_path)) == [], "no login, no route"
+
+
+def test_the_login_route_refuses_a_form_posted_by_another_sites_page(tmp_path, users_path):
+    """Login CSRF (issue 35): another site's page could post the login form and log the visitor in to
+    the attacker's account; now a cross-site Origin, Referer or Sec-Fetch-Site is refused first."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from llmweb.web.login import login_routes
+
+    add(users_path, "alice", SECRET)
+    app = FastAPI(routes=login_routes(Settings(data_dir=tmp_path, auth_file=users_path)))
+    app.tokens, app.cookie_id = {}, "c1"
+    http = TestClient(app, base_url="http://127.0.0.1:7860")
+    form = {"username": "alice", "password": SECRET}
+    for headers in (
+        {"Origin": "https://evil.example"},
+        {"Origin": "null"},
+        {"Referer": "https://evil.example/page"},
+        {"Sec-Fetch-Site": "cross-site"},
+    ):
+        r = http.post("/login", data=form, headers=headers)
+        assert r.status_code == 403 and not app.tokens, headers
+    assert http.post("/login", data=form, headers={"Origin": "http://127.0.0.1:7860"}).status_code == 200
+    assert http.post("/login", data=form, headers={"Referer": "http://127.0.0.1:7860/"}).status_code == 200
+    assert http.post("/login", data=form).status_code == 200, "no Origin: not a browser's cross-site post"
+    proxied = {"Origin": "https://chat.example", "X-Forwarded-Host": "chat.example"}
+    assert http.post("/login", data=form, headers=proxied).status_code == 200, "behind a proxy that sets the Host"
 
 
 # ---- removing a user

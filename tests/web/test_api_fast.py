@@ -22,8 +22,8 @@ from llmweb.engine.request import GenerationRequest
 from llmweb.errors import ConfigError
 from llmweb.records import LOCAL_OWNER, Chunk, Turn
 from llmweb.store.db import Store
-from llmweb.web.accounts import ApiKeys, parse_api_keys
 from llmweb.web.api import api_routes
+from llmweb.web.api_keys import ApiKeys, parse_api_keys
 from llmweb.web.api_wire import ApiError, StopScanner, parse_request
 from tests.conftest import make_settings
 from tests.fakes import FakeFormat, FakeRunner, fake_engine

@@ -5,6 +5,7 @@ every link allowed), and the parsed HTML has no element or attribute that came f
 
 from __future__ import annotations
 
+import re
 from html.parser import HTMLParser
 from types import SimpleNamespace
 
@@ -249,3 +250,54 @@ def test_code_that_markdown_may_read_otherwise_stays_guarded(reply):
     conv = Conversation("c", "t", "", 0, [StoredTurn(0, "q", reply, None, [])])
     shown = markdown_html(f.history_messages(conv)[1]["content"])
     assert "img" not in elements(shown).tags
+
+
+# ---- the message guard against marked's fence rules (Gradio 6.31's renderer; tests/web/test_renderer.py
+# renders the same kinds of message in the real Chatbot). Each case: a message, and the lines (0-based,
+# after Gradio's cleandoc) holding a `<` that marked shows as fenced code: only those may stay as written.
+FENCES = {
+    "backticks": ("```\n<a>\n```\n<b>", {1}),
+    "tildes": ("~~~\n<a>\n~~~\n<b>", {1}),
+    "```~ closes ```": ("```\n<a>\n```~\n<b>", {1}),
+    "~~~` closes ~~~": ("~~~\n<a>\n~~~`  \n<b>", {1}),
+    "a longer run closes": ("```\n<a>\n`````\n<b>", {1}),
+    "a shorter run does not": ("````\n<a>\n```\n<b>\n````\n<c>", {1, 3}),
+    "other characters after the run do not": ("```\n<a>\n``` x\n<b>\n```\n<c>", {1, 3}),
+    "a tab after the run does not (cleandoc makes it spaces)": ("```\n<a>\n```\t\n<b>", {1}),
+    "three spaces in": ("x\n   ```\n   <a>\n   ```\n<b>", {2}),
+    "four spaces in: indented code, guarded": ("x\n    ```\n<a>\n```\n<b>", {4}),
+    "closing three spaces in": ("```\n<a>\n   ```\n<b>", {1}),
+    "closing four spaces in is content": ("```\n<a>\n    ```\n<b>", {1, 3}),
+    "info string": ("```python x\n<a>\n```\n<b>", {1}),
+    "a backtick in a backtick info string: no fence": ("```a`b\n<a>\n```\n<b>", {3}),
+    "a backtick in a tilde info string": ("~~~a`b\n<a>\n~~~\n<b>", {1}),
+    "unclosed": ("```\n<a>\n<b>", {1, 2}),
+    "empty": ("```\n```\n<a>", set()),
+    "U+2028 is no line break": ("a\u2028```\n<a>\n```\n<b>", {3}),
+    "\\r is a line break": ("```\r<a>\r```\r<b>", {1}),
+    "cleandoc dedents lines 2+": ("```\n    <a>\n    ```\n    <b>", {1}),
+    "in a list item: guarded": ("- x\n  ```\n  <a>\n  ```\n```\n<b>\n```\n<c>", set()),
+    "after a list, at the margin": ("- x\n\n```\n<a>\n```\n<b>", {3}),
+    "in a quote: guarded": ("> ```\n> <a>\n```\n<b>\n```\n<c>", {3, 5}),
+    "a $$ span hides an opening": ("$$\n```\n$$\n<a>", set()),
+    "a $$ span hides a closer": ("```\n$$\n```\n$$\n<a>\n```\n<b>", {4}),
+}
+
+
+def _code_lines(text: str) -> set[int]:
+    """The lines the guard left as written and that hold a `<` (every guarded `<` has a U+200B after it)."""
+    return {i for i, line in enumerate(f.escape(text, message=True).split("\n")) if re.search("<(?!\u200b)", line)}
+
+
+@pytest.mark.parametrize("name", list(FENCES))
+def test_the_message_guard_leaves_exactly_markeds_fenced_code_as_written(name):
+    text, code = FENCES[name]
+    assert _code_lines(text) <= code, "guarded everywhere marked does not show code"
+    assert _code_lines(text) == code or name.endswith("guarded"), "code as written where it surely is"
+
+
+def test_a_mermaid_block_is_never_a_diagram_and_reads_back_as_written():
+    text = '```mermaid\ngraph TD\nA["<img src=x>"]\n```\na```mermaid\n<b>\n```'
+    shown = f.escape(text, message=True)
+    assert "```mermaid\n" not in shown and shown.count("```mermaid\u200b") == 2
+    assert f.message_text(shown) == text

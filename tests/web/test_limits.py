@@ -109,3 +109,55 @@ def test_uploaded_documents_are_deleted_once_indexed(runtime, gradio_cache):  # 
     up.write_text("hello")
     Handlers(runtime).docs.upload([str(up)], A_TOKEN, NOBODY, progress=lambda *a, **k: None)
     assert seen and not up.exists() and not up.parent.exists()
+
+
+def test_request_bodies_are_capped_in_front_of_gradios_routes(tmp_path):
+    """A real server (as `serve` launches it): a declared or a streamed body over LLMWEB_WEB_MAX_BODY_KB
+    is refused with 413 before Gradio's route parses it; uploads and /v1 keep their own, larger caps."""
+    import httpx
+
+    from llmweb.cli.main import launch_app
+    from llmweb.runtime import Runtime
+    from tests.conftest import make_settings
+
+    served = Runtime(make_settings(tmp_path / "app", web_max_body_kb=64))  # never started: no model
+    demo, url = launch_app(served, server_port=None, quiet=True, prevent_thread_lock=True)
+    try:
+        http = httpx.Client(base_url=url.rstrip("/"), timeout=30, trust_env=False)
+        big = b'{"data": ["' + b"x" * (1 << 20) + b'"], "fn_index": 0, "session_hash": "s"}'
+        join = "/gradio_api/queue/join"
+        declared = http.post(join, content=big, headers={"content-type": "application/json"})
+        assert declared.status_code == 413, declared.text[:200]
+
+        def chunks():
+            for _ in range(64):
+                yield b"x" * 16384  # 1 MiB, no Content-Length: chunked
+
+        streamed = http.post(join, content=chunks(), headers={"content-type": "application/json"})
+        assert streamed.status_code == 413, streamed.text[:200]
+        small = http.post(join, json={"data": [], "fn_index": 0, "session_hash": "s"})
+        assert small.status_code != 413
+        upload = http.post("/gradio_api/upload", files={"files": ("a.txt", b"y" * (200 << 10), "text/plain")})
+        assert upload.status_code == 200, upload.text[:200]
+        api = http.post("/v1/chat/completions", content=b'{"x": "' + b"z" * (100 << 10) + b'"}')
+        assert api.status_code != 413 or "api" in api.text.lower(), "/v1 has its own limit (2 MB here)"
+        assert http.get("/gradio_api/info").status_code == 200, "the server still answers"
+    finally:
+        demo.close()
+        served.store.close()
+
+
+def test_exports_are_private_to_this_process_and_owner(runtime, gradio_cache):  # noqa: F811
+    """A fixed /tmp/llmweb-exports (issue 35) let another local user plant the folder or read the files;
+    now the root is the process's own mkdtemp folder, each owner's folder 0700, each file 0600."""
+    import stat
+    import tempfile
+
+    h = Handlers(runtime)
+    *_, final = h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
+    path = transfer.Path(h.transfer.export_json(Panel(*final[:-1]).conv_state, A_TOKEN, NOBODY))
+    root = path.parent.parent
+    assert root != transfer.Path(tempfile.gettempdir()) / "llmweb-exports" and root.name.startswith("llmweb-exports-")
+    for p, mode in ((root, 0o700), (path.parent, 0o700), (path, 0o600)):
+        assert stat.S_IMODE(p.stat().st_mode) == mode, (p, oct(p.stat().st_mode))
+    h.account.delete_everything(A_TOKEN, NOBODY)

@@ -16,7 +16,7 @@ from gradio_client.exceptions import AppError
 from llmweb.cli.main import launch_app
 from llmweb.records import LOCAL_OWNER
 from llmweb.runtime import Runtime
-from llmweb.web import accounts
+from llmweb.web import accounts, throttle
 from llmweb.web.accounts import Scrypt, load_users, new_record, save_users
 from tests.conftest import make_settings
 
@@ -66,7 +66,7 @@ def test_login_backs_off_and_a_removed_users_session_ends(serve, tmp_path, monke
     url = serve(auth_file=users_path)
 
     http = httpx.Client(base_url=url, timeout=30, trust_env=False)
-    for _ in range(accounts.BACKOFF_FREE + 1):
+    for _ in range(throttle.BACKOFF_FREE + 1):
         assert http.post("/login", data={"username": "bob", "password": "wrong-password"}).status_code == 400
     held = http.post("/login", data={"username": "bob", "password": SECRET})
     assert held.status_code == 400 and "try again in" in held.json()["detail"] and "retry-after" in held.headers

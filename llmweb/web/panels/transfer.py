@@ -1,15 +1,21 @@
 """Export and import: a chat as a Markdown or JSON file to download, and a JSON export read back as
 a new chat of the caller's. A file is refused whole (too large, not text, not an export) and
 changes nothing. Files do not stay: an uploaded export is deleted once read, an export file after
-EXPORT_TTL_S, and all of an owner's on "Delete all my data". The formats are the store's (export)
-and the chat's (import); this module only moves files between the page and them.
+EXPORT_TTL_S, and all of an owner's on "Delete all my data". Exports live in a private folder this
+process makes (mkdtemp: an unpredictable name, mode 0700, removed at exit), one 0700 folder per owner,
+files 0600: nobody else on the machine can read them or plant a link where one will be written.
+The formats are the store's (export) and the chat's (import); this module only moves files between the page and them.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
+import os
+import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -23,18 +29,29 @@ from llmweb.web.panels.base import Panel, PanelHandlers, user_errors
 log = logging.getLogger("llmweb.web")
 
 EXPORT_TTL_S = 300.0  # an export file lives this long: the browser downloads it at once
-EXPORTS = Path(tempfile.gettempdir()) / "llmweb-exports"  # one folder per owner (a hash of it), never listed
+EXPORTS: Path | None = None  # the process's private folder, made at the first export; one folder per owner
+_exports_lock = threading.Lock()
+
+
+def exports_root() -> Path:
+    """The private exports folder (under the temp dir, where Gradio serves downloads from)."""
+    global EXPORTS
+    with _exports_lock:
+        if EXPORTS is None:
+            EXPORTS = Path(tempfile.mkdtemp(prefix="llmweb-exports-"))  # mode 0700, a random name
+            atexit.register(shutil.rmtree, EXPORTS, True)
+        return EXPORTS
 
 
 def export_folder(owner: str, root: Path | None = None) -> Path:
-    return (root or EXPORTS) / hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return (root or exports_root()) / hashlib.sha256(owner.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def sweep_exports(now: float | None = None, root: Path | None = None) -> int:
     """Delete every owner's export files older than EXPORT_TTL_S (Gradio's own copy of a download
     goes with its cache: gr.Blocks(delete_cache=...) in web/ui.py); how many were deleted."""
     now, n = time.time() if now is None else now, 0
-    for path in (root or EXPORTS).glob("*/*"):
+    for path in (root or exports_root()).glob("*/*"):
         try:
             if now - path.stat().st_mtime > EXPORT_TTL_S:
                 path.unlink()
@@ -91,7 +108,10 @@ class TransferHandlers(PanelHandlers):
         folder = export_folder(owner)
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = folder / f"conversation-{conv_id[:8]}.{kind}"
-        path.write_text(text, encoding="utf-8")
+        path.unlink(missing_ok=True)  # a fresh file, created 0600 (never through a link)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         return str(path)
 
     @user_errors
