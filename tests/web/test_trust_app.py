@@ -169,7 +169,8 @@ def event(http: httpx.Client, demo, name: str, data: list, notices: list | None 
                 if msg.get("msg") == "log" and notices is not None:
                     notices.append(msg.get("log", ""))
                 if msg.get("msg") == "process_completed":
-                    assert msg.get("success"), msg
+                    if not msg.get("success"):
+                        raise AppError(str(msg.get("output", {}).get("error") or msg))
                     return msg["output"]["data"]
     raise AssertionError(f"no answer to {name}")
 
@@ -226,3 +227,47 @@ def test_through_a_plain_forwarder_nobody_is_the_owner_and_the_owners_link_still
     token, *panel = event(local_browser, demo, "visit", ["", ""], notices)
     assert len(token) == 32 and "Secret plans" not in json.dumps(panel), "a visitor..."
     assert any("open the link" in n for n in notices), f"...told to open the printed link: {notices}"
+
+
+# ---- a Space: its ingress's address is every visitor's peer
+
+
+def test_started_as_a_space_starts_each_visitor_is_counted_by_the_address_its_ingress_sets(tmp_path):
+    """`SYSTEM=spaces` (cli/main.py: serve_settings): the ingress reaches the app from a private
+    address (here 127.0.0.2, through a forwarder) and sets X-Forwarded-For. 40 visitors from 40
+    addresses are all admitted (LLMWEB_ANON_PER_ADDRESS is 20); one client that makes up tokens,
+    and forges X-Forwarded-For too (the ingress appends the address it saw), is still held to 20."""
+    import argparse
+
+    from llmweb.cli.main import serve_settings
+    from llmweb.web.identity import new_owner_token
+
+    env = {"SYSTEM": "spaces", "LLMWEB_DATA_DIR": str(tmp_path / "space"), "LLMWEB_SAMPLE_DOCS": "0"}
+    settings = serve_settings(argparse.Namespace(host=None, port=None), env=env)
+    assert settings.host == "0.0.0.0" and settings.anon_per_address == 20
+    runtime = Runtime(settings)  # never started: the page load needs no model
+    demo, url = launch_app(runtime, server_port=None, quiet=True, prevent_thread_lock=True)
+    ingress = Forwarder(int(url.rstrip("/").rsplit(":", 1)[1]), source="127.0.0.2")
+    try:
+        http = httpx.Client(base_url=ingress.url, timeout=60, trust_env=False)
+        for n in range(40):
+            visitor = {"X-Forwarded-For": f"203.0.113.{n + 1}"}
+            token, *_ = event(
+                httpx.Client(base_url=ingress.url, timeout=60, trust_env=False, headers=visitor),
+                demo,
+                "visit",
+                ["", ""],
+            )
+            assert len(token) == 32, n
+        admitted = 0
+        with pytest.raises(AppError, match="Too many new visitors"):
+            for n in range(settings.anon_per_address + 1):
+                forged = {"X-Forwarded-For": f"10.9.{n}.1, 198.51.100.{n}, 198.51.100.7"}
+                http.headers.update(forged)
+                event(http, demo, "visit", [new_owner_token(), ""])
+                admitted += 1
+        assert admitted == settings.anon_per_address
+    finally:
+        ingress.close()
+        demo.close()
+        runtime.store.close()
