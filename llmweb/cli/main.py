@@ -55,8 +55,9 @@ def cmd_serve(args) -> int:
 
     settings = serve_settings(args)
     runtime = Runtime(settings).start(background=True)
-    print(serving_lines(settings), flush=True)
-    launch_app(runtime)
+    demo, _url = launch_app(runtime, quiet=True, prevent_thread_lock=True)
+    print(serving_lines(settings), flush=True)  # after the server is up, and the owner's link last
+    demo.block_thread()
     return 0
 
 

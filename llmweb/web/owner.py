@@ -64,6 +64,11 @@ def owner_link(settings: Settings, port: int | None = None) -> str:
     return f"http://{host}:{port or settings.port}/?{TOKEN_PARAM}={owner_secrets(settings).token}"
 
 
+def owner_headers(settings: Settings) -> dict[str, str]:
+    """The header a program on this machine sends to act as the owner (gradio_client, httpx, the SDK)."""
+    return {"Authorization": f"Bearer {owner_secrets(settings).api_key}"}
+
+
 def _same(given: str, expected: str) -> bool:
     return bool(given) and hmac.compare_digest(given.encode(), expected.encode())
 

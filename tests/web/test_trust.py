@@ -212,3 +212,35 @@ def test_uploads_are_private_on_every_install_unless_the_operator_shares_them(tm
     assert Library(make_settings(tmp_path / "b", shared_uploads="1"), embedder=fake).shares_uploads(f"anon:{TOKEN}")
     closed = Library(make_settings(tmp_path / "c", shared_uploads="0"), embedder=fake)
     assert not closed.shares_uploads(LOCAL_OWNER) and not closed.may_remove_shared(LOCAL_OWNER)
+
+
+# ---- the owner's link
+
+
+def test_the_owner_link_sets_the_cookie_and_leaves_the_address_bar(local):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from starlette.middleware import Middleware
+
+    app = FastAPI(middleware=[Middleware(owner.OwnerLink, settings=local)])
+    app.add_api_route("/", lambda: {"page": True}, methods=["GET", "POST"])
+    http = TestClient(app, base_url="http://127.0.0.1:7860", follow_redirects=False)
+    secrets = owner.owner_secrets(local)
+    opened = http.get(f"/?token={secrets.token}&__theme=dark")
+    assert opened.status_code == 303 and opened.headers["location"] == "/?__theme=dark"
+    cookie = opened.headers["set-cookie"]
+    assert cookie.startswith(f"{secrets.cookie_name}={secrets.token};")
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie and "Secure" not in cookie
+    wrong = http.get("/?token=guess")
+    assert wrong.status_code == 303 and "set-cookie" not in wrong.headers and wrong.headers["location"] == "/"
+    assert http.get("/").json() == {"page": True} and http.post("/?token=x").json() == {"page": True}
+
+
+def test_serve_prints_the_owner_link_only_where_there_is_one_owner(tmp_path):
+    from llmweb.cli.main import serving_lines
+
+    single = make_settings(tmp_path / "a")
+    assert f"http://127.0.0.1:7860/?token={owner.owner_secrets(single).token}" in serving_lines(single)
+    assert "local-api-key" in serving_lines(single)
+    for other in (make_settings(tmp_path / "b", host="0.0.0.0"), make_settings(tmp_path / "c", auth="u:p")):
+        assert "token=" not in serving_lines(other)
