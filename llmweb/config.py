@@ -98,7 +98,7 @@ class Settings:
     web_max_body_kb: int = 4096  # largest body of a request to the page's own routes (uploads: LLMWEB_USER_DOCS_MB)
     # many visitors, one server
     single_user: str = "auto"  # auto | 1 | 0: one owner ("local") for every browser; auto = loopback, no login
-    shared_uploads: str = "auto"  # auto | 1 | 0: UI uploads join the shared library; auto = single_user
+    shared_uploads: str = "auto"  # auto | 1 | 0: 1 = every UI upload joins the shared library; auto, 0 = private
     user_docs_mb: int = 50  # each owner's private uploads, in total
     queue_per_user: int = 2  # waiting requests per owner; more get the busy message
     owner_max_chats: int = 1000  # conversations one owner may keep (the local owner: not capped)
@@ -224,10 +224,9 @@ class Settings:
 
     @property
     def uploads_shared(self) -> bool:
-        """Do UI uploads go to the shared library (today's single-user behaviour) or stay private?"""
-        if self.shared_uploads != "auto":
-            return self.shared_uploads == "1"
-        return self.is_single_user
+        """Do UI uploads go to the shared library? Only where the operator says so (`1`): by default
+        (auto, 0) every upload is its owner's, on every install (retrieval/library.py)."""
+        return self.shared_uploads == "1"
 
     @property
     def models_dir(self) -> Path:

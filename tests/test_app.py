@@ -9,6 +9,7 @@ from gradio_client import Client
 
 from llmweb.records import LOCAL_OWNER as LOCAL
 from llmweb.runtime import Runtime
+from llmweb.web.owner import owner_headers, owner_secrets
 from llmweb.web.ui import build_app
 from tests.conftest import make_settings
 
@@ -27,7 +28,7 @@ def served(tmp_path_factory, app_model):
 
 def test_streamed_reply_names_paris_and_returns_the_conversation_id(served):
     runtime, url = served
-    client = Client(url, verbose=False)
+    client = Client(url, headers=owner_headers(runtime.settings), verbose=False)  # this machine's key
     job = client.submit("What is the capital of France?", "", api_name="/chat")
     partials = list(job)
     reply, conv_id = job.result()
@@ -50,8 +51,11 @@ def test_ui_panel_and_plots_update_after_each_turn(served):
 
     runtime, _url = served
     h = Handlers(runtime)
-    here = SimpleNamespace(username=None, client=SimpleNamespace(host="127.0.0.1"), headers={"host": "127.0.0.1"})
-    history, conv = [], ""  # a browser on this machine (the single user), without login
+    secrets = owner_secrets(runtime.settings)  # the browser that opened the owner's link has its cookie
+    cookie = f"{secrets.cookie_name}={secrets.token}"
+    headers = {"host": "127.0.0.1", "cookie": cookie}
+    here = SimpleNamespace(username=None, client=SimpleNamespace(host="127.0.0.1"), headers=headers)
+    history, conv = [], ""  # the single user's browser, without login
     for turn, question in enumerate(["What is the capital of France?", "And of Italy?"], 1):
         *_, final = h.chat.respond(question, history, conv, True, "", here)
         panel = Panel(*final[:-1])

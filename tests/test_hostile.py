@@ -23,6 +23,7 @@ from llmweb.cli.main import GRADIO_QUEUE_SIZE
 from llmweb.records import LOCAL_OWNER as LOCAL
 from llmweb.retrieval.library import LOCAL_OWNER
 from llmweb.runtime import Runtime
+from llmweb.web.owner import owner_headers  # gradio_client as the owner: this machine's key
 from llmweb.web.ui import build_app, launch_kwargs
 from tests.conftest import make_settings
 
@@ -93,7 +94,7 @@ def long_app(tmp_path_factory, app_model):
 def test_empty_message_is_refused_clearly(short_app, text):
     runtime, url = short_app
     conv = runtime.store.create_conversation(LOCAL)
-    client = Client(url, verbose=False)
+    client = Client(url, headers=owner_headers(runtime.settings), verbose=False)
     with pytest.raises(AppError, match="Your message is empty"):
         client.predict(text, conv, api_name="/chat")
     assert runtime.store.get(LOCAL, conv).turns == [], "nothing is recorded for a refused message"
@@ -102,7 +103,7 @@ def test_empty_message_is_refused_clearly(short_app, text):
 def test_a_1_mb_paste_is_refused_with_the_numbers(short_app):
     runtime, url = short_app
     conv = runtime.store.create_conversation(LOCAL)
-    client = Client(url, verbose=False)
+    client = Client(url, headers=owner_headers(runtime.settings), verbose=False)
     with pytest.raises(AppError, match=r"1,000,000 characters; the limit is 100,000"):
         client.predict("x" * 1_000_000, conv, api_name="/chat")
     # under the character limit but over the token cap: refused with both token counts, not cut
@@ -114,7 +115,7 @@ def test_a_1_mb_paste_is_refused_with_the_numbers(short_app):
 def test_control_characters_emoji_and_rtl_get_a_normal_reply_and_round_trip(short_app):
     runtime, url = short_app
     conv = runtime.store.create_conversation(LOCAL)
-    client = Client(url, verbose=False)
+    client = Client(url, headers=owner_headers(runtime.settings), verbose=False)
     emoji, hebrew, arabic = "👋🏽 🇫🇷 👩‍👩‍👧", "שלום עולם", "مرحبا بالعالم"
     text = f"\x00Hello\x07 {emoji}\x1b[0m {hebrew} \u202e{arabic}\u202c\x7f what is 2+2?\x0b"
     reply, _conv = client.predict(text, conv, api_name="/chat")
@@ -146,7 +147,7 @@ def test_a_flood_of_50_callers_gets_answers_or_busy_and_nothing_hangs(short_app)
     runtime, url = short_app
     engine = runtime.engine
     served_before = engine.counters.served
-    client = Client(url, verbose=False)
+    client = Client(url, headers=owner_headers(runtime.settings), verbose=False)
     outcomes: dict[int, tuple[str, str]] = {}
     start = threading.Barrier(50, timeout=WAIT_S)
 
@@ -175,7 +176,11 @@ def test_a_flood_of_50_callers_gets_answers_or_busy_and_nothing_hangs(short_app)
     assert engine.counters.served - served_before >= len(answers)
     wait_for(lambda: engine.counters.active == 0 and engine.queue_depth == 0, what="the queue to drain")
     # the server is still fine
-    assert Client(url, verbose=False).predict("What is the capital of France?", "", api_name="/chat")[0].strip()
+    assert (
+        Client(url, headers=owner_headers(runtime.settings), verbose=False)
+        .predict("What is the capital of France?", "", api_name="/chat")[0]
+        .strip()
+    )
 
 
 # ---- a client that leaves mid-stream
@@ -206,7 +211,7 @@ def test_client_cancel_mid_stream_stops_the_engine_request(long_app, monkeypatch
     runtime, url = long_app
     handles = spy_handles(monkeypatch, runtime.engine)
     conv = runtime.store.create_conversation(LOCAL)
-    client = Client(url, verbose=False)
+    client = Client(url, headers=owner_headers(runtime.settings), verbose=False)
 
     def leave():
         job = client.submit("Write a very long story about a dragon who learns to fly.", conv, api_name="/chat")
@@ -223,7 +228,7 @@ def test_dropped_http_connection_mid_stream_stops_the_engine_request(long_app, m
     conv = runtime.store.create_conversation(LOCAL)
 
     def leave():
-        with httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        with httpx.Client(base_url=url, timeout=WAIT_S, headers=owner_headers(runtime.settings)) as http:
             r = http.post(
                 "gradio_api/call/chat", json={"data": ["Write a very long story about a brave knight.", conv]}
             )

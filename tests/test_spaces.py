@@ -28,6 +28,28 @@ def test_on_spaces_binds_all_interfaces_and_writes_to_a_writable_dir(tmp_path):
     assert s.data_dir == tmp_path
 
 
+def test_on_spaces_the_client_address_comes_from_the_ingress_unless_proxies_are_configured(tmp_path):
+    """A Space's ingress reaches the app from a private address and appends the visitor's address to
+    X-Forwarded-For: that address is the one counted (web/trust.py), never one the client sent itself."""
+    from types import SimpleNamespace
+
+    from llmweb.web.trust import SPACES_INGRESS, origin_of
+
+    space = serve_settings(args(), env={"SYSTEM": "spaces", "LLMWEB_DATA_DIR": str(tmp_path)})
+    assert space.trusted_proxies == SPACES_INGRESS
+    assert serve_settings(args(), env={}).trusted_proxies == "", "elsewhere: only what the operator trusts"
+    mine = serve_settings(args(), env={"SYSTEM": "spaces", "LLMWEB_TRUSTED_PROXIES": "192.0.2.1"})
+    assert mine.trusted_proxies == "192.0.2.1"
+
+    def via_ingress(xff: str) -> SimpleNamespace:
+        return SimpleNamespace(client=SimpleNamespace(host="10.16.3.80"), headers={"x-forwarded-for": xff})
+
+    assert origin_of(space, via_ingress("203.0.113.7")).address == "203.0.113.7"
+    assert origin_of(space, via_ingress("6.6.6.6, 10.0.0.9, 203.0.113.7")).address == "203.0.113.7", "forged hops"
+    direct = SimpleNamespace(client=SimpleNamespace(host="198.51.100.4"), headers={"x-forwarded-for": "1.2.3.4"})
+    assert origin_of(space, direct).address == "198.51.100.4", "a public peer is not the ingress"
+
+
 def test_gpu_entry_is_a_no_op_without_spaces(monkeypatch):
     monkeypatch.setitem(sys.modules, "spaces", None)  # import fails
 

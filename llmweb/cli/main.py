@@ -38,10 +38,16 @@ PRIVATE_UMASK = 0o077  # every file and folder llmweb creates: 0600 / 0700
 
 
 def serve_settings(args, env=os.environ) -> Settings:
-    """Settings for `serve`: on Hugging Face Spaces, bind 0.0.0.0 and keep data in a writable dir."""
+    """Settings for `serve`: on Hugging Face Spaces, bind 0.0.0.0, keep data in a writable dir, and take
+    the client's address from the Space's ingress (web/trust.py: SPACES_INGRESS), unless
+    LLMWEB_TRUSTED_PROXIES says otherwise."""
+    from llmweb.web.trust import SPACES_INGRESS
+
     overrides = {"host": args.host, "port": args.port}
     if on_spaces(env):
         overrides["host"] = args.host or "0.0.0.0"
+        if not env.get("LLMWEB_TRUSTED_PROXIES"):
+            overrides["trusted_proxies"] = SPACES_INGRESS
         if "LLMWEB_DATA_DIR" not in env:
             overrides["data_dir"] = Path("/data/llmweb") if os.access("/data", os.W_OK) else Path("/tmp/llmweb")
     return Settings.from_env(env, **overrides)
@@ -52,21 +58,40 @@ def cmd_serve(args) -> int:
 
     settings = serve_settings(args)
     runtime = Runtime(settings).start(background=True)
-    print(f"llmweb: serving on http://{settings.host}:{settings.port} (OpenAI-compatible API under /v1)", flush=True)
-    launch_app(runtime)
+    demo, _url = launch_app(runtime, quiet=True, prevent_thread_lock=True)
+    print(serving_lines(settings), flush=True)  # after the server is up, and the owner's link last
+    demo.block_thread()
     return 0
+
+
+def serving_lines(settings: Settings, port: int | None = None) -> str:
+    """What `serve` prints: the address, and on a single-user install the owner's link (web/owner.py)."""
+    from llmweb.web.owner import API_KEY_FILE, owner_link
+
+    lines = [f"llmweb: serving on http://{settings.host}:{port or settings.port} (OpenAI-compatible API under /v1)"]
+    if settings.is_single_user and settings.single_user != "1":
+        lines += [
+            "llmweb: open this link to use llmweb as this machine's owner (your chats and documents):",
+            f"    {owner_link(settings, port)}",
+            f"llmweb: the API's key for this machine is in {settings.data_dir / API_KEY_FILE}",
+        ]
+    return "\n".join(lines)
 
 
 def launch_app(runtime, **overrides):
     """Serve the web UI and the OpenAI-compatible API (web/api.py) on one port: Gradio's FastAPI app with
-    the API's routes in front of its own. Blocks, unless `prevent_thread_lock=True` (tests); returns
-    (demo, url)."""
+    the API's routes in front of its own, and the owner link's middleware (web/owner.py) in front of
+    all. Blocks, unless `prevent_thread_lock=True` (tests); returns (demo, url)."""
+    from starlette.middleware import Middleware
+
     from llmweb.web.api import api_routes
+    from llmweb.web.owner import OwnerLink
     from llmweb.web.ui import body_cap, build_app, launch_kwargs
 
     demo = build_app(runtime)
     demo.queue(default_concurrency_limit=None, max_size=GRADIO_QUEUE_SIZE)
-    app_kwargs = {"routes": api_routes(runtime), "middleware": [body_cap(runtime.settings)]}
+    middleware = [Middleware(OwnerLink, settings=runtime.settings), body_cap(runtime.settings)]
+    app_kwargs = {"routes": api_routes(runtime), "middleware": middleware}
     kw = {**launch_kwargs(runtime.settings), "app_kwargs": app_kwargs, **overrides}
     _app, url, _ = demo.launch(**kw)
     return demo, url

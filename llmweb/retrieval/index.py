@@ -255,6 +255,36 @@ class Index:
             raise InputError(f"There is no document named {doc!r} in the library.")
         return removed
 
+    def move_to(self, target: Index, doc_ids: Sequence[str]) -> int:
+        """Move documents to `target` with their stored vectors (nothing is embedded again): added
+        there first, then removed here, so a crash in between leaves a copy, never a loss. A document
+        `target` already holds is only removed here. Returns how many left this index."""
+        import numpy as np
+
+        state = self._current()
+        moving = [d for d in dict.fromkeys(doc_ids) if d in state.docs and state.ids.get(d)]
+        if not moving:
+            return 0
+        pending = [
+            _Pending(
+                state.docs[d],
+                [state.chunks[i] for i in state.ids[d]],
+                np.vstack([state.index.reconstruct(int(i)) for i in state.ids[d]]),
+            )
+            for d in moving
+        ]
+
+        def add(base: State) -> tuple[State, None]:
+            new = [p for p in pending if p.info.doc_id not in base.docs]
+            return (_apply(base, new, []) if new else base), None
+
+        def remove(base: State) -> tuple[State, int]:
+            gone = [d for d in moving if d in base.docs]
+            return (_apply(base, [], gone) if gone else base), len(gone)
+
+        target._commit(add)
+        return self._commit(remove)
+
     # -- internals -------------------------------------------------------------
 
     def _ingest_entries(

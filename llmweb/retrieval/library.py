@@ -4,7 +4,8 @@ Contract:
 - An OWNER is a string ("local" for a single-user install, "anon:<token>", "user:<name>"). This
   module never decides who is asking; callers pass the owner, and it must not be empty.
 - The SHARED library (namespace "shared") holds the bundled guide and what the operator ingests
-  with the CLI. Everyone searches it; the UI cannot remove from it unless `settings.uploads_shared`.
+  with the CLI (or, with `LLMWEB_SHARED_UPLOADS=1`, every UI upload). Everyone searches it; from the UI
+  only the single user of a single-user install removes from it (`may_remove_shared`), or anyone under `=1`.
 - Each owner's PRIVATE library (namespace "private-<32 hex of sha256(owner)>"; the owner string is
   never part of a path) holds that owner's UI uploads. Only that owner searches, lists or removes it.
 - `search(owner, ...)` = shared + the owner's private, ranked by retrieval/hybrid.py: dense and keyword
@@ -14,23 +15,28 @@ Contract:
   cross-encoder (`settings.reranker`) reorders the result. `retrieve` gives the same answer with
   its figures (the CLI's `search --raw`). `remove` answers the same error for a document
   that exists elsewhere and one that does not exist at all, so it cannot be used to probe.
-- Uploads go to the owner's private library (or the shared one when `shares_uploads(owner)`);
+- Uploads go to the owner's private library on every install (the shared one only under `=1`);
   a private library is capped at `settings.user_docs_mb` of uploaded files, checked before anything
   is written. Parsing, per-file limits and bad-input reports are `retrieval.Index`'s, unchanged.
 - One `Embedder` serves every namespace; private `Index` objects are cached (LRU, PRIVATE_CACHE).
 - Migration: the previous version kept everything (the guide and the uploads) in one namespace
   "docs". Opening a `Library` renames that folder, once (MIGRATED_MARKER), to LOCAL_OWNER's private
   library, so a single-user install keeps its uploads and a server does not show them to strangers.
+  The version after it put a single-user install's UI uploads in the shared library, where a visitor
+  through a proxy could read them: `migrate_shared_uploads` moves them, once (UPLOADS_MARKER), to
+  LOCAL_OWNER's private library, vectors and all. An upload's name never has a "/" (`safe_name`),
+  so the documents of a folder ingest (the bundled guide's "sample/...") stay shared.
 
 Where an upload's owner is checked: here, and only here. Every public method that takes an owner
 maps it to its private library through `private_namespace`, which refuses a missing owner
 (`_check_owner`: never a fallback to some common library) and hashes it into a folder name:
   - `ingest_uploads`: into that owner's private library (or the shared one when
-    `settings.uploads_shared`), one upload at a time per owner (`_gate`), within the owner's quota
+    `settings.uploads_shared`, LLMWEB_SHARED_UPLOADS=1), one upload at a time per owner (`_gate`),
+    within the owner's quota
     (`_check_quota`), before anything is written;
   - `documents` / `is_empty` / `usage_bytes` / `search` / `chunks`: the shared library plus that owner's own,
     with `removable` set per owner; `remove`: that owner's own (plus the shared one only when
-    `uploads_shared`), one message whether a document is elsewhere or nowhere;
+    `may_remove_shared`), one message whether a document is elsewhere or nowhere;
   - `delete_owner`: that owner's private library, nothing else.
 (`retrieve(None, ...)` and `ingest_shared` take no owner: the CLI's, on the shared library alone.)
 What is not here: WHO the owner is (web/identity.py derives it from the login or the browser's
@@ -76,6 +82,7 @@ SHARED = "shared"
 PRIVATE_PREFIX = "private-"
 LEGACY = DOCS  # the previous version's single namespace: the guide and every upload together
 MIGRATED_MARKER = ".docs-migrated"  # in data_dir/index: the legacy namespace was handled
+UPLOADS_MARKER = ".uploads-private"  # in data_dir/index: the shared library holds no single-user uploads
 PRIVATE_CACHE = 64  # private Index objects kept open
 _MARKER_TEXT = "the previous version's 'docs' index, if any, was moved to LOCAL_OWNER's private library\n"
 
@@ -116,11 +123,12 @@ class Library:
     def __init__(self, settings: Settings, embedder: Embedder | None = None):
         self.settings = settings
         self.embedder = embedder if embedder is not None else Embedder.from_settings(settings)
-        migrate_legacy(settings)  # before any Index of LOCAL_OWNER's private library opens
-        self.shared = Index(settings, SHARED, embedder=self.embedder)  # the CLI reads it directly
-        self.reranker = Reranker.from_settings(settings)  # None unless LLMWEB_RERANKER; loads on first use
         self._private_cache: OrderedDict[str, Index] = OrderedDict()  # namespace -> Index, oldest first
         self._cache_lock = threading.Lock()
+        migrate_legacy(settings)  # before any Index of LOCAL_OWNER's private library opens
+        self.shared = Index(settings, SHARED, embedder=self.embedder)  # the CLI reads it directly
+        migrate_shared_uploads(settings, self.shared, self._private(LOCAL_OWNER))
+        self.reranker = Reranker.from_settings(settings)  # None unless LLMWEB_RERANKER; loads on first use
         self._gates: dict[str, tuple[threading.Lock, int]] = {}  # namespace -> (lock, users)
         self._gates_lock = threading.Lock()
 
@@ -168,7 +176,7 @@ class Library:
         """
         own = [LibraryDocument.of(d, "yours", True) for d in self._private(owner).documents()]
         mine = {d.doc_id for d in own}
-        removable = self.shares_uploads(owner)
+        removable = self.may_remove_shared(owner)
         shared = [LibraryDocument.of(d, "shared", removable) for d in self.shared.documents() if d.doc_id not in mine]
         return own + shared
 
@@ -181,12 +189,17 @@ class Library:
         return []
 
     def shares_uploads(self, owner: str) -> bool:
-        """Do `owner`'s uploads join the shared library (and may they remove from it)? With
-        LLMWEB_SHARED_UPLOADS=1 everyone's do; with auto only the single user's (LOCAL_OWNER): a
-        stranger on a single-user install (through a proxy, web/trust.py) keeps theirs private."""
-        if self.settings.shared_uploads == "1":
-            return True
-        return self.settings.uploads_shared and owner == LOCAL_OWNER
+        """Do `owner`'s uploads join the shared library? Only with LLMWEB_SHARED_UPLOADS=1 (everyone's):
+        by default every upload is private to its owner, the single user's too."""
+        _check_owner(owner)
+        return self.settings.uploads_shared
+
+    def may_remove_shared(self, owner: str) -> bool:
+        """May `owner` remove shared documents from the UI? Under LLMWEB_SHARED_UPLOADS=1 anyone; under
+        auto only the single user of a single-user install (the operator: web/owner.py proves it); under 0 nobody."""
+        if self.settings.shared_uploads == "auto":
+            return owner == LOCAL_OWNER and self.settings.is_single_user
+        return self.settings.uploads_shared
 
     def usage_bytes(self, owner: str) -> int:
         """What `owner`'s private library counts against `user_docs_mb`: per document, its file's
@@ -218,11 +231,11 @@ class Library:
         return self.shared.ingest(paths, progress)
 
     def remove(self, owner: str, doc_id: str) -> DocumentInfo:
-        """Remove one of `owner`'s documents (also a shared one when settings.uploads_shared).
+        """Remove one of `owner`'s documents (also a shared one when `may_remove_shared(owner)`).
 
         InputError, with one message whatever the reason, when `owner` has no such document.
         """
-        targets = [self._private(owner)] + ([self.shared] if self.shares_uploads(owner) else [])
+        targets = [self._private(owner)] + ([self.shared] if self.may_remove_shared(owner) else [])
         removed = None
         for index in targets:
             try:
@@ -349,6 +362,29 @@ def migrate_legacy(settings: Settings) -> bool:
             moved = True
             log.info("moved the previous version's documents (%s) to the local owner's library", legacy)
         marker.write_text(_MARKER_TEXT)
+    return moved
+
+
+def migrate_shared_uploads(settings: Settings, shared: Index, local: Index) -> int:
+    """Move the uploads the previous version put in the shared library of a single-user install
+    (LLMWEB_SHARED_UPLOADS=auto on a loopback bind without login) to LOCAL_OWNER's private library,
+    once; returns how many moved. An upload is a document whose name has no "/" (`safe_name`); a
+    single file the operator ingested with the CLI looks the same and becomes the owner's too (the
+    owner keeps it; strangers do not see it: re-ingest a folder to share it). `Index.move_to` adds
+    before it removes, so a crash leaves a copy, and the next start finishes the move.
+    Any other install only writes the marker: its shared library never held an upload."""
+    marker = Path(settings.data_dir) / "index" / UPLOADS_MARKER
+    if marker.exists():
+        return 0
+    moved = 0
+    if settings.shared_uploads == "auto" and settings.is_single_user and len(shared):
+        uploads = [d.doc_id for d in shared.documents() if d.kind == "document" and "/" not in d.source]
+        moved = shared.move_to(local, uploads)
+        if moved:
+            log.info("moved %d uploads from the shared library to the local owner's own", moved)
+    with contextlib.suppress(OSError):  # a read-only data dir (`search` on a mounted copy) is fine too
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("uploads of a single-user install live in LOCAL_OWNER's private library\n")
     return moved
 
 

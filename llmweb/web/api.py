@@ -10,9 +10,9 @@ the store: the conversation shows in its owner's list), stateless ones `Stateles
 queue, so a full queue is a 429 here as it is a "busy" message in the UI.
 
 Who the caller is and which owner they act for is web/identity.py's (`ApiCallers`, per request): a
-key of user alice acts for "user:alice" (her conversations in the UI), and without keys the API is
-open only to local requests (web/trust.py: a loopback bind and peer, no proxy headers, a local
-Host). A page of another site is refused (its Origin; a body that is not application/json), and so
+key of user alice acts for "user:alice" (her conversations in the UI), and on a loopback bind
+without login the key in data_dir/local-api-key acts for the single user (web/owner.py); there is
+no keyless API. A page of another site is refused (its Origin; a body that is not application/json), and so
 is a Host that is not this machine on a loopback bind (DNS rebinding). This module must not work
 out an owner itself.
 

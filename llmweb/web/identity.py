@@ -2,24 +2,26 @@
 
 Every stored thing has an owner, a string, and every read names one. This module decides it:
 
-  - a single-user install (`Settings.is_single_user`): LOCAL_OWNER, but only for a request from this
-    machine directly (web/trust.py; `LLMWEB_SINGLE_USER=1`: every request); anyone else, through a
-    proxy or from another machine, is a stranger as on a multi-user install;
+  - a single-user install (`Settings.is_single_user`): LOCAL_OWNER, but only for a request that
+    proves it is the machine's owner (web/owner.py: the cookie the printed owner link sets, or the
+    local API key; `LLMWEB_SINGLE_USER=1`: every request). Nothing about the network counts: a
+    request without the proof is a stranger's, from this machine or through any forwarder;
   - a login account (Gradio's `request.username`, or an API key made for a user): "user:<name>";
   - an anonymous browser: "anon:<token>", the token minted on the server by the page's first event
     that needs one (web/visitors.py: 192 bits, kept in a `gr.BrowserState`, never shown, never in a
     URL), checked on every event, and counted per client address;
   - a gradio_client caller without login: each conversation owns itself ("api:<id>": the id is
     the capability), so a browser's conversation is never reachable through the API;
-  - an OpenAI-API caller (`ApiCallers`): a key of user alice is "user:alice", a key of no user
-    "key:<tag>"; without keys the API answers only local requests on a loopback bind without login,
-    and then each conversation owns itself as above ("api:<id>"), a stateless call OPEN_STATELESS_OWNER;
-    a login account removed from the users file stops working at its next event.
+  - an OpenAI-API caller (`ApiCallers`): never keyless. On a loopback bind without login the local
+    API key (data_dir/local-api-key) acts for LOCAL_OWNER (with `LLMWEB_SINGLE_USER=0`: each
+    conversation owns itself, "api:<id>", a stateless call OPEN_STATELESS_OWNER); a key of user alice
+    is "user:alice", a key of no user "key:<tag>"; a login account removed from the users file stops
+    working at its next event.
 
 It must not store anything, decide what an owner may see (the store and library scope every read
 by the owner they are given), or import gradio: a Gradio request is read for its `username`, its
-client and headers (web/trust.py), and its app's login sessions (to end a removed user's).
-Passwords are web/accounts.py's, key hashes web/api_keys.py's; this module only asks it whom a key belongs to.
+headers (cookie, Authorization; web/trust.py for Origin and Host), and its app's login sessions.
+Passwords are web/accounts.py's, key hashes web/api_keys.py's; this module only asks whom a key belongs to.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from llmweb.records import LOCAL_OWNER
 from llmweb.web.accounts import accounts_for
 from llmweb.web.api_keys import ApiKeys
 from llmweb.web.api_wire import ApiError
-from llmweb.web.trust import cross_site, headers_of, host_is_local, is_forwarded, origin_of
+from llmweb.web.owner import bearer, is_local_api_key, owner_secrets, proves_owner
+from llmweb.web.trust import cross_site, headers_of, host_is_local, is_forwarded
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +88,11 @@ def _end_sessions(request, name: str) -> None:
 
 def acts_as_single_user(settings: Settings, request, port: int | None = None) -> bool:
     """Is this request the single user of a single-user install? `LLMWEB_SINGLE_USER=1` says so for
-    every request; `auto` only for a local one (web/trust.py: loopback bind and peer, no forwarding
-    headers, a local Host)."""
+    every request; `auto` only for one that proves it (web/owner.py: the owner link's cookie, or the
+    local API key). `port` is unused (kept for callers)."""
     if settings.single_user == "1":
         return True
-    return settings.is_single_user and origin_of(settings, request, port).local
+    return settings.is_single_user and proves_owner(settings, headers_of(request))
 
 
 def needs_owner_token(settings: Settings, request) -> bool:
@@ -137,6 +140,8 @@ class ApiCallers:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.keys = ApiKeys.from_settings(settings)
+        if self.open:
+            owner_secrets(settings)  # the local API key's file exists from the start, for this machine's tools
         if not self.keys.configured and not self.open:
             log.warning(
                 "the OpenAI-compatible API (/v1) refuses every request: it needs keys when the server is "
@@ -147,47 +152,39 @@ class ApiCallers:
 
     @property
     def open(self) -> bool:
-        """Without keys, the API answers only on a loopback bind without login (and there, only local requests)."""
+        """A loopback bind without login: the local API key (data_dir/local-api-key) is accepted too."""
         return self.settings.on_loopback and not self.settings.login
 
     def caller(self, request) -> Caller:
         """The caller's owner. ApiError 403 for a page of another site or (on a loopback bind) a Host that
-        is not this machine; 401 without a valid key where one is needed. Without keys (local requests on a
-        loopback bind only), whatever key a client sends is ignored."""
+        is not this machine; 401 without a valid key: the local API key (on a loopback bind without
+        login) or one of the configured keys."""
         port = server_port(request)
         refuse_browser_attacks(self.settings, request, port)
-        single = acts_as_single_user(self.settings, request, port)
-        if not self.keys.configured:
-            if not self.open:
-                raise ApiError(
-                    401,
-                    "This server's API needs an API key: it is reachable from other machines or has login on, "
-                    "and no keys are set (LLMWEB_API_KEYS, or `python -m llmweb user key NAME`).",
-                    type="authentication_error",
-                    code="api_key_required",
-                )
-            if not origin_of(self.settings, request, port).local:
-                raise ApiError(
-                    401,
-                    "This server's API answers without a key only to this machine directly; this request came "
-                    "through a proxy or from elsewhere. Set keys "
-                    "(LLMWEB_API_KEYS, or `python -m llmweb user key NAME`).",
-                    type="authentication_error",
-                    code="api_key_required",
-                )
-            return Caller(LOCAL_OWNER if single else None)
-        scheme, _, key = (headers_of(request).get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = bearer(headers_of(request))
+        forced = self.settings.single_user == "1"
+        if self.open and is_local_api_key(self.settings, key):
+            return Caller(LOCAL_OWNER if self.settings.is_single_user else None)
+        if not self.keys.configured and not self.open:
             raise ApiError(
                 401,
-                "Missing API key: send the header Authorization: Bearer <your key>.",
+                "This server's API needs an API key: it is reachable from other machines or has login on, "
+                "and no keys are set (LLMWEB_API_KEYS, or `python -m llmweb user key NAME`).",
                 type="authentication_error",
-                code="missing_api_key",
+                code="api_key_required",
             )
-        who = self.keys.lookup(key.strip())
+        if not key:
+            where = " (on this machine: the key in the data dir's local-api-key file)" if self.open else ""
+            raise ApiError(
+                401,
+                f"Missing API key: send the header Authorization: Bearer <your key>{where}.",
+                type="authentication_error",
+                code="api_key_required" if self.open and not self.keys.configured else "missing_api_key",
+            )
+        who = self.keys.lookup(key) if self.keys.configured else None
         if who is None:
             raise ApiError(401, "Incorrect API key.", type="authentication_error", code="invalid_api_key")
-        if single:
+        if forced:
             return Caller(LOCAL_OWNER)
         return Caller(login_owner(who.name) if who.name else f"key:{who.tag}")
 

@@ -1,19 +1,18 @@
-"""What a request's transport says about who sent it: this machine directly, or anyone else.
+"""What a request's transport says about where it came from: its client's address, and the checks
+against other sites' pages. Never who it is: being the machine's owner rests on a secret
+(web/owner.py), not on any of this, because a forwarder can make a stranger look local in every way.
 
-The trust model (README, "Security"): a request is LOCAL, and may act as a single-user install's
-one owner (and use a keyless `/v1`), only when all of these hold:
+A request's client ADDRESS (per-address limits, the login back-off, logs) is the TCP peer, unless
+the peer is one of `LLMWEB_TRUSTED_PROXIES`: then the rightmost address of `X-Forwarded-For` (or of
+`Forwarded: for=`) that is not itself a trusted proxy: the last hop a proxy we trust saw, which a
+client cannot choose by sending a header of its own. A header from an untrusted peer is never
+believed. On a Hugging Face Space (`SYSTEM=spaces`, cli/main.py) the default is `SPACES_INGRESS`:
+the Space's ingress reaches the app from a private address and appends the visitor's address to
+X-Forwarded-For (Gradio's docs: on Spaces `request.client.host` is the proxy's, e.g. 10.16.x.x).
 
-  - the server is bound to a loopback address (`Settings.on_loopback`);
-  - the TCP peer is a loopback address;
-  - no `Forwarded`, `X-Forwarded-*` or `X-Real-IP` header arrives (a proxy on the same host, such
-    as nginx, Caddy or cloudflared in front of 127.0.0.1, forwards strangers: they are not local);
-  - the `Host` header names this machine (localhost, 127.0.0.1 or [::1], with the server's port when
-    it is known), so a page of another site that rebinds its DNS name to 127.0.0.1 is not local.
-
-Everything else is a stranger: a multi-user request. Its client ADDRESS is the TCP peer, unless the
-peer is one of `LLMWEB_TRUSTED_PROXIES`: then the rightmost address of `X-Forwarded-For` (or of
-`Forwarded: for=`) that is not itself a trusted proxy. A header from an untrusted peer is never
-believed for the address (anyone can send one), only counted as a reason not to trust the request.
+`Origin.local` (a loopback bind and peer, no forwarding header, a Host naming this machine) is only
+a hint for the page's notice ("open the link printed in the terminal"), never trust.
+`cross_site` and `host_is_local` refuse other sites' pages (CSRF) and DNS rebinding on `/v1`.
 
 Pure functions over a request's peer address and headers (Gradio's `gr.Request` and Starlette's
 `Request` both have `.client.host` and `.headers`). This module must not decide an owner
@@ -31,13 +30,15 @@ from urllib.parse import urlsplit
 from llmweb.config import Settings
 
 LOCAL_HOSTNAMES = ("localhost", "127.0.0.1", "[::1]")
+# the peers a Space's app sees: its ingress, from the platform's private network (and this container)
+SPACES_INGRESS = "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,100.64.0.0/10,fc00::/7,127.0.0.0/8,::1"
 _FORWARDING = ("forwarded", "x-real-ip")  # and every x-forwarded-* header
 _FOR = re.compile(r'for\s*=\s*("[^"]*"|[^;,\s]+)', re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
 class Origin:
-    """Where a request came from: its client's address ("" unknown) and whether it is local."""
+    """Where a request came from: its client's address ("" unknown) and whether it looks local (a hint only)."""
 
     address: str
     local: bool
@@ -128,7 +129,7 @@ def host_is_local(host: str | None, port: int | None = None) -> bool:
 
 
 def origin_of(settings: Settings, request, port: int | None = None) -> Origin:
-    """Where `request` came from, and whether it is local (this module's docstring)."""
+    """Where `request` came from, and whether it looks local (this module's docstring: a hint, not trust)."""
     headers, peer = headers_of(request), peer_of(request)
     forwarded = is_forwarded(headers)
     host_ok = host_is_local(headers.get("host"), port)

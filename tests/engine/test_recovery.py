@@ -37,6 +37,7 @@ from llmweb.records import MemorySnapshot
 from llmweb.runtime import Runtime
 from llmweb.store.db import Store
 from llmweb.web.formatting import stats_markdown
+from llmweb.web.owner import owner_headers, owner_secrets
 from llmweb.web.ui import launch_kwargs
 from tests.conftest import MODEL_CACHE, REPO, make_settings
 from tests.test_hostile import WAIT_S, serve
@@ -74,8 +75,10 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, app_mod
         with serve(again) as (demo, url):
             # what the browser gets on load, with the chat id it kept in its storage
             # a gr.Request of a browser on this machine, without login (single-user: the local owner)
+            secrets = owner_secrets(settings)  # the browser that opened the owner's link has its cookie
+            cookie = f"{secrets.cookie_name}={secrets.token}"
             nobody = SimpleNamespace(
-                username=None, client=SimpleNamespace(host="127.0.0.1"), headers={"host": "127.0.0.1"}
+                username=None, client=SimpleNamespace(host="127.0.0.1"), headers={"host": "127.0.0.1", "cookie": cookie}
             )
             opened = ui_handler(demo, "load", "visit")("", conv, nobody)
             values = list(opened.values()) if isinstance(opened, dict) else list(opened)
@@ -83,7 +86,7 @@ def test_restart_restores_the_conversation_in_store_ui_and_api(tmp_path, app_mod
             history = next(v for v in values if isinstance(v, list) and v and isinstance(v[0], dict) and "role" in v[0])
             assert [m["content"] for m in history if m["role"] == "user"] == sent
             assert [m["content"] for m in history if m["role"] == "assistant"] == replies
-            client = Client(url, verbose=False)
+            client = Client(url, headers=owner_headers(settings), verbose=False)  # this machine's key
             stats = json.loads(client.predict(conv, api_name="/stats"))
             assert stats["turn"] == 2 and stats["generated_tokens"] >= 1
             # and the chat goes on where it stopped, with its history in the prompt

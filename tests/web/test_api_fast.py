@@ -25,6 +25,7 @@ from llmweb.store.db import Store
 from llmweb.web.api import api_routes
 from llmweb.web.api_keys import ApiKeys, parse_api_keys
 from llmweb.web.api_wire import ApiError, StopScanner, parse_request
+from llmweb.web.owner import owner_secrets
 from tests.conftest import make_settings
 from tests.fakes import FakeFormat, FakeRunner, fake_engine
 
@@ -322,8 +323,11 @@ def rig(tmp_path, *, library=None, **kw):
     store = Store(tmp_path / "api.sqlite3")
     chat = Chat(s, engine, fmt, store, BUDGET, library=library)
     runtime = SimpleNamespace(settings=s, store=store, chat=chat, engine=engine, loaded=None, wait_ready=lambda t: chat)
-    client = TestClient(FastAPI(routes=api_routes(runtime)), base_url=LOCAL_URL, client=LOCAL_PEER)
-    return SimpleNamespace(client=client, runner=runner, fmt=fmt, store=store, chat=chat, engine=engine)
+    # a program on this machine reads the local API key (web/owner.py) where the server accepts it
+    key = owner_secrets(s).api_key if s.on_loopback and not s.login else ""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    client = TestClient(FastAPI(routes=api_routes(runtime)), base_url=LOCAL_URL, client=LOCAL_PEER, headers=headers)
+    return SimpleNamespace(client=client, runner=runner, fmt=fmt, store=store, chat=chat, engine=engine, key=key)
 
 
 @pytest.fixture
@@ -481,12 +485,16 @@ def test_keys_decide_the_owner_and_a_public_bind_without_keys_is_closed(tmp_path
     assert other.status_code == 404, "another key cannot continue alice's conversation"
     keyed.engine.close()
 
-    # open on loopback: whatever key the SDK sends is ignored, and a single-user install is LOCAL_OWNER
+    # on loopback: the local API key (data_dir/local-api-key) is the single user, LOCAL_OWNER; any other
+    # key is refused, as is no key at all
     local = rig(tmp_path / "c")
     say(local, "hello")
-    ok = local.client.post(
-        "/v1/chat/completions", json=body(conversation_id="new"), headers={"Authorization": "Bearer sk-anything"}
-    )
+    for key in ("sk-anything", ""):
+        refused = local.client.post(
+            "/v1/chat/completions", json=body(conversation_id="new"), headers={"Authorization": f"Bearer {key}"}
+        )
+        assert refused.status_code == 401 and not local.store.list_conversations(LOCAL_OWNER)
+    ok = local.client.post("/v1/chat/completions", json=body(conversation_id="new"))  # the rig sends the local key
     assert ok.status_code == 200 and local.store.list_conversations(LOCAL_OWNER)
     local.engine.close()
 

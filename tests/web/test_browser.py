@@ -322,7 +322,9 @@ def open_page(context, server: Server):
     """A new page of `context` on the app (no waiting)."""
     pg = context.new_page()
     pg.set_default_timeout(60_000)
-    pg.goto(server.url, wait_until="domcontentloaded", timeout=120_000)
+    token = server.log_path.parent / "owner-token"  # the owner's link, as `serve` prints it (web/owner.py)
+    url = f"{server.url}?token={token.read_text().strip()}" if token.exists() else server.url
+    pg.goto(url, wait_until="domcontentloaded", timeout=120_000)
     return pg
 
 

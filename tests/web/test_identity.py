@@ -10,6 +10,7 @@ from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER
 from llmweb.web import identity
 from llmweb.web.api_wire import ApiError
+from llmweb.web.owner import owner_secrets
 from tests.conftest import make_settings
 
 NOBODY, BOB = SimpleNamespace(username=None), SimpleNamespace(username="bob")
@@ -42,9 +43,13 @@ def test_a_gradio_client_without_login_owns_each_conversation_through_its_id(sha
 
 
 def test_the_open_api_callers_conversations_own_themselves_and_keys_are_needed_off_loopback(shared, tmp_path):
-    caller = identity.ApiCallers(shared).caller(HERE)
+    local_key = f"Bearer {owner_secrets(shared).api_key}"  # what a tool on this machine reads from the data dir
+    caller = identity.ApiCallers(shared).caller(_with(authorization=local_key))
     assert caller.owner is None and caller.of_conversation("c1") == "api:c1"
     assert caller.stateless_owner == identity.OPEN_STATELESS_OWNER
+    with pytest.raises(ApiError) as keyless:
+        identity.ApiCallers(shared).caller(HERE)
+    assert keyless.value.status == 401, "never keyless, even from this machine"
     exposed = make_settings(tmp_path / "lan", single_user="0", host="0.0.0.0")
     with pytest.raises(ApiError) as refused:
         identity.ApiCallers(exposed).caller(HERE)

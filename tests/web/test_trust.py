@@ -1,7 +1,8 @@
-"""The trust model (web/trust.py, web/identity.py): a loopback install is single-user, with a keyless
-/v1, only for requests from this machine directly; a proxy's headers, another peer or another Host
-make a request a stranger's. /v1 refuses other sites' pages (Origin, a body that is not JSON) and
-DNS rebinding (Host)."""
+"""The trust model (web/owner.py, web/identity.py, web/trust.py): on a loopback install the single
+user is whoever shows the owner's secret (the owner link's cookie, or the local API key), never a
+request that only looks local: without it, this machine's browser, a proxy's visitor, another peer
+or another Host is a stranger, and /v1 wants a key. /v1 refuses other sites' pages (Origin, a body
+that is not JSON) and DNS rebinding (Host)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER
-from llmweb.web import identity, trust
+from llmweb.web import identity, owner, trust
 from tests.conftest import make_settings
 from tests.web.test_api_fast import body, rig, say
 
@@ -30,13 +31,47 @@ def local(tmp_path):
     return make_settings(tmp_path)  # auto: loopback bind, no login
 
 
+def cookie_of(settings) -> str:
+    """The Cookie header of the browser that opened the owner link."""
+    secrets = owner.owner_secrets(settings)
+    return f"other=1; {secrets.cookie_name}={secrets.token}"
+
+
 # ---- the UI
 
 
-def test_a_direct_local_request_is_the_single_user(local):
-    assert identity.browser_owner(local, "", request()) == LOCAL_OWNER
-    assert identity.browser_owner(local, "", request(host="localhost:7860")) == LOCAL_OWNER
-    assert identity.browser_owner(local, "", request("::1", host="[::1]:7860")) == LOCAL_OWNER
+def test_the_owners_cookie_or_key_is_the_single_user_wherever_the_request_comes_from(local):
+    assert identity.browser_owner(local, "", request(cookie=cookie_of(local))) == LOCAL_OWNER
+    key = owner.owner_secrets(local).api_key
+    assert identity.gradio_api_owner(local, "c1", request(authorization=f"Bearer {key}")) == LOCAL_OWNER
+    through_a_tunnel = request("203.0.113.9", cookie=cookie_of(local), host="chat.example.org")
+    assert identity.browser_owner(local, "", through_a_tunnel) == LOCAL_OWNER, "the owner, away from home"
+
+
+def test_a_direct_local_request_without_the_secret_is_a_stranger(local):
+    """socat, `ssh -R` or a bare nginx proxy_pass: loopback peer, no forwarding header, a local Host."""
+    for req in (request(), request(host="localhost:7860"), request("::1", host="[::1]:7860")):
+        assert identity.browser_owner(local, TOKEN, req) == f"anon:{TOKEN}"
+        with pytest.raises(InputError, match="no session yet"):
+            identity.browser_owner(local, "", req)
+        assert identity.gradio_api_owner(local, "c1", req) == "api:c1"
+    secrets = owner.owner_secrets(local)
+    for wrong in (f"{secrets.cookie_name}={secrets.token[:-1]}x", f"{secrets.cookie_name}=", "llmweb-owner=x", "%%%"):
+        assert identity.browser_owner(local, TOKEN, request(cookie=wrong)) == f"anon:{TOKEN}", wrong
+    assert identity.gradio_api_owner(local, "c1", request(authorization="Bearer sk-anything")) == "api:c1"
+    assert identity.gradio_api_owner(local, "c1", request(authorization=f"Bearer {secrets.token}")) == "api:c1"
+
+
+def test_the_owner_secrets_are_files_only_the_user_reads(local):
+    secrets = owner.owner_secrets(local)
+    for name in (owner.TOKEN_FILE, owner.API_KEY_FILE):
+        path = local.data_dir / name
+        assert path.stat().st_mode & 0o777 == 0o600, name
+        assert len(path.read_text().strip()) == 64
+    assert secrets.token != secrets.api_key
+    owner.owner_secrets.cache_clear()
+    assert owner.owner_secrets(local) == secrets, "read again after a restart, not made anew"
+    assert owner.owner_link(local) == f"http://127.0.0.1:7860/?token={secrets.token}"
 
 
 @pytest.mark.parametrize(
@@ -115,13 +150,15 @@ def api(tmp_path):
     r.store.close()
 
 
-def test_the_keyless_api_answers_this_machine_and_refuses_a_proxied_request(api):
+def test_the_api_needs_the_local_key_from_this_machine_too_and_a_proxy_adds_nothing(api):
     say(api, "hello")
-    assert api.client.post("/v1/chat/completions", json=body()).status_code == 200
-    for headers in ({"X-Forwarded-For": "203.0.113.9"}, {"Forwarded": "for=203.0.113.9"}):
-        r = api.client.post("/v1/chat/completions", json=body(), headers=headers)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_required"
-        assert api.client.get("/v1/models", headers=headers).status_code == 401
+    assert api.client.post("/v1/chat/completions", json=body()).status_code == 200, "the rig sends the local key"
+    no_key = {"Authorization": ""}
+    for headers in ({}, {"X-Forwarded-For": "203.0.113.9"}, {"Forwarded": "for=203.0.113.9"}):
+        r = api.client.post("/v1/chat/completions", json=body(), headers={**headers, **no_key})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_required", headers
+        assert "local-api-key" in r.json()["error"]["message"]
+        assert api.client.get("/v1/models", headers={**headers, **no_key}).status_code == 401
     assert not api.store.list_conversations(LOCAL_OWNER)
 
 
@@ -164,13 +201,46 @@ def test_a_wrong_host_is_refused_on_a_loopback_install(api, host):
     assert r.status_code == 403
 
 
-def test_a_strangers_uploads_stay_private_on_a_single_user_install(tmp_path):
-    """Through a proxy a visitor is not LOCAL_OWNER, so the single user's shared uploads are not theirs."""
+def test_uploads_are_private_on_every_install_unless_the_operator_shares_them(tmp_path):
+    """On a single-user install too: a visitor through a proxy must not read the owner's uploads."""
     from llmweb.retrieval.library import Library
 
     fake = SimpleNamespace(dim=384, label="fake")
-    local = Library(make_settings(tmp_path / "a"), embedder=fake)  # auto: shared uploads for the single user
-    assert local.shares_uploads(LOCAL_OWNER)
-    assert not local.shares_uploads(f"anon:{TOKEN}") and not local.shares_uploads("user:bob")
+    local = Library(make_settings(tmp_path / "a"), embedder=fake)  # auto
+    assert not local.shares_uploads(LOCAL_OWNER) and not local.shares_uploads(f"anon:{TOKEN}")
+    assert local.may_remove_shared(LOCAL_OWNER) and not local.may_remove_shared(f"anon:{TOKEN}")
     assert Library(make_settings(tmp_path / "b", shared_uploads="1"), embedder=fake).shares_uploads(f"anon:{TOKEN}")
-    assert not Library(make_settings(tmp_path / "c", shared_uploads="0"), embedder=fake).shares_uploads(LOCAL_OWNER)
+    closed = Library(make_settings(tmp_path / "c", shared_uploads="0"), embedder=fake)
+    assert not closed.shares_uploads(LOCAL_OWNER) and not closed.may_remove_shared(LOCAL_OWNER)
+
+
+# ---- the owner's link
+
+
+def test_the_owner_link_sets_the_cookie_and_leaves_the_address_bar(local):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from starlette.middleware import Middleware
+
+    app = FastAPI(middleware=[Middleware(owner.OwnerLink, settings=local)])
+    app.add_api_route("/", lambda: {"page": True}, methods=["GET", "POST"])
+    http = TestClient(app, base_url="http://127.0.0.1:7860", follow_redirects=False)
+    secrets = owner.owner_secrets(local)
+    opened = http.get(f"/?token={secrets.token}&__theme=dark")
+    assert opened.status_code == 303 and opened.headers["location"] == "/?__theme=dark"
+    cookie = opened.headers["set-cookie"]
+    assert cookie.startswith(f"{secrets.cookie_name}={secrets.token};")
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie and "Secure" not in cookie
+    wrong = http.get("/?token=guess")
+    assert wrong.status_code == 303 and "set-cookie" not in wrong.headers and wrong.headers["location"] == "/"
+    assert http.get("/").json() == {"page": True} and http.post("/?token=x").json() == {"page": True}
+
+
+def test_serve_prints_the_owner_link_only_where_there_is_one_owner(tmp_path):
+    from llmweb.cli.main import serving_lines
+
+    single = make_settings(tmp_path / "a")
+    assert f"http://127.0.0.1:7860/?token={owner.owner_secrets(single).token}" in serving_lines(single)
+    assert "local-api-key" in serving_lines(single)
+    for other in (make_settings(tmp_path / "b", host="0.0.0.0"), make_settings(tmp_path / "c", auth="u:p")):
+        assert "token=" not in serving_lines(other)

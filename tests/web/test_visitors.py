@@ -10,6 +10,7 @@ import pytest
 
 from llmweb.errors import InputError
 from llmweb.web.identity import gradio_api_owner, is_owner_token, new_owner_token
+from llmweb.web.owner import owner_secrets
 from llmweb.web.ui import Handlers
 from llmweb.web.visitors import AddressQuota, PageTokens, Visitors
 from tests.conftest import make_settings
@@ -90,9 +91,11 @@ def test_behind_a_trusted_proxy_each_forwarded_address_is_counted_and_a_spoofed_
 
 
 def test_the_single_user_and_login_accounts_get_no_token_and_are_not_counted(tmp_path):
-    v = Visitors(make_settings(tmp_path, anon_per_address=1), clock=Clock())
+    settings = make_settings(tmp_path, anon_per_address=1)
+    v = Visitors(settings, clock=Clock())
+    secrets = owner_secrets(settings)  # the browser that opened the owner link has its cookie
     local = SimpleNamespace(username=None, session_hash="s", client=SimpleNamespace(host="127.0.0.1"), headers={})
-    local.headers = {"host": "127.0.0.1:7860"}
+    local.headers = {"host": "127.0.0.1:7860", "cookie": f"{secrets.cookie_name}={secrets.token}"}
     for _ in range(3):
         assert v.resolve("", local, first=True) == ("local", "")
 

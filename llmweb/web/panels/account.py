@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import gradio as gr
 
+from llmweb.records import LOCAL_OWNER
 from llmweb.web.panels.base import PanelHandlers, user_errors
 from llmweb.web.panels.documents import DocumentHandlers
 from llmweb.web.panels.transfer import delete_exports, sweep_exports
+from llmweb.web.trust import origin_of
+
+# a browser on this machine without the owner's cookie (web/owner.py): say how to become the owner
+OWNER_NOTICE = (
+    "This browser is a visitor here, with chats and documents of its own. To use this machine's own, "
+    "open the link that `python -m llmweb serve` printed in its terminal (http://127.0.0.1:…/?token=…)."
+)
 
 
 class AccountHandlers(PanelHandlers):
@@ -25,6 +33,8 @@ class AccountHandlers(PanelHandlers):
         """First event of every page load: give a new browser its owner token (the one its page's
         earlier events already used, if any: web/visitors.py), then show its chat."""
         owner, kept = self.visitors.resolve(token, request, first=True)
+        if owner != LOCAL_OWNER and self.settings.is_single_user and origin_of(self.settings, request).local:
+            gr.Warning(OWNER_NOTICE, duration=None)
         self.store.touch_owner(owner)
         sweep_exports()  # every page load: no export file outlives EXPORT_TTL_S by long, even unrequested
         return (kept or token, *self._open(owner, conv_id or ""))
