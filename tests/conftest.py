@@ -65,7 +65,7 @@ def app_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama_model(tmp_path_factory):
-    """The embedded GGUF file as it ships, on llama.cpp (engine/llama.py)."""
+    """The embedded GGUF file as it ships, on llama.cpp (engine/runners/llama_cpp.py)."""
     return _load("auto", tmp_path_factory, backend="llama.cpp")
 
 

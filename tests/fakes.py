@@ -1,5 +1,6 @@
 """Deterministic fakes for fast unit tests of pure logic (next to real-model tests, never instead),
-and `RunnerKind`, the real runners' handle for the parametrised engine tests."""
+`RunnerKind`, the real runners' handle for the parametrised engine tests, and `FaultyRunner`, the
+fault injection the product does not carry."""
 
 from __future__ import annotations
 
@@ -214,4 +215,68 @@ class RunnerKind:
         from llmweb.engine.request import EngineLimits
 
         kv = KVStore(budget_mb * 2**20, ttl_s=600)
-        return make_engine(self.model, kv, EngineLimits(**limits), fault=fault)
+        engine = make_engine(self.model, kv, EngineLimits(**limits))
+        if fault is not None:
+            with_fault(engine, fault)
+        return engine
+
+
+class FaultyRunner:
+    """A real local runner with `fault(index)` called before each of its model passes (`index`:
+    the passes counted here, from 0). What `fault` raises is raised inside the pass, where the
+    runner's own out-of-memory handling meets it, so a test of recovery tests the runner's (the
+    transformers batch cropped back after a failed step, llama.cpp's memory as it was). Hooked on
+    the runner's one pass primitive: a transformers model's call, llama.cpp's `llama_decode`.
+    Every other attribute is the runner's; `fault = None` disarms it."""
+
+    def __init__(self, inner, fault: Callable[[int], None] | None):
+        self.inner = inner
+        self.fault = fault
+        self.forwards = 0
+        if hasattr(inner, "ll"):  # LlamaRunner: its llama_cpp module
+            inner.ll = _Hooked(inner.ll, self._pass)
+        else:  # LocalRunner: its model
+            inner.model = _HookedModel(inner.model, self._pass)
+
+    def _pass(self) -> None:
+        index, self.forwards = self.forwards, self.forwards + 1
+        if self.fault is not None:
+            self.fault(index)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+class _Hooked:
+    """llama_cpp with `before()` called ahead of each llama_decode."""
+
+    def __init__(self, ll, before: Callable[[], None]):
+        self._ll, self._before = ll, before
+
+    def llama_decode(self, *args):
+        self._before()
+        return self._ll.llama_decode(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._ll, name)
+
+
+class _HookedModel:
+    """A torch model with `before()` called ahead of each forward pass."""
+
+    def __init__(self, model, before: Callable[[], None]):
+        self._model, self._before = model, before
+
+    def __call__(self, **inputs):
+        self._before()
+        return self._model(**inputs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+def with_fault(engine, fault: Callable[[int], None] | None) -> FaultyRunner:
+    """`engine`'s runner wrapped in a FaultyRunner (before it runs anything); the wrapper."""
+    faulty = FaultyRunner(engine.runner, fault)
+    engine.runner = faulty
+    return faulty

@@ -82,8 +82,8 @@ def test_gpu_entry_uses_spaces_gpu_when_present(monkeypatch):
 def test_the_engine_runs_generations_through_the_gpu_entry(fp32_model, fmt):
     from llmweb.chat.tokens import render_prompt
     from llmweb.engine.kvcache import KVStore
-    from llmweb.engine.local import local_engine
     from llmweb.engine.request import EngineLimits, GenerationRequest
+    from llmweb.engine.runners.transformers import local_engine
 
     calls = []
 

@@ -124,7 +124,7 @@ def batched_bench(model, prompt: int, new_tokens: int, concurrencies: Sequence[i
     import json
     import subprocess
 
-    from llmweb.engine.llama import PREFILL_CHUNK
+    from llmweb.engine.runners.llama_cpp import PREFILL_CHUNK
 
     exe = llama_tool("llama-batched-bench")
     if not exe:

@@ -10,7 +10,7 @@ The steps, each measured in the same run on an Engine of its own (public constru
   + int8-cpu        (CPU only) torch's dynamic int8 linear layers instead of bitsandbytes, whose
                     CPU path computes in bf16: the CPU default until llama.cpp
   + llama.cpp       (CPU only, where llama-cpp-python loads) the GGUF file as it ships on
-                    engine/llama.py's runner: the `auto` default on the CPU
+                    engine/runners/llama_cpp.py: the `auto` default on the CPU
   fp32, both caches the greedy text of the block cache must be the eager cache's, token for token
 
 and, on the same GGUF file, prompt lengths and threads, llama.cpp's own `llama-bench` (when it is
@@ -99,9 +99,13 @@ def _engine(loaded, block_cache: bool, new_tokens: int):
 
         engine = make_engine(loaded, kv, limits)
         return engine, engine.runner
-    from llmweb.engine.local import LocalRunner
+    from llmweb.engine.blockcache import new_cache
+    from llmweb.engine.runners.transformers import LocalRunner
 
-    runner = LocalRunner(loaded.model, loaded.device, kv, loaded.kv_bytes_per_token, block_cache=block_cache)
+    from .baselines import dynamic_cache
+
+    make_cache = new_cache if block_cache else dynamic_cache
+    runner = LocalRunner(loaded.model, loaded.device, kv, loaded.kv_bytes_per_token, make_cache=make_cache)
     return Engine(runner, kv, limits), runner
 
 
@@ -137,10 +141,10 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
     llama-bench."""
     import torch
 
-    from llmweb.engine import llama, models
+    from llmweb.engine import gguf, models
 
     device = models.resolve_device(settings)
-    steps = steps_for(device, llama.available() is None)
+    steps = steps_for(device, gguf.available() is None)
     loaded: dict[tuple[str, str], Any] = {}
     for backend, q in dict.fromkeys(s.key for s in steps):
         progress(f"bench decode: loading {q} on {backend}…")
@@ -151,7 +155,7 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
     default = default_step(steps, device)
     samples: dict[tuple[str, int], list[dict]] = {}
     first: dict[str, list[float]] = {}
-    gguf = next((m.model.path for m in loaded.values() if m.backend == "llama.cpp"), None)  # maybe re-encoded
+    gguf_file = next((m.model.path for m in loaded.values() if m.backend == "llama.cpp"), None)  # maybe re-encoded
     references: list[list[dict] | None] = []
     try:
         for name, (engine, runner) in engines.items():  # warm-up: first-call allocations, not counted
@@ -172,8 +176,8 @@ def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progr
                 done = _one(engine, runner, ids, FIRST_TURN[1])
                 assert len(done["ids"]) == FIRST_TURN[1], f"the first turn wrote {len(done['ids'])} tokens"
                 first.setdefault(name, []).append(done["wall_s"])
-            if gguf:  # in every repeat, beside ours: the machine's drift hits both alike
-                references.append(llama_bench(gguf, lengths, new_tokens, _threads(settings), 1, progress))
+            if gguf_file:  # in every repeat, beside ours: the machine's drift hits both alike
+                references.append(llama_bench(gguf_file, lengths, new_tokens, _threads(settings), 1, progress))
     finally:
         for engine, _runner in engines.values():
             engine.close()
@@ -244,7 +248,7 @@ def _median_reference(runs: list[list[dict] | None]) -> list[dict] | None:
 
 
 def _threads(settings) -> int:
-    from llmweb.engine.llama import default_threads
+    from llmweb.engine.gguf import default_threads
 
     return settings.threads or default_threads()
 

@@ -1,5 +1,5 @@
 """Engine overhead: decode tokens/s of our Engine vs a bare greedy loop on the same model:
-transformers' `model.generate`, or on llama.cpp `engine.llama.bare_greedy` (its own context, one
+transformers' `model.generate`, or on llama.cpp `bench.baselines.bare_greedy` (its own context, one
 `llama_decode` per token, nothing of ours).
 
 Same prompts and token count on both sides, interleaved A/B repeats (these machines are noisy;
@@ -26,7 +26,7 @@ def bare_decode(loaded, ids: list[int], new_tokens: int) -> tuple[float, float, 
     """`model.generate` (or llama.cpp's bare loop), greedy, exactly new_tokens; timed by a streamer,
     as the engine times itself."""
     if loaded.backend == "llama.cpp":
-        from llmweb.engine.llama import bare_greedy
+        from .baselines import bare_greedy
 
         return bare_greedy(loaded.model, ids, new_tokens)
     import torch

@@ -1,7 +1,7 @@
 """One engine factory for a loaded model, whichever runner runs it (models.LoadedModel.backend):
 
-  transformers   engine/local.py's LocalRunner (the GPU path, and the CPU fallback)
-  llama.cpp      engine/llama.py's LlamaRunner (the CPU default for a GGUF model)
+  transformers   engine/runners/transformers.py's LocalRunner (the GPU path, and the CPU fallback)
+  llama.cpp      engine/runners/llama_cpp.py's LlamaRunner (the CPU default for a GGUF model)
 
 Both runners import their heavy libraries (torch, llama_cpp) here lazily, so the caller needs
 neither to import this module.
@@ -23,17 +23,16 @@ def make_engine(
     limits: EngineLimits,
     *,
     context: int = 0,
-    fault: Callable[[int], None] | None = None,
     gpu: Callable | None = None,
 ) -> Engine:
     """An engine over `loaded` (a models.LoadedModel). `context`: the tokens one request may hold
     (the budget's context limit; 0 = the model's, capped as on the CPU) — llama.cpp sizes its KV
     pool from it, one context per batch slot."""
     if loaded.backend == "llama.cpp":
-        from llmweb.engine.llama import llama_engine
+        from llmweb.engine.runners.llama_cpp import llama_engine
 
         context = context or min(loaded.max_context, CPU_CONTEXT_CAP)
-        return llama_engine(loaded.model, kv, limits, context, fault=fault)
-    from llmweb.engine.local import local_engine
+        return llama_engine(loaded.model, kv, limits, context)
+    from llmweb.engine.runners.transformers import local_engine
 
-    return local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, fault=fault, gpu=gpu)
+    return local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, gpu=gpu)

@@ -16,7 +16,7 @@ session store is `compact`ed first (one copy per turn, after the reply): an idle
 tokens and room for KEEP_ROOM more, so its next message is still written in place.
 
 Owns: the cache layers' buffers and their growth. Must not: decide which cache a request gets
-or keeps (local.py and kvcache.py do).
+or keeps (runners/transformers.py and kvcache.py do).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ takes ~20 s, so the first run converts it once to a safetensors copy under `sett
 copy); later starts load the copy in seconds.
 
 Backend (`LLMWEB_BACKEND`): `auto` (the default) runs a GGUF model (the embedded one, or
-LLMWEB_MODEL naming a .gguf file) on llama.cpp on the CPU (engine/llama.py: the file as it ships, no
-conversion), and everything else on transformers; where llama-cpp-python cannot load, or the model
-is not a GGUF file, `auto` falls back to transformers and says why in `LoadedModel.notes` (the
+LLMWEB_MODEL naming a .gguf file) on llama.cpp on the CPU (engine/gguf.py, engine/runners/llama_cpp.py:
+the file as it ships, no conversion), and everything else on transformers; where llama-cpp-python
+cannot load, or the model is not a GGUF file, `auto` falls back to transformers and says why in `LoadedModel.notes` (the
 status line). `llama.cpp` or `transformers` forces one.
 
 Quantisation (`LLMWEB_QUANT`, the transformers path): `auto` (the default) is 4bit on CUDA and int8-cpu on the CPU;
@@ -54,7 +54,7 @@ Progress = Callable[[str], None]
 
 @dataclass
 class LoadedModel:
-    model: Any  # a transformers PreTrainedModel, or a llama.GgufModel (backend "llama.cpp")
+    model: Any  # a transformers PreTrainedModel, or a gguf.GgufModel (backend "llama.cpp")
     tokenizer: Any  # its PreTrainedTokenizer
     name: str
     quant: str  # what was actually loaded (after any fallback)
@@ -278,7 +278,7 @@ def resolve_backend(settings: Settings, device: str) -> tuple[str, str]:
     """(backend, note): llama.cpp for a GGUF model on the CPU where it loads, else transformers;
     the note says why `auto` did not take llama.cpp where one would expect it (the status line).
     An explicit LLMWEB_QUANT other than auto asks for a torch quantisation: transformers."""
-    from llmweb.engine import llama
+    from llmweb.engine import gguf
 
     if settings.backend == "transformers" or (settings.backend == "auto" and settings.quant != "auto"):
         return "transformers", ""
@@ -293,7 +293,7 @@ def resolve_backend(settings: Settings, device: str) -> tuple[str, str]:
         if forced:
             raise ConfigError(f"LLMWEB_BACKEND=llama.cpp: {why}.")
         return "transformers", f"{why}: transformers (int8-cpu) serves it."
-    missing = llama.available()
+    missing = gguf.available()
     if missing:
         if forced:
             raise ConfigError(f"LLMWEB_BACKEND=llama.cpp: {missing}.")
@@ -324,10 +324,10 @@ def tokenizer_source(settings: Settings, gguf: Path, progress: Progress) -> Path
 
 
 def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
-    """The GGUF model on llama.cpp (engine/llama.py) and its transformers tokenizer (same ids)."""
+    """The GGUF model on llama.cpp (engine/gguf.py) and its transformers tokenizer (same ids)."""
     from transformers import AutoTokenizer
 
-    from llmweb.engine.llama import GgufModel, openmp_note, requantised
+    from llmweb.engine.gguf import GgufModel, openmp_note, requantised
 
     t0 = time.perf_counter()
     source = gguf_file(settings)

@@ -39,8 +39,9 @@ holds its prefix (`id_slot`), and a slot busy with another of our requests is ne
 
 Nothing here imports torch. `remote_engine(...)` wires the runner into an `Engine`.
 
-Owns: the HTTP to the server (`Server`), the stream threads and the errors users read about
-them. Must not: schedule (the engine's queue and `max_batch` decide what runs), retry a reply
+Owns: the stream threads and the errors users read about them; the HTTP to the server, its
+probing and the slot map are engine/server.py's.
+Must not: schedule (the engine's queue and `max_batch` decide what runs), retry a reply
 already streamed, or send conversation ids or owners in the clear.
 """
 
@@ -53,7 +54,6 @@ import logging
 import socket
 import threading
 import time
-import urllib.parse
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +64,7 @@ import psutil
 from llmweb.engine.kvcache import KVStore
 from llmweb.engine.request import EngineLimits, GenerationRequest, GiveWay, Slot
 from llmweb.engine.scheduler import Engine
+from llmweb.engine.server import RETRY_STATUS, Capabilities, HTTPStatus, RemoteConfig, RemoteError, Server, SlotTable
 from llmweb.errors import LlmwebError
 from llmweb.records import MemorySnapshot
 
@@ -71,196 +72,6 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.02  # longest wait of one engine step for news from the streams
 DRAIN_S = 0.5  # longest wait at a reply's normal end for the stream's last event (its usage); it blocks the worker
-RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-CONTEXT_MARKERS = ("maximum context length", "context_length_exceeded", "exceed_context_size", "context length")
-
-
-class RemoteError(LlmwebError):
-    """The remote engine failed a request (unreachable, refused, cut off); the message says which."""
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
-    url: str  # http(s)://host:port (a trailing /v1 is fine)
-    model: str = ""  # the server's model name; "" = the first of GET /v1/models
-    api_key: str = ""
-    routing_header: str = "X-Session-Id"  # "" = none
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 60.0  # no data for this long ends the request
-    retries: int = 3  # for refused connections, 429 and 5xx, before the first token
-    backoff_s: float = 0.5  # doubled each retry
-
-    @property
-    def parts(self) -> tuple[str, str, int, str]:
-        """(scheme, host, port, base path without a trailing /v1)."""
-        u = urllib.parse.urlsplit(self.url if "://" in self.url else f"http://{self.url}")
-        base = u.path.rstrip("/")
-        if base.endswith("/v1"):
-            base = base[:-3]
-        return u.scheme or "http", u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80), base
-
-
-class HTTPStatus(Exception):
-    def __init__(self, status: int, body: str):
-        super().__init__(f"HTTP {status}: {body[:300]}")
-        self.status, self.body = status, body
-
-    @property
-    def context_length(self) -> bool:
-        """The server refused the prompt as too long (vLLM, OpenAI, llama.cpp say it in words only)."""
-        low = self.body.lower()
-        return self.status in (400, 413, 422) and any(m in low for m in CONTEXT_MARKERS)
-
-
-@dataclass
-class Capabilities:
-    ids: bool  # the prompt may be a list of token ids
-    extras: bool  # the server accepts the non-OpenAI fields (cache_salt, repetition_penalty, ...)
-
-
-class Server:
-    """HTTP to one OpenAI-compatible server: stdlib `http.client`, one connection per request."""
-
-    def __init__(self, config: RemoteConfig):
-        self.config = config
-        self.scheme, self.host, self.port, self.base = config.parts
-        self._model = config.model
-        self._caps: Capabilities | None = None
-        self._slots: int | None = None  # llama.cpp's total_slots; 0: not a llama.cpp server
-        self._lock = threading.Lock()
-
-    def connect(self, timeout: float | None = None) -> http.client.HTTPConnection:
-        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        return cls(self.host, self.port, timeout=timeout or self.config.connect_timeout_s)
-
-    def headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        h = {"Content-Type": "application/json", "Accept": "text/event-stream, application/json"}
-        if self.config.api_key:
-            h["Authorization"] = f"Bearer {self.config.api_key}"
-        h.update(extra or {})
-        return h
-
-    def get_json(self, path: str) -> Any:
-        conn = self.connect()
-        try:
-            conn.request("GET", self.base + path, headers=self.headers())
-            r = conn.getresponse()
-            body = r.read().decode("utf-8", "replace")
-            if r.status != 200:
-                raise HTTPStatus(r.status, body)
-            return json.loads(body)
-        finally:
-            conn.close()
-
-    def post(
-        self,
-        path: str,
-        body: dict,
-        headers: dict[str, str] | None = None,
-        timeout: float | None = None,
-        conn: http.client.HTTPConnection | None = None,
-    ):
-        """(connection, response) with status 200, headers read; raises HTTPStatus otherwise.
-        `conn`: a connection made with `connect` (so another thread can shut it meanwhile)."""
-        conn = conn or self.connect(timeout)
-        try:
-            conn.request("POST", self.base + path, body=json.dumps(body).encode(), headers=self.headers(headers))
-            r = conn.getresponse()
-        except BaseException:
-            conn.close()
-            raise
-        if r.status != 200:
-            text = r.read().decode("utf-8", "replace")
-            conn.close()
-            raise HTTPStatus(r.status, text)
-        return conn, r
-
-    @property
-    def model(self) -> str:
-        """The configured model name, else the server's first (asked once)."""
-        if not self._model:
-            data = self.get_json("/v1/models").get("data") or []
-            if not data:
-                raise RemoteError(f"The engine server at {self.config.url} lists no models.")
-            self._model = str(data[0]["id"])
-        return self._model
-
-    def slots(self) -> int:
-        """The server's slots when it is a llama.cpp server (`GET /props`), else 0 (asked until it
-        answers: a server that is down now may be a llama.cpp server once it is up)."""
-        if self._slots is None:
-            try:
-                props = self.get_json("/props")
-            except OSError:
-                return 0
-            except (HTTPStatus, ValueError):
-                props = None
-            total = props.get("total_slots") if isinstance(props, dict) else None
-            self._slots = int(total) if isinstance(total, int) and total > 0 else 0
-            log.info(
-                "remote: %s has %s", self.config.url, f"{self._slots} llama.cpp slots" if self._slots else "no slots"
-            )
-        return self._slots
-
-    def context_length(self) -> int | None:
-        """The context one request may fill on the server, where it says: llama.cpp's per-slot
-        `n_ctx` (`GET /props`), vLLM's `max_model_len` (`GET /v1/models`); None when it does not
-        say or is not reachable (then the model's own figure stands)."""
-        for path, find in (
-            ("/props", lambda d: (d.get("default_generation_settings") or {}).get("n_ctx")),
-            ("/v1/models", lambda d: ((d.get("data") or [{}])[0] or {}).get("max_model_len")),
-        ):
-            try:
-                data = self.get_json(path)
-            except (OSError, HTTPStatus, ValueError):
-                continue
-            value = find(data) if isinstance(data, dict) else None
-            if isinstance(value, int) and value > 1:
-                return value
-        return None
-
-    def reachable(self) -> str | None:
-        """None when GET /v1/models answers; else why not, in a few words."""
-        try:
-            self.get_json("/v1/models")
-            return None
-        except (OSError, HTTPStatus, ValueError) as e:
-            return f"{type(e).__name__}: {e}"
-
-    def capabilities(self, sample_ids: Sequence[int], sample_text: str) -> Capabilities:
-        """Probe once (two one-token requests), then the cached answer."""
-        with self._lock:
-            if self._caps is None:
-                self._caps = self._probe(list(sample_ids), sample_text)
-                caps = self._caps
-                log.info("remote: %s takes token ids: %s; extra fields: %s", self.config.url, caps.ids, caps.extras)
-            return self._caps
-
-    def _probe(self, ids: list[int], text: str) -> Capabilities:
-        plain = {"model": self.model, "max_tokens": 1, "temperature": 0.0}
-
-        def accepted(body: dict) -> bool:
-            try:
-                conn, r = self.post("/v1/completions", body, timeout=self.config.read_timeout_s)
-            except HTTPStatus as e:
-                if e.status in RETRY_STATUS or e.status in (401, 403, 404):
-                    raise  # not an answer about the request's form
-                return False
-            r.read()
-            conn.close()
-            return True
-
-        takes_ids = accepted({**plain, "prompt": ids})
-        extras = accepted({**plain, "prompt": ids if takes_ids else text, **_EXTRAS_PROBE})
-        return Capabilities(ids=takes_ids, extras=extras)
-
-
-_EXTRAS_PROBE = {
-    "cache_salt": "probe",
-    "repetition_penalty": 1.0,
-    "add_special_tokens": False,
-    "return_token_ids": True,
-}
 
 
 @dataclass(eq=False)
@@ -277,42 +88,6 @@ class _Call:
     closed: bool = False
     conn: http.client.HTTPConnection | None = None
     thread: threading.Thread | None = None
-
-
-class SlotTable:
-    """Which llama.cpp server slot each conversation's prefix lives on.
-
-    `take(key)`: the conversation's own slot if none of our requests holds it now, else the free
-    slot used longest ago (it becomes the conversation's); -1 when every slot is busy (the server
-    chooses). `give(slot)` when the request ends. Our requests are the only ones we know of: a
-    server shared with other clients may still move a prefix.
-    """
-
-    def __init__(self, n: int):
-        self.n = n
-        self.home: dict[str, int] = {}  # conversation -> its slot
-        self.busy: set[int] = set()
-        self.used = [0.0] * n  # when each slot was last taken
-        self._lock = threading.Lock()
-
-    def take(self, key: str | None) -> int:
-        with self._lock:
-            slot = self.home.get(key, -1) if key else -1
-            if slot < 0 or slot in self.busy:
-                free = [i for i in range(self.n) if i not in self.busy]
-                if not free:
-                    return -1
-                slot = min(free, key=lambda i: self.used[i])
-                if key:
-                    self.home = {k: v for k, v in self.home.items() if v != slot}  # its old prefix is gone
-                    self.home[key] = slot
-            self.busy.add(slot)
-            self.used[slot] = time.monotonic()
-            return slot
-
-    def give(self, slot: int) -> None:
-        with self._lock:
-            self.busy.discard(slot)
 
 
 class RemoteRunner:

@@ -2,7 +2,7 @@
 
 The engine speaks token ids. It knows nothing of text, chat templates, retrieval or the UI, and
 it does not import torch: it schedules and a `Runner` runs the batch on the model one step at a
-time (engine/local.py: `LocalRunner`; engine/remote.py: `RemoteRunner`, an OpenAI-compatible
+time (engine/runners/: `LocalRunner`, `LlamaRunner`; engine/remote.py: `RemoteRunner`, an OpenAI-compatible
 server; tests use a scripted `FakeRunner`). `local_engine(...)` / `remote.remote_engine(...)`
 wire the two. The request, its events and `Handle` are in request.py; the waiting requests
 (fair between owners) in queue.py; their estimated wait, which bounds the queue, and the

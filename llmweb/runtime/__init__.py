@@ -67,12 +67,11 @@ log = logging.getLogger(__name__)
 
 
 class Runtime:
-    def __init__(self, settings: Settings, fault=None, loaded=None):
+    def __init__(self, settings: Settings, loaded=None):
         self.settings = settings
         self._preloaded = loaded  # tests and benchmarks share one loaded model
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(settings.data_dir / "llmweb.sqlite3", caps=OwnerCaps.from_settings(settings))
-        self.fault = fault
         self._status = StatusLine()
         self.loaded: models.LoadedModel | None = None
         self.engine: Engine | None = None
@@ -131,7 +130,7 @@ class Runtime:
             models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
         kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
         limits = local_limits(s, budget, loaded)
-        engine = make_engine(loaded, kv, limits, context=budget.context_limit, fault=self.fault, gpu=gpu_entry)
+        engine = make_engine(loaded, kv, limits, context=budget.context_limit, gpu=gpu_entry)
         self.loaded = loaded
         self._wire(engine, budget, loaded.tokenizer)
         self._status.ready_local(loaded, budget, time.perf_counter() - t0)

@@ -88,8 +88,9 @@ def remote_parts(settings: Settings, progress: Callable[[str], None]) -> tuple[E
     """A remote engine (no weights here): (engine, budget, tokenizer). The server need not be up."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from llmweb.engine.remote import RemoteConfig, Server, remote_engine
+    from llmweb.engine.remote import remote_engine
     from llmweb.engine.request import EngineLimits
+    from llmweb.engine.server import RemoteConfig, Server
 
     s = settings
     source = s.model or tokenizer_dir(s, progress)

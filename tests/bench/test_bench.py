@@ -19,7 +19,7 @@ from llmweb import bench
 from llmweb.bench import capacity, memory, suite
 from llmweb.bench.common import write_reports
 from llmweb.cli.main import build_parser
-from llmweb.engine import llama
+from llmweb.engine import gguf
 from llmweb.engine.blockcache import KEEP_ROOM
 from tests.conftest import MODEL_CACHE, REPO, make_settings
 
@@ -40,7 +40,7 @@ def run_cli(tmp_path, *args: str, timeout: float = 600) -> subprocess.CompletedP
 
 
 # the CPU default: llama.cpp on the GGUF file (f16 KV) where llama-cpp-python loads, else int8-cpu (fp32 KV)
-DEFAULT_QUANT, DEFAULT_KV_PER_TOKEN = ("Q4_1 GGUF", 23_040) if llama.available() is None else ("int8-cpu", 46_080)
+DEFAULT_QUANT, DEFAULT_KV_PER_TOKEN = ("Q4_1 GGUF", 23_040) if gguf.available() is None else ("int8-cpu", 46_080)
 
 
 def printed_paths(stdout: str) -> dict[str, str]:

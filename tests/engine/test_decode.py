@@ -11,12 +11,13 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from llmweb.bench.baselines import dynamic_cache
 from llmweb.chat.tokens import TemplateFormat, render_prompt
 from llmweb.engine import models
 from llmweb.engine.blockcache import BLOCK, KEEP_ROOM, BlockLayer, compact, new_cache
 from llmweb.engine.kvcache import KVStore, cache_nbytes
-from llmweb.engine.local import LocalRunner
 from llmweb.engine.request import EngineLimits, GenerationRequest
+from llmweb.engine.runners.transformers import LocalRunner
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import ConfigError
 from tests.conftest import make_settings
@@ -126,7 +127,13 @@ def _config():
 
 def _greedy(loaded, block_cache: bool, ids: list[int], n: int) -> list[int]:
     store = KVStore(0, 1)
-    runner = LocalRunner(loaded.model, loaded.device, store, loaded.kv_bytes_per_token, block_cache=block_cache)
+    runner = LocalRunner(
+        loaded.model,
+        loaded.device,
+        store,
+        loaded.kv_bytes_per_token,
+        make_cache=new_cache if block_cache else dynamic_cache,
+    )
     engine = Engine(runner, store, EngineLimits(max_new_tokens=n, kv_reuse=False))
     try:
         return list(engine.submit(GenerationRequest(ids, n)).result())
@@ -181,10 +188,10 @@ def test_int8_cpu_loads_smaller_than_fp32_and_answers(tmp_path, fp32_model):
 @pytest.mark.slow  # loads the model in each quantisation
 def test_bench_decode_measures_every_step_and_its_verdicts_follow_its_figures(tmp_path):
     from llmweb.bench import decode
-    from llmweb.engine import llama
+    from llmweb.engine import gguf
 
     r = decode.run(make_settings(tmp_path, device="cpu"), lengths=(16, 64), new_tokens=4, repeats=1, progress=str)
-    llama_ok = llama.available() is None
+    llama_ok = gguf.available() is None
     names = [s.name for s in decode.steps_for("cpu", llama_ok)]
     assert [x["step"] for x in r["rows"]] == [n for n in names for _ in (16, 64)]
     by = {(x["step"], x["prompt"]): x for x in r["rows"]}

@@ -199,7 +199,7 @@ def _tiny_cache(runner):
     if runner.name == "llama.cpp":
         import ctypes
 
-        return (ctypes.c_uint8 * (3 * runner.model.kv_bytes_per_token))()  # host bytes, as llama.py keeps them
+        return (ctypes.c_uint8 * (3 * runner.model.kv_bytes_per_token))()  # host bytes, as llama_cpp.py keeps them
     from transformers import DynamicCache
 
     c = DynamicCache(config=runner.model.model.config)

@@ -26,8 +26,8 @@ from transformers import DynamicCache
 
 from llmweb.chat.tokens import TemplateFormat, render_prompt
 from llmweb.engine.kvcache import KVStore
-from llmweb.engine.local import local_engine
 from llmweb.engine.request import EngineLimits, GenerationRequest
+from llmweb.engine.runners.transformers import local_engine
 
 SYSTEM = "You are a helpful assistant."
 QUESTIONS = [

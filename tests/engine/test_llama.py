@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from llmweb.config import Settings
-from llmweb.engine import llama, models
+from llmweb.engine import gguf, models
 from llmweb.engine.request import GenerationRequest
+from llmweb.engine.runners.llama_cpp import llama_engine
+from llmweb.engine.runners.sampling import NumpySampler
 from llmweb.errors import ConfigError, LlmwebError
 
 
@@ -21,7 +23,7 @@ def settings(tmp_path, **kw) -> Settings:
 
 
 def test_auto_picks_llama_cpp_for_the_embedded_gguf_on_the_cpu(tmp_path, monkeypatch):
-    monkeypatch.setattr(llama, "available", lambda: None)
+    monkeypatch.setattr(gguf, "available", lambda: None)
     assert models.resolve_backend(settings(tmp_path), "cpu") == ("llama.cpp", "")
     assert models.resolve_backend(settings(tmp_path), "cuda") == ("transformers", ""), "the GPU keeps 4-bit"
     assert models.resolve_backend(settings(tmp_path, quant="int8-cpu"), "cpu")[0] == "transformers", (
@@ -31,12 +33,12 @@ def test_auto_picks_llama_cpp_for_the_embedded_gguf_on_the_cpu(tmp_path, monkeyp
 
 
 def test_auto_falls_back_with_the_reason_and_a_forced_backend_says_why_it_cannot(tmp_path, monkeypatch):
-    monkeypatch.setattr(llama, "available", lambda: "llama-cpp-python is not usable here (ImportError: x)")
+    monkeypatch.setattr(gguf, "available", lambda: "llama-cpp-python is not usable here (ImportError: x)")
     backend, note = models.resolve_backend(settings(tmp_path), "cpu")
     assert backend == "transformers" and "llama-cpp-python is not usable here" in note and "int8-cpu" in note
     with pytest.raises(ConfigError, match="LLMWEB_BACKEND=llama.cpp: llama-cpp-python is not usable"):
         models.resolve_backend(settings(tmp_path, backend="llama.cpp"), "cpu")
-    monkeypatch.setattr(llama, "available", lambda: None)
+    monkeypatch.setattr(gguf, "available", lambda: None)
     backend, note = models.resolve_backend(settings(tmp_path, model="some/hub-model"), "cpu")
     assert backend == "transformers" and "is not one" in note
     with pytest.raises(ConfigError, match="runs GGUF files"):
@@ -65,22 +67,22 @@ def test_the_samplers_repetition_penalty_is_transformers_own():
         logits = rng.normal(size=64).astype(np.float32)
         prompt = list(rng.integers(0, 64, size=12))
         request = GenerationRequest(prompt, 4, repetition_penalty=1.3)
-        ours = llama._Sampler(request, prompt, 64)(logits.copy())
+        ours = NumpySampler(request, prompt, 64)(logits.copy())
         assert ours == _transformers_next(logits, prompt, 1.3)
 
 
 def test_the_sampler_is_greedy_at_temperature_0_and_seeded_with_top_p():
     logits = np.array([0.0, 5.0, 4.9, -1.0], dtype=np.float32)
-    assert llama._Sampler(GenerationRequest([0], 1), [0], 4)(logits) == 1
+    assert NumpySampler(GenerationRequest([0], 1), [0], 4)(logits) == 1
     draws = {
-        llama._Sampler(GenerationRequest([0], 1, temperature=1.0, top_p=0.5, seed=s), [0], 4)(logits) for s in range(40)
+        NumpySampler(GenerationRequest([0], 1, temperature=1.0, top_p=0.5, seed=s), [0], 4)(logits) for s in range(40)
     }
     assert draws == {1}, "top_p 0.5 keeps only the most likely id here (its probability is just over a half)"
     draws = {
-        llama._Sampler(GenerationRequest([0], 1, temperature=1.0, top_p=1.0, seed=s), [0], 4)(logits) for s in range(40)
+        NumpySampler(GenerationRequest([0], 1, temperature=1.0, top_p=1.0, seed=s), [0], 4)(logits) for s in range(40)
     }
     assert {1, 2} <= draws
-    same = [llama._Sampler(GenerationRequest([0], 1, temperature=1.0, seed=7), [0], 4)(logits) for _ in range(5)]
+    same = [NumpySampler(GenerationRequest([0], 1, temperature=1.0, seed=7), [0], 4)(logits) for _ in range(5)]
     assert len(set(same)) == 1, "a seed makes the draw repeatable"
 
 
@@ -101,7 +103,7 @@ def test_the_status_line_names_llama_cpp(llama_model):
 
 def test_the_installed_llama_cpp_runs_without_openmp(llama_model):
     """pre-requirements.txt builds llama.cpp without OpenMP, whose runtime torch shares and slows."""
-    assert llama.openmp_note() == ""
+    assert gguf.openmp_note() == ""
     assert not any("OpenMP" in note for note in llama_model.notes)
 
 
@@ -109,10 +111,10 @@ def test_an_openmp_build_is_named_with_the_fix(monkeypatch):
     import llama_cpp
 
     monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 | OPENMP = 1 | REPACK = 1 |")
-    note = llama.openmp_note()
+    note = gguf.openmp_note()
     assert "OpenMP" in note and "pre-requirements.txt" in note
     monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: b"CPU : AVX2 = 1 | REPACK = 1 |")
-    assert llama.openmp_note() == ""
+    assert gguf.openmp_note() == ""
 
 
 def test_the_requant_setting_is_checked():
@@ -139,7 +141,7 @@ def test_requant_reencodes_the_gguf_once_and_the_copy_answers(tmp_path):
         assert any("re-encoding" in m for m in said)
         fmt = TemplateFormat(loaded.tokenizer)
         ids = render_prompt(fmt, "You are helpful.", [("user", "What is the capital of France?")])
-        engine = llama.llama_engine(loaded.model, KVStore(0, 1), EngineLimits(max_new_tokens=24), 512)
+        engine = llama_engine(loaded.model, KVStore(0, 1), EngineLimits(max_new_tokens=24), 512)
         try:
             reply = fmt.decode(engine.submit(GenerationRequest(ids, 24, stop_ids=fmt.stop_ids)).result())
         finally:
@@ -169,5 +171,5 @@ def test_a_file_llama_cpp_cannot_reencode_fails_clearly_and_leaves_no_half_file(
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(LlmwebError, match="could not re-encode broken.gguf as q8_0"):
-        llama.requantised(bad, "q8_0", tmp_path / "models", 1, progress=str)
+        gguf.requantised(bad, "q8_0", tmp_path / "models", 1, progress=str)
     assert list((tmp_path / "models").iterdir()) == []

@@ -27,11 +27,11 @@ from gradio_client import Client
 
 from llmweb.chat.tokens import render_prompt
 from llmweb.engine import admission, models
-from llmweb.engine import local as runner_mod
 from llmweb.engine.blockcache import KEEP_ROOM
 from llmweb.engine.kvcache import KVStore
-from llmweb.engine.local import local_engine
 from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb.engine.runners import transformers as runner_mod
+from llmweb.engine.runners.transformers import local_engine
 from llmweb.records import LOCAL_OWNER as LOCAL
 from llmweb.records import MemorySnapshot
 from llmweb.runtime import Runtime
@@ -40,6 +40,7 @@ from llmweb.web.formatting import stats_markdown
 from llmweb.web.owner import owner_headers, owner_secrets
 from llmweb.web.ui import launch_kwargs
 from tests.conftest import MODEL_CACHE, REPO, make_settings
+from tests.fakes import with_fault
 from tests.test_hostile import WAIT_S, serve
 
 MiB = 2**20
@@ -193,8 +194,9 @@ def oom_runtime(tmp_path, app_model):
             raise oom("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
 
     oom = MemoryError if app_model.backend == "llama.cpp" else torch.OutOfMemoryError  # each runner's out of memory
-    rt = Runtime(make_settings(tmp_path / "data", max_new_tokens=24), fault=fault, loaded=app_model)
+    rt = Runtime(make_settings(tmp_path / "data", max_new_tokens=24), loaded=app_model)
     rt.start(background=False)
+    with_fault(rt.engine, fault)
     yield rt, plan
     rt.close()
 
@@ -223,7 +225,7 @@ def test_oom_after_tokens_streamed_restarts_the_reply_cleanly(oom_runtime):
     """An OOM mid-reply voids what was streamed: the retried reply is not glued to the partial one."""
     rt, plan = oom_runtime
     question = "What is the capital of France?"
-    runner = rt.engine.runner  # the fault hook counts this runner's forward passes
+    runner = rt.engine.runner  # a FaultyRunner: it counts the forward passes
     plan.update(at=runner.forwards, left=1)
     clean = rt.chat.ask(LOCAL, rt.store.create_conversation(LOCAL), question)
     plan.update(at=runner.forwards + 4, left=1)  # prefill, then 3 decode steps: three tokens were streamed already
@@ -303,9 +305,8 @@ def test_cancel_during_a_long_prefill_stops_between_chunks_and_keeps_what_was_co
         if index == 0:
             held["h"].cancel()
 
-    e = local_engine(
-        fp32_model.model, "cpu", KVStore(256 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token, fault=fault
-    )
+    e = local_engine(fp32_model.model, "cpu", KVStore(256 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token)
+    faulty = with_fault(e, fault)
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "lorem ipsum " * 25)])
         assert len(ids) > 2 * admission.PREFILL_CHUNK  # three chunks; only the first is computed
@@ -318,7 +319,7 @@ def test_cancel_during_a_long_prefill_stops_between_chunks_and_keeps_what_was_co
         per_token = fp32_model.kv_bytes_per_token  # kept: the computed chunk and some room (blockcache)
         held_bytes = e.kv.session_bytes("s")
         assert admission.PREFILL_CHUNK * per_token <= held_bytes <= (admission.PREFILL_CHUNK + KEEP_ROOM) * per_token
-        e.fault = None
+        faulty.fault = None
         again = e.submit(req)
         again.result()
         assert again.stats.reused_tokens == admission.PREFILL_CHUNK, "the computed part is reused"

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from llmweb.engine.remote import RemoteConfig, RemoteError, Server, SlotTable, remote_engine
+from llmweb.engine.remote import remote_engine
 from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb.engine.server import RemoteConfig, RemoteError, Server, SlotTable
 from llmweb.errors import BusyError, LlmwebError
 from tests.fake_openai import FakeOpenAI, decode, encode
 from tests.fakes import frozen_pace
@@ -281,7 +282,8 @@ def test_owners_take_turns_in_the_engines_fair_queue_before_the_server_sees_them
 
 
 def test_the_replys_own_token_ids_win_over_its_text_when_the_server_sends_them():
-    from llmweb.engine.remote import RemoteRunner, Server, _Call
+    from llmweb.engine.remote import RemoteRunner, _Call
+    from llmweb.engine.server import Server
 
     runner = RemoteRunner(Server(RemoteConfig(url="http://127.0.0.1:1")), encode, decode)
     call = _Call()

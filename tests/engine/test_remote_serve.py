@@ -117,7 +117,7 @@ def test_replay_of_10_turns_through_transformers_serve_has_the_local_engines_jso
 
 
 def test_killing_the_server_mid_reply_keeps_the_partial_reply_with_a_clear_error(serve, tmp_path):
-    from llmweb.engine.remote import RemoteError
+    from llmweb.engine.server import RemoteError
     from llmweb.runtime import Runtime
 
     url, proc = serve

@@ -1,4 +1,4 @@
-"""The local model runner: the only part of the engine that touches torch and the model.
+"""The transformers runner: the only part of the engine that runs a torch model.
 
 The engine (scheduler.py, with queue.py and admission.py: fairness, admission, cancel, time limits)
 decides WHAT runs and when; this runner runs it on the model, one step at a time, for the engine's one worker thread:
@@ -28,15 +28,16 @@ pass, with its activations. Once the handler returns they are freed, before the 
 the allocator cache and retries. A failed decode leaves every cache as it was before the step
 (layers the pass already grew are cropped back), so the rest of the batch goes on.
 
-Owns: the model's forward passes, sampling, the batch's left-padded cache (`_Batch`) and the
-session caches' handover to `kv`. Must not: choose what runs or when (queue, admission, time
-limits, retries are the scheduler's), or raise an out-of-memory error to the engine.
+Owns: the model's forward passes, the batch's left-padded cache (`_Batch`) and the session caches'
+handover to `kv`; what every local runner does alike (session reuse, the step's timing, the stats,
+catching the out-of-memory) is runners/base.py's, the sampler's rules runners/sampling.py's.
+Must not: choose what runs or when (queue, admission, time limits, retries are the scheduler's),
+or raise an out-of-memory error to the engine.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,29 +47,26 @@ from transformers import DynamicCache
 from llmweb.engine import admission
 from llmweb.engine.admission import predict_bytes
 from llmweb.engine.blockcache import BLOCK, compact, new_cache
-from llmweb.engine.kvcache import KVStore, cache_nbytes, reusable
+from llmweb.engine.kvcache import KVStore, cache_nbytes
 from llmweb.engine.request import EngineLimits, GenerationRequest, Slot
+from llmweb.engine.runners.base import BaseRunner, Seq
+from llmweb.engine.runners.sampling import TorchSampler
 from llmweb.engine.scheduler import Engine
-from llmweb.engine.telemetry import RssPeak, StepTiming, is_cuda, memory_snapshot, reset_peak, rss_bytes
+from llmweb.engine.telemetry import is_cuda, memory_snapshot, reset_peak, rss_bytes
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Seq:
-    """The runner's state of one slot: its prompt, its own cache until it joins the batch, its sampler."""
-
-    prompt: list[int]
-    cache: DynamicCache | None  # None once the cache is a row of the batch
-    reused: int  # prompt tokens served from the session's cache
-    filled: int  # prompt tokens in the cache
-    sampler: _Sampler
-    rss: RssPeak
-    last: int = -1  # the last sampled id, fed in the next decode step
+@dataclass(eq=False, kw_only=True)
+class _Seq(Seq):
+    cache: DynamicCache | None  # its own cache; None once the cache is a row of the batch
 
 
-class LocalRunner:
+class LocalRunner(BaseRunner):
     """A transformers model on one device, with the session KV caches in `kv`."""
+
+    name = "runner"
+    out_of_memory = (torch.OutOfMemoryError,)
 
     def __init__(
         self,
@@ -79,22 +77,16 @@ class LocalRunner:
         *,
         mem_limit_bytes: int = 0,
         mem_margin_bytes: int = 512 * 2**20,
-        fault: Callable[[int], None] | None = None,
         gpu: Callable | None = None,
-        block_cache: bool = True,
+        make_cache: Callable[[object], DynamicCache] = new_cache,
     ):
+        super().__init__(kv, kv_bytes_per_token, mem_limit_bytes)
         self.model = model
         self.device = device
-        self.kv = kv
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.mem_limit_bytes = mem_limit_bytes  # CPU: RSS limit; 0 = no limit
         self.mem_margin_bytes = mem_margin_bytes  # CUDA: keep this much free
-        self.fault = fault  # test hook: called with the forward-pass index (this runner's count) before each
-        self.forwards = 0
-        self.timing = StepTiming()
-        # caches that grow in blocks (blockcache); False: transformers' DynamicCache (torch.cat per
-        # step), kept for `bench decode`'s before/after
-        self._new_cache = new_cache if block_cache else _dynamic_cache
+        # caches that grow in blocks (blockcache); bench/baselines.py passes transformers' own
+        # DynamicCache (torch.cat per step) for `bench decode`'s before/after
+        self._new_cache = make_cache
         self._batch = _Batch(model.config, self._new_cache)
         # e.g. @spaces.GPU on ZeroGPU Spaces: the GPU entry point is one busy period of the engine
         self._busy: Callable[[Callable[[], None]], None] = gpu(_call) if gpu is not None else _call
@@ -104,10 +96,6 @@ class LocalRunner:
         heads = getattr(getattr(self.model, "config", None), "num_attention_heads", 0) or 0
         kv, activation = predict_bytes(self.kv_bytes_per_token, heads, len(request.prompt_ids), request.max_new_tokens)
         return kv + activation + BLOCK * self.kv_bytes_per_token  # a cache grows a block at a time (blockcache)
-
-    def held(self, slot: Slot) -> int:
-        seq: _Seq = slot.state
-        return self.kv_bytes_per_token * (seq.filled + len(slot.generated))
 
     def available(self) -> int:
         if is_cuda(self.device):
@@ -126,113 +114,75 @@ class LocalRunner:
     def snapshot(self):
         return memory_snapshot(self.device)
 
-    # ---- the batch, step by step
     def busy(self, work: Callable[[], None]) -> None:
         self._busy(work)
 
-    def start(self, slot: Slot) -> None:
-        request = slot.request
+    # ---- the sequences
+    def _mode(self):
+        return torch.inference_mode()
+
+    def _chunk(self, request: GenerationRequest) -> int:
+        return admission.PREFILL_CHUNK
+
+    def _open(self, request: GenerationRequest, prompt: list[int]) -> Seq:
         if not self._batch.slots:
             reset_peak(self.device)  # the CUDA peak is the batch's, from its first request
-        prompt = list(request.prompt_ids)
-        cache, reused = self._reuse(request.session_id, prompt)
-        slot.stats.reused_tokens = reused
-        slot.state = _Seq(prompt, cache, reused, reused, _Sampler(request, prompt, self.device), RssPeak())
+        sampler = TorchSampler(request, prompt, self.device)
+        return _Seq(prompt=prompt, sampler=sampler, cache=self._new_cache(self.model.config))
 
-    def prefill(self, slot: Slot) -> bool:
-        seq: _Seq = slot.state
-        end = min(seq.filled + admission.PREFILL_CHUNK, len(seq.prompt))
-        try:
-            with torch.inference_mode():
-                ids = torch.tensor([seq.prompt[seq.filled : end]], device=self.device)  # (1, chunk)
-                logits = self._forward(input_ids=ids, cache=seq.cache)  # (1, vocab)
-                seq.filled = end
-                slot.stats.prefilled_tokens = end - seq.reused  # so far: a cancel between chunks reports it
-                if end == len(seq.prompt):
-                    seq.last = seq.sampler(logits)
-                    slot.ready = True
-                    slot.record(seq.last)
-        except torch.OutOfMemoryError as e:
-            log.warning("runner: request %s ran out of memory in prefill: %s", slot.handle.id, _first_line(e))
-            return False
-        return True
+    def _restore(self, seq: Seq, entry, reused: int) -> int:
+        """The session's cache, cropped to its longest common prefix with the prompt."""
+        assert isinstance(seq, _Seq)
+        cache, held = entry.cache, entry.cache.get_seq_length()
+        assert held == len(entry.ids), f"cache holds {held} tokens but records {len(entry.ids)} ids"
+        if held > reused:
+            cache.crop(-(held - reused))
+        seq.cache = cache
+        return reused
 
-    def decode(self, slots: list[Slot]) -> bool:
+    def _detach(self, slot: Slot, seq: Seq):
+        assert isinstance(seq, _Seq)
+        return self._batch.leave(slot) if slot in self._batch.slots else seq.cache
+
+    def _held_tokens(self, seq: Seq, cache) -> int:
+        return cache.get_seq_length() if cache is not None else 0
+
+    def _save(self, seq: Seq, cache) -> tuple[DynamicCache, int] | None:
+        if cache is None:
+            return None
+        compact(cache)  # an idle session holds its tokens and a little room, not a block
+        return cache, cache_nbytes(cache)
+
+    # ---- the passes
+    def _prefill(self, seq: Seq, chunk: list[int], last: bool):
+        assert isinstance(seq, _Seq)
+        ids = torch.tensor([chunk], device=self.device)  # (1, chunk)
+        return self._forward(input_ids=ids, cache=seq.cache), 0  # (1, vocab)
+
+    def _feed(self, slots: list[Slot]) -> Callable[[], None]:
+        """Each newcomer joins the batch's cache; the step's ids, mask and positions."""
         batch = self._batch
         length = batch.length
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                for slot in slots:
-                    if slot not in batch.slots:
-                        batch.join(slot, slot.state.cache)  # all or nothing, so an OOM here leaves it out
-                        slot.state.cache = None
-                        length = batch.length
-                rows = batch.slots
-                assert set(rows) == set(slots), "the decoding slots are the rows of the batch"
-                ids = torch.tensor([[slot.state.last] for slot in rows], device=self.device)  # (B, 1)
-                mask, positions = batch.mask_and_positions(self.device)  # (B, L+1), (B, 1); None: no pads
-                t1 = time.perf_counter()
-                logits = self._forward(input_ids=ids, cache=batch.cache, attention_mask=mask, position_ids=positions)
-                rss = rss_bytes()
-                t2 = time.perf_counter()
-                for i, slot in enumerate(rows):
-                    seq: _Seq = slot.state
-                    seq.last = seq.sampler(logits[i : i + 1])
-                    seq.rss.peak = max(seq.rss.peak, rss)
-                    slot.record(seq.last)
-        except torch.OutOfMemoryError as e:
-            log.warning("runner: a batch of %d ran out of memory in decode: %s", len(slots), _first_line(e))
-            batch.crop(length)
-            return False
-        t3 = time.perf_counter()
-        self.timing.add(t0, t1, t2, t3)
-        return True
+        for slot in slots:
+            if slot not in batch.slots:
+                batch.join(slot, slot.state.cache)  # all or nothing, so an OOM here leaves it out
+                slot.state.cache = None
+                length = batch.length
+        assert set(batch.slots) == set(slots), "the decoding slots are the rows of the batch"
+        ids = torch.tensor([[slot.state.last] for slot in batch.slots], device=self.device)  # (B, 1)
+        mask, positions = batch.mask_and_positions(self.device)  # (B, L+1), (B, 1); None: no pads
+        self._inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        return lambda: batch.crop(length)  # layers a failed pass grew are cropped back
 
-    def release(self, slot: Slot, keep: bool) -> None:
-        seq: _Seq | None = slot.state
-        if seq is None:
-            return  # it never started
-        cache = self._batch.leave(slot) if slot in self._batch.slots else seq.cache
-        slot.state = None
-        if keep and cache is not None:
-            self._keep(slot, seq, cache)
-        slot.stats.kv_store_bytes = self.kv.total_bytes
-        slot.stats.mem = memory_snapshot(self.device, peak_rss=seq.rss.peak)
+    def _step(self, slots: list[Slot]):
+        inputs, self._inputs = self._inputs, {}
+        return list(self._batch.slots), self._forward(cache=self._batch.cache, **inputs)
 
-    # ---- session caches
-    def _reuse(self, session_id: str | None, prompt: list[int]):
-        """(cache, reused): the session's cache cropped to its longest common prefix with the prompt,
-        leaving >= 1 token to prefill; a new empty cache when nothing is reusable."""
-        entry = self.kv.take(session_id) if session_id else None
-        if entry is not None:
-            reused = reusable(entry.ids, prompt)
-            cache, held = entry.cache, entry.cache.get_seq_length()
-            assert held == len(entry.ids), f"cache holds {held} tokens but records {len(entry.ids)} ids"
-            if reused > 0:
-                if held > reused:
-                    cache.crop(-(held - reused))
-                return cache, reused
-        return self._new_cache(self.model.config), 0
-
-    def _keep(self, slot: Slot, seq: _Seq, cache) -> None:
-        """Keep the cache for the session's next turn; `Slot.fed_ids` says which ids it holds."""
-        finish = slot.finish
-        held_ids = slot.fed_ids(seq.prompt, seq.filled)
-        assert cache.get_seq_length() == len(held_ids), (
-            f"cache {cache.get_seq_length()} != ids {len(held_ids)} ({finish})"
-        )
-        if slot.request.session_id:
-            compact(cache)  # an idle session holds its tokens and a little room, not a block
-        slot.stats.kv_session_bytes = cache_nbytes(cache)
-        if slot.request.session_id:
-            self.kv.put(slot.request.session_id, held_ids, cache, slot.stats.kv_session_bytes)
+    def _row(self, logits, i: int):
+        return logits[i : i + 1]
 
     def _forward(self, **inputs):
-        """The model's logits of each row's last position, (B, vocab); the fault hook sees every pass."""
-        if self.fault is not None:
-            self.fault(self.forwards)
-        self.forwards += 1
+        """The model's logits of each row's last position, (B, vocab)."""
         return self.model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1, :]
 
 
@@ -325,14 +275,6 @@ class _Batch:
         return mask, positions
 
 
-def _dynamic_cache(config) -> DynamicCache:
-    return DynamicCache(config=config)
-
-
-def _call(work: Callable[[], None]) -> None:
-    work()
-
-
 def _check_layer(layer) -> None:
     assert not getattr(layer, "is_sliding", False), "batching needs full-attention cache layers"
 
@@ -349,51 +291,8 @@ def _trim_left(cache: DynamicCache, n: int) -> None:
         layer.keys, layer.values = layer.keys[:, :, n:, :].clone(), layer.values[:, :, n:, :].clone()
 
 
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-
-
-class _Sampler:
-    """Greedy or temperature/top-p sampling with a repetition penalty over prompt + generated."""
-
-    def __init__(self, request: GenerationRequest, prompt: list[int], device: str):
-        from transformers import (
-            LogitsProcessorList,
-            RepetitionPenaltyLogitsProcessor,
-            TemperatureLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        self.greedy = request.temperature <= 0
-        procs = []
-        if request.repetition_penalty and request.repetition_penalty != 1.0:
-            procs.append(RepetitionPenaltyLogitsProcessor(request.repetition_penalty))
-        if not self.greedy:
-            procs.append(TemperatureLogitsWarper(request.temperature))
-            if request.top_p < 1.0:
-                procs.append(TopPLogitsWarper(request.top_p))
-        self.procs = LogitsProcessorList(procs)
-        # prompt + generated ids, for the penalty: filled in place, one column per step
-        self._ids = torch.empty(1, len(prompt) + request.max_new_tokens + 1, dtype=torch.long, device=device)
-        self._ids[0, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        self._n = len(prompt)
-        self.gen = None
-        if not self.greedy:
-            self.gen = torch.Generator(device=device)
-            self.gen.manual_seed(request.seed if request.seed is not None else int(time.time_ns() % 2**31))
-
-    def __call__(self, logits) -> int:
-        """(1, vocab) logits -> the next id."""
-        scores = self.procs(self._ids[:, : self._n], logits.float()) if len(self.procs) else logits.float()
-        if self.greedy:
-            nxt = int(scores.argmax(dim=-1)[0])
-        else:
-            probs = torch.softmax(scores, dim=-1)
-            nxt = int(torch.multinomial(probs, 1, generator=self.gen)[0, 0])
-        if self._n < self._ids.shape[1]:
-            self._ids[0, self._n] = nxt
-            self._n += 1
-        return nxt
+def _call(work: Callable[[], None]) -> None:
+    work()
 
 
 def local_engine(
@@ -402,7 +301,6 @@ def local_engine(
     kv: KVStore,
     limits: EngineLimits,
     kv_bytes_per_token: int,
-    fault: Callable[[int], None] | None = None,
     gpu: Callable | None = None,
 ) -> Engine:
     """An engine over a loaded transformers model (this module imports torch)."""
@@ -413,7 +311,6 @@ def local_engine(
         kv_bytes_per_token,
         mem_limit_bytes=limits.mem_limit_bytes,
         mem_margin_bytes=limits.mem_margin_bytes,
-        fault=fault,
         gpu=gpu,
     )
     return Engine(runner, kv, limits)
