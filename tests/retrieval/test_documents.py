@@ -1,4 +1,4 @@
-"""retrieval/documents.py: loaders, structure (pages / headings), chunking limits and offsets, bad input.
+"""retrieval/parsers.py and chunking.py: loaders, structure (pages / headings), chunking limits and offsets, bad input.
 
 Uses the embedder's real tokenizer (from the embedded all-MiniLM-L6-v2 folder; the model itself
 is not loaded here) and real PDF / DOCX files built in the test.
@@ -14,11 +14,10 @@ from hypothesis import strategies as st
 
 from llmweb.bench.hostile import make_pdf
 from llmweb.errors import InputError
-from llmweb.retrieval.documents import (
+from llmweb.retrieval.chunking import chunk_document, count_tokens
+from llmweb.retrieval.parsers import (
     MB,
     SUPPORTED_SUFFIXES,
-    chunk_document,
-    count_tokens,
     display_name,
     load_document,
     parse_document,
@@ -304,7 +303,7 @@ def _zip(members: dict[str, bytes]) -> bytes:
 
 
 def test_docx_zip_bomb_is_refused_from_its_directory(monkeypatch):
-    from llmweb.retrieval import documents
+    from llmweb.retrieval import parsers as documents
 
     monkeypatch.setattr(documents, "MAX_DOCX_UNPACKED_BYTES", 1 * MB)
     bomb = _zip({"word/document.xml": b"\0" * (2 * MB)})  # ~2 kB on disk
@@ -315,7 +314,7 @@ def test_docx_zip_bomb_is_refused_from_its_directory(monkeypatch):
 
 
 def test_docx_with_too_many_members_is_refused(monkeypatch):
-    from llmweb.retrieval import documents
+    from llmweb.retrieval import parsers as documents
 
     monkeypatch.setattr(documents, "MAX_DOCX_MEMBERS", 10)
     with pytest.raises(InputError, match=r"many.docx holds 11 files inside; the limit is 10\."):
@@ -354,7 +353,7 @@ def test_docx_merged_cells_read_as_python_docx_reads_them():
 
 
 def test_pdf_page_and_text_limits(monkeypatch):
-    from llmweb.retrieval import documents
+    from llmweb.retrieval import parsers as documents
 
     monkeypatch.setattr(documents, "MAX_PDF_PAGES", 2)
     with pytest.raises(InputError, match=r"long.pdf has 3 pages; the limit is 2 pages\."):
@@ -366,7 +365,7 @@ def test_pdf_page_and_text_limits(monkeypatch):
 
 
 def test_html_size_and_depth_limits(monkeypatch):
-    from llmweb.retrieval import documents
+    from llmweb.retrieval import parsers as documents
 
     deep = b"<div>" * (documents.MAX_HTML_DEPTH + 1) + b"x"
     with pytest.raises(InputError, match=r"deep.html nests HTML elements more than 5,000 levels deep"):
@@ -399,7 +398,7 @@ def test_markdown_atx_headings_by_scanning():
 
 
 def test_very_long_names_are_refused():
-    from llmweb.retrieval.documents import MAX_PATH_CHARS
+    from llmweb.retrieval.parsers import MAX_PATH_CHARS
 
     with pytest.raises(InputError, match=r"A file name is 4,100 characters long; the limit is 4,096\."):
         display_name("a/" * 2048 + "b.md")
@@ -414,7 +413,7 @@ OLD_ATX = r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$"  # cubic on a heading lin
 def test_atx_heading_scan_answers_as_the_old_regex(line):
     import re
 
-    from llmweb.retrieval.documents import _atx_heading
+    from llmweb.retrieval.parsers import _atx_heading
 
     m = re.match(OLD_ATX, line)
     assert _atx_heading(line) == (m.group(2) if m else None)
