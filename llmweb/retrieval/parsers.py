@@ -34,6 +34,10 @@ MAX_PATH_CHARS = 4096  # a name given with its folders (Linux's PATH_MAX); longe
 # file can be a bomb: a .docx is a zip, PDF pages are compressed streams, HTML can nest without end).
 MAX_TEXT_CHARS = 20_000_000  # extracted text of one document (about 4,000 pages of prose)
 MAX_PDF_PAGES = 5_000
+# A PDF's text is counted while it is drawn: a 1 KB file can draw one form thousands of times.
+MAX_PDF_CHARS_PER_BYTE = 50
+MIN_PDF_TEXT_CHARS = 200_000  # small files get this much whatever their size (about 60 pages)
+MAX_PDF_OPERATIONS = 20_000_000  # content-stream operations in all (text or not), forms included
 MAX_DOCX_UNPACKED_BYTES = 100 * MB  # the sum of the zip's members' uncompressed sizes
 MAX_DOCX_MEMBERS = 5_000
 MAX_DOCX_ROW_CELLS = 1_000  # grid cells in one table row, spans counted (Word itself stops at 63 columns)
@@ -219,7 +223,7 @@ def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
                 opened = False
             if not opened:
                 raise InputError(f"{name} is password-protected (encrypted); remove the password and upload it again.")
-        pages = _pdf_pages(reader, name)
+        pages = _pdf_pages(reader, name, len(data))
     except InputError:
         raise
     except FileNotDecryptedError:
@@ -246,18 +250,61 @@ def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
     return "".join(parts), sections
 
 
-def _pdf_pages(reader, name: str) -> list[str]:
-    """Each page's text; refused past MAX_PDF_PAGES pages or MAX_TEXT_CHARS characters in all."""
+def _pdf_pages(reader, name: str, size: int) -> list[str]:
+    """Each page's text; refused past MAX_PDF_PAGES pages, or once the text drawn so far passes the
+    document's budget (`_pdf_text_budget`). The budget is counted *while* pypdf extracts, through its
+    visitor hooks, so one page drawing a form thousands of times stops at the budget, not after."""
     if len(reader.pages) > MAX_PDF_PAGES:
         raise InputError(f"{name} has {len(reader.pages):,} pages; the limit is {MAX_PDF_PAGES:,} pages.")
-    pages, total = [], 0
+    budget = _PdfBudget(_pdf_text_budget(size))
+    pages = []
     for page in reader.pages:
-        text = page.extract_text() or ""
-        total += len(text)
-        if total > MAX_TEXT_CHARS:
-            raise InputError(f"{name} holds more than {MAX_TEXT_CHARS:,} characters of text; the limit is that.")
+        try:
+            text = page.extract_text(visitor_text=budget.text, visitor_operand_before=budget.operation) or ""
+        except _PdfOverBudget:
+            text = ""
+        if budget.over:  # pypdf swallows errors inside a form: the flag says it stopped all the same
+            raise InputError(
+                f"{name} holds more than {budget.chars:,} characters of text for a {size:,}-byte file "
+                "(a form drawn over and over?); the limit is that."
+            )
         pages.append(text)
     return pages
+
+
+def _pdf_text_budget(size: int) -> int:
+    """Characters a PDF of `size` bytes may extract to: MAX_PDF_CHARS_PER_BYTE per byte (prose
+    compresses about 3-4x, so real files stay far below), at least MIN_PDF_TEXT_CHARS, at most
+    MAX_TEXT_CHARS."""
+    return min(MAX_TEXT_CHARS, max(MIN_PDF_TEXT_CHARS, MAX_PDF_CHARS_PER_BYTE * size))
+
+
+class _PdfOverBudget(Exception):
+    pass
+
+
+class _PdfBudget:
+    """pypdf visitor hooks that count characters and operations, raising once either is spent."""
+
+    def __init__(self, chars: int) -> None:
+        self.chars = chars
+        self.used = 0
+        self.operations = 0
+        self.over = False
+
+    def text(self, text: str, *_: Any) -> None:
+        self.used += len(text)
+        self._check()
+
+    def operation(self, *_: Any) -> None:
+        self.operations += 1
+        self._check()
+
+    def _check(self) -> None:
+        if self.used > self.chars or self.operations > MAX_PDF_OPERATIONS:
+            self.over = True
+        if self.over:  # sticky: every later hook call raises too, up through each nested form
+            raise _PdfOverBudget
 
 
 # DOCX -----------------------------------------------------------------------

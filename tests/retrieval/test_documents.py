@@ -364,6 +364,56 @@ def test_pdf_page_and_text_limits(monkeypatch):
         parse_document(make_pdf(["a few words", "and more words"]), "wordy.pdf")
 
 
+def form_bomb_pdf(draws: int = 5_000, text: str = "All work and no play makes a dull boy. " * 50) -> bytes:
+    """One page that draws one form XObject `draws` times, both streams Flate-compressed: a file
+    of about 1.4 KB whose text layer is `draws * len(text)` characters (10 M by default)."""
+    import zlib
+
+    form = zlib.compress(f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode(), 9)
+    page = zlib.compress(b"/Fm0 Do\n" * draws, 9)
+    objs = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [4 0 R] /Count 1 >>",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /XObject << /Fm0 6 0 R >> >> "
+        b"/Contents 5 0 R >>",
+        f"<< /Length {len(page)} /Filter /FlateDecode >>\nstream\n".encode() + page + b"\nendstream",
+        b"<< /Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
+        + f"/Length {len(form)} /Filter /FlateDecode >>\nstream\n".encode()
+        + form
+        + b"\nendstream",
+    ]
+    out = b"%PDF-1.4\n"
+    offsets = []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += f"{i} 0 obj\n".encode() + body + b"\nendobj\n"
+    xref = len(out)
+    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode()
+    out += b"".join(f"{o:010d} 00000 n \n".encode() for o in offsets)
+    out += f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return out
+
+
+def test_pdf_form_drawn_thousands_of_times_is_stopped_while_it_is_extracted():
+    """Issue 35: a ~1.4 KB PDF drawing one form 5,000 times extracted to 10 M characters (under the
+    20 M document cap), all from one page. The budget is counted while pypdf draws the page."""
+    import time
+
+    from llmweb.retrieval import parsers
+
+    data = form_bomb_pdf()
+    assert len(data) < 2_000
+    small = parse_document(form_bomb_pdf(draws=2), "two.pdf")  # the same form drawn twice reads fine
+    assert small.text.count("dull boy") == 100
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match=r"bomb.pdf holds more than 200,000 characters of text for a"):
+        parse_document(data, "bomb.pdf")
+    elapsed = time.perf_counter() - t0
+    budget = parsers._pdf_text_budget(len(data))
+    print(f"\nform bomb: {len(data):,} bytes refused after {elapsed:.2f} s (budget {budget:,} characters)")
+
+
 def test_html_size_and_depth_limits(monkeypatch):
     from llmweb.retrieval import parsers as documents
 
