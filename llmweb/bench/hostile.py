@@ -173,7 +173,7 @@ def make_pdf(pages: list[str]) -> bytes:
 
 def _parse(suffix: str) -> Callable[[bytes], object]:
     from llmweb.errors import InputError
-    from llmweb.retrieval.documents import parse_document
+    from llmweb.retrieval.parsers import parse_document
 
     def call(data: bytes) -> object:
         try:
@@ -196,7 +196,7 @@ def _chunker() -> Callable[[Any], object] | None:
         tokenizer = AutoTokenizer.from_pretrained(default_embedder_path())
     except Exception:  # noqa: BLE001 - no embedder here: the target is left out
         return None
-    from llmweb.retrieval.documents import chunk_document
+    from llmweb.retrieval.chunking import chunk_document
 
     return lambda doc: chunk_document(doc, tokenizer, max_tokens=200, overlap=40)
 
@@ -207,7 +207,7 @@ _FILE_CASES = ("long line, no end mark, then a newline", "many newlines")
 
 def _display_name(text: str) -> object:
     from llmweb.errors import InputError
-    from llmweb.retrieval.documents import MAX_PATH_CHARS, display_name
+    from llmweb.retrieval.parsers import MAX_PATH_CHARS, display_name
 
     name = text.replace("\n", "/") + ".md"
     try:
@@ -219,7 +219,7 @@ def _display_name(text: str) -> object:
 
 
 def _as_document(text: str) -> Any:
-    from llmweb.retrieval.documents import parse_document
+    from llmweb.retrieval.parsers import parse_document
 
     return parse_document(text.encode(), "hostile.md")
 

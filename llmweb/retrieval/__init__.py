@@ -1,4 +1,4 @@
-"""Documents and search: parsers and chunking (documents.py), the embedder (embedder.py), the
+"""Documents and search: parsers (parsers.py) and chunking (chunking.py), the embedder (embedder.py), the
 on-disk generations of an index with their locks and atomic writes (storage.py), search and
 ingestion over one index (index.py), the SQLite FTS5 keyword index (keywords.py), fusion and the
 relevance gate (hybrid.py), and the owner-scoped document library (library.py: every check of an

@@ -36,9 +36,10 @@ from llmweb.config import Settings
 from llmweb.errors import InputError
 from llmweb.records import Chunk
 from llmweb.retrieval import storage
-from llmweb.retrieval.documents import SUPPORTED_SUFFIXES, Document, chunk_document, load_document, safe_name
+from llmweb.retrieval.chunking import chunk_document
 from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.keywords import KeywordIndex, Term
+from llmweb.retrieval.parsers import SUPPORTED_SUFFIXES, Document, load_document, safe_name
 from llmweb.retrieval.storage import MANIFEST, DocumentInfo, State, file_lock, namespace_dir, thread_lock_for
 
 Progress = Callable[[int, int, str], None]  # (done, total, what) for a UI bar or tqdm

@@ -63,10 +63,10 @@ from llmweb.config import Settings
 from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER, Chunk
 from llmweb.retrieval import hybrid
-from llmweb.retrieval.documents import MB, hash_bytes, load_document, safe_name
 from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.hybrid import Reranker, Retrieval
 from llmweb.retrieval.index import DOCS, Index, IngestReport, Progress
+from llmweb.retrieval.parsers import MB, hash_bytes, load_document, safe_name
 from llmweb.retrieval.storage import (
     DocumentInfo,
     delete_namespace,
@@ -403,7 +403,7 @@ def _quota_size(index: Index, doc: DocumentInfo) -> int:
 
 def _upload_size(path: str | os.PathLike, given: str, size: int) -> int:
     """What an upload will count against the quota (`_quota_size`), before it is stored: a compressed
-    format is parsed (within documents.py's limits on what it may unpack to) and its text measured."""
+    format is parsed (within parsers.py's limits on what it may unpack to) and its text measured."""
     if Path(given).suffix.lower() not in COMPRESSED_SUFFIXES:
         return size
     try:

@@ -2,7 +2,7 @@
 again (or after a cancel) reads only the pieces it has not read yet.
 
 It owns the `document_pieces` table's queries (`PieceQueries`). The document id is the content hash
-of the document's file (retrieval/documents.py `hash_bytes`), so a changed document is another key
+of the document's file (retrieval/parsers.py `hash_bytes`), so a changed document is another key
 and never reads an old result. Every query takes the owner and scopes by it in SQL; a write passes
 the owner's generation read before its task began (`Deleted` after a "Delete all my data" since:
 nothing stored). Rows go with the document (`delete_document_pieces`, when it is removed from the

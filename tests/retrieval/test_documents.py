@@ -1,4 +1,4 @@
-"""retrieval/documents.py: loaders, structure (pages / headings), chunking limits and offsets, bad input.
+"""retrieval/parsers.py and chunking.py: loaders, structure (pages / headings), chunking limits and offsets, bad input.
 
 Uses the embedder's real tokenizer (from the embedded all-MiniLM-L6-v2 folder; the model itself
 is not loaded here) and real PDF / DOCX files built in the test.
@@ -14,11 +14,10 @@ from hypothesis import strategies as st
 
 from llmweb.bench.hostile import make_pdf
 from llmweb.errors import InputError
-from llmweb.retrieval.documents import (
+from llmweb.retrieval.chunking import chunk_document, count_tokens
+from llmweb.retrieval.parsers import (
     MB,
     SUPPORTED_SUFFIXES,
-    chunk_document,
-    count_tokens,
     display_name,
     load_document,
     parse_document,
@@ -304,7 +303,7 @@ def _zip(members: dict[str, bytes]) -> bytes:
 
 
 def test_docx_zip_bomb_is_refused_from_its_directory(monkeypatch):
-    from llmweb.retrieval import documents
+    from llmweb.retrieval import parsers as documents
 
     monkeypatch.setattr(documents, "MAX_DOCX_UNPACKED_BYTES", 1 * MB)
     bomb = _zip({"word/document.xml": b"\0" * (2 * MB)})  # ~2 kB on disk
@@ -315,7 +314,7 @@ def test_docx_zip_bomb_is_refused_from_its_directory(monkeypatch):
 
 
 def test_docx_with_too_many_members_is_refused(monkeypatch):
-    from llmweb.retrieval import documents
+    from llmweb.retrieval import parsers as documents
 
     monkeypatch.setattr(documents, "MAX_DOCX_MEMBERS", 10)
     with pytest.raises(InputError, match=r"many.docx holds 11 files inside; the limit is 10\."):
@@ -354,7 +353,7 @@ def test_docx_merged_cells_read_as_python_docx_reads_them():
 
 
 def test_pdf_page_and_text_limits(monkeypatch):
-    from llmweb.retrieval import documents
+    from llmweb.retrieval import parsers as documents
 
     monkeypatch.setattr(documents, "MAX_PDF_PAGES", 2)
     with pytest.raises(InputError, match=r"long.pdf has 3 pages; the limit is 2 pages\."):
@@ -365,8 +364,58 @@ def test_pdf_page_and_text_limits(monkeypatch):
         parse_document(make_pdf(["a few words", "and more words"]), "wordy.pdf")
 
 
+def form_bomb_pdf(draws: int = 5_000, text: str = "All work and no play makes a dull boy. " * 50) -> bytes:
+    """One page that draws one form XObject `draws` times, both streams Flate-compressed: a file
+    of about 1.4 KB whose text layer is `draws * len(text)` characters (10 M by default)."""
+    import zlib
+
+    form = zlib.compress(f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode(), 9)
+    page = zlib.compress(b"/Fm0 Do\n" * draws, 9)
+    objs = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [4 0 R] /Count 1 >>",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /XObject << /Fm0 6 0 R >> >> "
+        b"/Contents 5 0 R >>",
+        f"<< /Length {len(page)} /Filter /FlateDecode >>\nstream\n".encode() + page + b"\nendstream",
+        b"<< /Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
+        + f"/Length {len(form)} /Filter /FlateDecode >>\nstream\n".encode()
+        + form
+        + b"\nendstream",
+    ]
+    out = b"%PDF-1.4\n"
+    offsets = []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += f"{i} 0 obj\n".encode() + body + b"\nendobj\n"
+    xref = len(out)
+    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode()
+    out += b"".join(f"{o:010d} 00000 n \n".encode() for o in offsets)
+    out += f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return out
+
+
+def test_pdf_form_drawn_thousands_of_times_is_stopped_while_it_is_extracted():
+    """Issue 35: a ~1.4 KB PDF drawing one form 5,000 times extracted to 10 M characters (under the
+    20 M document cap), all from one page. The budget is counted while pypdf draws the page."""
+    import time
+
+    from llmweb.retrieval import parsers
+
+    data = form_bomb_pdf()
+    assert len(data) < 2_000
+    small = parse_document(form_bomb_pdf(draws=2), "two.pdf")  # the same form drawn twice reads fine
+    assert small.text.count("dull boy") == 100
+    t0 = time.perf_counter()
+    with pytest.raises(InputError, match=r"bomb.pdf holds more than 200,000 characters of text for a"):
+        parse_document(data, "bomb.pdf")
+    elapsed = time.perf_counter() - t0
+    budget = parsers._pdf_text_budget(len(data))
+    print(f"\nform bomb: {len(data):,} bytes refused after {elapsed:.2f} s (budget {budget:,} characters)")
+
+
 def test_html_size_and_depth_limits(monkeypatch):
-    from llmweb.retrieval import documents
+    from llmweb.retrieval import parsers as documents
 
     deep = b"<div>" * (documents.MAX_HTML_DEPTH + 1) + b"x"
     with pytest.raises(InputError, match=r"deep.html nests HTML elements more than 5,000 levels deep"):
@@ -399,7 +448,7 @@ def test_markdown_atx_headings_by_scanning():
 
 
 def test_very_long_names_are_refused():
-    from llmweb.retrieval.documents import MAX_PATH_CHARS
+    from llmweb.retrieval.parsers import MAX_PATH_CHARS
 
     with pytest.raises(InputError, match=r"A file name is 4,100 characters long; the limit is 4,096\."):
         display_name("a/" * 2048 + "b.md")
@@ -414,7 +463,7 @@ OLD_ATX = r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$"  # cubic on a heading lin
 def test_atx_heading_scan_answers_as_the_old_regex(line):
     import re
 
-    from llmweb.retrieval.documents import _atx_heading
+    from llmweb.retrieval.parsers import _atx_heading
 
     m = re.match(OLD_ATX, line)
     assert _atx_heading(line) == (m.group(2) if m else None)

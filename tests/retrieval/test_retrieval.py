@@ -12,9 +12,10 @@ import pytest
 from llmweb.config import Settings
 from llmweb.errors import ConfigError, InputError
 from llmweb.records import Chunk
-from llmweb.retrieval.documents import count_tokens, load_document
+from llmweb.retrieval.chunking import count_tokens
 from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.index import Index
+from llmweb.retrieval.parsers import load_document
 from llmweb.retrieval.storage import MANIFEST, delete_namespace, list_namespaces
 from tests.retrieval.test_documents import encrypt_pdf, make_docx, make_pdf
 

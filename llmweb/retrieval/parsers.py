@@ -1,18 +1,16 @@
-"""Documents: read a user's file into text with structure, and cut that text into chunks.
+"""Parsers: read a user's file into text with structure, within limits on what it may unpack to.
 
 Contract:
 - `load_document(path, name)` reads one file (.txt, .md, .pdf, .html/.htm, .docx) and returns a
   `Document`: the extracted text, `Section`s saying which page (PDF) or nearest heading
   (Markdown, HTML, DOCX) covers each character range, and a content hash used as `doc_id`.
   Anything we cannot use raises `InputError` with one sentence naming the file and the problem.
-- `chunk_document(doc, tokenizer, max_tokens, overlap)` cuts a `Document` into `records.Chunk`s
-  of at most `max_tokens` word pieces (counted with the embedder's own Hugging Face tokenizer),
-  preferring paragraph, then sentence, boundaries, with about `overlap` tokens repeated between
-  neighbours. A chunk never crosses a section, and `doc.text[chunk.start:chunk.end] == chunk.text`.
+- `parse_document(data, name)` does the same from bytes already read (a document is parsed once).
 - `safe_name(name)` turns a user-given file name into a display name that is a plain basename.
 
-This module reads files and never writes any. No torch, no model loading: the tokenizer is passed
-in (anything callable like a fast HF tokenizer).
+Every loader is linear in its input and capped while it reads (text, pages, unpacked bytes,
+nesting), because a small file can be a bomb. This module reads files and never writes any, and
+never chunks or tokenizes (chunking.py does).
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from llmweb.errors import InputError
-from llmweb.records import Chunk
 
 SUPPORTED_SUFFIXES = (".txt", ".md", ".markdown", ".pdf", ".html", ".htm", ".docx")
 MB = 1024 * 1024
@@ -37,6 +34,10 @@ MAX_PATH_CHARS = 4096  # a name given with its folders (Linux's PATH_MAX); longe
 # file can be a bomb: a .docx is a zip, PDF pages are compressed streams, HTML can nest without end).
 MAX_TEXT_CHARS = 20_000_000  # extracted text of one document (about 4,000 pages of prose)
 MAX_PDF_PAGES = 5_000
+# A PDF's text is counted while it is drawn: a 1 KB file can draw one form thousands of times.
+MAX_PDF_CHARS_PER_BYTE = 50
+MIN_PDF_TEXT_CHARS = 200_000  # small files get this much whatever their size (about 60 pages)
+MAX_PDF_OPERATIONS = 20_000_000  # content-stream operations in all (text or not), forms included
 MAX_DOCX_UNPACKED_BYTES = 100 * MB  # the sum of the zip's members' uncompressed sizes
 MAX_DOCX_MEMBERS = 5_000
 MAX_DOCX_ROW_CELLS = 1_000  # grid cells in one table row, spans counted (Word itself stops at 63 columns)
@@ -222,7 +223,7 @@ def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
                 opened = False
             if not opened:
                 raise InputError(f"{name} is password-protected (encrypted); remove the password and upload it again.")
-        pages = _pdf_pages(reader, name)
+        pages = _pdf_pages(reader, name, len(data))
     except InputError:
         raise
     except FileNotDecryptedError:
@@ -249,18 +250,61 @@ def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
     return "".join(parts), sections
 
 
-def _pdf_pages(reader, name: str) -> list[str]:
-    """Each page's text; refused past MAX_PDF_PAGES pages or MAX_TEXT_CHARS characters in all."""
+def _pdf_pages(reader, name: str, size: int) -> list[str]:
+    """Each page's text; refused past MAX_PDF_PAGES pages, or once the text drawn so far passes the
+    document's budget (`_pdf_text_budget`). The budget is counted *while* pypdf extracts, through its
+    visitor hooks, so one page drawing a form thousands of times stops at the budget, not after."""
     if len(reader.pages) > MAX_PDF_PAGES:
         raise InputError(f"{name} has {len(reader.pages):,} pages; the limit is {MAX_PDF_PAGES:,} pages.")
-    pages, total = [], 0
+    budget = _PdfBudget(_pdf_text_budget(size))
+    pages = []
     for page in reader.pages:
-        text = page.extract_text() or ""
-        total += len(text)
-        if total > MAX_TEXT_CHARS:
-            raise InputError(f"{name} holds more than {MAX_TEXT_CHARS:,} characters of text; the limit is that.")
+        try:
+            text = page.extract_text(visitor_text=budget.text, visitor_operand_before=budget.operation) or ""
+        except _PdfOverBudget:
+            text = ""
+        if budget.over:  # pypdf swallows errors inside a form: the flag says it stopped all the same
+            raise InputError(
+                f"{name} holds more than {budget.chars:,} characters of text for a {size:,}-byte file "
+                "(a form drawn over and over?); the limit is that."
+            )
         pages.append(text)
     return pages
+
+
+def _pdf_text_budget(size: int) -> int:
+    """Characters a PDF of `size` bytes may extract to: MAX_PDF_CHARS_PER_BYTE per byte (prose
+    compresses about 3-4x, so real files stay far below), at least MIN_PDF_TEXT_CHARS, at most
+    MAX_TEXT_CHARS."""
+    return min(MAX_TEXT_CHARS, max(MIN_PDF_TEXT_CHARS, MAX_PDF_CHARS_PER_BYTE * size))
+
+
+class _PdfOverBudget(Exception):
+    pass
+
+
+class _PdfBudget:
+    """pypdf visitor hooks that count characters and operations, raising once either is spent."""
+
+    def __init__(self, chars: int) -> None:
+        self.chars = chars
+        self.used = 0
+        self.operations = 0
+        self.over = False
+
+    def text(self, text: str, *_: Any) -> None:
+        self.used += len(text)
+        self._check()
+
+    def operation(self, *_: Any) -> None:
+        self.operations += 1
+        self._check()
+
+    def _check(self) -> None:
+        if self.used > self.chars or self.operations > MAX_PDF_OPERATIONS:
+            self.over = True
+        if self.over:  # sticky: every later hook call raises too, up through each nested form
+            raise _PdfOverBudget
 
 
 # DOCX -----------------------------------------------------------------------
@@ -544,151 +588,3 @@ def _atx_heading(line: str) -> str | None:
 def _clean_heading(text: str) -> str:
     text = re.sub(r"[`*_]+", "", text)
     return re.sub(r"\s+", " ", text).strip()[:200]
-
-
-# --------------------------------------------------------------------------- chunking
-
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n\s*")
-_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|(?<=[.!?][\"')\]])\s+|\n+")
-
-
-@dataclass(frozen=True, slots=True)
-class _Unit:
-    start: int
-    end: int
-    tokens: int
-    para: bool  # first unit of a paragraph: a preferred place to cut
-
-
-def count_tokens(tokenizer, texts: Sequence[str]) -> list[int]:
-    """Word pieces per text, without special tokens."""
-    if not texts:
-        return []
-    ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
-    return [len(x) for x in ids]
-
-
-def chunk_document(doc: Document, tokenizer, *, max_tokens: int, overlap: int) -> list[Chunk]:
-    """Cut `doc` into chunks of at most `max_tokens` tokens (see the module docstring)."""
-    assert max_tokens >= 8, f"max_tokens={max_tokens} is too small to chunk with"
-    overlap = max(0, min(overlap, max_tokens // 2))
-    chunks: list[Chunk] = []
-    for section in doc.sections:
-        units = _units(doc.text, section, tokenizer, max_tokens)
-        for start, end in _pack(doc.text, units, tokenizer, max_tokens, overlap):
-            chunks.append(
-                Chunk(
-                    text=doc.text[start:end],
-                    source=doc.name,
-                    page=section.page,
-                    heading=section.heading,
-                    start=start,
-                    end=end,
-                    doc_id=doc.doc_id,
-                )
-            )
-    return chunks
-
-
-def _units(text: str, section: Section, tokenizer, limit: int) -> list[_Unit]:
-    """Sentences (and lines) of a section, each at most `limit` tokens, as character spans."""
-    spans: list[tuple[int, int, bool]] = []
-    for p_start, p_end in _split(text, section.start, section.end, _PARAGRAPH_BREAK):
-        first = True
-        for s, e in _split(text, p_start, p_end, _SENTENCE_BREAK):
-            spans.append((s, e, first))
-            first = False
-    counts = count_tokens(tokenizer, [text[s:e] for s, e, _ in spans])
-    units: list[_Unit] = []
-    for (s, e, para), n in zip(spans, counts):
-        if n <= limit:
-            units.append(_Unit(s, e, n, para))
-        else:
-            units.extend(_split_long(text, s, e, para, tokenizer, limit))
-    return units
-
-
-def _split(text: str, start: int, end: int, pattern: re.Pattern) -> list[tuple[int, int]]:
-    """Non-blank spans of text[start:end] between matches of `pattern`, trimmed of whitespace."""
-    out = []
-    pos = start
-    for m in pattern.finditer(text, start, end):
-        out.append((pos, m.start()))
-        pos = m.end()
-    out.append((pos, end))
-    trimmed = []
-    for s, e in out:
-        while s < e and text[s].isspace():
-            s += 1
-        while e > s and text[e - 1].isspace():
-            e -= 1
-        if e > s:
-            trimmed.append((s, e))
-    return trimmed
-
-
-def _split_long(text: str, start: int, end: int, para: bool, tokenizer, limit: int) -> list[_Unit]:
-    """Cut an over-long sentence into windows of at most `limit` tokens, at word boundaries."""
-    piece = text[start:end]
-    enc = tokenizer(piece, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    offsets = enc["offset_mapping"]
-    units: list[_Unit] = []
-    i = 0
-    while i < len(offsets):
-        j = min(i + limit, len(offsets))
-        if j < len(offsets):  # back off to a token that starts after whitespace (a word start)
-            k = j
-            while k > i + 1 and offsets[k][0] == offsets[k - 1][1]:
-                k -= 1
-            if k > i + 1:
-                j = k
-        while True:
-            s, e = start + offsets[i][0], start + offsets[j - 1][1]
-            n = count_tokens(tokenizer, [text[s:e]])[0]
-            if n <= limit or j == i + 1:
-                break
-            j -= max(1, n - limit)
-            j = max(j, i + 1)
-        if e > s:
-            units.append(_Unit(s, e, n, para and not units))
-        i = j
-    return units
-
-
-def _pack(text: str, units: list[_Unit], tokenizer, limit: int, overlap: int) -> list[tuple[int, int]]:
-    """Greedy packing of units into (start, end) spans of at most `limit` tokens, with overlap."""
-    spans: list[tuple[int, int]] = []
-    i = 0
-    while i < len(units):
-        j, total = i, 0
-        while j < len(units) and total + units[j].tokens <= limit:
-            total += units[j].tokens
-            j += 1
-        j = max(j, i + 1)
-        if j < len(units):  # we must cut: prefer a paragraph start in the chunk's second half
-            acc = sum(u.tokens for u in units[i:j])
-            for b in range(j - 1, i, -1):
-                acc -= units[b].tokens
-                if units[b].para and acc >= limit // 2:
-                    j = b
-                    break
-        # The real count of the joined text can differ from the sum for some tokenizers: check it.
-        while True:
-            s, e = units[i].start, units[j - 1].end
-            if j == i + 1 or count_tokens(tokenizer, [text[s:e]])[0] <= limit:
-                break
-            j -= 1
-        spans.append((s, e))
-        if j >= len(units):
-            break
-        # Start the next chunk with trailing units of this one (the overlap), leaving room for units[j].
-        k, carried = j, 0
-        while (
-            k - 1 > i
-            and carried + units[k - 1].tokens <= overlap
-            and carried + units[k - 1].tokens + units[j].tokens <= limit
-        ):
-            k -= 1
-            carried += units[k].tokens
-        i = k
-    return spans
