@@ -318,7 +318,8 @@ def _bench_gpu(args) -> int:
 
     if not args.rehearse and not torch.cuda.is_available():
         _stderr(
-            "bench gpu needs a CUDA device, and torch sees none here; `bench gpu --rehearse` runs the same steps on the CPU."
+            "bench gpu needs a CUDA device, and torch sees none here; "
+            "`bench gpu --rehearse` runs the same steps on the CPU."
         )
         return 2
     result = gpu.run(args.rehearse, quick=args.quick, progress=_stderr)

@@ -107,7 +107,10 @@ def _subprocess(part: str, p: dict, rehearse: bool, timeout_s: float, alloc: str
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if rehearse:
         env["CUDA_VISIBLE_DEVICES"] = ""
-        env["MALLOC_ARENA_MAX"] = "2"  # the address-space cap is not eaten by per-thread malloc arenas
+        # the address-space cap measures live memory: no per-thread arenas, and large blocks are
+        # mapped and unmapped (freed ones leave the address space instead of waiting in the heap)
+        env["MALLOC_ARENA_MAX"] = "2"
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     title = f"{part} ({alloc})" if alloc else part
     t0 = time.perf_counter()
     try:

@@ -184,7 +184,7 @@ def oom(p: dict, rows: list) -> None:
     cuda = p["device"].startswith("cuda")
     loaded = models.load_transformers(_settings(p), p["device"], progress=lambda _m: None)
     short = _prompts(loaded, 1)[0]
-    long = (short * 400)[: min(loaded.max_context, 8192 if cuda else 4096) - 64]
+    long = (short * 400)[: min(loaded.max_context, 8192 if cuda else 1536) - 64]
     engine = _engine(loaded, 8, 8)
     engine.submit(GenerationRequest(short, 4)).result()  # warm: the worker and its buffers exist
     if cuda:
@@ -195,9 +195,9 @@ def oom(p: dict, rows: list) -> None:
     else:
         _cpu_oom_class(loaded.model)
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        cap = _vm_bytes() + 16 * MiB
+        cap = _vm_bytes() + 2 * MiB
         resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-        rows.append(("cap", _mib(cap), "RLIMIT_AS: address space after warm-up + 16 MiB (CPU stand-in)"))
+        rows.append(("cap", _mib(cap), "RLIMIT_AS: address space after warm-up + 2 MiB (CPU stand-in)"))
     try:
         before = _stats(p["device"])
         h = engine.submit(GenerationRequest(long, 8, fallback=lambda: GenerationRequest(short, 8)))
