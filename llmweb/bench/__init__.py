@@ -1,5 +1,5 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document]` and `capacity`.
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|gpu]` and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
 
@@ -22,6 +22,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 refusals, p50/p95; one visitor's turn idle vs. while a client sends pathological messages
   document.py   `bench document`: a whole-document summary of a text several contexts long, cold and from
                 the cache; another visitor's turn idle and while a task reads
+  gpu.py        `bench gpu [--rehearse]`: the CUDA path in one command (NF4 load, a real OOM and its
+                recovery, fragmentation, capacity of an 8B shape with random weights); parts in gpu_parts.py
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
 
 The contract: a benchmark changes engine settings only through public configuration (a Runtime
@@ -38,7 +40,19 @@ import sys
 
 from llmweb.errors import ConfigError
 
-BENCHES = ["all", "ttft", "retrieval", "quant", "fidelity", "concurrency", "decode", "hostile", "load", "document"]
+BENCHES = [
+    "all",
+    "ttft",
+    "retrieval",
+    "quant",
+    "fidelity",
+    "concurrency",
+    "decode",
+    "hostile",
+    "load",
+    "document",
+    "gpu",
+]
 
 
 def register(sub) -> None:
@@ -46,7 +60,7 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load | document",
+        "| hostile | load | document | gpu",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -98,6 +112,8 @@ def register(sub) -> None:
     b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
     b.add_argument("--prompts", default="32,512,1536", help="decode: prompt lengths in tokens, comma-separated")
     b.add_argument("--parts", type=int, default=4, help="document: copies of the guide in the long text")
+    b.add_argument("--rehearse", action="store_true", help="gpu: the same steps on the CPU, tiny shapes, a memory cap")
+    b.add_argument("--quick", action="store_true", help="gpu: the smallest settings (the slow test's)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=bench_command)
 
@@ -138,6 +154,7 @@ def bench_command(args) -> int:
         "hostile": _bench_hostile,
         "load": _bench_load,
         "document": _bench_document,
+        "gpu": _bench_gpu,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
     return run(args)
@@ -288,6 +305,30 @@ def _bench_document(args) -> int:
     result = document.run(settings, parts=args.parts, progress=_stderr)
     _print(result, args.json, document.markdown)
     return 0
+
+
+def _bench_gpu(args) -> int:
+    """Exit status 2 without CUDA (unless --rehearse); 1 when a part failed."""
+    import torch
+
+    from llmweb.config import Settings
+
+    from . import gpu
+    from .common import write_reports
+
+    if not args.rehearse and not torch.cuda.is_available():
+        _stderr(
+            "bench gpu needs a CUDA device, and torch sees none here; "
+            "`bench gpu --rehearse` runs the same steps on the CPU."
+        )
+        return 2
+    result = gpu.run(args.rehearse, quick=args.quick, progress=_stderr)
+    md = gpu.markdown(result)
+    paths = write_reports(result, md, Settings.from_env().data_dir, stem="gpu-rehearse" if args.rehearse else "gpu")
+    _print(result, args.json, gpu.markdown)
+    for kind, p in paths.items():
+        _stderr(f"{kind}: {p}")
+    return 1 if any(part.get("error") for part in result["parts"]) else 0
 
 
 def capacity_command(args) -> int:
