@@ -159,6 +159,11 @@ def make_pdf(pages: list[str]) -> bytes:
             + f"/Contents {5 + 2 * i} 0 R >>".encode()
         )
         objs.append(f"<< /Length {len(stream)} >>\nstream\n".encode() + stream + b"\nendstream")
+    return pdf_file(objs)
+
+
+def pdf_file(objs: list[bytes]) -> bytes:
+    """A PDF file of these object bodies (object 1 the catalog), with its cross-reference table."""
     out = b"%PDF-1.4\n"
     offsets = []
     for i, body in enumerate(objs, 1):

@@ -30,6 +30,7 @@ from llmweb.engine import admission, models
 from llmweb.engine.blockcache import KEEP_ROOM
 from llmweb.engine.kvcache import KVStore
 from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, Tokens
+from llmweb.engine.runners import base as runner_base
 from llmweb.engine.runners import transformers as runner_mod
 from llmweb.engine.runners.transformers import local_engine
 from llmweb.records import LOCAL_OWNER as LOCAL
@@ -408,6 +409,7 @@ def test_idle_release_does_not_repeat_for_memory_it_cannot_free(idle_engine):
 def test_stats_report_the_fragmentation_figures(fp32_model, fmt, monkeypatch):
     alloc = _FakeAllocator(allocated=700 * MiB, reserved=900 * MiB, stuck=50 * MiB)
     monkeypatch.setattr(runner_mod, "memory_snapshot", alloc.snapshot)  # the device stays "cpu"
+    monkeypatch.setattr(runner_base, "memory_snapshot", alloc.snapshot)  # a finished request's stats (runners/base.py)
     e = local_engine(fp32_model.model, "cpu", KVStore(64 * MiB, 600), EngineLimits(), fp32_model.kv_bytes_per_token)
     try:
         ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "Hello")])

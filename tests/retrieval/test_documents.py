@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmweb.bench.hostile import make_pdf
+from llmweb.bench.hostile import make_pdf, pdf_file
 from llmweb.errors import InputError
 from llmweb.retrieval.chunking import chunk_document, count_tokens
 from llmweb.retrieval.parsers import (
@@ -383,16 +383,7 @@ def form_bomb_pdf(draws: int = 5_000, text: str = "All work and no play makes a 
         + form
         + b"\nendstream",
     ]
-    out = b"%PDF-1.4\n"
-    offsets = []
-    for i, body in enumerate(objs, 1):
-        offsets.append(len(out))
-        out += f"{i} 0 obj\n".encode() + body + b"\nendobj\n"
-    xref = len(out)
-    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode()
-    out += b"".join(f"{o:010d} 00000 n \n".encode() for o in offsets)
-    out += f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
-    return out
+    return pdf_file(objs)
 
 
 def test_pdf_form_drawn_thousands_of_times_is_stopped_while_it_is_extracted():
