@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -37,13 +38,23 @@ def test_requirements_pin_every_dependency():
             assert re.fullmatch(PIN, line), f"{name}: {line} is not pinned"
 
 
-def test_pre_requirements_build_the_pinned_llama_cpp_without_openmp():
+def test_pre_requirements_build_the_pinned_llama_cpp_without_openmp_or_amx():
     """pre-requirements.txt (installed first, by make, the Dockerfile and a Space) builds the same
-    pinned llama-cpp-python as requirements.txt names, with only a build setting added."""
-    (line,) = _pins("pre-requirements.txt")
-    pin, option = line.split(" ", 1)
-    assert re.fullmatch(PIN, pin) and pin in _pins("requirements.txt")
-    assert option == "--config-settings=cmake.define.GGML_OPENMP=OFF"
+    pinned llama-cpp-python as requirements.txt names, with only build settings added: no OpenMP
+    anywhere, and on x86-64 no AMX kernels (they die with SIGILL in VMs that list AMX)."""
+    lines = _pins("pre-requirements.txt")
+    assert len(lines) == 2
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    for line in lines:
+        words = shlex.split(line)
+        pin, marker = words[0], line.rsplit(";", 1)[1].strip()
+        assert re.fullmatch(PIN, pin) and pin in _pins("requirements.txt")
+        assert "--config-settings=cmake.define.GGML_OPENMP=OFF" in words
+        x86 = marker == 'platform_machine == "x86_64"'
+        assert x86 or marker == 'platform_machine != "x86_64"', marker
+        flags = [w for w in words if "CMAKE_C" in w]
+        want = [f"--config-settings=cmake.define.CMAKE_{lang}_FLAGS={no_amx}" for lang in ("C", "CXX")]
+        assert flags == (want if x86 else [])
 
 
 def test_space_front_matter_matches_requirements():
