@@ -323,7 +323,12 @@ class Engine:
     def _leave(self, slot: Slot) -> None:
         """A finished slot leaves the batch; its session keeps the cache; the caller gets the stats."""
         self._remove(slot)
-        self.runner.release(slot, keep=True)
+        try:
+            self.runner.release(slot, keep=True)
+        except BaseException as e:  # out of the batch already: _loop's _fail would not reach it
+            log.exception("engine: releasing request %s failed", slot.handle.id)
+            slot.handle._finish(None, LlmwebError(f"Generation failed: {type(e).__name__}: {e}"))
+            return
         error = slot.conclude()
         self.counters.served += 1
         if not slot.request.background and slot.finish in ("eos", "length"):
