@@ -289,3 +289,37 @@ def test_a_sessions_turn_in_a_batch_reuses_its_cache(batched):
     h.result()
     other.result()
     assert h.stats.reused_tokens == 6 and h.stats.prefilled_tokens == 2
+
+
+def test_a_release_that_fails_ends_its_request_with_a_message_and_the_worker_goes_on():
+    """A finished slot leaves the batch before its cache is released: if the release raises, the
+    caller still gets an end (it used to wait for ever), and the next request is served."""
+
+    class BrokenRelease(FakeRunner):
+        broken = True
+
+        def release(self, slot, keep: bool) -> None:
+            if self.broken:
+                self.broken = False
+                raise RuntimeError("the cache could not be saved")
+            super().release(slot, keep)
+
+    e, _ = fake_engine(BrokenRelease(token_delay_s=0.0), queue_size=3)
+    try:
+        h = e.submit(req(n=4))
+        done = threading.Event()
+        errors: list[Exception] = []
+
+        def consume():
+            try:
+                h.result()
+            except Exception as err:
+                errors.append(err)
+            done.set()
+
+        threading.Thread(target=consume, daemon=True).start()
+        assert done.wait(10), "the caller was never told that its request ended"
+        assert errors and "the cache could not be saved" in str(errors[0])
+        assert e.submit(req(n=4)).result(), "the next request got no reply"
+    finally:
+        e.close()
