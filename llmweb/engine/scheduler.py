@@ -326,8 +326,7 @@ class Engine:
         try:
             self.runner.release(slot, keep=True)
         except BaseException as e:  # out of the batch already: _loop's _fail would not reach it
-            log.exception("engine: releasing request %s failed", slot.handle.id)
-            slot.handle._finish(None, LlmwebError(f"Generation failed: {type(e).__name__}: {e}"))
+            self._fail([slot], e)
             return
         error = slot.conclude()
         self.counters.served += 1
