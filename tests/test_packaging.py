@@ -38,23 +38,30 @@ def test_requirements_pin_every_dependency():
             assert re.fullmatch(PIN, line), f"{name}: {line} is not pinned"
 
 
-def test_pre_requirements_build_the_pinned_llama_cpp_without_openmp_or_amx():
+def test_pre_requirements_build_the_pinned_llama_cpp_without_openmp_and_portable_on_x86():
     """pre-requirements.txt (installed first, by make, the Dockerfile and a Space) builds the same
     pinned llama-cpp-python as requirements.txt names, with only build settings added: no OpenMP
-    anywhere, and on x86-64 no AMX kernels (they die with SIGILL in VMs that list AMX)."""
+    and no multimodal library anywhere, and on x86-64 a portable build (GGML_NATIVE=OFF: AVX2, no
+    AVX-512 or AMX, which die with SIGILL in VMs that list them)."""
     lines = _pins("pre-requirements.txt")
     assert len(lines) == 2
-    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     for line in lines:
         words = shlex.split(line)
         pin, marker = words[0], line.rsplit(";", 1)[1].strip()
         assert re.fullmatch(PIN, pin) and pin in _pins("requirements.txt")
-        assert "--config-settings=cmake.define.GGML_OPENMP=OFF" in words
         x86 = marker == 'platform_machine == "x86_64"'
         assert x86 or marker == 'platform_machine != "x86_64"', marker
-        flags = [w for w in words if "CMAKE_C" in w]
-        want = [f"--config-settings=cmake.define.CMAKE_{lang}_FLAGS={no_amx}" for lang in ("C", "CXX")]
-        assert flags == (want if x86 else [])
+        settings = {w.removeprefix("--config-settings=cmake.define.") for w in words[1:-1]}
+        want = {"GGML_OPENMP=OFF", "LLAVA_BUILD=OFF"} | ({"GGML_NATIVE=OFF"} if x86 else set())
+        assert settings == want, line
+
+
+def test_ci_builds_the_llama_tools_as_portably_as_the_wheel():
+    """The reference llama-server and llama-bench of the benchmarks are compiled for the same
+    instructions as the wheel, or they would compare different kernels (and could die of SIGILL)."""
+    text = (REPO / ".ci" / "run").read_text()
+    assert '[ "$(uname -m)" = x86_64 ] && portable="-DGGML_NATIVE=OFF"' in text
+    assert re.search(r"cmake -S .*\$portable", text)
 
 
 def test_space_front_matter_matches_requirements():

@@ -4,8 +4,8 @@ A Space installs `packages.txt` (Debian; here the machine has the compiler alrea
 `pip install -r pre-requirements.txt` and `pip install -r requirements.txt`, nothing else: no
 `--no-deps`, no other requirements file. So this test makes a fresh virtual environment, installs
 exactly that (pip's wheel cache may serve the llama-cpp-python wheel that `make install` built, so
-the test does not compile it twice), checks that its llama.cpp has no OpenMP (pre-requirements.txt
-says why), and
+the test does not compile it twice), checks that its llama.cpp has no OpenMP and, on x86-64, no AVX-512 or AMX
+(pre-requirements.txt says why), and
 starts `app.py` with `SYSTEM=spaces`, offline (`HF_HUB_OFFLINE=1`: no model may come from a hub),
 on a free port, from this checkout. It asks one question through the OpenAI-compatible API and
 checks the answer and that the status line names llama.cpp.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -73,6 +74,8 @@ def test_a_space_built_from_its_requirements_files_alone_answers(tmp_path: Path)
         check=True,
     ).stdout
     assert "AVX" in info and "OPENMP = 1" not in info, info
+    if platform.machine() == "x86_64":  # the portable build (pre-requirements.txt says why)
+        assert "AVX2 = 1" in info and "AVX512" not in info and "AMX" not in info, info
     port = _free_port()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
