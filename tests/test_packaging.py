@@ -46,12 +46,12 @@ def test_pre_requirements_build_the_pinned_llama_cpp_without_openmp_and_portable
     lines = _pins("pre-requirements.txt")
     assert len(lines) == 2
     for line in lines:
-        words = shlex.split(line)
-        pin, marker = words[0], line.rsplit(";", 1)[1].strip()
+        spec, marker = (part.strip() for part in line.rsplit(";", 1))
+        pin, *options = shlex.split(spec)
         assert re.fullmatch(PIN, pin) and pin in _pins("requirements.txt")
         x86 = marker == 'platform_machine == "x86_64"'
         assert x86 or marker == 'platform_machine != "x86_64"', marker
-        settings = {w.removeprefix("--config-settings=cmake.define.") for w in words[1:-1]}
+        settings = {w.removeprefix("--config-settings=cmake.define.") for w in options}
         want = {"GGML_OPENMP=OFF", "LLAVA_BUILD=OFF"} | ({"GGML_NATIVE=OFF"} if x86 else set())
         assert settings == want, line
 

@@ -364,13 +364,8 @@ class Engine:
         if isinstance(smaller, LlmwebError):
             victim.handle._finish(None, smaller)
             return
-        log.warning(
-            "engine: %s; retrying request %s with %d prompt tokens (was %d)",
-            "OOM" if reason == "oom" else reason,
-            victim.handle.id,
-            len(smaller.prompt_ids),
-            len(victim.request.prompt_ids),
-        )
+        what, n, was = "OOM" if reason == "oom" else reason, len(smaller.prompt_ids), len(victim.request.prompt_ids)
+        log.warning("engine: %s; retrying request %s with %d prompt tokens (was %d)", what, victim.handle.id, n, was)
         victim.handle._restart(reason)
         self._begin(victim.handle, smaller, self.runner.predict(smaller), retried=True, reason=reason)
 
