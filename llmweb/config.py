@@ -67,6 +67,7 @@ class Settings:
     temperature: float = 0.0
     top_p: float = 0.9
     repetition_penalty: float = 1.1
+    loop_guard: bool = True  # a reply never says a sentence a third time (engine/runners/loopguard.py)
     # the engine
     queue_size: int = 8  # background jobs (summaries) waiting: 4 x this; visitors are bounded by max_wait_s
     max_wait_s: float = 120.0  # the waiting room: a request estimated to wait longer is refused with the estimate

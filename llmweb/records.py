@@ -133,6 +133,8 @@ class GenerationStats:
     predicted_bytes: int = 0  # admission control's estimate of the request's peak
     oom_retry: bool = False
     batch_size: int = 1  # the most requests that shared a decode step with this one (1 = alone)
+    loop_cuts: int = 0  # times the loop guard turned the reply away from a third copy of a sentence
+    loop_stopped: bool = False  # the guard ended the reply as a loop
     mem: MemorySnapshot | None = None
 
     def to_dict(self) -> dict[str, Any]:

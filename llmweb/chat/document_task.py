@@ -337,6 +337,7 @@ class _Run:
                 max_new_tokens=cap,
                 temperature=0.0,
                 repetition_penalty=t.settings.repetition_penalty,
+                loop_guard=t.settings.loop_guard,
                 stop_ids=t.fmt.stop_ids,
                 owner=self.owner,
                 background=background,

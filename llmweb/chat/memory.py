@@ -88,6 +88,7 @@ class Summariser:
                 max_new_tokens=cap,
                 temperature=0.0,
                 repetition_penalty=self.settings.repetition_penalty,
+                loop_guard=self.settings.loop_guard,
                 stop_ids=self.fmt.stop_ids,
                 background=True,
                 owner=owner,

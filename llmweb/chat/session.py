@@ -242,6 +242,7 @@ class Chat:
             summarized=conv.summarized_upto,
             seed=how.seed,
             partial=partial,
+            loop_guard=mine.loop_guard,
         )
         sources = plan_sources(plan)
 

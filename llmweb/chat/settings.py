@@ -33,6 +33,7 @@ class TurnSettings:
     use_docs: bool
     summaries: bool  # fold old turns into the rolling summary
     recall: bool  # bring back earlier turns that left the window
+    loop_guard: bool = True  # never a sentence a third time (engine/runners/loopguard.py)
 
     @property
     def memory(self) -> str:
@@ -67,6 +68,7 @@ def turn_settings(s: Settings, budget: context.Budget, chosen: ChatSettings) -> 
         use_docs=True if chosen.use_docs is None else chosen.use_docs,
         summaries=memory != "window" and s.summaries,
         recall=memory == "recall" and s.summaries and s.recall,
+        loop_guard=s.loop_guard if chosen.loop_guard is None else chosen.loop_guard,
     )
 
 

@@ -309,5 +309,6 @@ class StatelessChat:
             summarized=f.summarized_turns,
             seed=seed,
             notes=tuple(notes),
+            loop_guard=s.loop_guard,
         )
         yield (yield from self.runner.run(job, sampling=sampling, stop=stop, cancel=cancel))

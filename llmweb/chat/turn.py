@@ -86,6 +86,7 @@ class Sampling:
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None  # the reply's cap, within the budget's
+    loop_guard: bool | None = None  # x_llmweb.loop_guard
 
 
 class Cancel:
@@ -165,6 +166,7 @@ class Job:
     summarized: int  # turns folded into the summary
     seed: int | None = None
     partial: tuple[int, ...] | None = None  # continue: the reply so far (no smaller retry: it would drop it)
+    loop_guard: bool = True  # the chat's setting (TurnSettings.loop_guard)
     notes: tuple[str, ...] = ()  # known before generation (stateless: what was summarised)
 
 
@@ -222,6 +224,7 @@ class TurnRunner:
             temperature=job.temperature if sampling.temperature is None else sampling.temperature,
             top_p=s.top_p if sampling.top_p is None else sampling.top_p,
             repetition_penalty=s.repetition_penalty,
+            loop_guard=job.loop_guard if sampling.loop_guard is None else sampling.loop_guard,
             seed=job.seed,
             stop_ids=self.fmt.stop_ids,
             session_id=job.session_id,  # the prompt's prefix is the session's last: reuse its KV cache

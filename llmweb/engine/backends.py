@@ -4,7 +4,8 @@
   llama.cpp      engine/runners/llama_cpp.py's LlamaRunner (the CPU default for a GGUF model)
 
 Both runners import their heavy libraries (torch, llama_cpp) here lazily, so the caller needs
-neither to import this module.
+neither to import this module. Either runner gets the vocabulary's pieces from the tokenizer (the
+same ids on both), for the loop guard (runners/loopguard.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from llmweb.config import CPU_CONTEXT_CAP
 from llmweb.engine.kvcache import KVStore
 from llmweb.engine.request import EngineLimits
+from llmweb.engine.runners.base import BaseRunner
+from llmweb.engine.runners.loopguard import Pieces
 from llmweb.engine.scheduler import Engine
 
 
@@ -32,7 +35,21 @@ def make_engine(
         from llmweb.engine.runners.llama_cpp import llama_engine
 
         context = context or min(loaded.max_context, CPU_CONTEXT_CAP)
-        return llama_engine(loaded.model, kv, limits, context)
-    from llmweb.engine.runners.transformers import local_engine
+        engine = llama_engine(loaded.model, kv, limits, context)
+    else:
+        from llmweb.engine.runners.transformers import local_engine
 
-    return local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, gpu=gpu)
+        engine = local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, gpu=gpu)
+    if isinstance(engine.runner, BaseRunner):
+        engine.runner.pieces = vocabulary_pieces(loaded.tokenizer)
+    return engine
+
+
+def vocabulary_pieces(tokenizer) -> Pieces | None:
+    """Each id's text, as the tokenizer decodes it alone (a byte of a longer character reads as
+    U+FFFD, which is no boundary); None when the tokenizer cannot say."""
+    try:
+        ids = [[i] for i in range(len(tokenizer))]
+        return Pieces(tokenizer.batch_decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+    except (AttributeError, TypeError):
+        return None

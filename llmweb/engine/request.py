@@ -38,6 +38,7 @@ class GenerationRequest:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    loop_guard: bool = False  # a reply may not say a sentence a third time (runners/loopguard.py)
     seed: int | None = None
     stop_ids: frozenset[int] = frozenset()
     session_id: str | None = None  # KV-cache reuse key; None = no reuse

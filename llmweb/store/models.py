@@ -38,6 +38,7 @@ class ChatSettings:
     max_new_tokens: int | None = None  # the reply length cap
     use_docs: bool | None = None  # answer from the documents when relevant
     memory: str | None = None  # one of MEMORY_MODES
+    loop_guard: bool | None = None  # never a sentence a third time (engine/runners/loopguard.py)
 
     def to_dict(self) -> dict[str, Any]:
         """Only the fields this chat sets."""
@@ -58,6 +59,7 @@ class ChatSettings:
             ("max_new_tokens", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
             ("use_docs", lambda v: isinstance(v, bool)),
             ("memory", lambda v: v in MEMORY_MODES),
+            ("loop_guard", lambda v: isinstance(v, bool)),
         )
         for name, ok in checks:
             value = getattr(out, name)

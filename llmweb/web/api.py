@@ -167,7 +167,7 @@ class OpenAIApi:
             raise ApiError(503, str(e), type="server_error", code="model_unavailable", headers=_retry()) from None
         cap = chat.budget.max_new_tokens
         max_tokens = chat.budget.capped(req.max_tokens).max_new_tokens
-        sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens), Cancel()
+        sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens, req.loop_guard), Cancel()
         notes = []
         if req.max_tokens is not None and req.max_tokens > cap:
             notes.append(f"max_tokens was capped at {cap} (the reply budget, LLMWEB_MAX_NEW_TOKENS).")

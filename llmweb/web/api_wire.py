@@ -69,7 +69,7 @@ KNOWN_FIELDS = {
     "user",
     "conversation_id",
     "use_docs",
-    "x_llmweb",  # llmweb's own options: {"whole_document": true}
+    "x_llmweb",  # llmweb's own options: {"whole_document": true, "loop_guard": false}
     *IGNORED_FIELDS,
     *NEUTRAL,
 }
@@ -131,6 +131,7 @@ class ChatRequest:
     conversation_id: str | None = None  # None: stateless; NEW_CONVERSATION: start one
     use_docs: bool | None = None  # None: on for stateful, off for stateless
     whole_document: bool = False  # x_llmweb.whole_document: read the whole document (chat/document_task.py)
+    loop_guard: bool | None = None  # x_llmweb.loop_guard: None = the chat's (engine/runners/loopguard.py)
 
     @property
     def stateful(self) -> bool:
@@ -202,12 +203,7 @@ def parse_request(
         conversation_id = headers.get("x-llmweb-conversation-id") or None
     if conversation_id is not None and not conversation_id.strip():
         raise bad('conversation_id is empty; send an id, or "new" to start a conversation.', "conversation_id")
-    use_docs = _optional(body, "use_docs", bool)
-    if use_docs is None and "x-llmweb-use-docs" in headers:
-        flag = headers["x-llmweb-use-docs"].strip().lower()
-        if flag not in ("1", "0", "true", "false"):
-            raise bad("The X-Llmweb-Use-Docs header must be 1 or 0.", "use_docs")
-        use_docs = flag in ("1", "true")
+    use_docs = _use_docs(body, headers)
 
     messages = parse_messages(body.get("messages"), max_message_chars)
     if conversation_id is not None and (len(messages) != 1 or messages[0].role != "user"):
@@ -230,17 +226,32 @@ def parse_request(
         user=user,
         conversation_id=conversation_id,
         use_docs=use_docs,
-        whole_document=_ours(body),
+        whole_document=_ours(body, "whole_document") or False,
+        loop_guard=_ours(body, "loop_guard"),  # None: the chat's
     )
 
 
-def _ours(body: Mapping[str, Any]) -> bool:
-    """llmweb's own options, `x_llmweb`: {"whole_document": bool}; the whole-document flag."""
+def _use_docs(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool | None:
+    """`use_docs`, else the X-Llmweb-Use-Docs header; None: neither (the default of the request's kind)."""
+    use_docs = _optional(body, "use_docs", bool)
+    if use_docs is None and "x-llmweb-use-docs" in headers:
+        flag = headers["x-llmweb-use-docs"].strip().lower()
+        if flag not in ("1", "0", "true", "false"):
+            raise bad("The X-Llmweb-Use-Docs header must be 1 or 0.", "use_docs")
+        use_docs = flag in ("1", "true")
+    return use_docs
+
+
+OURS = ("whole_document", "loop_guard")
+
+
+def _ours(body: Mapping[str, Any], name: str) -> bool | None:
+    """One of llmweb's own options, `x_llmweb`: {"whole_document": bool, "loop_guard": bool}; None if not sent."""
     ours = _optional(body, "x_llmweb", dict) or {}
-    for name in ours:
-        if name != "whole_document":
-            raise bad(f"Unrecognized x_llmweb field: {str(name)[:100]}", "x_llmweb", "unknown_parameter")
-    return _optional(ours, "whole_document", bool, "x_llmweb.whole_document") or False
+    for key in ours:
+        if key not in OURS:
+            raise bad(f"Unrecognized x_llmweb field: {str(key)[:100]}", "x_llmweb", "unknown_parameter")
+    return _optional(ours, name, bool, f"x_llmweb.{name}")
 
 
 def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:

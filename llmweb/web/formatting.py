@@ -192,6 +192,9 @@ def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
         lines.append(f"- history: {s.summarized_turns} turns summarised, {s.dropped_turns} left out")
     if g.oom_retry:
         lines.append("- ran out of memory once; answered with a smaller prompt")
+    if g.loop_cuts:
+        ended = "; then it ended the reply, which kept looping" if g.loop_stopped else ""
+        lines.append(f"- loop guard: turned the reply away from a third copy of a sentence {g.loop_cuts}x{ended}")
     return "\n".join(lines + [""] + warnings(s, mem_limit_bytes))
 
 

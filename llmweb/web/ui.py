@@ -146,6 +146,7 @@ class Layout:
     system_box: gr.Textbox
     temperature: gr.Slider
     reply_cap: gr.Number
+    loop_guard: gr.Checkbox
     memory_mode: gr.Radio
     save_settings_btn: gr.Button
 
@@ -298,6 +299,7 @@ def _panel_column() -> dict:
             label="Memory",
             elem_id="llmweb-memory-mode",
         )
+        loop_guard = gr.Checkbox(label="Loop guard: never say a sentence a third time", elem_id="llmweb-loop-guard")
         save_settings_btn = gr.Button("Save for this chat", size="sm", elem_id="llmweb-save-settings")
     with gr.Accordion("Prompt of the last turn", open=False, elem_id="llmweb-prompt-panel"):
         prompt_box = gr.Textbox(show_label=False, lines=8, max_lines=30, interactive=False, elem_id="llmweb-prompt")
@@ -310,6 +312,7 @@ def _panel_column() -> dict:
         temperature=temperature,
         reply_cap=reply_cap,
         memory_mode=memory_mode,
+        loop_guard=loop_guard,
         save_settings_btn=save_settings_btn,
         stats_md=stats_md,
         bar=bar,
@@ -432,7 +435,7 @@ def _wire_sidebar(ui: Layout, h: Handlers, shown: list, me: list) -> None:
 
 def _wire_panel(ui: Layout, h: Handlers, shown: list, me: list) -> None:
     """This chat's settings, the documents checkbox, and the memory panel's facts."""
-    chosen = ui.outputs("conv_state", "system_box", "temperature", "reply_cap", "memory_mode", "use_docs")
+    chosen = ui.outputs("conv_state", "system_box", "temperature", "reply_cap", "memory_mode", "loop_guard", "use_docs")
     ui.save_settings_btn.click(h.settings.save_settings, chosen + me, shown, **PRIVATE)
     ui.use_docs.input(h.settings.set_use_docs, [ui.conv_state, ui.use_docs] + me, None, **PRIVATE)
     facts = [ui.conv_state, ui.new_fact]

@@ -530,3 +530,21 @@ def test_switching_versions_brings_the_recall_index_in_step_with_the_active_bran
     assert sorted(index) == ["turn-0"], "the other branch's folded turns left the index"
     chat.switch_version(OWNER, conv, 1, 1)
     assert sorted(index) == ["turn-0", "turn-1", "turn-2"] and "b2" in index["turn-2"], "and came back with it"
+
+
+def test_the_loop_guard_is_on_by_default_and_each_chat_may_turn_it_off_for_itself(rig):
+    """The configuration's loop guard (on) reaches the engine's request; a chat that turns it off
+    sends its turns without it, and another visitor's chat keeps the default."""
+    from llmweb.store.models import ChatSettings
+
+    chat, runner, fmt, store = rig
+    mine, theirs = store.create_conversation(OWNER), store.create_conversation("anon:visitor-b")
+    chat.set_settings(OWNER, mine, ChatSettings(loop_guard=False))
+    for owner, conv in ((OWNER, mine), ("anon:visitor-b", theirs)):
+        runner.enqueue(words(fmt, "an answer") + [fmt.END])
+        chat.ask(owner, conv, "a question")
+    asked = [r for r in runner.requests if not r.background]
+    assert [(r.session_id, r.loop_guard) for r in asked] == [(mine, False), (theirs, True)]
+    assert store.get(OWNER, mine).settings == ChatSettings(loop_guard=False)
+    with pytest.raises(ValueError, match="loop_guard"):
+        ChatSettings.from_dict({"loop_guard": "no"})

@@ -447,3 +447,72 @@ def test_a_sessions_turn_in_a_batch_prefills_only_its_new_tokens(runner, fmt):
             same_greedy(runner, got, serial)  # reuse in a batch never changes the text
     finally:
         e.close()
+
+
+# ---- the loop guard (engine/runners/loopguard.py) with each runner's real vocabulary
+
+
+def _most_copies(text: str) -> int:
+    """How often the reply says its most repeated sentence (of 16 characters or more)."""
+    import collections
+    import re
+
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", text) if len(s.strip()) >= 16]
+    return max(collections.Counter(sentences).values(), default=0)
+
+
+def test_the_loop_guard_stops_the_real_models_loop(llama_model, fmt):
+    """At the default (greedy) the embedded model on llama.cpp loops on this request once the
+    repetition penalty is off: the guard lets the sentence stand twice, then turns the reply away."""
+    from llmweb.config import Settings
+    from tests.fakes import RunnerKind
+
+    e = RunnerKind("llama.cpp", llama_model, MemoryError).engine()
+    try:  # the app's own system prompt, as a chat sends it
+        ids = render_prompt(fmt, Settings().system_prompt, [("user", "Give me tips for learning a new language.")])
+        free = e.submit(req(fmt, ids, n=200, repetition_penalty=1.0))
+        free.result()
+        guarded = e.submit(req(fmt, ids, n=200, repetition_penalty=1.0, loop_guard=True))
+        guarded.result()
+    finally:
+        e.close()
+    assert _most_copies(fmt.decode(free.generated)) >= 3, "the premise: without the guard it loops"
+    text = fmt.decode(guarded.generated)
+    assert _most_copies(text) <= 2, text
+    assert guarded.stats.loop_cuts >= 1 and free.stats.loop_cuts == 0
+    n = min(len(free.generated), len(guarded.generated))
+    assert guarded.generated[: n // 3] == free.generated[: n // 3], "the reply is the same until the loop"
+
+
+CODE_LINE = "print('The quick brown fox jumps over the lazy dog')\n"
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+SCRIPT = "```python\n" + CODE_LINE * 4 + "```\n" + SENTENCE * 4
+
+
+def test_the_loop_guard_leaves_a_repeated_code_line_alone_and_cuts_the_repeated_sentence(runner, fmt):
+    """The model is steered (a +30 logit on the script's next id, `tap`) to write a code block of
+    one line four times, then a sentence four times: with the real vocabulary's pieces, the fence
+    keeps the code whole, and the prose is cut after two copies."""
+    script = fmt.tokenizer(SCRIPT, add_special_tokens=False)["input_ids"]
+    e = runner.engine()
+
+    def steer(slot, row):
+        i = len(slot.generated)
+        if i < len(script):
+            row[..., script[i]] += 30.0
+
+    e.runner.tap = steer
+    try:
+        ids = prompt(fmt, ("user", "Show a code block, then a sentence."))
+        out = {}
+        for guard in (False, True):
+            h = e.submit(req(fmt, ids, n=len(script), repetition_penalty=1.0, loop_guard=guard))
+            h.result()
+            out[guard] = (fmt.decode(h.generated), h.stats)
+    finally:
+        e.close()
+    free, (text, stats) = out[False][0], out[True]
+    assert free.count(CODE_LINE) == 4 and free.count(SENTENCE.strip()) == 4, "the premise: the steer writes the script"
+    assert text.count(CODE_LINE) == 4, f"the code block is left whole: {text!r}"
+    assert text.count(SENTENCE.strip()) == 2, f"the sentence is said twice, not a third time: {text!r}"
+    assert stats.loop_cuts >= 1

@@ -86,3 +86,20 @@ def test_without_a_document_to_read_a_stateless_request_is_a_400(served):
     served.chat.library.docs.clear()  # the caller has no document (one unnamed would be their latest upload)
     r = served.client.post("/v1/chat/completions", json=ask("Summarise something"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "x_llmweb"
+
+
+def test_loop_guard_is_the_chats_unless_the_request_says():
+    assert parse_request(body(), ["llmweb"], 1000).loop_guard is None
+    assert parse_request(body(x_llmweb={"loop_guard": False}), ["llmweb"], 1000).loop_guard is False
+    with pytest.raises(ApiError) as e:
+        parse_request(body(x_llmweb={"loop_guard": 0}), ["llmweb"], 1000)
+    assert e.value.status == 400 and e.value.param == "x_llmweb.loop_guard"
+
+
+def test_a_request_without_the_loop_guard_reaches_the_engine_without_it(served):
+    for guard in (False, None):
+        served.runner.enqueue(served.fmt._words("an answer") + [served.fmt.END])
+        ours = {} if guard is None else {"loop_guard": guard}
+        r = served.client.post("/v1/chat/completions", json=body(x_llmweb=ours))
+        assert r.status_code == 200, r.text
+    assert [r.loop_guard for r in served.runner.requests if not r.background] == [False, True]

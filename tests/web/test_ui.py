@@ -512,12 +512,13 @@ def test_delete_all_my_data_removes_only_the_callers_chats(runtime, monkeypatch)
 
 def _settings_inputs(panel: Panel, **changed) -> list:
     """The settings panel's values as the page would send them on Save (conv, system, temperature, cap,
-    memory, documents), with some changed."""
+    memory, loop guard, documents), with some changed."""
     values = dict(
         system=panel.system_box,
         temperature=panel.temperature,
         cap=panel.reply_cap,
         memory=panel.memory_mode,
+        loop_guard=panel.loop_guard,
         use_docs=panel.use_docs,
     )
     values.update(changed)
@@ -554,6 +555,18 @@ def test_chat_settings_show_the_configuration_then_what_the_chat_saved_and_stran
     theirs = h.settings.save_settings(*_settings_inputs(saved, system="Stolen"), B_TOKEN, NOBODY)
     assert theirs.conv_state != saved.conv_state
     assert runtime.store.get(f"anon:{A_TOKEN}", saved.conv_state).settings.system_prompt == "You are a pirate."
+
+
+def test_the_loop_guard_box_shows_the_default_and_what_one_chat_saved(runtime):
+    from llmweb.store.models import ChatSettings
+
+    h = Handlers(runtime)
+    blank = h.chats.new_chat(A_TOKEN, NOBODY)
+    assert blank.loop_guard is True, "on by default (LLMWEB_LOOP_GUARD)"
+    saved = h.settings.save_settings(*_settings_inputs(blank, loop_guard=False), A_TOKEN, NOBODY)
+    assert runtime.store.get(f"anon:{A_TOKEN}", saved.conv_state).settings == ChatSettings(loop_guard=False)
+    assert h.chats.switch(saved.conv_state, A_TOKEN, NOBODY).loop_guard is False, "kept over a reload"
+    assert h.chats.switch(saved.conv_state, B_TOKEN, NOBODY).loop_guard is True, "not another visitor's chat"
 
 
 def test_import_of_an_export_reproduces_the_chat_for_its_importer_and_bad_files_change_nothing(runtime, tmp_path):

@@ -22,6 +22,7 @@ from typing import Any
 
 from llmweb.engine.kvcache import KVStore, reusable
 from llmweb.engine.request import GenerationRequest, Slot
+from llmweb.engine.runners.loopguard import Pieces
 from llmweb.engine.runners.sampling import Sampler
 from llmweb.engine.telemetry import RssPeak, StepTiming, memory_snapshot, rss_bytes
 
@@ -54,6 +55,7 @@ class BaseRunner:
         self.mem_limit_bytes = mem_limit_bytes  # the RSS limit on the CPU; 0 = no limit
         self.timing = StepTiming()
         self.tap: Callable[[Slot, Any], None] | None = None  # test hook: each slot's logits before sampling
+        self.pieces: Pieces | None = None  # the vocabulary's text, for the loop guard (engine/backends.py sets it)
 
     # ---- memory
     def held(self, slot: Slot) -> int:
@@ -163,7 +165,11 @@ class BaseRunner:
         row = self._row(logits, i)
         if self.tap is not None:
             self.tap(slot, row)
-        return slot.state.sampler(row)
+        sampler = slot.state.sampler
+        nxt = sampler(row)
+        if sampler.guard is not None and sampler.guard.cuts:
+            slot.stats.loop_cuts, slot.stats.loop_stopped = sampler.guard.cuts, sampler.guard.gave_up
+        return nxt
 
     # ---- what a back end supplies
     def _mode(self) -> contextlib.AbstractContextManager:

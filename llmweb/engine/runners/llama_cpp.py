@@ -126,7 +126,9 @@ class LlamaRunner(BaseRunner):
 
     def _open(self, request: GenerationRequest, prompt: list[int]) -> Seq:
         assert self._free, f"more running slots than the context's {self.slots} sequences"
-        seq = _Seq(prompt=prompt, sampler=NumpySampler(request, prompt, self.n_vocab), seq=self._free.pop())
+        seq = _Seq(
+            prompt=prompt, sampler=NumpySampler(request, prompt, self.n_vocab, self.pieces), seq=self._free.pop()
+        )
         return seq
 
     def start(self, slot: Slot) -> None:

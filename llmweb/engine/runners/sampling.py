@@ -1,8 +1,10 @@
 """The sampler's rules, once: greedy when the temperature is 0, else temperature and top-p with a
 seeded generator (a request's seed, else the clock), and a repetition penalty over prompt +
 generated ids (as transformers' processors: a seen id's logit is divided by the penalty if
-positive, multiplied if negative). Two back ends do only the arithmetic: NumpySampler on
-llama.cpp's logits, TorchSampler on a torch model's (transformers' own processors).
+positive, multiplied if negative), then the loop guard's ban (runners/loopguard.py: the id that would
+begin a third copy of a sentence; when the guard has given up, the stop id). Two back ends do only
+the arithmetic: NumpySampler on llama.cpp's logits, TorchSampler on a torch model's (transformers'
+own processors).
 
 Must not: hold a runner's state or import torch at module level (the llama.cpp path needs none).
 """
@@ -15,21 +17,34 @@ from typing import Any
 import numpy as np
 
 from llmweb.engine.request import GenerationRequest
+from llmweb.engine.runners.loopguard import LoopGuard, Pieces
 
 
 class Sampler:
-    """The next id from one row of logits: the penalty, then argmax or a draw; the id is seen."""
+    """The next id from one row of logits: the penalty, the guard's ban, then argmax or a draw; the id is seen."""
 
-    def __init__(self, request: GenerationRequest, prompt: list[int]):
+    def __init__(self, request: GenerationRequest, prompt: list[int], pieces: Pieces | None = None):
         self.greedy = request.temperature <= 0
         self.temperature = request.temperature
         self.top_p = request.top_p
         self.penalty = request.repetition_penalty or 1.0
         self.seed = None if self.greedy else (request.seed if request.seed is not None else time.time_ns() % 2**31)
+        self.guard = LoopGuard(pieces, request.stop_ids) if request.loop_guard and pieces is not None else None
 
     def __call__(self, logits: Any) -> int:
+        guard = self.guard
+        forced = guard.forced() if guard is not None else None
+        if forced is not None:
+            self._seen(forced)
+            return forced
         scores = self._penalised(logits) if self.penalty != 1.0 else self._scores(logits)
+        cut = False
+        if guard is not None and (banned := guard.banned()):
+            cut = self._argmax(scores) in banned  # the model's first choice would go on copying
+            scores = self._banned(scores, sorted(banned))
         nxt = self._argmax(scores) if self.greedy else self._draw(scores)
+        if guard is not None:
+            guard.seen(nxt, cut)
         self._seen(nxt)
         return nxt
 
@@ -38,6 +53,10 @@ class Sampler:
         return logits
 
     def _penalised(self, logits: Any) -> Any:
+        raise NotImplementedError
+
+    def _banned(self, scores: Any, ids: list[int]) -> Any:
+        """The scores with `ids` at -inf (a copy: the logits may be the back end's own buffer)."""
         raise NotImplementedError
 
     def _argmax(self, scores: Any) -> int:
@@ -53,8 +72,8 @@ class Sampler:
 class NumpySampler(Sampler):
     """On a (vocab,) numpy row; the seen ids as a boolean mask."""
 
-    def __init__(self, request: GenerationRequest, prompt: list[int], n_vocab: int):
-        super().__init__(request, prompt)
+    def __init__(self, request: GenerationRequest, prompt: list[int], n_vocab: int, pieces: Pieces | None = None):
+        super().__init__(request, prompt, pieces)
         self.seen = np.zeros(n_vocab, dtype=bool)
         if self.penalty != 1.0:
             self.seen[np.asarray(prompt, dtype=np.int64)] = True
@@ -65,6 +84,11 @@ class NumpySampler(Sampler):
         seen = logits[self.seen]
         logits[self.seen] = np.where(seen < 0, seen * self.penalty, seen / self.penalty)
         return logits
+
+    def _banned(self, scores: np.ndarray, ids: list[int]) -> np.ndarray:
+        scores = scores.copy()
+        scores[ids] = -np.inf
+        return scores
 
     def _argmax(self, scores: np.ndarray) -> int:
         return int(np.argmax(scores))
@@ -91,7 +115,7 @@ class TorchSampler(Sampler):
     """On (1, vocab) torch logits, with transformers' processors; prompt + generated ids in one
     preallocated tensor, filled in place, one column per step."""
 
-    def __init__(self, request: GenerationRequest, prompt: list[int], device: str):
+    def __init__(self, request: GenerationRequest, prompt: list[int], device: str, pieces: Pieces | None = None):
         import torch
         from transformers import (
             LogitsProcessorList,
@@ -100,7 +124,7 @@ class TorchSampler(Sampler):
             TopPLogitsWarper,
         )
 
-        super().__init__(request, prompt)
+        super().__init__(request, prompt, pieces)
         self.torch = torch
         self.penalise = RepetitionPenaltyLogitsProcessor(self.penalty) if self.penalty != 1.0 else None
         warpers = [] if self.greedy else [TemperatureLogitsWarper(self.temperature)]
@@ -121,6 +145,11 @@ class TorchSampler(Sampler):
     def _penalised(self, logits):
         assert self.penalise is not None
         return self.penalise(self._ids[:, : self._n], logits.float())
+
+    def _banned(self, scores, ids: list[int]):
+        scores = scores.clone()
+        scores[0, ids] = float("-inf")
+        return scores
 
     def _argmax(self, scores) -> int:
         return int(scores.argmax(dim=-1)[0])

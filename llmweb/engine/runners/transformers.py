@@ -127,7 +127,7 @@ class LocalRunner(BaseRunner):
     def _open(self, request: GenerationRequest, prompt: list[int]) -> Seq:
         if not self._batch.slots:
             reset_peak(self.device)  # the CUDA peak is the batch's, from its first request
-        sampler = TorchSampler(request, prompt, self.device)
+        sampler = TorchSampler(request, prompt, self.device, self.pieces)
         return _Seq(prompt=prompt, sampler=sampler, cache=self._new_cache(self.model.config))
 
     def _restore(self, seq: Seq, entry, reused: int) -> int:

@@ -83,6 +83,7 @@ class Panel(NamedTuple):
     temperature: Any
     reply_cap: Any
     memory_mode: Any
+    loop_guard: Any
     versions_row: Any  # the version switcher, shown when the chat has versions
     version_dd: Any
 
@@ -148,22 +149,25 @@ class PanelHandlers:
         chat, s = self.runtime.chat, self.settings
         if chat is not None:
             mine = chat.turn_settings(chosen)
-            prompt, temperature, cap, memory = (
+            prompt, temperature, cap, memory, guard = (
                 mine.system_prompt,
                 mine.temperature,
                 mine.budget.max_new_tokens,
                 mine.memory,
+                mine.loop_guard,
             )
         else:
             prompt = s.system_prompt if chosen.system_prompt is None else chosen.system_prompt
             temperature = s.temperature if chosen.temperature is None else chosen.temperature
             cap, memory = chosen.max_new_tokens or s.max_new_tokens, chosen.memory
+            guard = s.loop_guard if chosen.loop_guard is None else chosen.loop_guard
         return dict(
             use_docs=True if chosen.use_docs is None else chosen.use_docs,
             system_box=prompt,
             temperature=temperature,
             reply_cap=cap,
             memory_mode=memory,
+            loop_guard=guard,
         )
 
     def _open(self, owner: str, conv_id: str) -> Panel:

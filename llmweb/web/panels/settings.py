@@ -1,5 +1,5 @@
-"""This chat's settings: the system prompt, temperature, reply cap, memory mode and the documents
-checkbox, kept with the chat. A value equal to the configuration's is not kept, so it follows the
+"""This chat's settings: the system prompt, temperature, reply cap, memory mode, the loop guard and
+the documents checkbox, kept with the chat. A value equal to the configuration's is not kept, so it follows the
 configuration. What each setting does to a turn is chat/session.py's; this module must not decide it.
 """
 
@@ -17,7 +17,9 @@ class SettingsHandlers(PanelHandlers):
     """The "This chat's settings" accordion and the documents checkbox under the chat."""
 
     @user_errors
-    def save_settings(self, conv_id, system, temperature, cap, memory, use_docs, token, request: gr.Request) -> Panel:
+    def save_settings(
+        self, conv_id, system, temperature, cap, memory, loop_guard, use_docs, token, request: gr.Request
+    ) -> Panel:
         """Keep the panel's settings with this chat (a value equal to the configuration's follows it).
         A chat not stored yet is created now, so its first message already has them."""
         chat, owner = self._chat(), self.owner(token, request)
@@ -28,6 +30,7 @@ class SettingsHandlers(PanelHandlers):
             max_new_tokens=None if cap in (None, default.budget.max_new_tokens) else int(cap),
             use_docs=None if bool(use_docs) == default.use_docs else bool(use_docs),
             memory=None if not memory or memory == default.memory else str(memory),
+            loop_guard=None if loop_guard is None or bool(loop_guard) == default.loop_guard else bool(loop_guard),
         )
         if not conv_id or not self.store.exists(owner, conv_id):
             conv_id = self.store.create_conversation(owner)
