@@ -1,5 +1,5 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|gpu]` and `capacity`.
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|gpu]` and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
 
@@ -22,6 +22,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 refusals, p50/p95; one visitor's turn idle vs. while a client sends pathological messages
   document.py   `bench document`: a whole-document summary of a text several contexts long, cold and from
                 the cache; another visitor's turn idle and while a task reads
+  loops.py      `bench loops`: the most copies of one sentence per reply, loop guard off and on, for 8
+                ordinary requests and 2 known loops
   gpu.py        `bench gpu [--rehearse]`: the CUDA path in one command (NF4 load, a real OOM and its
                 recovery, fragmentation, capacity of an 8B shape with random weights); parts in gpu_parts.py
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
@@ -51,6 +53,7 @@ BENCHES = [
     "hostile",
     "load",
     "document",
+    "loops",
     "gpu",
 ]
 
@@ -60,7 +63,7 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load | document | gpu",
+        "| hostile | load | document | loops | gpu",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -154,6 +157,7 @@ def bench_command(args) -> int:
         "hostile": _bench_hostile,
         "load": _bench_load,
         "document": _bench_document,
+        "loops": _bench_loops,
         "gpu": _bench_gpu,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
@@ -304,6 +308,16 @@ def _bench_document(args) -> int:
     settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 64)
     result = document.run(settings, parts=args.parts, progress=_stderr)
     _print(result, args.json, document.markdown)
+    return 0
+
+
+def _bench_loops(args) -> int:
+    from llmweb.config import Settings
+
+    from . import loops
+
+    result = loops.run(Settings.from_env(), new_tokens=args.max_new_tokens or 256, progress=_stderr)
+    _print(result, args.json, loops.markdown)
     return 0
 
 

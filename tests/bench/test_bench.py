@@ -274,3 +274,25 @@ def test_suite_writes_markdown_and_json(suite_result):
     assert paths["md"].read_text() == md
     assert json.loads(paths["json"].read_text())["overhead"]["ratio"] == r["overhead"]["ratio"]
     assert paths["md"].parent == settings.data_dir / "reports"
+
+
+def test_bench_loops_answers_each_request_with_the_guard_off_and_on(app_model, tmp_path):
+    """At 24 tokens no reply loops: the guard cuts nothing and leaves every reply as it was; the
+    table names each request (the figures at 256 tokens are docs/benchmarks.md's)."""
+    from llmweb.bench import loops
+
+    r = loops.run(make_settings(tmp_path), new_tokens=24, loaded=app_model, progress=lambda _m: None)
+    assert [row["request"] for row in r["rows"]] == loops.ORDINARY + loops.LOOPING
+    for row in r["rows"]:
+        assert row["on"]["cuts"] == 0 and row["same"], row
+        assert 0 < row["on"]["tokens"] <= 24 and row["on"]["copies"] <= 2
+    md = loops.markdown(r)
+    assert all(row["request"][:48] in md for row in r["rows"]) and "ordinary requests: at most" in md
+
+
+def test_most_copies_counts_sentences_of_16_characters_or_more():
+    from llmweb.bench.loops import most_copies
+
+    assert most_copies("The cat sat on the mat. The cat sat on the mat. Yes. Yes. Yes.") == 2
+    assert most_copies("- one\n- one\n- one") == 0 and most_copies("") == 0
+    assert most_copies("A long enough line here\n" * 5) == 5

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from llmweb.bench.loops import most_copies
 from llmweb.chat.tokens import render_prompt
 from llmweb.engine.blockcache import KEEP_ROOM
 from llmweb.engine.kvcache import cache_nbytes
@@ -452,15 +453,6 @@ def test_a_sessions_turn_in_a_batch_prefills_only_its_new_tokens(runner, fmt):
 # ---- the loop guard (engine/runners/loopguard.py) with each runner's real vocabulary
 
 
-def _most_copies(text: str) -> int:
-    """How often the reply says its most repeated sentence (of 16 characters or more)."""
-    import collections
-    import re
-
-    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", text) if len(s.strip()) >= 16]
-    return max(collections.Counter(sentences).values(), default=0)
-
-
 def test_the_loop_guard_stops_the_real_models_loop(llama_model, fmt):
     """At the default (greedy) the embedded model on llama.cpp loops on this request once the
     repetition penalty is off: the guard lets the sentence stand twice, then turns the reply away."""
@@ -476,9 +468,9 @@ def test_the_loop_guard_stops_the_real_models_loop(llama_model, fmt):
         guarded.result()
     finally:
         e.close()
-    assert _most_copies(fmt.decode(free.generated)) >= 3, "the premise: without the guard it loops"
+    assert most_copies(fmt.decode(free.generated)) >= 3, "the premise: without the guard it loops"
     text = fmt.decode(guarded.generated)
-    assert _most_copies(text) <= 2, text
+    assert most_copies(text) <= 2, text
     assert guarded.stats.loop_cuts >= 1 and free.stats.loop_cuts == 0
     n = min(len(free.generated), len(guarded.generated))
     assert guarded.generated[: n // 3] == free.generated[: n // 3], "the reply is the same until the loop"

@@ -29,6 +29,7 @@ from llmweb.web.formatting import (
     stats_markdown,
 )
 from llmweb.web.identity import browser_owner, new_owner_token
+from llmweb.web.panels import chat as chat_panel
 from llmweb.web.panels.base import Panel, user_errors
 from llmweb.web.ui import Handlers, build_app
 from tests.conftest import make_settings
@@ -289,7 +290,8 @@ def runtime(tmp_path):
     store.close()
 
 
-def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime):
+def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime, monkeypatch):
+    monkeypatch.setattr(chat_panel, "SHOW_EVERY_S", 0.0)  # every token shown: the fake's tokens come at once
     h = Handlers(runtime)
     shown = []  # the chat list is reused between yields: read each as it comes
     outs = [
@@ -306,7 +308,8 @@ def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime):
     assert 'class="llmweb-x-tick">1</text>' in panel.tokens_plot and "turn 1:" in panel.tokens_plot
 
 
-def test_stop_closes_the_chat_stream_through_the_decorator_and_shows_the_stopped_turn(runtime):
+def test_stop_closes_the_chat_stream_through_the_decorator_and_shows_the_stopped_turn(runtime, monkeypatch):
+    monkeypatch.setattr(chat_panel, "SHOW_EVERY_S", 0.0)
     h = Handlers(runtime)
     stream = h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY)
     next(stream), next(stream)  # queued, then "Par"
@@ -315,6 +318,29 @@ def test_stop_closes_the_chat_stream_through_the_decorator_and_shows_the_stopped
     panel = h.chat.after_stop(conv_id, [{"role": "user", "content": "Capital?"}], A_TOKEN, NOBODY)
     assert panel.chatbot[-1]["content"] == "Par\n\n*(stopped)*"
     assert panel.stats_md.endswith("Stopped.")
+
+
+def test_a_fast_stream_is_shown_at_most_every_show_every_s_and_whole_at_the_end(runtime, monkeypatch):
+    """200 tokens over 2 s (a fake clock, 10 ms a token) are shown ~40 times, not 200; the text
+    between two updates comes with the next, and the whole reply in the final panel."""
+    clock = iter(i * 0.01 for i in range(10_000))
+    monkeypatch.setattr(chat_panel.time, "monotonic", lambda: next(clock))
+    h = Handlers(runtime)
+    conv = _one_chat(h)
+    reply = " ".join(f"w{i}" for i in range(200))
+    words = reply.split(" ")
+    events = [Delta(" ".join(words[: i + 1])) for i in range(len(words))]
+    shown = [{}]
+    texts = []  # the chat list is reused between yields: read each as it comes
+    outs = [
+        texts.append(p.chatbot[-1]["content"]) or p
+        for p in h.chat._stream(f"anon:{A_TOKEN}", conv, shown, iter(events))
+    ]
+    *streaming, final = outs
+    assert 2 / chat_panel.SHOW_EVERY_S - 5 <= len(streaming) <= 2 / chat_panel.SHOW_EVERY_S + 1, len(streaming)
+    assert texts[0] == "w0", "the first token is shown at once"
+    assert all(b.startswith(a) and b != a for a, b in zip(texts, texts[1:-1])), "each update extends the last"
+    assert isinstance(final, Panel) and final.conv_state == conv
 
 
 def test_refused_messages_are_toasts_and_leave_no_empty_chat(runtime):

@@ -19,6 +19,10 @@ from llmweb.store.models import ChatSettings
 from llmweb.web.formatting import escape, history_messages, message_text
 from llmweb.web.panels.base import Panel, PanelHandlers, user_errors
 
+# the most often a streaming reply is shown again: each update re-sends and re-renders the whole
+# message (markdown in the browser), so per token it costs O(n^2) in the reply's length, and a
+# browser on the same cores takes them from the engine; 20 a second read as smoothly
+SHOW_EVERY_S = 0.05
 # after Stop, the most to wait for the partial turn to be stored: the worker stops within a step,
 # but a batch's step on a loaded CPU can take seconds (5 s was too short for the browser test there)
 STOP_WAIT_S = 30.0
@@ -123,8 +127,9 @@ class ChatHandlers(PanelHandlers):
 
     def _stream(self, owner: str, conv_id, shown: list[dict], events) -> Iterator[Panel]:
         """Show a turn's events: the queue position, a whole-document task's progress (under the text
-        so far), then the reply as it grows, then the whole panel."""
-        notes, prompt, so_far = "", "", ""
+        so far), then the reply as it grows (at most every SHOW_EVERY_S: the text in between is
+        shown with the next update, and all of it in the whole panel at the end)."""
+        notes, prompt, so_far, shown_at = "", "", "", float("-inf")
         for event in events:
             if isinstance(event, Started):
                 conv_id = event.conv_id
@@ -140,7 +145,10 @@ class ChatHandlers(PanelHandlers):
                 }
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Delta):
-                so_far = event.text
+                so_far, now = event.text, time.monotonic()
+                if now - shown_at < SHOW_EVERY_S:
+                    continue
+                shown_at = now
                 shown[-1] = {"role": "assistant", "content": escape(event.text, message=True)}
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Finished):
