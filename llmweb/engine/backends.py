@@ -10,6 +10,7 @@ same ids on both), for the loop guard (runners/loopguard.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 from llmweb.config import CPU_CONTEXT_CAP
@@ -45,11 +46,23 @@ def make_engine(
     return engine
 
 
+_PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per tokenizer: decoded once (~0.8 s)
+
+
 def vocabulary_pieces(tokenizer) -> Pieces | None:
     """Each id's text, as the tokenizer decodes it alone (a byte of a longer character reads as
     U+FFFD, which is no boundary); None when the tokenizer cannot say."""
     try:
+        return _PIECES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
         ids = [[i] for i in range(len(tokenizer))]
-        return Pieces(tokenizer.batch_decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        pieces = Pieces(tokenizer.batch_decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
     except (AttributeError, TypeError):
         return None
+    try:
+        _PIECES[tokenizer] = pieces
+    except TypeError:  # not weakly referable: decoded again next time
+        pass
+    return pieces
