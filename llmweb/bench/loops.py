@@ -62,13 +62,14 @@ def run(settings, new_tokens: int = 256, loaded=None, progress: Callable[[str], 
                 )
                 h = engine.submit(request)
                 h.result()
-                key = "on" if guard else "off"
-                row[key] = {
+                stats = h.stats
+                assert stats is not None, "a finished request has its stats"
+                row["on" if guard else "off"] = {
                     "copies": most_copies(fmt.decode(h.generated)),
-                    "tokens": h.stats.generated_tokens,
-                    "tok_s": round(h.stats.decode_tok_s, 1),
-                    "cuts": h.stats.loop_cuts,
-                    "ended": h.stats.loop_stopped,
+                    "tokens": stats.generated_tokens,
+                    "tok_s": round(stats.decode_tok_s, 1),
+                    "cuts": stats.loop_cuts,
+                    "ended": stats.loop_stopped,
                     "ids": list(h.generated),
                 }
             row["same"] = row["on"]["ids"] == row["off"]["ids"]
