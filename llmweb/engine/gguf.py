@@ -136,6 +136,7 @@ class GgufModel:
         init_backend()
         self.path = Path(path)
         self.threads = threads or default_threads()
+        self.fixed_threads = bool(threads)  # LLMWEB_THREADS: no governor (runners/threads.py)
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
         self.ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)

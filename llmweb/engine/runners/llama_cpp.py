@@ -45,6 +45,7 @@ from llmweb.engine.kvcache import KVStore
 from llmweb.engine.request import EngineLimits, GenerationRequest, Slot
 from llmweb.engine.runners.base import BaseRunner, Seq
 from llmweb.engine.runners.sampling import NumpySampler
+from llmweb.engine.runners.threads import ThreadGovernor
 from llmweb.engine.scheduler import Engine
 from llmweb.engine.telemetry import rss_bytes
 from llmweb.errors import LlmwebError
@@ -99,6 +100,10 @@ class LlamaRunner(BaseRunner):
         self._batch = ll.llama_batch_init(params.n_batch, 0, 1)
         self._free = list(range(self.slots))[::-1]  # sequence ids not in use
         self._running: dict[int, Slot] = {}
+        # decode threads: every core, one fewer while another process keeps a core busy (threads.py)
+        fixed = getattr(model, "fixed_threads", True)
+        self.governor = None if fixed or model.threads < 2 else ThreadGovernor(model.threads)
+        self.decode_threads = model.threads
 
     def close(self) -> None:
         ll = self.ll
@@ -196,6 +201,10 @@ class LlamaRunner(BaseRunner):
         return None  # a failed llama_decode leaves the memory as it was
 
     def _step(self, slots: list[Slot]) -> tuple[list[Slot], None] | None:
+        if self.governor is not None and (n := self.governor.threads()) != self.decode_threads:
+            self.ll.llama_set_n_threads(self.ctx, n, self.model.threads)  # prefill keeps every core
+            log.info("llama runner: other processes use %.2f cores; decoding with %d threads", self.governor.others, n)
+            self.decode_threads = n
         return (slots, None) if self._decode(f"decode of {len(slots)}") else None
 
     def _row(self, logits, i: int) -> np.ndarray:

@@ -1,0 +1,71 @@
+"""How many threads llama.cpp decodes with: every core while the machine is otherwise idle, one
+fewer while another process keeps a core busy.
+
+Why: llama.cpp's thread pool runs a thread per core and waits at every graph node (hundreds per
+token) for the slowest one, so a core that another process takes stalls every step. Measured on
+the 2-core machine with a reply streaming into a headless Chromium on the same machine (Chromium
+took ~0.65 of a core): 2 decode threads gave 15-17 tok/s, 1 thread 31-43 tok/s, while alone 2
+threads decode 90 tok/s and 1 thread 61 (llama-bench tg64). So the pool shrinks while others work
+and grows back when they stop. Prefill (compute-bound, and rarely beside a rendering browser)
+keeps every core.
+
+    others      the CPU time of every other process (from /proc/stat's busy time minus this
+                process's), in cores, over the last SAMPLE_S
+    fewer       others >= BUSY cores: cores - 1 decode threads (at least 1)
+    all again   others < IDLE cores in two samples in a row (no flapping on a single quiet one)
+
+Must not: be used when the user fixed the thread count (LLMWEB_THREADS), or read anything but
+/proc/stat and this process's own times.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+SAMPLE_S = 0.5  # how often the others' load is read
+BUSY = 0.25  # cores of other processes' work that take a decode thread away
+IDLE = 0.10  # ... and below which it comes back
+
+
+def cpu_sample() -> tuple[float, float, float] | None:
+    """(wall s, the machine's busy CPU s, this process's CPU s); None where /proc/stat is not there."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+    busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + ticks[7]
+    own = os.times()
+    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+class ThreadGovernor:
+    """`threads()` before each decode step: the decode threads for now (see the module docstring)."""
+
+    def __init__(self, cores: int, sample: Callable[[], tuple[float, float, float] | None] = cpu_sample):
+        self.cores = cores
+        self.sample = sample
+        self.current = cores
+        self.others = 0.0  # the last reading, in cores
+        self._last = sample() if cores > 1 else None
+        self._quiet = 0
+
+    def threads(self) -> int:
+        if self._last is None:
+            return self.current
+        now = self.sample()
+        if now is None or now[0] - self._last[0] < SAMPLE_S:
+            return self.current
+        wall, busy, own = (b - a for a, b in zip(self._last, now))
+        self._last = now
+        self.others = max(busy - own, 0.0) / wall
+        if self.others >= BUSY:
+            self.current, self._quiet = max(self.cores - 1, 1), 0
+        elif self.others < IDLE:
+            self._quiet += 1
+            if self._quiet >= 2:
+                self.current = self.cores
+        return self.current
