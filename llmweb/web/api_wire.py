@@ -204,6 +204,7 @@ def parse_request(
     if conversation_id is not None and not conversation_id.strip():
         raise bad('conversation_id is empty; send an id, or "new" to start a conversation.', "conversation_id")
     use_docs = _use_docs(body, headers)
+    ours = _ours(body)
 
     messages = parse_messages(body.get("messages"), max_message_chars)
     if conversation_id is not None and (len(messages) != 1 or messages[0].role != "user"):
@@ -226,8 +227,8 @@ def parse_request(
         user=user,
         conversation_id=conversation_id,
         use_docs=use_docs,
-        whole_document=_ours(body, "whole_document") or False,
-        loop_guard=_ours(body, "loop_guard"),  # None: the chat's
+        whole_document=ours.get("whole_document") or False,
+        loop_guard=ours.get("loop_guard"),  # None: the chat's
     )
 
 
@@ -245,13 +246,13 @@ def _use_docs(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool | Non
 OURS = ("whole_document", "loop_guard")
 
 
-def _ours(body: Mapping[str, Any], name: str) -> bool | None:
-    """One of llmweb's own options, `x_llmweb`: {"whole_document": bool, "loop_guard": bool}; None if not sent."""
+def _ours(body: Mapping[str, Any]) -> dict[str, bool | None]:
+    """llmweb's own options, `x_llmweb`: {"whole_document": bool, "loop_guard": bool}; None where not sent."""
     ours = _optional(body, "x_llmweb", dict) or {}
     for key in ours:
         if key not in OURS:
             raise bad(f"Unrecognized x_llmweb field: {str(key)[:100]}", "x_llmweb", "unknown_parameter")
-    return _optional(ours, name, bool, f"x_llmweb.{name}")
+    return {name: _optional(ours, name, bool, f"x_llmweb.{name}") for name in OURS}
 
 
 def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:

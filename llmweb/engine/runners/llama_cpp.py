@@ -101,8 +101,7 @@ class LlamaRunner(BaseRunner):
         self._free = list(range(self.slots))[::-1]  # sequence ids not in use
         self._running: dict[int, Slot] = {}
         # decode threads: every core, one fewer while another process keeps a core busy (threads.py)
-        fixed = getattr(model, "fixed_threads", True)
-        self.governor = None if fixed or model.threads < 2 else ThreadGovernor(model.threads)
+        self.governor = None if model.fixed_threads or model.threads < 2 else ThreadGovernor(model.threads)
         self.decode_threads = model.threads
 
     def close(self) -> None:
@@ -131,10 +130,8 @@ class LlamaRunner(BaseRunner):
 
     def _open(self, request: GenerationRequest, prompt: list[int]) -> Seq:
         assert self._free, f"more running slots than the context's {self.slots} sequences"
-        seq = _Seq(
-            prompt=prompt, sampler=NumpySampler(request, prompt, self.n_vocab, self.pieces), seq=self._free.pop()
-        )
-        return seq
+        sampler = NumpySampler(request, prompt, self.n_vocab, self.pieces)
+        return _Seq(prompt=prompt, sampler=sampler, seq=self._free.pop())
 
     def start(self, slot: Slot) -> None:
         super().start(slot)

@@ -38,8 +38,9 @@ _NONE: frozenset[int] = frozenset()
 
 
 class Pieces:
-    """What the guard needs of a vocabulary, computed once per model: which ids end a sentence,
-    and each id's backticks (to follow ``` fences)."""
+    """What the guard needs of a vocabulary, computed once per tokenizer: each id's text (its
+    backticks open and close ``` fences), which ids end a sentence, and each id's bare form (the
+    id of its text without leading spaces, where the vocabulary has one)."""
 
     def __init__(self, pieces: Sequence[str]):
         self.boundary = [_ends_sentence(p) for p in pieces]

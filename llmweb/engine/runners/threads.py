@@ -45,20 +45,28 @@ def cpu_sample() -> tuple[float, float, float] | None:
 class ThreadGovernor:
     """`threads()` before each decode step: the decode threads for now (see the module docstring)."""
 
-    def __init__(self, cores: int, sample: Callable[[], tuple[float, float, float] | None] = cpu_sample):
+    def __init__(
+        self,
+        cores: int,
+        sample: Callable[[], tuple[float, float, float] | None] = cpu_sample,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.cores = cores
         self.sample = sample
+        self.clock = clock
         self.current = cores
         self.others = 0.0  # the last reading, in cores
         self._last = sample() if cores > 1 else None
+        self._due = clock() + SAMPLE_S  # a decode step between readings costs one clock call, no I/O
         self._quiet = 0
 
     def threads(self) -> int:
-        if self._last is None:
+        if self._last is None or self.clock() < self._due:
             return self.current
         now = self.sample()
-        if now is None or now[0] - self._last[0] < SAMPLE_S:
+        if now is None or now[0] <= self._last[0]:
             return self.current
+        self._due = self.clock() + SAMPLE_S
         wall, busy, own = (b - a for a, b in zip(self._last, now))
         self._last = now
         self.others = max(busy - own, 0.0) / wall
