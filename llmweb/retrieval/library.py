@@ -65,8 +65,8 @@ from llmweb.records import LOCAL_OWNER, Chunk
 from llmweb.retrieval import hybrid
 from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.hybrid import Reranker, Retrieval
-from llmweb.retrieval.index import DOCS, Index, IngestReport, Progress
-from llmweb.retrieval.parsers import MB, hash_bytes, load_document, safe_name
+from llmweb.retrieval.index import DOCS, Index, IngestReport, Progress, Read
+from llmweb.retrieval.parsers import MB
 from llmweb.retrieval.storage import (
     DocumentInfo,
     delete_namespace,
@@ -223,8 +223,9 @@ class Library:
             return self.shared.ingest_uploads(files, progress)
         with self._gate(namespace):  # one upload at a time per owner: the quota check stays true
             index = self._private(owner)
-            self._check_quota(index, files)
-            return index.ingest_uploads(files, progress)
+            read = index.read_uploads(files, progress)  # parsed once: measured here, then added
+            self._check_quota(index, read)
+            return index.add_read(read, progress)
 
     def ingest_shared(self, paths: Sequence[str | os.PathLike], progress: Progress | None = None) -> list[IngestReport]:
         """Add files and folders to the shared library (the CLI, the bundled guide)."""
@@ -271,13 +272,13 @@ class Library:
                 self._private_cache.move_to_end(namespace)
             return index
 
-    def _check_quota(self, index: Index, files: Sequence[tuple[str | os.PathLike, str]]) -> None:
+    def _check_quota(self, index: Index, read: Read) -> None:
         """Refuse (InputError) uploads that would take a private library past settings.user_docs_mb.
 
         Counts what would really be stored: not files the index refuses anyway (too big, unreadable,
-        nameless), not content already held, and a same-named file replaces the earlier version. A
-        compressed format counts what it unpacks to (`_upload_size`): a small .docx or .pdf may
-        hold far more text than its bytes.
+        nameless: they have reports, no document), not content already held, and a same-named file
+        replaces the earlier version. A document counts its file's bytes or its text's characters,
+        whichever is more (`_quota_size`): a small .docx or .pdf may hold far more text than its bytes.
         """
         limit = self.settings.user_docs_mb * MB
         docs = index.documents()
@@ -285,20 +286,12 @@ class Library:
         held = {d.doc_id for d in docs}
         by_name = {d.source: d for d in docs if d.kind == "document"}
         adding = 0
-        for path, given in files:
-            try:
-                name = safe_name(given)
-                size = Path(path).stat().st_size
-                if size > self.settings.max_file_mb * MB:
-                    continue  # refused per file by the index, with its own message
-                doc_id = hash_bytes(Path(path).read_bytes())
-            except (InputError, OSError):
-                continue  # the index reports this file
-            if doc_id in held:
+        for _, doc in read.docs:
+            if doc.doc_id in held:
                 continue
-            held.add(doc_id)
-            old = by_name.pop(name, None)
-            size = _upload_size(path, given, size)
+            held.add(doc.doc_id)
+            old = by_name.pop(doc.name, None)
+            size = max(doc.size, len(doc.text))
             adding += max(size - (_quota_size(index, old) if old is not None else 0), 0)
         if adding and used + adding > limit:
             raise InputError(
@@ -392,21 +385,7 @@ def _mb(n: int) -> str:
     return f"{n / MB:.1f} MB"
 
 
-COMPRESSED_SUFFIXES = (".pdf", ".docx")  # formats whose text may be far more than the file's bytes
-
-
 def _quota_size(index: Index, doc: DocumentInfo) -> int:
     """What a stored document counts against the quota: its file's bytes, or the characters of its
     extracted text (where its last chunk ends) when more."""
     return max(doc.size, max((c.end for c in index.chunks(doc.doc_id)), default=0))
-
-
-def _upload_size(path: str | os.PathLike, given: str, size: int) -> int:
-    """What an upload will count against the quota (`_quota_size`), before it is stored: a compressed
-    format is parsed (within parsers.py's limits on what it may unpack to) and its text measured."""
-    if Path(given).suffix.lower() not in COMPRESSED_SUFFIXES:
-        return size
-    try:
-        return max(size, len(load_document(Path(path), given).text))
-    except InputError:
-        return size  # refused by the index too, with its own message
