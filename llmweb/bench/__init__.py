@@ -1,5 +1,5 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|gpu]` and `capacity`.
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|gpu]` and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
 
@@ -24,6 +24,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 the cache; another visitor's turn idle and while a task reads
   loops.py      `bench loops`: the most copies of one sentence per reply, loop guard off and on, for 8
                 ordinary requests and 2 known loops
+  busy.py       `bench busy`: a reply's speed as people get it: through the API alone, typed into the
+                page in a headless Chromium, and during another visitor's upload, on one real server
   gpu.py        `bench gpu [--rehearse]`: the CUDA path in one command (NF4 load, a real OOM and its
                 recovery, fragmentation, capacity of an 8B shape with random weights); parts in gpu_parts.py
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
@@ -54,6 +56,7 @@ BENCHES = [
     "load",
     "document",
     "loops",
+    "busy",
     "gpu",
 ]
 
@@ -63,7 +66,7 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load | document | loops | gpu",
+        "| hostile | load | document | loops | busy | gpu",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -109,7 +112,7 @@ def register(sub) -> None:
         "--repeats",
         type=int,
         default=3,
-        help="suite: A/B repeats of the engine-overhead runs; decode: repeats of every step",
+        help="suite: A/B repeats of the engine-overhead runs; decode: repeats of every step; busy: of every case",
     )
     b.add_argument("--fillers", type=int, default=12, help="fidelity: filler turns before each checkpoint")
     b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
@@ -158,6 +161,7 @@ def bench_command(args) -> int:
         "load": _bench_load,
         "document": _bench_document,
         "loops": _bench_loops,
+        "busy": _bench_busy,
         "gpu": _bench_gpu,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
@@ -318,6 +322,14 @@ def _bench_loops(args) -> int:
 
     result = loops.run(Settings.from_env(), new_tokens=args.max_new_tokens or 256, progress=_stderr)
     _print(result, args.json, loops.markdown)
+    return 0
+
+
+def _bench_busy(args) -> int:
+    from . import busy
+
+    result = busy.run(new_tokens=args.max_new_tokens or 160, repeats=args.repeats, progress=_stderr)
+    _print(result, args.json, busy.markdown)
     return 0
 
 
