@@ -34,7 +34,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -186,26 +185,17 @@ def _open(context, srv: _Server):
 def expanding_pdf(seed: int, chars: int = UPLOAD_CHARS) -> bytes:
     """A PDF of field notes whose extracted text is at least EXPANSION times its bytes: Flate-
     compressed pages of lines that differ (so every chunk is its own), as a report generator writes."""
-    from llmweb.bench.hostile import pdf_file
+    from llmweb.bench.hostile import pdf_pages
 
     lines_per_page, line = 120, "Plot {n:06d} of survey {s}: soil moist, three oaks, one fallen birch, no frost."
     n_lines = chars // len(line.format(n=0, s=seed)) + 1
-    pages = [range(i, min(i + lines_per_page, n_lines)) for i in range(0, n_lines, lines_per_page)]
-    kids = " ".join(f"{4 + 2 * i} 0 R" for i in range(len(pages)))
-    objs = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        f"<< /Type /Pages /Kids [{kids}] /Count {len(pages)} >>".encode(),
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
-    for i, numbers in enumerate(pages):
-        text = " ".join(f"({line.format(n=n, s=seed)}) Tj T*" for n in numbers)
-        stream = zlib.compress(f"BT /F1 6 Tf 7 TL 36 760 Td {text} ET".encode("latin-1"), 9)
-        objs.append(
-            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
-            + f"/Contents {5 + 2 * i} 0 R >>".encode()
+    streams = []
+    for start in range(0, n_lines, lines_per_page):
+        text = " ".join(
+            f"({line.format(n=n, s=seed)}) Tj T*" for n in range(start, min(start + lines_per_page, n_lines))
         )
-        objs.append(f"<< /Length {len(stream)} /Filter /FlateDecode >>\nstream\n".encode() + stream + b"\nendstream")
-    data = pdf_file(objs)
+        streams.append(f"BT /F1 6 Tf 7 TL 36 760 Td {text} ET".encode("latin-1"))
+    data = pdf_pages(streams, flate=True)
     assert n_lines * len(line.format(n=0, s=seed)) >= EXPANSION * len(data), "the PDF does not expand tenfold"
     return data
 

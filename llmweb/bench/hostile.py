@@ -144,21 +144,33 @@ def _one_page_pdf(text: str) -> bytes:
 def make_pdf(pages: list[str]) -> bytes:
     """A minimal valid PDF, one page per item, one Helvetica text line per "\\n"-separated line
     (text outside Latin-1 becomes "?"). The document tests build their PDFs with it too."""
-    kids = " ".join(f"{4 + 2 * i} 0 R" for i in range(len(pages)))
-    objs = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        f"<< /Type /Pages /Kids [{kids}] /Count {len(pages)} >>".encode(),
-        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
-    ]
-    for i, text in enumerate(pages):
+    streams = []
+    for text in pages:
         esc = text.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
         lines = " ".join(f"({line}) Tj T*" for line in esc.split("\n"))
-        stream = f"BT /F1 12 Tf 14 TL 72 720 Td {lines} ET".encode("latin-1", "replace")
+        streams.append(f"BT /F1 12 Tf 14 TL 72 720 Td {lines} ET".encode("latin-1", "replace"))
+    return pdf_pages(streams)
+
+
+def pdf_pages(streams: list[bytes], flate: bool = False) -> bytes:
+    """A PDF of one page per content stream, in Helvetica as font F1; `flate`: the streams are
+    zlib-compressed (/FlateDecode), as most PDF writers store them."""
+    import zlib
+
+    kids = " ".join(f"{4 + 2 * i} 0 R" for i in range(len(streams)))
+    objs = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        f"<< /Type /Pages /Kids [{kids}] /Count {len(streams)} >>".encode(),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    for i, stream in enumerate(streams):
+        data = zlib.compress(stream, 9) if flate else stream
         objs.append(
             b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
             + f"/Contents {5 + 2 * i} 0 R >>".encode()
         )
-        objs.append(f"<< /Length {len(stream)} >>\nstream\n".encode() + stream + b"\nendstream")
+        head = f"<< /Length {len(data)}{' /Filter /FlateDecode' if flate else ''} >>\nstream\n".encode()
+        objs.append(head + data + b"\nendstream")
     return pdf_file(objs)
 
 
