@@ -30,8 +30,8 @@ QUERY_THREADS = 1
 # A word piece of the default tokenizer covers at most ~100 characters (a longer word is one
 # [UNK]); real text averages 4-6. A text is cut at this many characters per word piece the model
 # reads before it is tokenized, so a 1 MB message costs a batch no more than a 4 kB one: the model
-# truncates to max_seq_length anyway, and tokenizing the rest only held the lock (24-36 s for an
-# import's recall batches of whole messages, measured).
+# truncates to max_seq_length anyway, and tokenizing the rest only held the lock (an import's
+# recall batches of whole 1 MB messages held it 24-36 s in the red team's offline timing).
 MAX_CHARS_PER_TOKEN = 16
 
 
@@ -56,7 +56,8 @@ class Embedder:
         self.batch_size = batch_size
         self._model: Any = None
         # Fast HF tokenizers are not safe to call from two threads at once ("Already borrowed"),
-        # so every use of the model or its tokenizer holds this lock. Hold it in short stretches.
+        # so every use of the model or its tokenizer holds this lock, in short stretches; long
+        # tokenizer-only work takes a copy instead (`borrowed_tokenizer`).
         self.lock = threading.RLock()
         self._spare: list[Any] = []  # tokenizer copies for `borrowed_tokenizer`, one per chunking at once
 
