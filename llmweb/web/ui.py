@@ -44,6 +44,11 @@ CSS = """
 .llmweb-legend span {display:inline-block; margin-right:10px; font-size:12px}
 .llmweb-legend i {display:inline-block; width:10px; height:10px; margin-right:3px; border-radius:2px}
 .llmweb-plot svg text {fill: currentColor}
+/* while an event runs, gradio pulses the border of each of its outputs at the screen's frame rate:
+   a browser on the server's cores repaints all the time the reply streams (bench busy: Chromium's
+   renderer 1.86-2.06 CPU s in a 3.5 s turn with it, 1.33-1.50 without); the border stays, still */
+.wrap.generating {animation: none !important}
+.eta-bar {transition: none !important}
 /* a phone (390 px): the chat first, its box and Stop on one line, the sidebar and panels after it */
 @media (max-width: 640px) {
   #llmweb-chat-column {order: -1}

@@ -424,6 +424,14 @@ def test_stop_keeps_partial_reply_and_app_still_answers(page, server):
             return len(replies) > n_replies and is_real_text(replies[-1]) and len(replies[-1].split()) >= 3
 
         poll(some_text, REPLY_S, "the long answer to start streaming", server, page, interval=0.1)
+        # nothing repaints the page for as long as a reply streams: gradio pulses the border of an
+        # event's outputs forever, which took a third of a core from the engine (bench busy)
+        endless = page.evaluate(
+            """() => document.getAnimations()
+                .filter(a => a.playState === "running" && a.effect && a.effect.getTiming().iterations === Infinity)
+                .map(a => (a.animationName || "transition") + " on ." + String(a.effect.target.className))"""
+        )
+        assert not endless, f"animations that run as long as the reply streams: {endless}"
         page.locator("#llmweb-stop").click()
         at_click = reply_texts(page)[-1]
 

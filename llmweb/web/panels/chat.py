@@ -21,8 +21,10 @@ from llmweb.web.panels.base import Panel, PanelHandlers, user_errors
 
 # the most often a streaming reply is shown again: each update re-sends and re-renders the whole
 # message (markdown in the browser), so per token it costs O(n^2) in the reply's length, and a
-# browser on the same cores takes them from the engine; 20 a second read as smoothly
-SHOW_EVERY_S = 0.05
+# browser on the same cores takes them from the engine. Measured (headless Chromium on the 2-core
+# machine, a 160-token reply): its renderer used 0.88-1.10 CPU s a turn at 20 updates a second,
+# 0.69-0.77 at 10 and 0.51-0.73 at 5; 10 a second (a few words each) still reads as a stream
+SHOW_EVERY_S = 0.1
 # after Stop, the most to wait for the partial turn to be stored: the worker stops within a step,
 # but a batch's step on a loaded CPU can take seconds (5 s was too short for the browser test there)
 STOP_WAIT_S = 30.0
