@@ -1,5 +1,5 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|gpu]` and `capacity`.
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|gpu]` and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
 
@@ -26,6 +26,9 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 ordinary requests and 2 known loops
   busy.py       `bench busy`: a reply's speed as people get it: through the API alone, typed into the
                 page in a headless Chromium, and during another visitor's upload, on one real server
+  peer.py       `bench peer`: k chats at once through our API against llama.cpp's `llama-server -np k`
+                on the same file, prompts, reply length and threads: aggregate tok/s side by side
+  served.py     a real `python -m llmweb serve` on a scratch data dir, for busy and peer
   gpu.py        `bench gpu [--rehearse]`: the CUDA path in one command (NF4 load, a real OOM and its
                 recovery, fragmentation, capacity of an 8B shape with random weights); parts in gpu_parts.py
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
@@ -57,6 +60,7 @@ BENCHES = [
     "document",
     "loops",
     "busy",
+    "peer",
     "gpu",
 ]
 
@@ -66,7 +70,7 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load | document | loops | busy | gpu",
+        "| hostile | load | document | loops | busy | peer | gpu",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -84,6 +88,7 @@ def register(sub) -> None:
         "(default 128)",
     )
     b.add_argument("--concurrency", default="1,2,4,8", help="concurrency: chats at once, comma-separated")
+    b.add_argument("--chats", default="1,4", help="peer: chats at once, comma-separated")
     b.add_argument(
         "--max-batch", type=int, default=0, help="concurrency: the batched engine's max_batch (0 = LLMWEB_MAX_BATCH)"
     )
@@ -162,6 +167,7 @@ def bench_command(args) -> int:
         "document": _bench_document,
         "loops": _bench_loops,
         "busy": _bench_busy,
+        "peer": _bench_peer,
         "gpu": _bench_gpu,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
@@ -330,6 +336,22 @@ def _bench_busy(args) -> int:
 
     result = busy.run(new_tokens=args.max_new_tokens or 160, repeats=args.repeats, progress=_stderr)
     _print(result, args.json, busy.markdown)
+    return 0
+
+
+def _bench_peer(args) -> int:
+    from llmweb.config import Settings
+
+    from . import peer
+
+    result = peer.run(
+        Settings.from_env(),
+        concurrencies=parse_ints(args.chats),
+        new_tokens=args.max_new_tokens or 128,
+        repeats=args.repeats,
+        progress=_stderr,
+    )
+    _print(result, args.json, peer.markdown)
     return 0
 
 
