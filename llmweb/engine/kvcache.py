@@ -7,8 +7,15 @@ decided on ids alone, never on re-tokenised text: a generated token can re-encod
 at least one prompt token is always left to prefill (the model needs logits for it).
 
 Only the engine's worker thread uses entries. `take()` removes an entry while it is in use, so
-eviction can never touch a cache mid-generation and one session's cache can never serve
-another. Other threads may `drop()` a session (deleted chat, changed summary) at any time.
+eviction can never touch a cache mid-generation. Other threads may `drop()` a session (deleted
+chat, changed summary) at any time.
+
+A session with no cache of its own (a new chat, a stateless API request) may start from a copy of
+the longest prefix it shares with another session of the same owner (`donor`: the system prompt
+and the template's header, ~30 tokens at the defaults), as llama-server's slots reuse their last
+prompt; only on a runner whose restore copies the donor's bytes and leaves them as they were
+(`BaseRunner.shares_prefixes`). Never across owners: the time to the first token would tell a
+stranger what another visitor's prompt begins with.
 
 Owns: the session caches, their budget and reuse rule. Must not: import torch at module level
 (the measuring helpers read tensors they are given), or run the model.
@@ -53,12 +60,16 @@ def reusable(cached_ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
     return min(common_prefix(cached_ids, prompt_ids), len(prompt_ids) - 1)
 
 
+SHARED_MIN_TOKENS = 16  # the least a donor's prefix must give: below it, copying its state costs more
+
+
 @dataclass(slots=True)
 class Entry:
     ids: list[int]
     cache: Any  # a transformers DynamicCache (not imported here: this module needs no torch)
     nbytes: int
     last_used: float
+    owner: str = ""
 
 
 class KVStore:
@@ -79,7 +90,21 @@ class KVStore:
             return None
         return entry
 
-    def put(self, session_id: str, ids: list[int], cache, nbytes: int | None = None) -> bool:
+    def donor(self, owner: str, prompt_ids: Sequence[int]) -> tuple[Entry, int] | None:
+        """The owner's entry that shares the longest prefix with `prompt_ids` (the smallest one of
+        equals: the least to copy), and how many tokens of it the prompt can reuse; None under
+        SHARED_MIN_TOKENS. The entry stays in the store: the caller copies from it, never changes it.
+        Linear in the owner's entries times the prompt (each comparison stops at the first difference)."""
+        now, best, best_n = self.clock(), None, SHARED_MIN_TOKENS - 1
+        with self._lock:
+            entries = [e for e in self._entries.values() if e.owner == owner and now - e.last_used <= self.ttl_s]
+        for e in entries:
+            n = reusable(e.ids, prompt_ids)
+            if n > best_n or (n == best_n and best is not None and e.nbytes < best.nbytes):
+                best, best_n = e, n
+        return (best, best_n) if best is not None else None
+
+    def put(self, session_id: str, ids: list[int], cache, nbytes: int | None = None, owner: str = "") -> bool:
         """Store a session's cache after a request; evict least recently used idle entries to fit.
 
         Returns False (and keeps nothing) when this cache alone exceeds the budget.
@@ -91,7 +116,7 @@ class KVStore:
         with self._lock:
             self._entries.pop(session_id, None)
             self._evict_locked(self.budget_bytes - nbytes)
-            self._entries[session_id] = Entry(ids=list(ids), cache=cache, nbytes=nbytes, last_used=self.clock())
+            self._entries[session_id] = Entry(list(ids), cache, nbytes, self.clock(), owner)
         return True
 
     # ---- maintenance, any thread

@@ -15,7 +15,7 @@ import torch
 from llmweb.bench.loops import most_copies
 from llmweb.chat.tokens import render_prompt
 from llmweb.engine.blockcache import KEEP_ROOM
-from llmweb.engine.kvcache import cache_nbytes
+from llmweb.engine.kvcache import SHARED_MIN_TOKENS, cache_nbytes, common_prefix
 from llmweb.engine.request import GenerationRequest, Restarted, Tokens
 from llmweb.errors import AdmissionError, BusyError, OutOfMemory, TimedOut
 from tests.fakes import frozen_pace
@@ -250,16 +250,36 @@ def test_kv_reuse_gives_the_same_text_as_a_full_prefill(runner, fmt):
         e.close()
 
 
-def test_a_session_cache_never_serves_another_session(engine, fmt):
+def test_a_session_cache_never_serves_another_owner(engine, fmt):
     ids = prompt(fmt, ("user", "What is the capital of France?"))
-    engine.submit(req(fmt, ids, n=10, session_id="alice")).result()
-    h = engine.submit(req(fmt, ids, n=10, session_id="bob"))
+    engine.submit(req(fmt, ids, n=10, session_id="alice", owner="alice")).result()
+    h = engine.submit(req(fmt, ids, n=10, session_id="bob", owner="bob"))
     h.result()
-    assert h.stats.reused_tokens == 0
+    assert h.stats.reused_tokens == 0, "bob's prompt started from alice's cache"
     assert set(engine.kv.sessions()) == {"alice", "bob"}
-    h = engine.submit(req(fmt, ids, n=10, session_id="alice"))
+    h = engine.submit(req(fmt, ids, n=10, session_id="alice", owner="alice"))
     h.result()
     assert h.stats.reused_tokens == len(ids) - 1
+
+
+def test_a_new_session_starts_from_its_owners_common_prefix_and_writes_the_same_text(engine, fmt, runner):
+    first = prompt(fmt, ("user", "What is the capital of France?"))
+    engine.submit(req(fmt, first, n=10, session_id="chat-1", owner="alice")).result()
+    second = prompt(fmt, ("user", "What is the capital of Spain?"))
+    shared = common_prefix(first, second)
+    assert shared >= SHARED_MIN_TOKENS, "the system prompt, the template and the question start alike"
+    h = engine.submit(req(fmt, second, n=16, session_id="chat-2", owner="alice"))
+    text = fmt.decode(h.result())
+    shares = runner.name == "llama.cpp"  # the transformers runner's restore changes the cache it is given
+    assert h.stats.reused_tokens == (shared if shares else 0)
+    assert set(engine.kv.sessions()) == {"chat-1", "chat-2"}, "the donor stays for its own next turn"
+    h = engine.submit(req(fmt, first + [first[-1]], n=4, session_id="chat-1", owner="alice"))
+    h.result()
+    assert h.stats.reused_tokens == len(first), "the donor's cache was left as it was"
+    h = engine.submit(req(fmt, second, n=16))  # no session: the whole prompt prefilled
+    fresh = fmt.decode(h.result())
+    _llama_build_text(runner, fresh == text)
+    assert fresh == text
 
 
 def test_cache_bytes_match_the_formula(engine, fmt, runner):

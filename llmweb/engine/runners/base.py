@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmweb.engine.kvcache import KVStore, reusable
+from llmweb.engine.kvcache import SHARED_MIN_TOKENS, KVStore, reusable
 from llmweb.engine.request import GenerationRequest, Slot
 from llmweb.engine.runners.loopguard import Pieces
 from llmweb.engine.runners.sampling import Sampler
@@ -48,6 +48,9 @@ class BaseRunner:
     name = "runner"  # for the log
     device = "cpu"
     out_of_memory: tuple[type[BaseException], ...] = (MemoryError,)
+    # `_restore` copies a saved cache and leaves it as it was, so one of the owner's other sessions
+    # may seed a new one's common prefix (kvcache.py `donor`)
+    shares_prefixes = False
 
     def __init__(self, kv: KVStore, kv_bytes_per_token: int, mem_limit_bytes: int = 0):
         self.kv = kv
@@ -77,10 +80,11 @@ class BaseRunner:
         prompt = list(request.prompt_ids)
         seq = self._open(request, prompt)
         entry = self.kv.take(request.session_id) if request.session_id else None
-        if entry is not None:
-            reused = reusable(entry.ids, prompt)
-            if reused > 0:  # >= 1 token is left to prefill
-                seq.reused = seq.filled = seq.pos = self._restore(seq, entry, reused)
+        reused = reusable(entry.ids, prompt) if entry is not None else 0
+        if reused < SHARED_MIN_TOKENS and self.shares_prefixes and (shared := self.kv.donor(request.owner, prompt)):
+            entry, reused = shared  # a new chat of this owner: start from another's common prefix (kvcache.py)
+        if entry is not None and reused > 0:  # >= 1 token is left to prefill
+            seq.reused = seq.filled = seq.pos = self._restore(seq, entry, reused)
         slot.stats.reused_tokens = seq.reused
         slot.state = seq
 
@@ -158,7 +162,7 @@ class BaseRunner:
             return
         data, size = saved
         slot.stats.kv_session_bytes = size
-        self.kv.put(slot.request.session_id or "", held_ids, data, size)
+        self.kv.put(slot.request.session_id or "", held_ids, data, size, owner=slot.request.owner)
 
     def _pick(self, slot: Slot, logits: Any, i: int) -> int:
         """The next id of `slot` from row `i` of the pass's logits."""

@@ -69,6 +69,7 @@ class LlamaRunner(BaseRunner):
 
     name = "llama runner"
     out_of_memory = (MemoryError,)
+    shares_prefixes = True  # llama_state_seq_set_data reads the saved bytes
 
     def __init__(self, model: GgufModel, kv: KVStore, slots: int, context: int, *, mem_limit_bytes: int = 0):
         import llama_cpp as ll
