@@ -77,6 +77,12 @@ class Settings:
     mem_limit_mb: int = 0  # CPU: process RSS limit for admission; 0 = 80% of RAM
     mem_margin_mb: int = 512  # CUDA: free memory kept in reserve
     frag_release_mb: int = 256  # idle: empty_cache() when reserved-allocated passes this
+    # the engine process (engine/process.py): the model runs in a child process, restarted when it dies
+    engine_process: str = "auto"  # auto | 1 | 0; auto = on, except on ZeroGPU (its GPU is the web process's)
+    recycle_after: int = 0  # requests per engine process before a graceful replacement; 0 = never
+    recycle_s: float = 0.0  # an engine process's age before a graceful replacement; 0 = never
+    recycle_frag_mb: int = 0  # CUDA: replace it once reserved - allocated passes this after a request; 0 = never
+    engine_stall_s: float = 300.0  # an engine process silent this long in one call is killed (and restarted)
     # session KV caches
     kv_reuse: bool = True
     kv_ttl_s: float = 1800.0
@@ -159,6 +165,15 @@ class Settings:
             not self.auth or all(":" in pair for pair in self.auth.split(",")),
             "LLMWEB_AUTH must look like user:password (several: user1:pw1,user2:pw2)",
         )
+        check(
+            self.engine_process in ("auto", "1", "0"),
+            f"LLMWEB_ENGINE_PROCESS must be auto, 1 or 0, not {self.engine_process!r}",
+        )
+        check(
+            self.recycle_after >= 0 and self.recycle_s >= 0 and self.recycle_frag_mb >= 0,
+            "LLMWEB_RECYCLE_AFTER, LLMWEB_RECYCLE_S and LLMWEB_RECYCLE_FRAG_MB must be >= 0 (0 = never)",
+        )
+        check(self.engine_stall_s > 0, "LLMWEB_ENGINE_STALL_S must be > 0")
         for name in ("single_user", "shared_uploads"):
             check(getattr(self, name) in ("auto", "1", "0"), f"LLMWEB_{name.upper()} must be auto, 1 or 0")
         check(
@@ -228,6 +243,16 @@ class Settings:
         """Do UI uploads go to the shared library? Only where the operator says so (`1`): by default
         (auto, 0) every upload is its owner's, on every install (retrieval/library.py)."""
         return self.shared_uploads == "1"
+
+    @property
+    def in_engine_process(self) -> bool:
+        """Does the local model run in an engine process of its own? Auto: yes, except where the
+        `spaces` package is (ZeroGPU attaches its GPU to the web process only)."""
+        if self.engine_process != "auto":
+            return self.engine_process == "1"
+        import importlib.util
+
+        return importlib.util.find_spec("spaces") is None
 
     @property
     def models_dir(self) -> Path:

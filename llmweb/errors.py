@@ -34,3 +34,7 @@ class Cancelled(LlmwebError):
 
 class TimedOut(LlmwebError):
     """The request ran past its time limit."""
+
+
+class EngineStopped(LlmwebError):
+    """The model's process stopped (crashed, killed) while serving; the request was not answered."""

@@ -82,6 +82,9 @@ def source_label(source: str, page: int | None, heading: str | None) -> str:
 # ---- statistics: what the engine measured for one request, and what the chat adds per turn
 
 
+ENGINE_STOPPED = "engine_stopped"  # a turn's finish_reason when the model's process died under it
+
+
 @dataclass(frozen=True, slots=True)
 class MemorySnapshot:
     rss_bytes: int = 0
@@ -127,7 +130,7 @@ class GenerationStats:
     ttft_s: float = 0.0  # from the start of processing to the first new token
     decode_tok_s: float = 0.0
     total_s: float = 0.0
-    finish_reason: str = ""  # eos | length | cancelled | timeout
+    finish_reason: str = ""  # eos | length | cancelled | timeout | engine_stopped (a kept partial reply)
     kv_session_bytes: int = 0
     kv_store_bytes: int = 0
     predicted_bytes: int = 0  # admission control's estimate of the request's peak
@@ -173,7 +176,8 @@ class TurnStats:
 
     @property
     def stopped(self) -> bool:
-        return self.gen.finish_reason == "cancelled"
+        """Cut short: by the user (stop, a client gone), or by the model process's death."""
+        return self.gen.finish_reason in ("cancelled", ENGINE_STOPPED)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"turn": self.turn}

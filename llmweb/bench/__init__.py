@@ -1,5 +1,6 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|gpu]` and `capacity`.
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|recycle|gpu]`
+and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
 
@@ -28,6 +29,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 page in a headless Chromium, and during another visitor's upload, on one real server
   peer.py       `bench peer`: k chats at once through our API against llama.cpp's `llama-server -np k`
                 on the same file, prompts, reply length and threads: aggregate tok/s side by side
+  recycle.py    `bench recycle`: the engine process replaced gracefully: 20 turns 4 at a time with
+                LLMWEB_RECYCLE_AFTER=5, and a chat's turn across a recycle, its caches handed over or dropped
   served.py     a real `python -m llmweb serve` on a scratch data dir, for busy and peer
   gpu.py        `bench gpu [--rehearse]`: the CUDA path in one command (NF4 load, a real OOM and its
                 recovery, fragmentation, capacity of an 8B shape with random weights); parts in gpu_parts.py
@@ -61,6 +64,7 @@ BENCHES = [
     "loops",
     "busy",
     "peer",
+    "recycle",
     "gpu",
 ]
 
@@ -70,7 +74,7 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load | document | loops | busy | peer | gpu",
+        "| hostile | load | document | loops | busy | peer | recycle | gpu",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -168,6 +172,7 @@ def bench_command(args) -> int:
         "loops": _bench_loops,
         "busy": _bench_busy,
         "peer": _bench_peer,
+        "recycle": _bench_recycle,
         "gpu": _bench_gpu,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
@@ -352,6 +357,16 @@ def _bench_peer(args) -> int:
         progress=_stderr,
     )
     _print(result, args.json, peer.markdown)
+    return 0
+
+
+def _bench_recycle(args) -> int:
+    from llmweb.config import Settings
+
+    from . import recycle
+
+    result = recycle.run(Settings.from_env(), turns=min(args.turns, 20), progress=_stderr)
+    _print(result, args.json, recycle.markdown)
     return 0
 
 

@@ -10,7 +10,10 @@ The steps, each measured in the same run on an Engine of its own (public constru
   + int8-cpu        (CPU only) torch's dynamic int8 linear layers instead of bitsandbytes, whose
                     CPU path computes in bf16: the CPU default until llama.cpp
   + llama.cpp       (CPU only, where llama-cpp-python loads) the GGUF file as it ships on
-                    engine/runners/llama_cpp.py: the `auto` default on the CPU
+                    engine/runners/llama_cpp.py, in this process
+  + engine process  the same, in an engine process of its own behind engine/boundary.py's wire,
+                    as the app runs it (LLMWEB_ENGINE_PROCESS): the default on the CPU; the
+                    difference to the row above is the boundary's cost
   fp32, both caches the greedy text of the block cache must be the eager cache's, token for token
 
 and, on the same GGUF file, prompt lengths and threads, llama.cpp's own `llama-bench` (when it is
@@ -50,6 +53,7 @@ class Step:
     quant: str
     block_cache: bool
     backend: str = "transformers"
+    process: bool = False  # in an engine process of its own (engine/process.py), as the app runs it
 
     @property
     def key(self) -> tuple[str, str]:
@@ -58,15 +62,18 @@ class Step:
 
 INT8 = "+ int8-cpu weights (the CPU default before llama.cpp)"
 LLAMA = "+ llama.cpp on the GGUF file (auto on the CPU)"
+PROCESS = "+ the engine process (llama.cpp behind the boundary: the app's default)"
 
 
-def steps_for(device: str, llama_ok: bool = False) -> list[Step]:
+def steps_for(device: str, llama_ok: bool = False, process: bool = False) -> list[Step]:
     steps = [Step("before: 4bit, DynamicCache (torch.cat per step)", "4bit", False)]
     steps.append(Step("+ block cache", "4bit", True))
     if device == "cpu":
         steps.append(Step(INT8, "int8-cpu", True))
         if llama_ok:
             steps.append(Step(LLAMA, "auto", False, "llama.cpp"))
+            if process:
+                steps.append(Step(PROCESS, "auto", False, "llama.cpp", process=True))
     steps.append(Step("fp32, DynamicCache", "fp32", False))
     steps.append(Step("fp32, block cache", "fp32", True))
     return steps
@@ -76,7 +83,7 @@ def default_step(steps: list[Step], device: str) -> str:
     names = [s.name for s in steps]
     if device != "cpu":
         return names[1]
-    return LLAMA if LLAMA in names else INT8
+    return next((n for n in (PROCESS, LLAMA) if n in names), INT8)
 
 
 def prompt_of(loaded, length: int) -> list[int]:
@@ -87,13 +94,20 @@ def prompt_of(loaded, length: int) -> list[int]:
     return ids[:length]
 
 
-def _engine(loaded, block_cache: bool, new_tokens: int):
+def _engine(loaded, block_cache: bool, new_tokens: int, process_settings=None):
+    """(engine, runner) for one step; with `process_settings`, an engine process of those settings."""
     from llmweb.engine.kvcache import KVStore
     from llmweb.engine.request import EngineLimits
     from llmweb.engine.scheduler import Engine
 
     kv = KVStore(0, 1)
     limits = EngineLimits(max_new_tokens=new_tokens, kv_reuse=False)
+    if process_settings:
+        from llmweb.runtime.worker import engine_process_runner
+
+        runner = engine_process_runner(process_settings, lambda m: None)
+        runner.boot()
+        return Engine(runner, runner.kv, limits), runner
     if loaded.backend == "llama.cpp":
         from llmweb.engine.backends import make_engine
 
@@ -137,20 +151,20 @@ def _one(engine, runner, ids: list[int], new_tokens: int) -> dict:
 
 
 def run(settings, lengths=LENGTHS, new_tokens: int = 64, repeats: int = 2, progress=print) -> dict:
-    """Every step at every prompt length, interleaved; medians of `repeats`; then the first turn and
-    llama-bench."""
+    """Every step at every prompt length, interleaved; medians of `repeats`; the first turn; llama-bench."""
     import torch
 
     from llmweb.engine import gguf, models
 
     device = models.resolve_device(settings)
-    steps = steps_for(device, gguf.available() is None)
+    steps = steps_for(device, gguf.available() is None, settings.in_engine_process)
     loaded: dict[tuple[str, str], Any] = {}
     for backend, q in dict.fromkeys(s.key for s in steps):
         progress(f"bench decode: loading {q} on {backend}…")
         loaded[(backend, q)] = models.load(settings.replace(quant=q, backend=backend), progress=lambda m: None)
     cap = max(new_tokens, FIRST_TURN[1])  # the first turn's too (a cap of `new_tokens` cut it short)
-    engines = {s.name: _engine(loaded[s.key], s.block_cache, cap) for s in steps}
+    child = settings.replace(backend="llama.cpp", max_new_tokens=cap)  # the engine process's step
+    engines = {s.name: _engine(loaded[s.key], s.block_cache, cap, s.process and child) for s in steps}
     by_name = {s.name: s for s in steps}
     default = default_step(steps, device)
     samples: dict[tuple[str, int], list[dict]] = {}

@@ -57,7 +57,9 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
     """One chat of `turns` on a Runtime of its own, with session KV reuse on or off."""
     from llmweb.runtime import Runtime
 
-    runtime = Runtime(settings.replace(kv_reuse=reuse), loaded=loaded).start(background=False)
+    # as the app runs: the model in an engine process of its own where the settings say so
+    own = settings.in_engine_process and not settings.engine_url
+    runtime = Runtime(settings.replace(kv_reuse=reuse), loaded=None if own else loaded).start(background=False)
     res = ModeResult("reuse" if reuse else "full", [], [], [], [], [], [])
     try:
         chat = runtime.wait_ready()

@@ -23,8 +23,8 @@ from llmweb.chat.tokens import ChatFormat
 from llmweb.config import Settings
 from llmweb.engine.request import GenerationRequest, Handle, Tokens, Waiting
 from llmweb.engine.scheduler import Engine
-from llmweb.errors import ConfigError, InputError
-from llmweb.records import Chunk, GenerationStats, Source, Turn, TurnStats
+from llmweb.errors import ConfigError, EngineStopped, InputError
+from llmweb.records import ENGINE_STOPPED, Chunk, GenerationStats, Source, Turn, TurnStats
 
 SETTLE_S = 2.0  # after a cancel, how long a partial reply waits for the engine's figures
 
@@ -176,10 +176,13 @@ def plan_sources(plan: context.ContextPlan) -> list[Source]:
     return [Source.from_chunk(c, n) for n, c in enumerate(used, 1)]
 
 
-def turn_stats(gen: GenerationStats | None, plan: context.ContextPlan, number: int, summarized: int) -> TurnStats:
-    """A turn's stats record: the engine's figures (or, stopped before it had any, the plan's) and the plan's."""
+def turn_stats(
+    gen: GenerationStats | None, plan: context.ContextPlan, number: int, summarized: int, ended: str = "cancelled"
+) -> TurnStats:
+    """A turn's stats record: the engine's figures (or, stopped before it had any, the plan's,
+    ending as `ended`) and the plan's."""
     if gen is None:
-        gen = GenerationStats(prompt_tokens=len(plan.ids), finish_reason="cancelled")
+        gen = GenerationStats(prompt_tokens=len(plan.ids), finish_reason=ended)
     return TurnStats(
         turn=number,
         gen=gen,
@@ -282,4 +285,6 @@ class TurnRunner:
         while handle.stats is None and handle.error is None and time.monotonic() < deadline:
             time.sleep(0.05)  # the worker notices within a token; then its stats are complete
         if handle.generated:  # keep what was shown; the worker stops within a token
-            keep(self._decode(job, handle).strip(), turn_stats(handle.stats, job.plan, job.number, job.summarized))
+            ended = ENGINE_STOPPED if isinstance(handle.error, EngineStopped) else "cancelled"
+            stats = turn_stats(handle.stats, job.plan, job.number, job.summarized, ended)
+            keep(self._decode(job, handle).strip(), stats)

@@ -1,4 +1,4 @@
-"""One engine factory for a loaded model, whichever runner runs it (models.LoadedModel.backend):
+"""The runner (and the in-process engine) for a loaded model, whichever backend runs it (models.LoadedModel.backend):
 
   transformers   engine/runners/transformers.py's LocalRunner (the GPU path, and the CPU fallback)
   llama.cpp      engine/runners/llama_cpp.py's LlamaRunner (the CPU default for a GGUF model)
@@ -29,21 +29,35 @@ def make_engine(
     context: int = 0,
     gpu: Callable | None = None,
 ) -> Engine:
-    """An engine over `loaded` (a models.LoadedModel). `context`: the tokens one request may hold
-    (the budget's context limit; 0 = the model's, capped as on the CPU) — llama.cpp sizes its KV
-    pool from it, one context per batch slot."""
+    """An engine over `loaded` (a models.LoadedModel), in this process: `make_runner` under the scheduler."""
+    return Engine(make_runner(loaded, kv, limits, context=context, gpu=gpu), kv, limits)
+
+
+def make_runner(loaded, kv: KVStore, limits: EngineLimits, *, context: int = 0, gpu: Callable | None = None):
+    """The runner for `loaded`'s backend. `context`: the tokens one request may hold (the budget's
+    context limit; 0 = the model's, capped as on the CPU) — llama.cpp sizes its KV pool from it,
+    one context per batch slot."""
     if loaded.backend == "llama.cpp":
-        from llmweb.engine.runners.llama_cpp import llama_engine
+        from llmweb.engine.runners.llama_cpp import LlamaRunner
 
         context = context or min(loaded.max_context, CPU_CONTEXT_CAP)
-        engine = llama_engine(loaded.model, kv, limits, context)
+        runner: BaseRunner = LlamaRunner(
+            loaded.model, kv, limits.max_batch, context, mem_limit_bytes=limits.mem_limit_bytes
+        )
     else:
-        from llmweb.engine.runners.transformers import local_engine
+        from llmweb.engine.runners.transformers import LocalRunner
 
-        engine = local_engine(loaded.model, loaded.device, kv, limits, loaded.kv_bytes_per_token, gpu=gpu)
-    if isinstance(engine.runner, BaseRunner):
-        engine.runner.pieces = vocabulary_pieces(loaded.tokenizer)
-    return engine
+        runner = LocalRunner(
+            loaded.model,
+            loaded.device,
+            kv,
+            loaded.kv_bytes_per_token,
+            mem_limit_bytes=limits.mem_limit_bytes,
+            mem_margin_bytes=limits.mem_margin_bytes,
+            gpu=gpu,
+        )
+    runner.pieces = vocabulary_pieces(loaded.tokenizer)
+    return runner
 
 
 _PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per tokenizer: decoded once (~0.8 s)

@@ -159,6 +159,14 @@ class KVStore:
         with self._lock:
             return list(self._entries)
 
+    def peek(self, session_id: str) -> Entry | None:
+        """The session's entry, left in place (None if absent or expired): to copy it elsewhere."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+        if entry is None or self.clock() - entry.last_used > self.ttl_s:
+            return None
+        return entry
+
     def _total_locked(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 

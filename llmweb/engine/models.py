@@ -323,21 +323,31 @@ def tokenizer_source(settings: Settings, gguf: Path, progress: Progress) -> Path
     return target
 
 
-def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
-    """The GGUF model on llama.cpp (engine/gguf.py) and its transformers tokenizer (same ids)."""
+def load_tokenizer(settings: Settings, backend: str, progress: Progress = log.info):
+    """The model's tokenizer alone (the web process, when the model runs in an engine process,
+    which has loaded, or converted, the model first)."""
     from transformers import AutoTokenizer
 
+    if backend != "llama.cpp":
+        return AutoTokenizer.from_pretrained(settings.model or converted_dir(settings))
+    source = gguf_file(settings)
+    assert source is not None, "the llama.cpp backend runs a GGUF file"
+    path = source[0]
+    folder = tokenizer_source(settings, path, progress)
+    if folder == path:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
+    """The GGUF model on llama.cpp (engine/gguf.py) and its transformers tokenizer (same ids)."""
     from llmweb.engine.gguf import GgufModel, openmp_note, requantised
 
     t0 = time.perf_counter()
     source = gguf_file(settings)
     assert source is not None, "resolve_backend chose llama.cpp for a GGUF file"
     path, name = source
-    folder = tokenizer_source(settings, path, progress)
-    if folder == path:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = load_tokenizer(settings, "llama.cpp", progress)
     shipped = ""
     if settings.gguf_requant != "off":
         original = GgufModel(path, threads=settings.threads)  # memory-mapped: its type for the status line

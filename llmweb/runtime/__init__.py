@@ -43,6 +43,7 @@ from llmweb.runtime.retention import ANON_PREFIXES, Retention
 from llmweb.runtime.samples import seed_sample
 from llmweb.runtime.secret import read_or_create_secret
 from llmweb.runtime.status import StatusLine
+from llmweb.runtime.worker import engine_process_runner
 from llmweb.store.db import Store
 from llmweb.store.models import OwnerCaps
 
@@ -123,6 +124,9 @@ class Runtime:
         from llmweb.engine.backends import make_engine
 
         s = self.settings
+        if self._preloaded is None and s.in_engine_process:
+            self._load_process(t0)
+            return
         loaded = self._preloaded or models.load(s, progress=self._status.progress)
         budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
         if s.warmup:
@@ -134,6 +138,28 @@ class Runtime:
         self.loaded = loaded
         self._wire(engine, budget, loaded.tokenizer)
         self._status.ready_local(loaded, budget, time.perf_counter() - t0)
+
+    def _load_process(self, t0: float) -> None:
+        """The model in an engine process of its own (engine/process.py); here only its tokenizer,
+        with the budget and limits computed from the same settings as there (runtime/worker.py)."""
+        from llmweb.engine.scheduler import Engine
+
+        s = self.settings
+        runner = engine_process_runner(s, self._status.progress)
+        try:
+            info = runner.boot()
+            tokenizer = models.load_tokenizer(s, info["backend"], self._status.progress)
+        except BaseException:
+            runner.close()
+            raise
+        info.pop("pid", None)
+        loaded = models.LoadedModel(model=None, tokenizer=tokenizer, **info)
+        budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
+        engine = Engine(runner, runner.kv, local_limits(s, budget, loaded))
+        self.loaded = loaded
+        self._wire(engine, budget, tokenizer)
+        self._status.ready_local(loaded, budget, time.perf_counter() - t0)
+        runner.ready_text = self._status.text
 
     def _load_remote(self, t0: float) -> None:
         """A remote engine generates (LLMWEB_ENGINE_URL): load the tokenizer only, no weights.

@@ -14,7 +14,7 @@ import re
 from collections.abc import Sequence
 
 from llmweb.engine.telemetry import mib
-from llmweb.records import Source, TurnStats
+from llmweb.records import ENGINE_STOPPED, Source, TurnStats
 from llmweb.store.models import HIT_END, HIT_START
 
 SECTION_COLOURS = {
@@ -30,6 +30,7 @@ SECTION_COLOURS = {
 NEAR = 0.9  # warn when a turn uses this share of the context or of the memory limit
 NO_TURNS = "*No turns yet. Ask something.*"
 STOPPED = "\n\n*(stopped)*"
+CUT_OFF = "\n\n*(cut off: the model process stopped; press retry)*"
 
 _MD_LEAD = re.compile(r"^\s*(#{1,6}\s+|[>*+-]\s+|\d+[.)]\s+)+")
 _SCHEME = re.compile(r"(?i)\b(javascript|vbscript|data|file)(\s*):")
@@ -240,9 +241,10 @@ def history_messages(conv) -> list[dict]:
     versions = getattr(conv, "versions", {})
     for t in conv.turns:
         stopped = t.stats is not None and t.stats.stopped
+        mark = CUT_OFF if stopped and t.stats.gen.finish_reason == ENGINE_STOPPED else STOPPED
         marker = f"\n\n{version_marker(*versions[t.idx])}" if t.idx in versions else ""
         out.append({"role": "user", "content": escape(t.user, message=True) + marker})
-        reply = escape(t.assistant or "", message=True) + (STOPPED if stopped else "")
+        reply = escape(t.assistant or "", message=True) + (mark if stopped else "")
         out.append({"role": "assistant", "content": reply or "*(no reply)*"})
         src = sources_message(t.sources)
         if src:

@@ -74,6 +74,14 @@ class BaseRunner:
     def busy(self, work: Callable[[], None]) -> None:
         work()
 
+    # ---- a session's cache as bytes, for the next engine process (engine/process.py's recycle)
+    def export_cache(self, cache: Any) -> bytes | None:
+        """A kept cache as bytes another process of this runner can `import_cache`; None: it cannot."""
+        return None
+
+    def import_cache(self, data: bytes) -> Any:
+        raise NotImplementedError
+
     # ---- the batch, step by step
     def start(self, slot: Slot) -> None:
         request = slot.request

@@ -171,6 +171,12 @@ class LlamaRunner(BaseRunner):
             return None
         return data, size
 
+    def export_cache(self, cache: ctypes.Array) -> bytes:
+        return bytes(cache)  # the sequence's state, as llama_state_seq_get_data wrote it
+
+    def import_cache(self, data: bytes) -> ctypes.Array:
+        return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+
     # ---- the passes: one llama_decode of the filled batch
     def _prefill(self, seq: Seq, chunk: list[int], last: bool) -> tuple[None, int] | None:
         assert isinstance(seq, _Seq)

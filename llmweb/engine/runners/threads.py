@@ -10,27 +10,30 @@ and grows back when they stop. Prefill (compute-bound, and rarely beside a rende
 keeps every core.
 
     others      the CPU time of every other process (from /proc/stat's busy time minus this
-                process's), in cores, over the last SAMPLE_S
+                process's, and the web process's when this is an engine process), in cores,
+                over the last SAMPLE_S
     fewer       others >= BUSY cores: cores - 1 decode threads (at least 1)
     all again   others < IDLE cores in two samples in a row (no flapping on a single quiet one)
 
 Must not: be used when the user fixed the thread count (LLMWEB_THREADS), or read anything but
-/proc/stat and this process's own times.
+/proc/stat, this process's own times and those of the process it counts as its own.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 SAMPLE_S = 0.5  # how often the others' load is read
 BUSY = 0.25  # cores of other processes' work that take a decode thread away
 IDLE = 0.10  # ... and below which it comes back
 
 
-def cpu_sample() -> tuple[float, float, float] | None:
-    """(wall s, the machine's busy CPU s, this process's CPU s); None where /proc/stat is not there."""
+def cpu_sample(kin: Sequence[int] = ()) -> tuple[float, float, float] | None:
+    """(wall s, the machine's busy CPU s, the CPU s of this process and of the `kin` processes);
+    None where /proc/stat is not there."""
     try:
         with open("/proc/stat", "rb") as f:
             fields = f.readline().split()[1:]
@@ -39,7 +42,18 @@ def cpu_sample() -> tuple[float, float, float] | None:
     ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
     busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + ticks[7]
     own = os.times()
-    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+    tick = os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), busy / tick, own.user + own.system + sum(_cpu_ticks(pid) for pid in kin) / tick
+
+
+def _cpu_ticks(pid: int) -> int:
+    """A process's user + system CPU ticks (/proc/PID/stat fields 14 and 15); 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            after_name = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return 0
+    return int(after_name[11]) + int(after_name[12])
 
 
 class ThreadGovernor:
@@ -59,6 +73,12 @@ class ThreadGovernor:
         self._last = sample() if cores > 1 else None
         self._due = clock() + SAMPLE_S  # a decode step between readings costs one clock call, no I/O
         self._quiet = 0
+
+    def count_as_own(self, pid: int) -> None:
+        """Count `pid`'s CPU time as ours: the web process, for a runner in an engine process
+        (its streaming is the reply's own work, as when both were one process)."""
+        self.sample = functools.partial(cpu_sample, (pid,))
+        self._last = self.sample() if self.cores > 1 else None
 
     def threads(self) -> int:
         if self._last is None or self.clock() < self._due:

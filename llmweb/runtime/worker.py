@@ -1,0 +1,101 @@
+"""The engine process's main: `python -m llmweb.runtime.worker FD`, started by engine/process.py
+(`engine_process_runner`, in the web process, builds the runner that starts it).
+
+It reads a `WorkerSpec` from the connection on FD, loads the model as the web process would
+(models.load: progress lines go back as ("progress", text)), builds the runner with the same
+budget, KV budget and limits the web process computes from the same settings, answers
+("ready", info) or ("failed", error), then serves the runner's calls (engine/boundary.py) until
+told to exit or its parent goes away.
+
+Must not: open the store, the library or any port; it holds the model and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from llmweb.chat.context import Budget
+from llmweb.config import Settings
+from llmweb.engine import models
+from llmweb.engine.boundary import serve
+from llmweb.engine.kvcache import KVStore
+from llmweb.errors import LlmwebError
+from llmweb.runtime.engines import kv_budget_bytes, local_limits
+
+log = logging.getLogger("llmweb.engine.worker")
+
+ARGV = [sys.executable, "-m", "llmweb.runtime.worker"]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    settings: Settings
+
+
+def engine_process_runner(settings: Settings, status: Callable[[str], None]):
+    """(In the web process) the runner over engine processes (engine/process.py), each started as
+    this module with these settings; `status` gets the progress of loads and restarts."""
+    from llmweb.engine.process import EngineProcess, ProcessRunner, Recycle
+
+    s, spec = settings, WorkerSpec(settings)
+    recycle = Recycle(s.recycle_after, s.recycle_s, s.recycle_frag_mb * 2**20)
+    return ProcessRunner(lambda n: EngineProcess(ARGV, spec, n, s.engine_stall_s), recycle=recycle, status=status)
+
+
+def model_info(loaded: models.LoadedModel) -> dict:
+    """What the web process needs of the loaded model (all but the weights and the tokenizer)."""
+    keep = ("name", "quant", "device", "weights_bytes", "max_context", "kv_bytes_per_token", "dtype_bytes")
+    info = {k: getattr(loaded, k) for k in keep}
+    info.update(load_s=loaded.load_s, notes=list(loaded.notes), backend=loaded.backend, pid=os.getpid())
+    return info
+
+
+def build(spec: WorkerSpec, progress):
+    """(runner, kv, info): the model and its runner, as the web process's settings say."""
+    from llmweb.engine.backends import make_runner
+
+    s = spec.settings
+    loaded = models.load(s, progress=progress)
+    budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
+    if s.warmup:
+        progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
+        models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
+    kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
+    runner = make_runner(loaded, kv, local_limits(s, budget, loaded), context=budget.context_limit)
+    governor = getattr(runner, "governor", None)
+    if governor is not None:  # the web process's streaming is this reply's own work, not another's
+        governor.count_as_own(os.getppid())
+    return runner, kv, model_info(loaded)
+
+
+def main(argv: list[str], wrap: Callable[[Any, Any], Any] | None = None) -> int:
+    """Serve on the connection whose fd is argv[1]. `wrap(runner, spec)`: the runner to serve
+    (tests wrap it in a fault injector; the product serves it as built)."""
+    conn = Connection(int(argv[1]))
+    spec: WorkerSpec = conn.recv()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{os.getpid()}] %(levelname)s %(message)s")
+    models.configure_allocator()
+    try:
+        runner, kv, info = build(spec, lambda text: conn.send(("progress", text)))
+    except BaseException as e:  # the web process shows it in the status line
+        log.exception("engine process: the model failed to load")
+        conn.send(("failed", e if isinstance(e, LlmwebError) else LlmwebError(f"{type(e).__name__}: {e}")))
+        return 1
+    conn.send(("ready", info))
+    try:
+        serve(conn, wrap(runner, spec) if wrap is not None else runner, kv)
+    finally:
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,160 @@
+"""The engine process's supervisor (engine/process.py) and wire (engine/boundary.py), with real
+processes that serve a FakeRunner (tests/engine/fake_worker.py) under the real scheduler: a death
+mid-stream, a restart, a crash loop, recycling. Real-model versions: test_process.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from llmweb.engine.process import EngineProcess, ProcessRunner, Recycle
+from llmweb.engine.request import EngineLimits, GenerationRequest
+from llmweb.engine.scheduler import Engine
+from llmweb.errors import ConfigError, EngineStopped, LlmwebError
+from tests.engine.workers import FAKE, launcher
+
+
+def wait_for(cond, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def process_engine(spec=None, recycle=None, **limits):
+    launched: list[EngineProcess] = []
+    statuses: list[str] = []
+    runner = ProcessRunner(launcher(FAKE, spec or {}, launched), recycle=recycle or Recycle(), status=statuses.append)
+    runner.boot()
+    limits.setdefault("max_batch", 4)
+    engine = Engine(runner, runner.kv, EngineLimits(**limits))
+    return engine, runner, launched, statuses
+
+
+def req(ids=(1, 2, 3, 4, 5), n=8, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=list(ids), max_new_tokens=n, **kw)
+
+
+@pytest.fixture
+def proc():
+    made = []
+
+    def make(*args, **kw):
+        made.append(process_engine(*args, **kw))
+        return made[-1]
+
+    yield make
+    for engine, *_ in made:
+        engine.close()
+
+
+def test_replies_cross_the_boundary_as_the_runner_gives_them(proc):
+    engine, runner, launched, _ = proc()
+    h = engine.submit(req((10, 11, 12, 13), n=8, session_id="s", owner="alice"))
+    assert h.result() == [11, 12, 13]  # FakeRunner echoes the prompt's last 3 ids, then ends as eos
+    assert h.stats.finish_reason == "eos" and h.stats.prefilled_tokens == 4
+    assert h.stats.mem is not None and h.stats.mem.rss_bytes == 1  # the runner's release stats crossed
+    again = engine.submit(req((10, 11, 12, 13, 11, 12, 13, 14), n=2, session_id="s", owner="alice"))
+    assert again.result() == [12, 13]  # cut by the length cap, here, as there
+    assert again.stats.reused_tokens == 7 and again.stats.finish_reason == "length"
+    assert engine.kv.sessions() == [] and launched[0].alive  # FakeRunner keeps its own sessions
+    assert runner.pid == launched[0].pid != os.getpid()
+
+
+def test_kill_9_mid_stream_ends_every_stream_and_a_new_process_answers(proc):
+    engine, runner, launched, statuses = proc({"token_delay_s": 0.05, "default_len": 200})
+    handles = [engine.submit(req(range(1, 300), n=200, owner=o)) for o in ("a", "b", "c")]
+    wait_for(lambda: all(len(h.generated) > 2 for h in handles), what="three streams")
+    os.kill(launched[0].pid, signal.SIGKILL)
+    ended = []
+    for h in handles:
+        t0 = time.monotonic()
+        with pytest.raises(EngineStopped, match="press retry"):
+            for _ in h.events():
+                pass
+        ended.append(time.monotonic() - t0)
+        assert h.generated, "the partial reply stays on the handle"
+    assert max(ended) < 5.0
+    after = engine.submit(req((7, 8, 9), n=4))
+    assert after.result() == [7, 8, 9]
+    assert len(launched) == 2 and runner.restarts == 1 and launched[1].pid == runner.pid
+    assert any("restarting the model" in s for s in statuses)
+
+
+def test_a_request_that_arrives_during_the_restart_waits_and_is_answered(proc):
+    engine, runner, launched, _ = proc({"token_delay_s": 0.01})
+    os.kill(launched[0].pid, signal.SIGKILL)
+    h = engine.submit(req((4, 5, 6), n=4))  # may meet the dead process or wait for the new one
+    try:
+        got = h.result()
+    except EngineStopped:  # it started on the dead one: the next is answered
+        got = engine.submit(req((4, 5, 6), n=4)).result()
+    assert got == [4, 5, 6] and len(launched) == 2
+
+
+def test_three_deaths_within_a_minute_stop_the_restarts_and_say_so(proc):
+    engine, runner, launched, statuses = proc()
+    for n in range(3):
+        wait_for(
+            lambda n=n: len(launched) > n and launched[n].alive and runner.pid == launched[n].pid, what="a process"
+        )
+        os.kill(launched[n].pid, signal.SIGKILL)
+        wait_for(lambda n=n: not launched[n].alive)
+    wait_for(lambda: bool(runner.gave_up), what="giving up")
+    time.sleep(0.3)
+    assert len(launched) == 3, "no fourth process after the third death"
+    with pytest.raises(EngineStopped, match="3 times within a minute"):
+        engine.submit(req()).result()
+    assert "3 times within a minute" in statuses[-1]
+
+
+def test_a_load_that_fails_is_raised_with_its_message(proc):
+    with pytest.raises(ConfigError, match="no such model"):
+        proc({"fail_load": "no such model"})
+
+
+def test_recycle_after_5_answers_all_20_requests_by_at_least_3_processes(proc):
+    engine, runner, launched, _ = proc({"token_delay_s": 0.04, "default_len": 6}, recycle=Recycle(after=5))
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        for j in range(5):
+            n = i * 5 + j
+            try:
+                results[n] = engine.submit(req(range(n + 10, n + 20), n=6, owner=f"u{i}")).result()
+            except BaseException as e:  # noqa: BLE001 (the assert below names it)
+                errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert sorted(results) == list(range(20))
+    assert all(results[n] == list(range(n + 14, n + 20)) for n in range(20))
+    assert runner.recycles >= 2 and len(launched) >= 3
+    wait_for(lambda: sum(c.alive for c in launched) == 1, what="the drained processes to stop")
+    assert sum(c.started for c in launched) == 20
+
+
+def test_the_kv_store_and_memory_are_the_engine_process_s(proc):
+    engine, runner, launched, _ = proc()
+    assert engine.kv.budget_bytes == 1 << 20 and engine.kv.total_bytes == 0
+    assert engine.kv.drop("nothing") is False and engine.kv.expire() == 0
+    assert runner.snapshot().rss_bytes == 1  # FakeRunner's figure, from the other side
+    assert runner.available() == 1 << 40 and runner.predict(req()) == 1
+
+
+def test_only_the_runner_s_calls_are_dispatched_and_a_refusal_leaves_the_process_up(proc):
+    engine, runner, launched, _ = proc()
+    with pytest.raises(LlmwebError, match="no KV call"):
+        launched[0].call(("call", "kv", ("__class__",)))
+    with pytest.raises(LlmwebError, match="does not know"):
+        launched[0].call(("call", "close", ()))
+    assert launched[0].alive and engine.submit(req((1, 2), n=2)).result() == [1, 2]
