@@ -211,13 +211,14 @@ def test_the_app_s_engine_process_killed_under_three_chats(tmp_path):
     demo, url = launch_app(rt, server_port=None, quiet=True, prevent_thread_lock=True)
     try:
         assert rt.loaded.model is None and rt.engine.runner.pid != os.getpid()
-        convs = [rt.store.create_conversation("local") for _ in range(3)]
+        owners = {rt.store.create_conversation(o): o for o in ("alice", "bob", "carol")}  # 3 visitors
+        convs = list(owners)
         seen = {c: 0 for c in convs}
         errors: dict[str, BaseException] = {}
 
         def chat(conv):
             try:
-                for ev in rt.chat.send("local", conv, f"Tell me a long story about {conv[:4]} and the sea."):
+                for ev in rt.chat.send(owners[conv], conv, f"Tell me a long story about {owners[conv]} and the sea."):
                     if isinstance(ev, Delta):
                         seen[conv] += 1
             except EngineStopped as e:
@@ -235,7 +236,7 @@ def test_the_app_s_engine_process_killed_under_three_chats(tmp_path):
         with urllib.request.urlopen(url, timeout=10) as page:
             assert page.status == 200
         for c in convs:
-            (turn,) = rt.store.get("local", c).turns
+            (turn,) = rt.store.get(owners[c], c).turns
             assert turn.assistant and turn.stats.gen.finish_reason == ENGINE_STOPPED
         conv = rt.store.create_conversation("local")
         fin = next(ev for ev in rt.chat.send("local", conv, "Say hello.") if isinstance(ev, Finished))
