@@ -53,7 +53,7 @@ def crowd(settings, requests: int = 20, clients: int = 4, after: int = 5, progre
             n = i * (requests // clients) + j
             meets = runner.loading
             try:
-                ev = chat.ask(LOCAL, conv, texts[n])
+                ev = chat.ask(f"visitor{i}", conv, texts[n])  # one owner each: the queue's cap is per owner
             except Exception as e:  # noqa: BLE001 (counted and printed)
                 errors.append(f"{type(e).__name__}: {e}")
                 continue
