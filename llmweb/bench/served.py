@@ -185,15 +185,18 @@ def wait_for(
 
 
 def cpu_seconds(server_pid: int) -> dict[int, float]:
-    """CPU seconds so far of the server (its threads, under its pid) and of each Chromium process."""
+    """CPU seconds so far of the server (its threads and its engine process, under its pid) and of
+    each Chromium process."""
     import psutil
 
     out: dict[int, float] = {}
-    for p in psutil.process_iter(["name"]):
-        if p.pid == server_pid or "chrom" in (p.info["name"] or "").lower():
+    for p in psutil.process_iter(["name", "ppid"]):
+        server = p.pid == server_pid or p.info["ppid"] == server_pid  # the engine process is its child
+        if server or "chrom" in (p.info["name"] or "").lower():
             with contextlib.suppress(psutil.Error):
                 t = p.cpu_times()
-                out[p.pid] = t.user + t.system
+                key = server_pid if server else p.pid
+                out[key] = out.get(key, 0.0) + t.user + t.system
     return out
 
 
