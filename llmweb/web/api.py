@@ -49,6 +49,7 @@ from llmweb.errors import (
     BusyError,
     Cancelled,
     ConfigError,
+    EngineStopped,
     InputError,
     LlmwebError,
     OutOfMemory,
@@ -507,6 +508,8 @@ def api_error(e: BaseException) -> ApiError:
         return ApiError(504, message, type="server_error", code="timeout")
     if isinstance(e, Cancelled):
         return ApiError(503, message, type="server_error", code="cancelled", headers=_retry())
+    if isinstance(e, EngineStopped):  # the model's process died under it and is restarting: retry
+        return ApiError(503, message, type="server_error", code="engine_stopped", headers=_retry())
     if isinstance(e, ConfigError):
         return ApiError(500, message, type="server_error", code="configuration")
     return ApiError(500, message, type="server_error")

@@ -158,3 +158,24 @@ def test_only_the_runner_s_calls_are_dispatched_and_a_refusal_leaves_the_process
     with pytest.raises(LlmwebError, match="does not know"):
         launched[0].call(("call", "close", ()))
     assert launched[0].alive and engine.submit(req((1, 2), n=2)).result() == [1, 2]
+
+
+def test_fragmentation_past_the_limit_recycles_the_process(proc):
+    from llmweb.records import MemorySnapshot
+
+    engine, runner, launched, _ = proc(recycle=Recycle(frag_bytes=100 * 2**20))
+    calm = MemorySnapshot(cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=(1 << 30) + 50 * 2**20)
+    runner._recycle_due(launched[0], calm)
+    assert not runner.loading and len(launched) == 1
+    split = MemorySnapshot(cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=(1 << 30) + 200 * 2**20)
+    runner._recycle_due(launched[0], split)  # as after a request whose snapshot shows this
+    wait_for(lambda: len(launched) == 2 and runner.pid == launched[1].pid, what="the replacement")
+    wait_for(lambda: not launched[0].alive, what="the old process to stop")
+    assert runner.recycles == 1 and engine.submit(req((3, 4), n=2)).result() == [3, 4]
+
+
+def test_the_api_tells_a_client_to_retry_when_the_model_process_stopped():
+    from llmweb.web.api import api_error
+
+    e = api_error(EngineStopped("The model process stopped; your message was not lost: press retry."))
+    assert e.status == 503 and e.headers.get("Retry-After") and "press retry" in str(e.body())
