@@ -173,6 +173,7 @@ class Supervisor:
         self._deaths: collections.deque[float] = collections.deque()
         self._gave_up = ""
         self._closed = False
+        self._recycle_after = 0.0  # after a recycle's replacement failed to load: not before this
         self._numbers = itertools.count(1)
         self._keys = itertools.count(1)
         self.launched = 0  # engine processes started, the first included
@@ -227,24 +228,29 @@ class Supervisor:
         if child.stopping or self._closed:
             return
         log.error("engine process %d (pid %d) died with exit code %s", child.number, child.pid, child.proc.returncode)
-        now = time.monotonic()
         with self._cond:
-            self._deaths.append(now)
-            while self._deaths and now - self._deaths[0] > 60.0:
-                self._deaths.popleft()
             if self._current is child:
                 self._current = None
             if child in self._draining:
                 self._draining.remove(child)
-            if len(self._deaths) >= DEATHS_PER_MINUTE:
-                self._gave_up = (
-                    f"The model process stopped {len(self._deaths)} times within a minute, so llmweb stopped "
-                    "restarting it. The operator must restart llmweb (the server log says why it stopped)."
-                )
-            elif self._current is None and not self._loading:
-                self._bring_up_locked("The model process stopped; restarting the model", restart=True)
-            self._cond.notify_all()
+            self._died_locked()
         self._status(self._gave_up or "The model process stopped; restarting the model…")
+
+    def _died_locked(self) -> None:
+        """Count a death (or a failed restart): give up at DEATHS_PER_MINUTE in 60 s, else load
+        a new engine process if none serves or loads."""
+        now = time.monotonic()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > 60.0:
+            self._deaths.popleft()
+        if len(self._deaths) >= DEATHS_PER_MINUTE:
+            self._gave_up = (
+                f"The model process stopped {len(self._deaths)} times within a minute, so llmweb stopped "
+                "restarting it. The operator must restart llmweb (the server log says why it stopped)."
+            )
+        elif self._current is None and not self._loading:
+            self._bring_up_locked("The model process stopped; restarting the model", restart=True)
+        self._cond.notify_all()
 
     def _bring_up_locked(self, why: str, restart: bool) -> None:
         self._loading = True
@@ -261,15 +267,19 @@ class Supervisor:
             child = self._launch(number)
             self.launched += 1
             child.load(lambda text: self._status(f"{why}: {text}"))
-        except BaseException as e:
-            log.exception("engine process %d failed to start", number)
-            with self._cond:
-                self._loading = False
-                self._gave_up = f"The model process could not be started again ({e})."
-                self._cond.notify_all()
-            self._status(self._gave_up)
+        except BaseException:
+            log.exception("engine process %d failed to start (%s)", number, why)
             if child is not None:
                 child.stop(timeout=1.0)
+            with self._cond:
+                self._loading = False
+                if restart or self._current is None:
+                    self._died_locked()  # counts toward giving up; tries again while it may
+                else:  # a recycle's replacement: the old one serves on; try again in a minute
+                    self._recycle_after = time.monotonic() + 60.0
+                    self._cond.notify_all()
+            if self._gave_up or restart:
+                self._status(self._gave_up or "The model process could not start; trying again…")
             return
         if not restart and self._current is not None and self.hand_over_caches:  # the kept chats' caches come along
             self._hand_over(self._current, child, only_missing=False)
@@ -364,7 +374,7 @@ class Supervisor:
             or (r.seconds > 0 and time.monotonic() - child.born >= r.seconds)
             or (r.frag_bytes > 0 and frag is not None and frag > r.frag_bytes)
         )
-        if not due:
+        if not due or time.monotonic() < self._recycle_after:
             return
         with self._cond:
             if self._current is child and not self._loading and not self._gave_up and not self._closed:

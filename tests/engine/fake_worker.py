@@ -1,7 +1,8 @@
 """An engine process that serves a FakeRunner (tests/fakes.py) over engine/boundary.py's wire: the
 supervisor's tests (engine/process.py) with real processes, real deaths and real recycling, at
 ~0.2 s a process. `python -m tests.engine.fake_worker FD`; the spec is a dict of FakeRunner's
-`token_delay_s` and `default_len`, and `fail_load` (the load fails with that message)."""
+`token_delay_s` and `default_len`, `fail_load` (the load fails with that message) and `fail_if` (it
+fails while that file exists)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def main() -> int:
     conn = Connection(int(sys.argv[1]))
     spec: dict = conn.recv()
     conn.send(("progress", "loading the fake model"))
-    if spec.get("fail_load"):
-        conn.send(("failed", ConfigError(spec["fail_load"])))
+    if spec.get("fail_load") or (spec.get("fail_if") and os.path.exists(spec["fail_if"])):
+        conn.send(("failed", ConfigError(spec.get("fail_load") or "the fake model is gone")))
         return 1
     runner = FakeRunner(token_delay_s=spec.get("token_delay_s", 0.0), default_len=spec.get("default_len", 3))
     conn.send(("ready", {"device": "cpu", "pid": os.getpid()}))

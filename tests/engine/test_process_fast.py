@@ -179,3 +179,26 @@ def test_the_api_tells_a_client_to_retry_when_the_model_process_stopped():
 
     e = api_error(EngineStopped("The model process stopped; your message was not lost: press retry."))
     assert e.status == 503 and e.headers.get("Retry-After") and "press retry" in str(e.body())
+
+
+def test_a_restart_that_cannot_load_counts_as_a_death_until_llmweb_gives_up(proc, tmp_path):
+    gone = tmp_path / "model-gone"
+    engine, runner, launched, statuses = proc({"fail_if": str(gone)})
+    gone.touch()
+    os.kill(launched[0].pid, signal.SIGKILL)
+    wait_for(lambda: bool(runner.gave_up), what="giving up")
+    assert len(launched) == 3, "the death, then two failed loads: three within a minute"
+    assert "3 times within a minute" in statuses[-1]
+    with pytest.raises(EngineStopped, match="3 times within a minute"):
+        engine.submit(req()).result()
+
+
+def test_a_recycle_whose_replacement_cannot_load_leaves_the_old_one_serving(proc, tmp_path):
+    gone = tmp_path / "model-gone"
+    engine, runner, launched, _ = proc({"fail_if": str(gone)}, recycle=Recycle(after=2))
+    gone.touch()
+    for _ in range(4):
+        assert engine.submit(req((5, 6, 7), n=3)).result() == [5, 6, 7]
+        wait_for(lambda: not runner.loading, what="the replacement's load to end")
+    assert len(launched) == 2 and runner.recycles == 0 and not runner.gave_up
+    assert runner.pid == launched[0].pid and launched[0].alive  # tried once; again only after a minute
