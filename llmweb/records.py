@@ -169,6 +169,9 @@ class TurnStats:
     summary_tokens: int = 0
     dropped_chunks: int = 0
     dropped_facts: int = 0  # unpinned facts left out for lack of room
+    # a whole-document task's own figures (chat/document_plan.py DocumentStats.to_dict): pieces read
+    # and from cache, fold depth, tokens read, seconds, coverage; empty for an ordinary turn
+    document: dict[str, Any] = field(default_factory=dict)
 
     @property
     def mem(self) -> MemorySnapshot:
@@ -191,6 +194,8 @@ class TurnStats:
             dropped_chunks=self.dropped_chunks,
             dropped_facts=self.dropped_facts,
         )
+        if self.document:
+            d["document"] = dict(self.document)
         return d
 
     @classmethod
@@ -199,6 +204,7 @@ class TurnStats:
         known.pop("gen", None)
         known.setdefault("turn", 0)
         known["sections"] = {str(k): int(v) for k, v in (d.get("sections") or {}).items()}
+        known["document"] = dict(d["document"]) if isinstance(d.get("document"), dict) else {}
         return cls(gen=GenerationStats.from_dict(d), **known)
 
 

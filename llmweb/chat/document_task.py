@@ -22,6 +22,7 @@ pure rule is document_plan's).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import time
@@ -200,8 +201,13 @@ class DocumentTasks:
     def _finished(
         self, run: _Run, reply: str, gen: GenerationStats | None, number: int, conv_id: str, t0: float
     ) -> Finished:
-        stats = run.stats(time.monotonic() - t0)
-        gen = gen or GenerationStats(finish_reason="eos")
+        seconds = time.monotonic() - t0
+        stats = run.stats(seconds)
+        # the turn's times are what the user waited, every piece included: the final step's own
+        # TTFT and total would tell a 40 s task as a 5 s turn
+        gen = dataclasses.replace(gen) if gen is not None else GenerationStats(finish_reason="eos")
+        gen.ttft_s = run.shown_s if run.shown_s is not None else seconds
+        gen.total_s = seconds
         if run.stopped:
             gen.finish_reason = "cancelled"
         turn = TurnStats(
@@ -209,6 +215,7 @@ class DocumentTasks:
             gen=gen,
             sections={"retrieved": stats.tokens_read, "reserve": self.budget.max_new_tokens},
             context_limit=self.budget.context_limit,
+            document=stats.to_dict(),
         )
         sources = [Source.from_chunk(p.as_chunk(), p.n) for p in run.pieces]
         notes = (["Stopped."] if run.stopped else []) + [stats.describe()]
@@ -245,6 +252,7 @@ class _Run:
         self.prompt: tuple[tuple[str, str], ...] = ()
         self.t0 = time.monotonic()
         self.first_s: float | None = None  # seconds until the first piece's result (the first partial result)
+        self.shown_s: float | None = None  # seconds until the first text the user saw (the turn's TTFT)
 
     def read(self) -> Generator[Progress | Delta, None, list[tuple[int, str]]]:
         """The map: every piece's result, from the cache or one background step each, in order."""
@@ -267,6 +275,7 @@ class _Run:
                 self._first()
                 t.store.put_piece(self.owner, p.doc_id, key, p.index, t.model_key, text, generation=self.generation)
             if self.intent.task == dp.TRANSLATE:
+                self._shown()
                 yield Delta(self.translation())
         cap = self.sizes.note_cap
         return [(n, cap_text(r, cap, t.fmt.count) or "(nothing)") for n, r in sorted(self.results.items())]
@@ -352,6 +361,7 @@ class _Run:
         try:
             for event in handle.events():
                 if stream and isinstance(event, Tokens):
+                    self._shown()
                     so_far = t.fmt.decode(handle.generated)
                     yield Delta(shape(so_far.lstrip()) if shape else so_far)
             done = True
@@ -384,6 +394,10 @@ class _Run:
     def _first(self) -> None:
         if self.first_s is None:
             self.first_s = time.monotonic() - self.t0
+
+    def _shown(self) -> None:
+        if self.shown_s is None:
+            self.shown_s = time.monotonic() - self.t0
 
     def stats(self, seconds: float) -> dp.DocumentStats:
         done = [p for p in self.pieces if p.n in self.results]

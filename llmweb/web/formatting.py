@@ -196,7 +196,23 @@ def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
     if g.loop_cuts:
         ended = "; then it ended the reply, which kept looping" if g.loop_stopped else ""
         lines.append(f"- loop guard: turned the reply away from a third copy of a sentence {g.loop_cuts}x{ended}")
+    if s.document:
+        lines.append(document_line(s.document))
     return "\n".join(lines + [""] + warnings(s, mem_limit_bytes))
+
+
+def document_line(d: dict) -> str:
+    """A whole-document task's work, in the stats panel (TurnStats.document)."""
+    try:
+        pct = round(float(d.get("coverage", 0)) * 100)
+        return (
+            f"- whole document: read {int(d.get('read', 0)):,} of {int(d.get('pieces', 0)):,} sections "
+            f"({pct}% of the text, {int(d.get('tokens_read', 0)):,} tokens; {int(d.get('from_cache', 0)):,} from "
+            f"the cache), fold depth {int(d.get('fold_depth', 0))}, {int(d.get('steps', 0))} model steps, "
+            f"{float(d.get('seconds', 0)):.1f} s"
+        )
+    except (TypeError, ValueError):  # an imported chat's figures are data, not trusted numbers
+        return "- whole document: its figures could not be read"
 
 
 def sections_html(s: TurnStats | None) -> str:

@@ -456,3 +456,29 @@ def test_one_owner_at_the_document_jobs_cap_is_refused_and_the_other_is_not(rig)
     running[0].close()  # one of A's ends (a stop): A may start another
     assert isinstance(list(chat.documents.stream(A, intent[A]))[-1], Finished)
     running[1].close()
+
+
+def test_a_whole_document_turn_s_times_and_work_are_what_the_user_waited_for(rig):
+    chat, runner, fmt, store, library = rig
+    library.add(A, "book.txt", doc_chunks("book.txt", 30))
+    runner.token_delay_s = 0.01  # every step takes time: the pieces are most of the turn
+    runner.enqueue(fmt._words("the book in short [1]") + [fmt.END])
+    t0 = time.monotonic()
+    first_text = None
+    for event in chat.send(A, None, "Summarise book.txt"):
+        if isinstance(event, Delta) and first_text is None:
+            first_text = time.monotonic() - t0
+        if isinstance(event, Finished):
+            fin = event
+    wall = time.monotonic() - t0
+    g, doc = fin.stats.gen, fin.stats.document
+    assert doc["coverage"] == 1.0 and doc["read"] == doc["pieces"] > 5 and doc["steps"] > doc["pieces"]
+    assert abs(g.total_s - wall) <= 0.2 * wall, (g.total_s, wall)
+    assert abs(g.ttft_s - first_text) <= 0.2 * first_text, (g.ttft_s, first_text)
+    assert g.ttft_s > 0.5 * g.total_s  # the answer's first text comes after every piece is read
+    (conv,) = store.list_conversations(A)
+    stored = store.get(A, conv.id).turns[0].stats
+    assert stored.document == doc and stored.gen.total_s == g.total_s  # kept with the turn, as replay prints it
+    from llmweb.web.formatting import stats_markdown
+
+    assert f"read {doc['read']} of {doc['pieces']} sections (100% of the text" in stats_markdown(stored)
