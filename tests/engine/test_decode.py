@@ -192,14 +192,16 @@ def test_bench_decode_measures_every_step_and_its_verdicts_follow_its_figures(tm
 
     r = decode.run(make_settings(tmp_path, device="cpu"), lengths=(16, 64), new_tokens=4, repeats=1, progress=str)
     llama_ok = gguf.available() is None
-    names = [s.name for s in decode.steps_for("cpu", llama_ok)]
+    names = [s.name for s in decode.steps_for("cpu", llama_ok, process=True)]  # the engine process: auto
     assert [x["step"] for x in r["rows"]] == [n for n in names for _ in (16, 64)]
     by = {(x["step"], x["prompt"]): x for x in r["rows"]}
     for x in r["rows"]:
         assert x["decode_tok_s"] > 0 and x["prefill_tok_s"] > 0 and x["forward_ms"] > 0
         before = by[(names[0], x["prompt"])]["decode_tok_s"]
         assert x["decode_vs_before"] == pytest.approx(x["decode_tok_s"] / before, abs=0.01)
-    assert r["default_step"] == (decode.LLAMA if llama_ok else decode.INT8) and r["fp32_greedy_identical"] is True
+    assert r["default_step"] == (decode.PROCESS if llama_ok else decode.INT8) and r["fp32_greedy_identical"] is True
+    if llama_ok:  # the same runner in this process and behind the boundary: the boundary's cost, side by side
+        assert {decode.LLAMA, decode.PROCESS} <= {x["step"] for x in r["rows"]}
     ft = r["first_turn"]
     assert ft["default_vs_int8"] == pytest.approx(
         ft["total_s"][decode.INT8] / ft["total_s"][r["default_step"]], abs=0.01

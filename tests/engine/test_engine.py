@@ -412,8 +412,6 @@ def test_cancelling_one_request_of_a_batch_leaves_the_others_unchanged(runner, f
 
 
 def test_an_oom_in_a_batched_decode_step_restarts_only_the_youngest_and_the_worker_lives(runner, fmt):
-    requests = [req(fmt, prompt(fmt, ("user", q)), n=16, owner=f"v{i}") for i, q in enumerate(QUESTIONS[:3])]
-    expected = alone(runner, requests)
     armed, fired = threading.Event(), threading.Event()
 
     def fault(_pass):
@@ -423,29 +421,39 @@ def test_an_oom_in_a_batched_decode_step_restarts_only_the_youngest_and_the_work
 
     e = runner.engine(fault=fault, max_batch=4)
     try:
-        young = dataclasses.replace(requests[2], fallback=lambda: requests[2])
-        handles = [e.submit(requests[0]), e.submit(requests[1]), e.submit(young)]
-        seen = {i: [] for i in range(3)}
-
-        def consume(i):
-            for ev in handles[i].events():
-                seen[i].append(ev)
-                if i == 2 and isinstance(ev, Tokens) and len(handles[2].generated) == 2:
-                    armed.set()  # the next pass is a decode step of all three
-
-        threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        for h, serial in zip(handles, expected, strict=True):
-            same_greedy(runner, h.generated, serial)
-        assert [any(isinstance(ev, Restarted) for ev in seen[i]) for i in range(3)] == [False, False, True]
-        assert handles[2].stats.oom_retry and not handles[0].stats.oom_retry
-        assert e.counters.ooms == 1
-        same_greedy(runner, e.submit(requests[0]).result(), expected[0])  # the worker lives
+        handles, expected = oom_in_a_batch(runner, fmt, e, armed.set)
+        same_greedy(runner, e.submit(handles[0].request).result(), expected[0])  # the worker lives
     finally:
         e.close()
+
+
+def oom_in_a_batch(runner, fmt, e, arm):
+    """Three requests decode together; `arm()` (called once the youngest has 2 tokens) makes the
+    next model pass run out of memory: only the youngest restarts (with its fallback), every
+    reply is the serial one, and the engine counts one OOM. (handles, the serial replies)."""
+    requests = [req(fmt, prompt(fmt, ("user", q)), n=16, owner=f"v{i}") for i, q in enumerate(QUESTIONS[:3])]
+    expected = alone(runner, requests)
+    young = dataclasses.replace(requests[2], fallback=lambda: requests[2])
+    handles = [e.submit(requests[0]), e.submit(requests[1]), e.submit(young)]
+    seen: dict[int, list] = {i: [] for i in range(3)}
+
+    def consume(i):
+        for ev in handles[i].events():
+            seen[i].append(ev)
+            if i == 2 and isinstance(ev, Tokens) and len(handles[2].generated) == 2:
+                arm()  # the next pass is a decode step of all three
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for h, serial in zip(handles, expected, strict=True):
+        same_greedy(runner, h.generated, serial)
+    assert [any(isinstance(ev, Restarted) for ev in seen[i]) for i in range(3)] == [False, False, True]
+    assert handles[2].stats.oom_retry and not handles[0].stats.oom_retry
+    assert e.counters.ooms == 1
+    return handles, expected
 
 
 def test_a_sessions_turn_in_a_batch_prefills_only_its_new_tokens(runner, fmt):

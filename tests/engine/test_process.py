@@ -5,7 +5,6 @@ wiring (runtime/worker.py) with kill -9 under 3 chats, their partial replies sto
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -15,12 +14,12 @@ import urllib.request
 import pytest
 
 from llmweb.engine.process import EngineProcess, ProcessRunner, Recycle
-from llmweb.engine.request import EngineLimits, Restarted, Tokens
+from llmweb.engine.request import EngineLimits, Tokens
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import EngineStopped
 from llmweb.records import ENGINE_STOPPED
 from tests.conftest import make_settings
-from tests.engine.test_engine import QUESTIONS, alone, prompt, req, same_greedy
+from tests.engine.test_engine import QUESTIONS, alone, oom_in_a_batch, prompt, req, same_greedy
 from tests.engine.workers import REAL, FaultySpec, launcher
 
 pytestmark = pytest.mark.slow
@@ -94,31 +93,10 @@ def test_greedy_in_a_batch_a_cancel_and_session_reuse_cross_the_boundary(runner,
 
 
 def test_an_oom_in_a_batched_step_restarts_only_the_youngest_through_the_boundary(runner, fmt, tmp_path):
-    requests = [req(fmt, prompt(fmt, ("user", q)), n=16, owner=f"v{i}") for i, q in enumerate(QUESTIONS[:3])]
-    expected = alone(runner, requests)
-    arm = tmp_path / "arm-oom"
+    arm = tmp_path / "arm-oom"  # the engine process's fault fires once this file exists
     b = Boundary(runner, tmp_path, fault=f"oom-when:{arm}")
     try:
-        e = b.engine
-        young = dataclasses.replace(requests[2], fallback=lambda: requests[2])
-        handles = [e.submit(requests[0]), e.submit(requests[1]), e.submit(young)]
-        seen: dict[int, list] = {i: [] for i in range(3)}
-
-        def consume(i):
-            for ev in handles[i].events():
-                seen[i].append(ev)
-                if i == 2 and isinstance(ev, Tokens) and len(handles[2].generated) == 2:
-                    arm.touch()  # a pass soon: a decode step of all three
-
-        threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        for h, serial in zip(handles, expected, strict=True):
-            same_greedy(runner, h.generated, serial)
-        assert [any(isinstance(ev, Restarted) for ev in seen[i]) for i in range(3)] == [False, False, True]
-        assert handles[2].stats.oom_retry and e.counters.ooms == 1
+        oom_in_a_batch(runner, fmt, b.engine, arm.touch)
         assert len(b.launched) == 1 and b.launched[0].alive  # an OOM is no death
     finally:
         b.close()
