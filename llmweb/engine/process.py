@@ -284,6 +284,13 @@ class Supervisor:
         if not restart and self._current is not None and self.hand_over_caches:  # the kept chats' caches come along
             self._hand_over(self._current, child, only_missing=False)
         with self._cond:
+            if self._closed:  # closed while it loaded: it serves nobody
+                self._loading = False
+                child.stopping = True
+        if child.stopping:
+            child.stop(timeout=1.0)
+            return
+        with self._cond:
             old, self._current, self._loading = self._current, child, False
             if restart:
                 self.restarts += 1
@@ -412,6 +419,9 @@ class ProcessRunner(Supervisor):
     to the one that runs the slot (engine/boundary.py)."""
 
     name = "engine process"
+    # `close` may run while the worker is inside a call (waiting for a process to load, say): that
+    # call ends with EngineStopped, and nothing of this process's memory is freed under it
+    closes_while_busy = True
 
     def start(self, slot: Slot) -> None:
         child = self._child()

@@ -148,7 +148,7 @@ class Engine:
             h._cancel.set()  # stops within a step; its consumer gets the partial reply
         self._thread.join(timeout)
         close = getattr(self.runner, "close", None)  # a runner that holds native memory (llama.cpp's context)
-        if close is not None and not self._thread.is_alive():
+        if close is not None and (not self._thread.is_alive() or getattr(self.runner, "closes_while_busy", False)):
             close()
 
     def withdraw(self, handle: Handle) -> None:

@@ -2,12 +2,13 @@
 supervisor's tests (engine/process.py) with real processes, real deaths and real recycling, at
 ~0.2 s a process. `python -m tests.engine.fake_worker FD`; the spec is a dict of FakeRunner's
 `token_delay_s` and `default_len`, `fail_load` (the load fails with that message) and `fail_if` (it
-fails while that file exists)."""
+fails while that file exists), `load_wait_if` (its load takes 3 s while that file exists)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from multiprocessing.connection import Connection
 
 from llmweb.engine.boundary import serve
@@ -20,6 +21,8 @@ def main() -> int:
     conn = Connection(int(sys.argv[1]))
     spec: dict = conn.recv()
     conn.send(("progress", "loading the fake model"))
+    if spec.get("load_wait_if") and os.path.exists(spec["load_wait_if"]):
+        time.sleep(3.0)
     if spec.get("fail_load") or (spec.get("fail_if") and os.path.exists(spec["fail_if"])):
         conn.send(("failed", ConfigError(spec.get("fail_load") or "the fake model is gone")))
         return 1

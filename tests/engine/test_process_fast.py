@@ -202,3 +202,21 @@ def test_a_recycle_whose_replacement_cannot_load_leaves_the_old_one_serving(proc
         wait_for(lambda: not runner.loading, what="the replacement's load to end")
     assert len(launched) == 2 and runner.recycles == 0 and not runner.gave_up
     assert runner.pid == launched[0].pid and launched[0].alive  # tried once; again only after a minute
+
+
+def test_closing_while_a_restart_loads_stops_every_process_and_the_waiting_request(tmp_path):
+    slow = tmp_path / "slow"
+    launched: list[EngineProcess] = []
+    runner = ProcessRunner(launcher(FAKE, {"load_wait_if": str(slow)}, launched))
+    runner.boot()
+    engine = Engine(runner, runner.kv, EngineLimits(max_batch=2))
+    slow.touch()  # the next process takes its time to load
+    os.kill(launched[0].pid, signal.SIGKILL)
+    wait_for(lambda: len(launched) == 2, what="the restart to begin")
+    waiting = engine.submit(req())
+    t0 = time.monotonic()
+    engine.close(timeout=1.0)
+    assert time.monotonic() - t0 < 5.0
+    with pytest.raises(LlmwebError):
+        waiting.result()
+    wait_for(lambda: not any(c.alive for c in launched), what="every engine process to stop")
