@@ -19,9 +19,10 @@ The supervisor, in this class:
               while the old one serves (up to half as many requests again, or half the time
               again: then new requests wait for the new one); then new requests go to the new
               one, the old one drains what it holds and stops. No request fails. The chats'
-              kept KV caches are handed over (llama.cpp's state bytes, at the switch and again
-              for those that ran on the old one meanwhile): a chat's next turn reuses its
-              prefix instead of prefilling its whole history again
+              kept KV caches are handed over (llama.cpp's state bytes, or the transformers
+              cache's tensors as safetensors; at the switch, and again for those that ran on the
+              old one meanwhile): a chat's next turn reuses its prefix instead of prefilling its
+              whole history again
 
 Owns: the engine processes' lifecycle and the slots' placement on them. Must not: import torch,
 build a runner (runtime/worker.py does, in the engine process), or schedule (engine/scheduler.py).
@@ -322,8 +323,8 @@ class Supervisor:
 
     def _hand_over(self, old: EngineProcess, new: EngineProcess, only_missing: bool) -> None:
         """Copy the kept sessions' caches from `old` to `new`, one at a time (so steps go on
-        between them); with `only_missing`, those `new` has no newer one of. A runner whose caches
-        cannot leave its process (transformers) hands none: those chats prefill once."""
+        between them); with `only_missing`, those `new` has no newer one of. A cache the runner
+        cannot export (`export_cache` None) stays behind: that chat prefills once."""
         t0, moved, nbytes = time.perf_counter(), 0, 0
         try:
             have = set(new.call(("call", "kv", ("sessions",)))) if only_missing else set()

@@ -224,10 +224,8 @@ def test_the_app_s_engine_process_killed_under_three_chats(tmp_path):
         rt.close()
 
 
-def test_a_recycle_hands_the_chats_caches_over_and_the_next_turn_reuses_its_prefix(llama_model, fmt, tmp_path):
-    from tests.fakes import RunnerKind
-
-    kind = RunnerKind("llama.cpp", llama_model, MemoryError)
+def test_a_recycle_hands_the_chats_caches_over_and_the_next_turn_reuses_its_prefix(runner, fmt, tmp_path):
+    kind = runner
     b = Boundary(kind, tmp_path)
     try:
         history: list[tuple[str, str]] = []

@@ -153,6 +153,24 @@ class LocalRunner(BaseRunner):
         compact(cache)  # an idle session holds its tokens and a little room, not a block
         return cache, cache_nbytes(cache)
 
+    def export_cache(self, cache: DynamicCache) -> bytes:
+        """A kept cache as safetensors bytes (every layer's keys and values, on the host): no pickle."""
+        from safetensors.torch import save
+
+        tensors = {}
+        for i, layer in enumerate(cache.layers):
+            tensors[f"k{i}"], tensors[f"v{i}"] = layer.keys.contiguous().cpu(), layer.values.contiguous().cpu()
+        return save(tensors)
+
+    def import_cache(self, data: bytes) -> DynamicCache:
+        from safetensors.torch import load
+
+        tensors = load(data)
+        cache = self._new_cache(self.model.config)
+        for i in range(len(tensors) // 2):
+            cache.update(tensors[f"k{i}"].to(self.device), tensors[f"v{i}"].to(self.device), i)
+        return cache
+
     # ---- the passes
     def _prefill(self, seq: Seq, chunk: list[int], last: bool):
         assert isinstance(seq, _Seq)
