@@ -10,8 +10,8 @@ and grows back when they stop. Prefill (compute-bound, and rarely beside a rende
 keeps every core.
 
     others      the CPU time of every other process (from /proc/stat's busy time minus this
-                process's, and, in an engine process, minus the web process's up to KIN_SHARE
-                cores), in cores, over the last SAMPLE_S
+                process's, and the web process's when this is an engine process), in cores,
+                over the last SAMPLE_S
     fewer       others >= BUSY cores: cores - 1 decode threads (at least 1)
     all again   others < IDLE cores in two samples in a row (no flapping on a single quiet one)
 
@@ -29,15 +29,11 @@ from collections.abc import Callable, Sequence
 SAMPLE_S = 0.5  # how often the others' load is read
 BUSY = 0.25  # cores of other processes' work that take a decode thread away
 IDLE = 0.10  # ... and below which it comes back
-# cores of the web process's work counted as the reply's own (an engine process's governor): its
-# streaming took 0.1-0.17 cores in `bench busy` (API, browser); what is past this, the embedder's
-# torch threads indexing an upload, takes a core like any other process's
-KIN_SHARE = 0.25
 
 
-def cpu_sample(kin: Sequence[int] = ()) -> tuple[float, float, float, float] | None:
-    """(wall s, the machine's busy CPU s, this process's CPU s, the `kin` processes' CPU s); None
-    where /proc/stat is not there."""
+def cpu_sample(kin: Sequence[int] = ()) -> tuple[float, float, float] | None:
+    """(wall s, the machine's busy CPU s, the CPU s of this process and of the `kin` processes);
+    None where /proc/stat is not there."""
     try:
         with open("/proc/stat", "rb") as f:
             fields = f.readline().split()[1:]
@@ -47,7 +43,7 @@ def cpu_sample(kin: Sequence[int] = ()) -> tuple[float, float, float, float] | N
     busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + ticks[7]
     own = os.times()
     tick = os.sysconf("SC_CLK_TCK")
-    return time.monotonic(), busy / tick, own.user + own.system, sum(_cpu_ticks(pid) for pid in kin) / tick
+    return time.monotonic(), busy / tick, own.user + own.system + sum(_cpu_ticks(pid) for pid in kin) / tick
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -66,7 +62,7 @@ class ThreadGovernor:
     def __init__(
         self,
         cores: int,
-        sample: Callable[[], tuple[float, float, float, float] | None] = cpu_sample,
+        sample: Callable[[], tuple[float, float, float] | None] = cpu_sample,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cores = cores
@@ -79,9 +75,8 @@ class ThreadGovernor:
         self._quiet = 0
 
     def count_as_own(self, pid: int) -> None:
-        """Count `pid`'s CPU time as ours, up to KIN_SHARE cores: the web process, for a runner in
-        an engine process (its streaming is the reply's own work, as when both were one process;
-        its torch work past that is another's)."""
+        """Count `pid`'s CPU time as ours: the web process, for a runner in an engine process
+        (its streaming is the reply's own work, as when both were one process)."""
         self.sample = functools.partial(cpu_sample, (pid,))
         self._last = self.sample() if self.cores > 1 else None
 
@@ -92,9 +87,9 @@ class ThreadGovernor:
         if now is None or now[0] <= self._last[0]:
             return self.current
         self._due = self.clock() + SAMPLE_S
-        wall, busy, own, kin = (b - a for a, b in zip(self._last, now))
+        wall, busy, own = (b - a for a, b in zip(self._last, now))
         self._last = now
-        self.others = max(busy - own - min(kin, KIN_SHARE * wall), 0.0) / wall
+        self.others = max(busy - own, 0.0) / wall
         if self.others >= BUSY:
             self.current, self._quiet = max(self.cores - 1, 1), 0
         elif self.others < IDLE:
