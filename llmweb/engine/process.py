@@ -64,10 +64,10 @@ class EngineProcess:
     """One engine process: spawned with `argv` + the fd of its end of a socket pair, sent `spec`,
     loaded (`load`), called (`call`, one at a time), stopped (`stop`)."""
 
-    def __init__(self, argv: Sequence[str], spec: Any, number: int, stall_s: float):
+    def __init__(self, argv: Sequence[str], spec: Any, number: int, stall_s: float, env: dict | None = None):
         mine, theirs = socket.socketpair()
         try:
-            self.proc = subprocess.Popen([*argv, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+            self.proc = subprocess.Popen([*argv, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env)
         finally:
             theirs.close()
         self.conn = Connection(mine.detach())

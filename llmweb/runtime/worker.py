@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from llmweb.chat.context import Budget
@@ -45,7 +46,18 @@ def engine_process_runner(settings: Settings, status: Callable[[str], None]):
 
     s, spec = settings, WorkerSpec(settings)
     recycle = Recycle(s.recycle_after, s.recycle_s, s.recycle_frag_mb * 2**20)
-    return ProcessRunner(lambda n: EngineProcess(ARGV, spec, n, s.engine_stall_s), recycle=recycle, status=status)
+    env = child_env()
+    return ProcessRunner(lambda n: EngineProcess(ARGV, spec, n, s.engine_stall_s, env), recycle=recycle, status=status)
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment, with llmweb's own folder first on PYTHONPATH: `-m` finds the
+    package wherever the app was started from (`python /elsewhere/app.py` imports it from the
+    script's folder, which the engine process would not search)."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def model_info(loaded: models.LoadedModel) -> dict:

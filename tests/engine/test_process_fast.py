@@ -220,3 +220,18 @@ def test_closing_while_a_restart_loads_stops_every_process_and_the_waiting_reque
     with pytest.raises(LlmwebError):
         waiting.result()
     wait_for(lambda: not any(c.alive for c in launched), what="every engine process to stop")
+
+
+def test_the_engine_process_finds_llmweb_from_any_working_directory(tmp_path):
+    import subprocess
+    import sys
+
+    from llmweb.runtime.worker import child_env
+
+    plain = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import llmweb.runtime.worker"
+    lost = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=plain, capture_output=True)
+    installed = lost.returncode == 0  # pip-installed into the environment: found either way
+    assert installed or b"No module named 'llmweb'" in lost.stderr
+    found = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True)
+    assert found.returncode == 0, found.stderr.decode()[-300:]
