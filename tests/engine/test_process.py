@@ -14,12 +14,12 @@ import urllib.request
 import pytest
 
 from llmweb.engine.process import EngineProcess, ProcessRunner, Recycle
-from llmweb.engine.request import EngineLimits, Tokens
+from llmweb.engine.request import EngineLimits
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import EngineStopped
 from llmweb.records import ENGINE_STOPPED
 from tests.conftest import make_settings
-from tests.engine.test_engine import QUESTIONS, alone, oom_in_a_batch, prompt, req, same_greedy
+from tests.engine.test_engine import QUESTIONS, alone, cancel_in_a_batch, oom_in_a_batch, prompt, req, same_greedy
 from tests.engine.workers import REAL, FaultySpec, launcher
 
 pytestmark = pytest.mark.slow
@@ -68,14 +68,7 @@ def test_greedy_in_a_batch_a_cancel_and_session_reuse_cross_the_boundary(runner,
         assert max(h.stats.batch_size for h in handles) == 4
         assert handles[0].stats.mem.rss_bytes > 0 and handles[0].stats.prefilled_tokens == len(requests[0].prompt_ids)
 
-        handles = [e.submit(r) for r in requests[:3]]  # a cancel in a batch leaves the others as they were
-        victim = handles[1]
-        for ev in victim.events():
-            if isinstance(ev, Tokens) and len(victim.generated) >= 3:
-                victim.cancel()
-        assert victim.stats.finish_reason == "cancelled" and victim.stats.generated_tokens <= 5
-        same_greedy(runner, handles[0].result(), expected[0])
-        same_greedy(runner, handles[2].result(), expected[2])
+        cancel_in_a_batch(runner, e, requests, expected)  # the others' replies as they were
 
         history, texts, reused = [], [], []  # session reuse: the same text as a full prefill
         for q in ("What is the capital of France?", "And of Germany?", "Name a river there."):
