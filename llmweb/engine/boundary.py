@@ -49,7 +49,7 @@ RUNNER_STATS = (
     "mem",
 )
 # what the web process may call on the runner or its KV store by name (nothing else is dispatched)
-CALLS = frozenset({"predict", "available", "snapshot", "empty_cache", "timing", "info", "kv", "kv_export", "kv_import"})
+CALLS = frozenset({"predict", "available", "snapshot", "empty_cache", "timing", "kv", "kv_export", "kv_import"})
 KV_CALLS = frozenset({"drop", "expire", "evict", "clear", "total_bytes", "budget_bytes", "session_bytes", "sessions"})
 
 
@@ -123,8 +123,6 @@ def serve(conn: Connection, runner, kv) -> None:
                 raise LlmwebError(f"no KV call {what!r}")
             attr = getattr(kv, what)
             return attr(*rest) if callable(attr) else attr
-        if name == "info":
-            return {"device": runner.device}
         if name == "timing":
             return runner.timing
         if name == "kv_export":  # (ids, owner, bytes, nbytes) of a kept session; None: absent or not portable
