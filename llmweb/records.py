@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOCAL_OWNER = "local"  # the one owner of a single-user install, and of data from before owners existed
+MAX_CHAT_DOCUMENTS = 100  # documents one chat may choose to read (ChatSettings.documents, Library.resolve)
 
 
 @dataclass(frozen=True, slots=True)

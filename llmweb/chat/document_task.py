@@ -26,7 +26,7 @@ import dataclasses
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -81,12 +81,26 @@ class DocumentTasks:
         names = f"{settings.engine_url}|{settings.engine_model}|{settings.model}|{budget.context_limit}"
         self.model_key = hashlib.sha256(names.encode()).hexdigest()[:16]
 
-    def detect(self, owner: str, text: str, force: bool = False) -> dp.Intent | None:
-        """The task `text` asks of one of `owner`'s documents, or None (a question, or no document)."""
+    def detect(
+        self, owner: str, text: str, force: bool = False, only: Collection[str] | None = None
+    ) -> dp.Intent | None:
+        """The task `text` asks of one of `owner`'s documents, or None (a question, or no document).
+        `only`: the doc ids the chat reads; "this document" is then the latest of those, and naming
+        one outside them is an InputError that says so."""
         if self.library is None or (not force and dp.task_of(text) is None):
             return None  # cheap: no listing of documents for an ordinary message
-        docs = [dp.DocRef(d.doc_id, d.source, d.added, d.scope == "yours") for d in self.library.documents(owner)]
-        return dp.detect(text, docs, force)
+        every = self.library.documents(owner)
+        chosen = [d for d in every if only is None or d.doc_id in only]
+        docs = [dp.DocRef(d.doc_id, d.source, d.added, d.scope == "yours" or only is not None) for d in chosen]
+        intent = dp.detect(text, docs, force)
+        if intent is None and only is not None:
+            outside = dp.named(text, [dp.DocRef(d.doc_id, d.source, d.added, False) for d in every])
+            if outside:
+                raise InputError(
+                    f"{outside[0].source} is not one of the documents this chat reads: add it to the chat's "
+                    "documents (under Documents) to read it here."
+                )
+        return intent
 
     # ---- sizes and pieces
     def sizes(self, intent: dp.Intent, label_tokens: int = 0) -> Sizes:

@@ -27,13 +27,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from llmweb.chat import context, facts
+from llmweb.chat import context, facts, scope
 from llmweb.chat.document_task import DocumentTasks
 from llmweb.chat.memory import Folds
 from llmweb.chat.recall import RecallCache
 from llmweb.chat.settings import TurnSettings, check_pins, checked, clean_message, turn_settings
 from llmweb.chat.tokens import ChatFormat
 from llmweb.chat.turn import (
+    NO_CHOSEN_DOCUMENTS,
     Cancel,
     Delta,
     Event,
@@ -79,6 +80,7 @@ class _How:
     sampling: Sampling | None = None
     stop: tuple[str, ...] = ()
     cancel: Cancel | None = None
+    documents: tuple[str, ...] | None = None  # the documents this turn reads, by name or id; None: the chat's
 
 
 def reply_prefix_ids(fmt: ChatFormat, text: str) -> list[int]:
@@ -120,6 +122,7 @@ class Chat:
         stop: Sequence[str] = (),
         cancel: Cancel | None = None,
         whole_document: bool = False,
+        documents: Sequence[str] | None = None,
     ) -> Iterator[Event]:
         """One turn. `conv_id=None` starts a conversation with an id made here; `new=True` starts one
         with `conv_id`, which the caller must have made with `store.new_id()` (never a client's).
@@ -128,8 +131,9 @@ class Chat:
         `sampling` (an API request's temperature, top_p, max_tokens) applies over those; a reply
         that shows one of `stop` is cancelled there; `cancel` stops it from another thread. A message
         that asks for a whole-document task (or any, with `whole_document`) reads the whole document
-        instead (chat/document_task.py)."""
-        how = _How(use_docs, seed, wait_summary, sampling, tuple(stop), cancel)
+        instead (chat/document_task.py). `documents` (names or ids) are the documents this turn
+        reads instead of the chat's own choice (`ChatSettings.documents`); [] reads none."""
+        how = _How(use_docs, seed, wait_summary, sampling, tuple(stop), cancel, _names(documents))
         text = clean_message(text, self.settings.max_message_chars)
         new = new or conv_id is None
         # read once: the whole turn plans from this snapshot (NotFound for another owner's id)
@@ -146,8 +150,9 @@ class Chat:
         def record(reply: str, stats: TurnStats, sources: list[Source]) -> None:  # Deleted after "Delete all my data"
             self.store.add_turn(owner, conv.id, text, reply, stats, sources, create=new, generation=conv.generation)
 
+        only = scope.turn_scope(self.library, conv, how.documents)  # an unknown name: InputError, now
         if whole_document or use_docs is not False:
-            intent = self.documents.detect(owner, text, force=whole_document)
+            intent = self.documents.detect(owner, text, force=whole_document, only=only)
             if intent is not None:
                 yield from self.documents.answer(conv, intent, record, cancel)
                 return
@@ -228,7 +233,10 @@ class Chat:
         """The turn over the snapshot `conv` (its turns are those before this one): plan, run, record, compress."""
         mine = self.turn_settings(conv.settings)  # this chat's settings over the configuration's
         budget = mine.budget if partial is None else mine.budget.continuing(len(partial))
-        prompt = self._prompt(conv, text, mine, mine.use_docs if how.use_docs is None else how.use_docs)
+        use_docs = mine.use_docs if how.use_docs is None else how.use_docs
+        only = scope.turn_scope(self.library, conv, how.documents)
+        gone = use_docs and how.documents is None and conv.settings.documents is not None and not only
+        prompt = self._prompt(conv, text, mine, use_docs, only)
         plan = prompt.plan(budget, self.fmt)  # InputError with the numbers when the message cannot fit
         job = Job(
             owner=conv.owner,
@@ -243,6 +251,7 @@ class Chat:
             seed=how.seed,
             partial=partial,
             loop_guard=mine.loop_guard,
+            notes=(NO_CHOSEN_DOCUMENTS,) if gone else (),
         )
         sources = plan_sources(plan)
 
@@ -256,10 +265,12 @@ class Chat:
             self.wait_background(conv.id)
         yield fin
 
-    def _prompt(self, conv: Conversation, text: str, mine: TurnSettings, use_docs: bool) -> Prompt:
-        """Retrieve (documents: shared and the owner's own; earlier turns that left the window) and
-        gather what the prompt is planned from."""
-        chunks = documents(self.library, self.settings, conv.owner, text, use_docs)
+    def _prompt(
+        self, conv: Conversation, text: str, mine: TurnSettings, use_docs: bool, only: frozenset[str] | None
+    ) -> Prompt:
+        """Retrieve (documents: shared and the owner's own, or the chat's chosen ones; earlier turns
+        that left the window) and gather what the prompt is planned from."""
+        chunks = documents(self.library, self.settings, conv.owner, text, use_docs, only)
         recalling = mine.recall and conv.summarized_upto > 0 and self.library is not None
         recall = self.recalls.recall(conv, text) if recalling else []
         return Prompt(
@@ -384,3 +395,11 @@ class Chat:
 
     def delete_fact(self, owner: str, conv_id: str, fact_id: int) -> None:
         self.store.delete_fact(owner, conv_id, fact_id)
+
+
+def _names(documents: Sequence[str] | None) -> tuple[str, ...] | None:
+    if documents is None:
+        return None
+    if isinstance(documents, str):  # one name, not its characters
+        return (documents,)
+    return tuple(documents)

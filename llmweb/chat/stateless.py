@@ -34,7 +34,8 @@ from llmweb.chat import context, summary
 from llmweb.chat.fold import Memory, Write, turns_fitting
 from llmweb.chat.fold import fold as fold_memory
 from llmweb.chat.tokens import ChatFormat
-from llmweb.chat.turn import Cancel, Event, Job, Prompt, Sampling, TurnRunner, documents, plan_sources
+from llmweb.chat.turn import Cancel, Event, Job, Prompt, Sampling, TurnRunner, plan_sources
+from llmweb.chat.turn import documents as retrieve
 from llmweb.config import Settings
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import InputError, LlmwebError
@@ -271,10 +272,12 @@ class StatelessChat:
         sampling: Sampling | None = None,
         stop: Sequence[str] = (),
         cancel: Cancel | None = None,
+        documents: Sequence[str] | None = None,
     ) -> Iterator[Fitted | Event]:
         """One stateless turn for `owner`. Yields Fitted, Started(""), Queued / Delta, Finished.
         `sampling` (the request's temperature, top_p, max_tokens: a smaller reply cap leaves more
-        room for history), `stop` and `cancel` as `Chat.send` takes them."""
+        room for history), `stop` and `cancel` as `Chat.send` takes them; `documents` (names or ids,
+        `Library.resolve`: an InputError for one the owner has not) the only documents it reads."""
         s = self.settings
         d = dialogue(messages)
         system = d.system or s.system_prompt
@@ -282,7 +285,10 @@ class StatelessChat:
         system_fits(system, budget, self.fmt)
 
         # 1) retrieve, 2) fit (summarising what does not fit), 3) generate
-        chunks = documents(self.library, s, owner, d.user, use_docs)
+        only = None
+        if documents is not None and self.library is not None:
+            only = frozenset(i for i, _ in self.library.resolve(owner, documents))
+        chunks = retrieve(self.library, s, owner, d.user, use_docs, only)
         scope = f"{owner}\n{system}"
         fold = self.fold if s.summaries else None
         f = fit(

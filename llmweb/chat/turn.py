@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from llmweb.chat import context
@@ -144,11 +144,20 @@ class Prompt:
         return replace(self, chunks=self.chunks[: len(self.chunks) // 2], recall=self.recall[: len(self.recall) // 2])
 
 
-def documents(library, settings: Settings, owner: str, text: str, use_docs: bool) -> tuple[Chunk, ...]:
-    """The document chunks (shared and the owner's own) a message retrieves; none when off or empty."""
-    if not use_docs or library is None or library.is_empty(owner):
+def documents(
+    library, settings: Settings, owner: str, text: str, use_docs: bool, only: Collection[str] | None = None
+) -> tuple[Chunk, ...]:
+    """The document chunks (shared and the owner's own; with `only`, of those doc ids alone) a message
+    retrieves; none when off, empty, or `only` is empty."""
+    if not use_docs or library is None or (only is not None and not only) or library.is_empty(owner):
         return ()
-    return tuple(library.search(owner, text, k=settings.top_k, min_score=settings.min_score))
+    return tuple(library.search(owner, text, k=settings.top_k, min_score=settings.min_score, only=only))
+
+
+NO_CHOSEN_DOCUMENTS = (
+    "None of the documents this chat reads is in your library any more, so it read none: "
+    "choose its documents again under Documents."
+)
 
 
 @dataclass(frozen=True, slots=True)

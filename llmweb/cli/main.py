@@ -97,16 +97,23 @@ def launch_app(runtime, **overrides):
     return demo, url
 
 
-def read_script(path: Path) -> list[str]:
-    users = []
+def read_script(path: Path) -> list[str | dict]:
+    """A replay script's lines: {"user": "..."}, optionally with "documents": [names or ids] (the
+    documents the chat reads from that line on; [] none). A line is its message, or the object when
+    it sets documents."""
+    lines: list[str | dict] = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            users.append(json.loads(line)["user"])
-        except (json.JSONDecodeError, KeyError, TypeError):
+            d = json.loads(line)
+            user, documents = d["user"], d.get("documents")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise LlmwebError(f'{path}:{n}: expected a JSON object like {{"user": "..."}}') from None
-    return users
+        if documents is not None and not (isinstance(documents, list) and all(isinstance(x, str) for x in documents)):
+            raise LlmwebError(f'{path}:{n}: "documents" is a list of document names or ids') from None
+        lines.append(user if documents is None else {"user": user, "documents": documents})
+    return lines
 
 
 def replay(
@@ -118,9 +125,15 @@ def replay(
     long, not text, the model busy or out of memory: any LlmwebError) yields
     `{"turn", "user", "error"}` with the user's message, and the script goes on with the next one.
     """
+    from llmweb.chat import scope
+
     chat = runtime.wait_ready()
-    for n, user in enumerate(users, 1):
+    for n, line in enumerate(users, 1):
+        user = line["user"] if isinstance(line, dict) else line
         try:
+            if isinstance(line, dict):  # the documents the chat reads from here on, kept with it as in the page
+                conv_id = conv_id or runtime.store.create_conversation(LOCAL)
+                scope.choose(runtime.store, chat.library, LOCAL, conv_id, line["documents"])
             event = chat.ask(LOCAL, conv_id, user, wait_summary=True, seed=seed)  # the first turn creates the chat
         except LlmwebError as e:
             yield {"turn": n, "user": user, "error": str(e)}

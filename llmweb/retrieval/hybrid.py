@@ -28,7 +28,7 @@ Nothing here reads the environment or touches files; retrieval/index.py owns the
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,22 +134,24 @@ def search(
     gate: Gate | None = GATE,
     reranker: Reranker | None = None,
     mode: str = "hybrid",
+    only: Collection[str] | None = None,
 ) -> Retrieval:
     """The best `k` chunks for `query` over `indexes` (see the module docstring).
 
     gate=None skips the gate (every namespace counts). mode "dense" or "keyword" ranks by one
-    ranking alone (the benchmark's baselines); the gate is the same in every mode.
+    ranking alone (the benchmark's baselines); the gate is the same in every mode. `only`: the doc
+    ids a chat reads (None: all); each namespace ranks those of its chunks alone (`Index.candidates`).
     """
     assert mode in ("hybrid", "dense", "keyword"), f"unknown ranking mode {mode!r}"
-    if k < 1 or not query.strip():
+    if k < 1 or not query.strip() or (only is not None and not only):
         return Retrieval([])
-    # 1) both rankings from every namespace, the query embedded once (and not at all if all are empty)
+    # 1) both rankings from every namespace, the query embedded once (and not at all if none holds anything to rank)
     vector = None
     cands: list[Candidates] = []
     for index in indexes:
-        if vector is None and len(index) > 0:
+        if vector is None and len(index) > 0 and (only is None or any(d in index for d in only)):
             vector = embedder.embed_query(query)
-        c = index.candidates(query, vector, k, min_score)
+        c = index.candidates(query, vector, k, min_score, only)
         if not c.empty:
             cands.append(c)
     # 2) the gate, per namespace

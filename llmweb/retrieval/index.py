@@ -27,7 +27,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -154,30 +154,42 @@ class Index:
             hits.append(dataclasses.replace(chunk, score=float(score)))
         return hits
 
-    def candidates(self, query: str, vector: Any, k: int, min_score: float | None = None) -> Candidates:
+    def candidates(
+        self, query: str, vector: Any, k: int, min_score: float | None = None, only: Collection[str] | None = None
+    ) -> Candidates:
         """The dense and keyword rankings of `query` (embedded as `vector`, shape (1, dim)).
 
         Each ranking has at most max(k, CANDIDATES) chunks; min_score (default settings.min_score)
-        is kept as `Candidates.floor`. `vector` may be None for an empty
-        namespace (the caller embeds once for several namespaces, and only if one has chunks).
+        is kept as `Candidates.floor`. `vector` may be None for an empty namespace, or one that holds
+        none of `only` (the caller embeds once for several namespaces, and only if one has chunks).
+        `only`: the doc ids a chat reads (None: every document): both rankings are of their chunks
+        alone, FAISS's search filtered by an ID selector and FTS5's by rowid, so a chosen document
+        is ranked as deep as if it were alone, however many others the namespace holds.
         """
         import numpy as np
 
         floor = self.settings.min_score if min_score is None else float(min_score)
         state = self._current()
-        if state.index is None or state.index.ntotal == 0 or not query.strip():
+        allowed = None if only is None else [i for d in only for i in state.ids.get(d, ())]
+        if state.index is None or state.index.ntotal == 0 or not query.strip() or allowed == []:
             return Candidates([], [], [], 0)
         assert state.keywords is not None, "a non-empty state always has its keyword index"
         assert vector is not None, "a non-empty namespace needs the query vector"
-        n = min(max(k, CANDIDATES), state.index.ntotal)
-        scores, ids = state.index.search(vector, n)
+        n = min(max(k, CANDIDATES), state.index.ntotal if allowed is None else len(allowed))
+        if allowed is None:
+            scores, ids = state.index.search(vector, n)
+        else:
+            import faiss
+
+            chosen = faiss.IDSelectorBatch(np.asarray(allowed, dtype=np.int64))
+            scores, ids = state.index.search(vector, n, params=faiss.SearchParameters(sel=chosen))
         dense = [
             dataclasses.replace(state.chunks[i], score=float(s))
             for s, i in zip(scores[0].tolist(), ids[0].tolist())
             if i >= 0 and i in state.chunks
         ]
         keyword = []
-        for hit in state.keywords.search(query, n):
+        for hit in state.keywords.search(query, n, allowed):
             cosine = float(np.dot(state.index.reconstruct(hit.chunk_id), vector[0]))
             keyword.append((dataclasses.replace(state.chunks[hit.chunk_id], score=cosine), hit.bm25))
         return Candidates(dense, keyword, state.keywords.terms(query), len(state.chunks), floor)

@@ -28,11 +28,12 @@ Nothing here knows about FAISS, embeddings or the files' names; only the standar
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 MAX_QUERY_TERMS = 64  # distinct content words of a query that are looked up (a long message is cut here)
@@ -160,16 +161,20 @@ class KeywordIndex:
 
     # -- reading ----------------------------------------------------------------
 
-    def search(self, query: str, k: int) -> list[KeywordHit]:
-        """The `k` best chunks for any of the query's content words, by BM25, best first."""
+    def search(self, query: str, k: int, only: Collection[int] | None = None) -> list[KeywordHit]:
+        """The `k` best chunks for any of the query's content words, by BM25, best first; with `only`,
+        the best among those chunk ids (a chat's chosen documents). BM25's statistics stay the whole
+        table's: a word is as rare as it is in the namespace, whichever documents a chat reads."""
         words = content_words(query)
-        if not words or k < 1 or self.size == 0:
+        if not words or k < 1 or self.size == 0 or (only is not None and not only):
             return []
         match = " OR ".join(_quote(w) for w in words)
+        sql, args = "SELECT rowid, bm25(chunks) AS r FROM chunks WHERE chunks MATCH ?", [match]
+        if only is not None:  # one JSON array parameter: any number of ids, no SQL built from them
+            sql += " AND rowid IN (SELECT value FROM json_each(?))"
+            args.append(json.dumps(sorted(int(i) for i in only)))
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT rowid, bm25(chunks) AS r FROM chunks WHERE chunks MATCH ? ORDER BY r LIMIT ?", (match, k)
-            ).fetchall()
+            rows = self._conn.execute(sql + " ORDER BY r LIMIT ?", (*args, k)).fetchall()
         return [KeywordHit(int(i), -float(r)) for i, r in rows]
 
     def terms(self, query: str) -> list[Term]:

@@ -15,6 +15,10 @@ Contract:
   cross-encoder (`settings.reranker`) reorders the result. `retrieve` gives the same answer with
   its figures (the CLI's `search --raw`). `remove` answers the same error for a document
   that exists elsewhere and one that does not exist at all, so it cannot be used to probe.
+- A chat may read chosen documents only: `search(..., only=doc ids)` ranks their chunks alone.
+  `resolve(owner, names or ids)` turns a request's names into (id, name) pairs among what `owner`
+  can read (the same InputError for another owner's document as for a missing one); `scope(owner,
+  pairs)` turns a chat's kept pairs into the ids readable now (by id, else by name: a replaced file).
 - Uploads go to the owner's private library on every install (the shared one only under `=1`);
   a private library is capped at `settings.user_docs_mb` of uploaded files, checked before anything
   is written. Parsing, per-file limits and bad-input reports are `retrieval.Index`'s, unchanged.
@@ -34,7 +38,8 @@ maps it to its private library through `private_namespace`, which refuses a miss
     `settings.uploads_shared`, LLMWEB_SHARED_UPLOADS=1), one upload at a time per owner (`_gate`),
     within the owner's quota
     (`_check_quota`), before anything is written;
-  - `documents` / `is_empty` / `usage_bytes` / `search` / `chunks`: the shared library plus that owner's own,
+  - `documents` / `is_empty` / `usage_bytes` / `search` / `chunks` / `resolve` / `scope`: the shared
+    library plus that owner's own,
     with `removable` set per owner; `remove`: that owner's own (plus the shared one only when
     `may_remove_shared`), one message whether a document is elsewhere or nowhere;
   - `delete_owner`: that owner's private library, nothing else.
@@ -55,13 +60,13 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmweb.config import Settings
 from llmweb.errors import InputError
-from llmweb.records import LOCAL_OWNER, Chunk
+from llmweb.records import LOCAL_OWNER, MAX_CHAT_DOCUMENTS, Chunk
 from llmweb.retrieval import hybrid
 from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.hybrid import Reranker, Retrieval
@@ -84,6 +89,7 @@ LEGACY = DOCS  # the previous version's single namespace: the guide and every up
 MIGRATED_MARKER = ".docs-migrated"  # in data_dir/index: the legacy namespace was handled
 UPLOADS_MARKER = ".uploads-private"  # in data_dir/index: the shared library holds no single-user uploads
 PRIVATE_CACHE = 64  # private Index objects kept open
+MAX_NAME_SHOWN = 120  # a name that matched nothing is shown cut to this
 _MARKER_TEXT = "the previous version's 'docs' index, if any, was moved to LOCAL_OWNER's private library\n"
 
 
@@ -135,17 +141,25 @@ class Library:
     # -- reading ---------------------------------------------------------------
 
     def search(
-        self, owner: str, query: str, k: int | None = None, min_score: float | None = None, *, raw: bool = False
+        self,
+        owner: str,
+        query: str,
+        k: int | None = None,
+        min_score: float | None = None,
+        *,
+        raw: bool = False,
+        only: Collection[str] | None = None,
     ) -> list[Chunk]:
         """The best chunks for `query` in the shared library and `owner`'s own, best first; [] when
-        the relevance gate finds the message is about neither (unless `raw`).
+        the relevance gate finds the message is about neither (unless `raw`). `only`: the doc ids a
+        chat reads (`scope`), None for all; an id `owner` cannot read matches nothing.
 
         k defaults to settings.top_k and is clamped to settings.max_top_k; min_score (default
         settings.min_score) is the dense ranking's cosine floor. Each chunk's `score` is its cosine.
         Empty libraries cost nothing (no embedding).
         """
         _check_owner(owner)  # None would mean the shared library alone (retrieve's CLI case)
-        return self.retrieve(owner, query, k, min_score, raw=raw).chunks
+        return self.retrieve(owner, query, k, min_score, raw=raw, only=only).chunks
 
     def retrieve(
         self,
@@ -155,6 +169,7 @@ class Library:
         min_score: float | None = None,
         *,
         raw: bool = False,
+        only: Collection[str] | None = None,
     ) -> Retrieval:
         """`search` with its figures (fused ranks, BM25, the gate's evidence). owner=None searches
         the shared library alone (the CLI)."""
@@ -163,7 +178,9 @@ class Library:
         k = min(k, self.settings.max_top_k)
         floor = self.settings.min_score if min_score is None else float(min_score)
         gate = hybrid.GATE if self.settings.retrieval_gate and not raw else None
-        return hybrid.search(indexes, query, k, floor, embedder=self.embedder, gate=gate, reranker=self.reranker)
+        return hybrid.search(
+            indexes, query, k, floor, embedder=self.embedder, gate=gate, reranker=self.reranker, only=only
+        )
 
     def is_empty(self, owner: str) -> bool:
         """True when `owner` has nothing to search: the chat can skip retrieval."""
@@ -187,6 +204,46 @@ class Library:
             if doc_id in index:
                 return index.chunks(doc_id)
         return []
+
+    def resolve(self, owner: str, wanted: Sequence[str]) -> tuple[tuple[str, str], ...]:
+        """The documents a chat is told to read, named by id or by name, as (doc id, name) pairs in
+        the order given: a name matches every document of `owner`'s by that name (theirs, then a
+        shared one), exactly, else ignoring case. An InputError names the first that matches none:
+        the same sentence for another owner's document as for one that does not exist."""
+        if len(wanted) > MAX_CHAT_DOCUMENTS:
+            raise InputError(f"A chat reads at most {MAX_CHAT_DOCUMENTS} chosen documents; {len(wanted)} were named.")
+        docs = self.documents(owner)
+        by_id = {d.doc_id: d for d in docs}
+        by_name: dict[str, list[LibraryDocument]] = {}
+        by_folded: dict[str, list[LibraryDocument]] = {}
+        for d in docs:
+            by_name.setdefault(d.source, []).append(d)
+            by_folded.setdefault(d.source.casefold(), []).append(d)
+        out: dict[str, str] = {}
+        for name in wanted:
+            if not isinstance(name, str) or not name.strip():
+                raise InputError("Name each document by its name or id (a non-empty string).")
+            hit = by_id.get(name)
+            found = [hit] if hit else by_name.get(name) or by_folded.get(name.casefold(), [])
+            if not found:
+                shown = name[:MAX_NAME_SHOWN]
+                raise InputError(f"There is no document {shown!r} in your library (give its name or id, as listed).")
+            out.update((d.doc_id, d.source) for d in found)
+        return tuple(out.items())
+
+    def scope(self, owner: str, chosen: Sequence[tuple[str, str]]) -> frozenset[str]:
+        """The doc ids `owner` can read among a chat's chosen (doc id, name) pairs: by id, else (the
+        file was replaced by a new version, or the chat came from another install) by name. A
+        document removed since is left out; so is one only another owner has."""
+        docs = self.documents(owner)
+        ids = {d.doc_id for d in docs}
+        by_name: dict[str, set[str]] = {}
+        for d in docs:
+            by_name.setdefault(d.source, set()).add(d.doc_id)
+        out: set[str] = set()
+        for doc_id, name in chosen[:MAX_CHAT_DOCUMENTS]:
+            out |= {doc_id} if doc_id in ids else by_name.get(name, set())
+        return frozenset(out)
 
     def shares_uploads(self, owner: str) -> bool:
         """Do `owner`'s uploads join the shared library? Only with LLMWEB_SHARED_UPLOADS=1 (everyone's):

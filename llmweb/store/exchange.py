@@ -429,7 +429,7 @@ def to_markdown(conv: Conversation) -> str:
     chosen = conv.settings.to_dict()
     if chosen:
         out += ["## This chat's settings", ""]
-        out += [f"- {k.replace('_', ' ')}: {v!r}" for k, v in chosen.items()] + [""]
+        out += [f"- {k.replace('_', ' ')}: {_shown(k, v)}" for k, v in chosen.items()] + [""]
     if conv.summary:
         out += [f"## Summary of the first {conv.summarized_upto} turns", "", conv.summary, ""]
     pinned = [f for f in conv.facts if f.pinned]
@@ -442,6 +442,13 @@ def to_markdown(conv: Conversation) -> str:
         if t.sources:
             out += ["Sources:", ""] + [f"- {s.label()}" for s in t.sources] + [""]
     return "\n".join(out)
+
+
+def _shown(name: str, value) -> str:
+    """A chat setting in the transcript: the chosen documents by name, anything else as Python shows it."""
+    if name == "documents":
+        return ", ".join(repr(doc_name) for _, doc_name in value)
+    return repr(value)
 
 
 def _iso(ts: float) -> str:

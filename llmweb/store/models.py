@@ -17,7 +17,7 @@ from typing import Any
 
 from llmweb.config import Settings
 from llmweb.errors import LlmwebError
-from llmweb.records import LOCAL_OWNER, Source, Turn, TurnStats
+from llmweb.records import LOCAL_OWNER, MAX_CHAT_DOCUMENTS, Source, Turn, TurnStats
 
 DEFAULT_TITLE = "New chat"
 TITLE_CHARS = 40  # auto-titles are cut to about this many characters
@@ -26,6 +26,8 @@ HIT_START, HIT_END = "\x02", "\x03"  # around the matched words in `SearchHit.sn
 
 MEMORY_MODES = ("window", "summary", "recall")  # window only; + a rolling summary; + recall of old turns
 MAX_SYSTEM_PROMPT_CHARS = 4000  # a chat's own system prompt may be this long
+MAX_DOC_ID_CHARS = 128  # a document id (a content hash) is far shorter
+MAX_DOC_NAME_CHARS = 1024  # a document's name (a relative path for a folder's files)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,9 @@ class ChatSettings:
     use_docs: bool | None = None  # answer from the documents when relevant
     memory: str | None = None  # one of MEMORY_MODES
     loop_guard: bool | None = None  # never a sentence a third time (engine/runners/loopguard.py)
+    # the documents this chat reads, as (doc id, name) pairs (retrieval's Library.scope resolves
+    # them); None: every document the owner can read. "None at all" is use_docs=False.
+    documents: tuple[tuple[str, str], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Only the fields this chat sets."""
@@ -52,7 +57,10 @@ class ChatSettings:
         unknown = set(d) - set(cls.__slots__)
         if unknown:
             raise ValueError(f"unknown settings {sorted(unknown)}")
-        out = cls(**{k: v for k, v in d.items() if v is not None})
+        values = {k: v for k, v in d.items() if v is not None}
+        if "documents" in values:
+            values["documents"] = _document_pairs(values["documents"])
+        out = cls(**values)
         checks = (
             ("system_prompt", lambda v: isinstance(v, str) and len(v) <= MAX_SYSTEM_PROMPT_CHARS),
             ("temperature", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2),
@@ -66,6 +74,21 @@ class ChatSettings:
             if value is not None and not ok(value):
                 raise ValueError(f"bad {name} {value!r}")
         return out
+
+
+def _document_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """A chat's chosen documents as stored: a non-empty list of at most MAX_CHAT_DOCUMENTS [id, name] pairs."""
+    if not isinstance(value, (list, tuple)) or not 0 < len(value) <= MAX_CHAT_DOCUMENTS:
+        raise ValueError(f"documents must be a list of 1 to {MAX_CHAT_DOCUMENTS} [id, name] pairs")
+    pairs = []
+    for pair in value:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+            raise ValueError("each chosen document is an [id, name] pair of strings")
+        doc_id, name = pair
+        if not 0 < len(doc_id) <= MAX_DOC_ID_CHARS or not 0 < len(name) <= MAX_DOC_NAME_CHARS:
+            raise ValueError("a chosen document's id or name is empty or too long")
+        pairs.append((doc_id, name))
+    return tuple(pairs)
 
 
 class NotFound(LlmwebError, LookupError):

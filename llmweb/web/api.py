@@ -196,13 +196,17 @@ class OpenAIApi:
                 sampling=sampling,
                 stop=req.stop,
                 cancel=cancel,
+                documents=req.documents,
                 **whole,
             )
             return _Turn(events, cancel, "stateful", conv_id, max_tokens, notes)
         owner = caller.stateless_owner
         if req.whole_document:  # the last user message, over one of the caller's documents
             text = next((m.text for m in reversed(req.messages) if m.role == "user"), "")
-            intent = chat.documents.detect(owner, text, force=True)
+            only = None
+            if req.documents is not None and chat.library is not None:
+                only = frozenset(i for i, _ in chat.library.resolve(owner, req.documents))
+            intent = chat.documents.detect(owner, text, force=True, only=only)
             if intent is None:
                 raise bad("x_llmweb.whole_document: name one of your documents in the message.", "x_llmweb")
             events = chat.documents.stream(owner, intent, cancel)
@@ -215,6 +219,7 @@ class OpenAIApi:
             sampling=sampling,
             stop=req.stop,
             cancel=cancel,
+            documents=req.documents,
         )
         return _Turn(events, cancel, "stateless", None, max_tokens, notes)
 

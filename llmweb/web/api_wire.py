@@ -24,6 +24,7 @@ from typing import Any
 
 from llmweb.chat.session import clean_message
 from llmweb.errors import InputError
+from llmweb.records import MAX_CHAT_DOCUMENTS
 
 MODEL_ID = "llmweb"  # the one model /v1/models lists; the loaded model's own name is accepted too
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -69,7 +70,7 @@ KNOWN_FIELDS = {
     "user",
     "conversation_id",
     "use_docs",
-    "x_llmweb",  # llmweb's own options: {"whole_document": true, "loop_guard": false}
+    "x_llmweb",  # llmweb's own options: {"whole_document": true, "loop_guard": false, "documents": [...]}
     *IGNORED_FIELDS,
     *NEUTRAL,
 }
@@ -132,6 +133,7 @@ class ChatRequest:
     use_docs: bool | None = None  # None: on for stateful, off for stateless
     whole_document: bool = False  # x_llmweb.whole_document: read the whole document (chat/document_task.py)
     loop_guard: bool | None = None  # x_llmweb.loop_guard: None = the chat's (engine/runners/loopguard.py)
+    documents: tuple[str, ...] | None = None  # x_llmweb.documents: names or ids, instead of the chat's
 
     @property
     def stateful(self) -> bool:
@@ -229,6 +231,7 @@ def parse_request(
         use_docs=use_docs,
         whole_document=ours.get("whole_document") or False,
         loop_guard=ours.get("loop_guard"),  # None: the chat's
+        documents=_documents(body),
     )
 
 
@@ -243,16 +246,30 @@ def _use_docs(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool | Non
     return use_docs
 
 
-OURS = ("whole_document", "loop_guard")
+OURS = ("whole_document", "loop_guard")  # x_llmweb's flags; "documents" is a list (`_documents`)
+MAX_DOCUMENT_NAME_CHARS = 1024
 
 
 def _ours(body: Mapping[str, Any]) -> dict[str, bool | None]:
-    """llmweb's own options, `x_llmweb`: {"whole_document": bool, "loop_guard": bool}; None where not sent."""
+    """llmweb's own flags, `x_llmweb`: {"whole_document": bool, "loop_guard": bool}; None where not sent."""
     ours = _optional(body, "x_llmweb", dict) or {}
     for key in ours:
-        if key not in OURS:
+        if key not in (*OURS, "documents"):
             raise bad(f"Unrecognized x_llmweb field: {str(key)[:100]}", "x_llmweb", "unknown_parameter")
     return {name: _optional(ours, name, bool, f"x_llmweb.{name}") for name in OURS}
+
+
+def _documents(body: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """`x_llmweb.documents`: the names or ids of the documents this request reads ([]: none), or None."""
+    names = (_optional(body, "x_llmweb", dict) or {}).get("documents")
+    if names is None:
+        return None
+    where = "x_llmweb.documents"
+    if not isinstance(names, list) or len(names) > MAX_CHAT_DOCUMENTS:
+        raise bad(f"{where} must be a list of at most {MAX_CHAT_DOCUMENTS} document names or ids.", where)
+    if not all(isinstance(n, str) and 0 < len(n) <= MAX_DOCUMENT_NAME_CHARS for n in names):
+        raise bad(f"{where}: each is a document's name or id, 1 to {MAX_DOCUMENT_NAME_CHARS} characters.", where)
+    return tuple(names)
 
 
 def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:

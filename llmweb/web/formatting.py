@@ -320,6 +320,11 @@ def documents_markdown(docs) -> str:
     return "\n".join(rows)
 
 
+def scope_label(doc) -> str:
+    """A document in the picker of a chat's documents (a plain-text label: the dropdown shows it as text)."""
+    return f"{doc.source} ({doc.scope})"
+
+
 def ingest_markdown(reports) -> str:
     """One line per uploaded file (`IngestReport`): ✅ added, or ⚠️ and why not."""
     return "\n\n".join(("✅ " if r.ok else "⚠️ ") + escape(r.describe(), inline=True) for r in reports)

@@ -134,6 +134,7 @@ class Layout:
     docs_md: gr.Markdown
     remove_dd: gr.Dropdown
     remove_btn: gr.Button
+    doc_scope: gr.Dropdown  # the documents this chat reads (none picked: all)
     # panel column
     stats_md: gr.Markdown
     bar: gr.HTML
@@ -255,6 +256,13 @@ def _chat_column() -> dict:
         whole_doc = gr.Checkbox(value=False, label="Whole document (this message)", scale=2, elem_id="llmweb-whole-doc")
         more_btn = gr.Button("Continue the reply", size="sm", scale=1, elem_id="llmweb-continue")
     with gr.Accordion("Documents", open=False, elem_id="llmweb-documents"):
+        doc_scope = gr.Dropdown(
+            label="This chat reads",
+            info="None picked: all of them. A file you add while some are picked joins them.",
+            choices=[],
+            multiselect=True,
+            elem_id="llmweb-doc-scope",
+        )
         files = gr.File(label="Add documents", file_count="multiple", file_types=DOC_TYPES, elem_id="llmweb-upload")
         ingest_md = gr.Markdown(elem_id="llmweb-ingest")
         docs_md = gr.Markdown(elem_id="llmweb-doclist")
@@ -278,6 +286,7 @@ def _chat_column() -> dict:
         docs_md=docs_md,
         remove_dd=remove_dd,
         remove_btn=remove_btn,
+        doc_scope=doc_scope,
     )
 
 
@@ -382,13 +391,14 @@ def build_app(runtime) -> gr.Blocks:
         _wire_chat(ui, h.chat, shown, me)
         _wire_sidebar(ui, h, shown, me)
         _wire_panel(ui, h, shown, me)
-        library = [ui.docs_md, ui.remove_dd]
+        library = [ui.docs_md, ui.remove_dd, ui.doc_scope]
+        chat_id = [ui.conv_state]
         demo.load(h.account.visit, [ui.owner_state, ui.conv_state], [ui.owner_state] + shown, **PRIVATE).then(
-            h.docs.documents, me, library, **PRIVATE
+            h.docs.documents, chat_id + me, library, **PRIVATE
         )
         ui.confirm_all_btn.click(h.account.delete_everything, me, shown + library + [ui.confirm_row], **FILES)
-        ui.files.upload(h.docs.upload, [ui.files] + me, library + [ui.ingest_md, ui.files], **FILES)
-        ui.remove_btn.click(h.docs.remove_document, [ui.remove_dd] + me, library + [ui.ingest_md], **PRIVATE)
+        ui.files.upload(h.docs.upload, [ui.files] + chat_id + me, library + [ui.ingest_md, ui.files], **FILES)
+        ui.remove_btn.click(h.docs.remove_document, [ui.remove_dd] + chat_id + me, library + [ui.ingest_md], **PRIVATE)
         ui.timer.tick(h.status.tick, None, [ui.status, ui.timer], show_progress="hidden", **STATUS)
 
         gr.api(
@@ -443,6 +453,7 @@ def _wire_panel(ui: Layout, h: Handlers, shown: list, me: list) -> None:
     chosen = ui.outputs("conv_state", "system_box", "temperature", "reply_cap", "memory_mode", "loop_guard", "use_docs")
     ui.save_settings_btn.click(h.settings.save_settings, chosen + me, shown, **PRIVATE)
     ui.use_docs.input(h.settings.set_use_docs, [ui.conv_state, ui.use_docs] + me, None, **PRIVATE)
+    ui.doc_scope.input(h.settings.set_documents, [ui.conv_state, ui.doc_scope] + me, shown, **PRIVATE)
     facts = [ui.conv_state, ui.new_fact]
     ui.add_fact_btn.click(h.memory.add_fact, facts + me, shown + [ui.new_fact], **PRIVATE)
     for button, handler in (

@@ -308,7 +308,7 @@ class FakeLibrary:
     def is_empty(self, owner):
         return False
 
-    def search(self, owner, query, k=None, min_score=None):
+    def search(self, owner, query, k=None, min_score=None, only=None):
         return [Chunk("The capital of France is Paris.", "geography.md", heading="Europe", score=0.9, doc_id="g")]
 
 

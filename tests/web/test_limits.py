@@ -107,7 +107,7 @@ def test_uploaded_documents_are_deleted_once_indexed(runtime, gradio_cache):  # 
     up = gradio_cache / "abc" / "notes.txt"
     up.parent.mkdir(parents=True)
     up.write_text("hello")
-    Handlers(runtime).docs.upload([str(up)], A_TOKEN, NOBODY, progress=lambda *a, **k: None)
+    Handlers(runtime).docs.upload([str(up)], "", A_TOKEN, NOBODY, progress=lambda *a, **k: None)
     assert seen and not up.exists() and not up.parent.exists()
 
 

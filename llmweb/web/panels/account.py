@@ -46,4 +46,4 @@ class AccountHandlers(PanelHandlers):
         n = self._chat().delete_owner(owner)
         delete_exports(owner)
         gr.Info(f"Deleted {n} chats and your uploaded documents.")
-        return (*self._open(owner, ""), *self.documents.documents(token, request), gr.update(visible=False))
+        return (*self._open(owner, ""), *self.documents.documents("", token, request), gr.update(visible=False))

@@ -25,6 +25,7 @@ from llmweb.web.formatting import (
     history_messages,
     line_chart_html,
     plot_frames,
+    scope_label,
     sections_html,
     stats_markdown,
     summary_markdown,
@@ -86,6 +87,7 @@ class Panel(NamedTuple):
     loop_guard: Any
     versions_row: Any  # the version switcher, shown when the chat has versions
     version_dd: Any
+    doc_scope: Any  # the documents this chat reads (empty: all), among those the owner can read
 
     @classmethod
     def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
@@ -140,8 +142,18 @@ class PanelHandlers:
             tokens_plot=line_chart_html(tokens_df, "tokens", "section", "Prompt tokens by section", SECTION_COLOURS),
             memory_plot=line_chart_html(memory_df, "MiB", "measure", "Memory"),
             prompt_box=prompt,
+            doc_scope=self.scope_shown(owner, conv.settings),
             **self._settings_shown(conv.settings),
         )
+
+    def scope_shown(self, owner: str, chosen: ChatSettings):
+        """The documents picker: every document `owner` can read, and the ones this chat reads
+        (none picked: all of them)."""
+        library = self.runtime.library
+        docs = library.documents(owner)
+        picked = library.scope(owner, chosen.documents) if chosen.documents is not None else frozenset()
+        choices = [(scope_label(d), d.doc_id) for d in docs]
+        return gr.update(choices=choices, value=[d.doc_id for d in docs if d.doc_id in picked])
 
     def _settings_shown(self, chosen: ChatSettings) -> dict:
         """The chat's settings in effect, as the panel shows them; before the model is loaded (no

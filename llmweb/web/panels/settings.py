@@ -9,6 +9,7 @@ import dataclasses
 
 import gradio as gr
 
+from llmweb.chat import scope
 from llmweb.store.models import ChatSettings
 from llmweb.web.panels.base import Panel, PanelHandlers, user_errors
 
@@ -36,6 +37,21 @@ class SettingsHandlers(PanelHandlers):
             conv_id = self.store.create_conversation(owner)
         chat.set_settings(owner, conv_id, chosen)
         return self._reshown(owner, conv_id, "Saved this chat's settings.")
+
+    @user_errors
+    def set_documents(self, conv_id, doc_ids, token, request: gr.Request) -> Panel:
+        """The documents picker: the open chat reads these from now on (none picked: all). A chat not
+        stored yet is created now. A document the visitor cannot read is refused by name
+        (`Library.resolve`), whatever the page sent."""
+        owner = self.owner(token, request)
+        if not conv_id or not self.store.exists(owner, conv_id):
+            conv_id = self.store.create_conversation(owner)
+        picked = [str(d) for d in doc_ids or []]
+        chosen = scope.choose(self.store, self.runtime.library, owner, conv_id, picked or None)
+        names = ", ".join(name for _, name in chosen.documents or ())
+        return self._reshown(
+            owner, conv_id, f"This chat reads {names}." if names else "This chat reads every document."
+        )
 
     @user_errors
     def set_use_docs(self, conv_id, use_docs, token, request: gr.Request):
