@@ -36,6 +36,9 @@ class Settings:
     # where things live
     data_dir: Path = REPO_DIR / "data"
     cache_dir: Path | None = None  # converted model copies; default data_dir/models
+    models_dir: Path | None = None  # the models folder (engine/catalog.py); default data_dir/models
+    model_keep_alive_s: float = 0.0  # unload the model after this long without a request; 0 = keep it loaded
+    operators: str = ""  # login names (comma-separated) who may switch the server's model (web/owner.py)
     # the model
     model: str = ""  # "" = the embedded SmolLM2-135M-Instruct; else a hub id or a local path
     quant: str = "auto"  # 4bit on CUDA, int8-cpu on the CPU (models.resolve_quant)
@@ -137,6 +140,7 @@ class Settings:
         check(self.device in DEVICES, f"LLMWEB_DEVICE must be one of {', '.join(DEVICES)}, not {self.device!r}")
         check(self.context_limit >= 0, "LLMWEB_CONTEXT_LIMIT must be >= 0 (0 = the model's maximum)")
         check(self.max_batch >= 0, "LLMWEB_MAX_BATCH must be >= 0 (0 = by device, 1 = one request at a time)")
+        check(self.model_keep_alive_s >= 0, "LLMWEB_MODEL_KEEP_ALIVE_S must be >= 0 (0 = keep the model loaded)")
         check(self.max_new_tokens >= 1, "LLMWEB_MAX_NEW_TOKENS must be >= 1")
         for name in (
             "summary_tokens",
@@ -255,8 +259,14 @@ class Settings:
         return importlib.util.find_spec("spaces") is None
 
     @property
-    def models_dir(self) -> Path:
+    def copies_dir(self) -> Path:
+        """Where llmweb keeps its own converted copies of models (LLMWEB_CACHE_DIR)."""
         return self.cache_dir if self.cache_dir is not None else self.data_dir / "models"
+
+    @property
+    def models_folder(self) -> Path:
+        """The folder whose .gguf files and model folders llmweb serves (LLMWEB_MODELS_DIR)."""
+        return Path(self.models_dir).expanduser() if self.models_dir is not None else self.data_dir / "models"
 
     def replace(self, **changes) -> Settings:
         return dataclasses.replace(self, **changes)

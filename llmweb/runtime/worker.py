@@ -27,7 +27,7 @@ from llmweb.engine import models
 from llmweb.engine.boundary import serve
 from llmweb.engine.kvcache import KVStore
 from llmweb.errors import LlmwebError
-from llmweb.runtime.engines import kv_budget_bytes, local_limits
+from llmweb.runtime.engines import kv_budget_bytes, local_limits, size_to_memory
 
 log = logging.getLogger("llmweb.engine.worker")
 
@@ -62,7 +62,7 @@ def child_env() -> dict[str, str]:
 
 def model_info(loaded: models.LoadedModel) -> dict:
     """What the web process needs of the loaded model (all but the weights and the tokenizer)."""
-    keep = ("name", "quant", "device", "weights_bytes", "max_context", "kv_bytes_per_token", "dtype_bytes")
+    keep = ("name", "quant", "device", "weights_bytes", "max_context", "kv_bytes_per_token", "dtype_bytes", "max_batch")
     info = {k: getattr(loaded, k) for k in keep}
     info.update(load_s=loaded.load_s, notes=list(loaded.notes), backend=loaded.backend, pid=os.getpid())
     return info
@@ -74,6 +74,7 @@ def build(spec: WorkerSpec, progress):
 
     s = spec.settings
     loaded = models.load(s, progress=progress)
+    size_to_memory(s, loaded)
     budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
     if s.warmup:
         progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")

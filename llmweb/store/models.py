@@ -44,6 +44,7 @@ class ChatSettings:
     # the documents this chat reads, as (doc id, name) pairs (retrieval's Library.scope resolves
     # them); None: every document the owner can read. "None at all" is use_docs=False.
     documents: tuple[tuple[str, str], ...] | None = None
+    model: str | None = None  # the model this chat runs on (engine/catalog.py's id); None: the one served
 
     def to_dict(self) -> dict[str, Any]:
         """Only the fields this chat sets."""
@@ -68,6 +69,7 @@ class ChatSettings:
             ("use_docs", lambda v: isinstance(v, bool)),
             ("memory", lambda v: v in MEMORY_MODES),
             ("loop_guard", lambda v: isinstance(v, bool)),
+            ("model", lambda v: isinstance(v, str) and 0 < len(v) <= MAX_DOC_NAME_CHARS),
         )
         for name, ok in checks:
             value = getattr(out, name)

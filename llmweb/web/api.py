@@ -40,6 +40,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from llmweb.chat.session import Delta, Finished, Progress, Queued, Started
 from llmweb.chat.stateless import Fitted, StatelessChat
@@ -56,8 +57,8 @@ from llmweb.errors import (
     TimedOut,
 )
 from llmweb.store.models import NotFound, new_id
+from llmweb.web import api_models
 from llmweb.web.api_wire import (
-    MODEL_ID,
     NEW_CONVERSATION,
     ApiError,
     ChatRequest,
@@ -67,7 +68,6 @@ from llmweb.web.api_wire import (
     bad,
     finish_reason,
     model_object,
-    models_list,
     parse_json,
     parse_request,
     sse,
@@ -106,9 +106,7 @@ class OpenAIApi:
         self._lock = threading.Lock()
 
     def model_names(self) -> list[str]:
-        loaded = getattr(self.runtime, "loaded", None)
-        name = getattr(loaded, "name", None)
-        return [MODEL_ID] + ([name] if isinstance(name, str) and name and name != MODEL_ID else [])
+        return api_models.names(self.runtime)
 
     # ---- routes
     async def models(self, request: Request) -> Response:
@@ -116,7 +114,7 @@ class OpenAIApi:
             self.callers.caller(request)
         except ApiError as e:
             return error_response(e)
-        return JSONResponse(models_list([MODEL_ID], self.created))
+        return JSONResponse({"object": "list", "data": api_models.objects(self.runtime, self.created)})
 
     async def model(self, request: Request, model_id: str) -> Response:
         try:
@@ -126,7 +124,8 @@ class OpenAIApi:
                 raise ApiError(404, message, type="not_found_error", code="model_not_found")
         except ApiError as e:
             return error_response(e)
-        return JSONResponse(model_object(model_id, self.created))
+        found = [m for m in api_models.objects(self.runtime, self.created) if m["id"] == model_id]
+        return JSONResponse(found[0] if found else model_object(model_id, self.created))
 
     async def unknown(self, request: Request, path: str) -> Response:
         known = {"models": "GET", "chat/completions": "POST"}
@@ -142,6 +141,7 @@ class OpenAIApi:
             require_json(request)
             body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
             req = parse_request(body, self.model_names(), self.settings.max_message_chars, request.headers)
+            served = await run_in_threadpool(api_models.ensure, self.runtime, caller, req.model)
             turn = self.start(caller, req)
             pump = _Pump(turn.events, turn.cancel)
             try:
@@ -154,7 +154,7 @@ class OpenAIApi:
         except Exception as e:
             return error_response(api_error(e))
         fitted = next((e for e in early if isinstance(e, Fitted)), None)
-        reply = _Reply(req, turn, fitted, Completion(req.model, "chatcmpl-" + secrets.token_hex(12)))
+        reply = _Reply(req, turn, fitted, Completion(served, "chatcmpl-" + secrets.token_hex(12)))
         if req.stream:
             return _EventStream(reply.stream(pump), on_close=pump.close, headers=reply.headers(None))
         return await reply.whole(pump, request)

@@ -320,6 +320,13 @@ def documents_markdown(docs) -> str:
     return "\n".join(rows)
 
 
+def model_label(entry) -> str:
+    """A model in the picker (plain text): its id, size and trained context."""
+    size = f"{entry.size_bytes / 2**30:.1f} GB" if entry.size_bytes >= 2**30 else f"{entry.size_bytes / 2**20:,.0f} MB"
+    context = f" · {entry.context_train:,} ctx" if entry.context_train else ""
+    return f"{entry.id} · {size}{context}"
+
+
 def scope_label(doc) -> str:
     """A document in the picker of a chat's documents (a plain-text label: the dropdown shows it as text)."""
     return f"{doc.source} ({doc.scope})"

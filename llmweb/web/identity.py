@@ -120,6 +120,15 @@ def gradio_api_owner(settings: Settings, conversation_id: str, request) -> str:
     return login_owner(name) if name else API_CONVERSATION + conversation_id
 
 
+def may_switch_models(settings: Settings, owner: str) -> bool:
+    """May `owner` switch the model the whole server serves? The machine's owner of a single-user
+    install, and a login named in LLMWEB_OPERATORS; never an anonymous visitor or API conversation."""
+    if owner == LOCAL_OWNER and settings.is_single_user:
+        return True
+    operators = {n.strip() for n in settings.operators.split(",") if n.strip()}
+    return bool(owner) and owner in {login_owner(n) for n in operators}
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     """An OpenAI-API caller. owner=None: the open API on a multi-user install (each conversation is its own owner)."""

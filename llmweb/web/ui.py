@@ -33,6 +33,7 @@ from llmweb.web.panels.chats import ChatListHandlers
 from llmweb.web.panels.documents import DocumentHandlers
 from llmweb.web.panels.endpoints import EndpointHandlers, StatusHandlers
 from llmweb.web.panels.memory import MemoryHandlers
+from llmweb.web.panels.models import ModelHandlers
 from llmweb.web.panels.settings import SettingsHandlers
 from llmweb.web.panels.transfer import TransferHandlers
 
@@ -103,6 +104,7 @@ class Layout:
     status: gr.Markdown
     timer: gr.Timer
     # sidebar
+    model_dd: gr.Dropdown  # the model served (web/panels/models.py)
     new_btn: gr.Button
     search_box: gr.Textbox
     search_hits: gr.Radio
@@ -180,6 +182,7 @@ def layout(status_text: Callable[[], str], secret: str) -> Layout:
 
 
 def _sidebar() -> dict:
+    model_dd = gr.Dropdown(label="Model", choices=[], interactive=False, elem_id="llmweb-model")
     new_btn = gr.Button("New chat", variant="secondary")
     search_box = gr.Textbox(
         placeholder="Search my chats (Enter)", show_label=False, max_lines=1, elem_id="llmweb-search"
@@ -205,6 +208,7 @@ def _sidebar() -> dict:
         )
         cancel_all_btn = gr.Button("Cancel", size="sm")
     return dict(
+        model_dd=model_dd,
         new_btn=new_btn,
         search_box=search_box,
         search_hits=search_hits,
@@ -358,6 +362,7 @@ class Handlers:
         self.account = AccountHandlers(runtime, self.docs)
         self.endpoints = EndpointHandlers(runtime)
         self.status = StatusHandlers(runtime)
+        self.models = ModelHandlers(runtime)
 
 
 # ---- wiring
@@ -395,7 +400,8 @@ def build_app(runtime) -> gr.Blocks:
         chat_id = [ui.conv_state]
         demo.load(h.account.visit, [ui.owner_state, ui.conv_state], [ui.owner_state] + shown, **PRIVATE).then(
             h.docs.documents, chat_id + me, library, **PRIVATE
-        )
+        ).then(h.models.picker, me, [ui.model_dd], **PRIVATE)
+        ui.model_dd.input(h.models.switch, [ui.model_dd] + chat_id + me, [ui.status, ui.timer, ui.model_dd], **PRIVATE)
         ui.confirm_all_btn.click(h.account.delete_everything, me, shown + library + [ui.confirm_row], **FILES)
         ui.files.upload(h.docs.upload, [ui.files] + chat_id + me, library + [ui.ingest_md, ui.files], **FILES)
         ui.remove_btn.click(h.docs.remove_document, [ui.remove_dd] + chat_id + me, library + [ui.ingest_md], **PRIVATE)

@@ -136,8 +136,8 @@ def test_requant_reencodes_the_gguf_once_and_the_copy_answers(tmp_path):
     loaded = models.load(s, progress=said.append)
     try:
         assert loaded.backend == "llama.cpp" and loaded.quant == "Q8_0 GGUF from Q4_1", loaded.quant
-        copies = list(s.models_dir.glob("*.q8_0-*.gguf"))
-        assert [loaded.model.path] == copies and not list(s.models_dir.glob(".*tmp*"))
+        copies = list(s.copies_dir.glob("*.q8_0-*.gguf"))
+        assert [loaded.model.path] == copies and not list(s.copies_dir.glob(".*tmp*"))
         assert any("re-encoding" in m for m in said)
         fmt = TemplateFormat(loaded.tokenizer)
         ids = render_prompt(fmt, "You are helpful.", [("user", "What is the capital of France?")])

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from typing import Any
 
 import gradio as gr
 
 from llmweb.chat.session import Delta, Finished, Progress, Queued, Started, clean_message
-from llmweb.errors import InputError
+from llmweb.errors import InputError, LlmwebError
 from llmweb.store.models import ChatSettings
 from llmweb.web.formatting import escape, history_messages, message_text
-from llmweb.web.panels.base import Panel, PanelHandlers, user_errors
+from llmweb.web.panels.base import WAIT_READY_S, Panel, PanelHandlers, user_errors
+from llmweb.web.panels.models import ensure_chat_model
 
 # the most often a streaming reply is shown again: each update re-sends and re-renders the whole
 # message (markdown in the browser), so per token it costs O(n^2) in the reply's length, and a
@@ -28,6 +30,7 @@ SHOW_EVERY_S = 0.1
 # after Stop, the most to wait for the partial turn to be stored: the worker stops within a step,
 # but a batch's step on a loaded CPU can take seconds (5 s was too short for the browser test there)
 STOP_WAIT_S = 30.0
+LOAD_POLL_S = 1.0  # while a model loads, the reply's place shows the status line this often
 
 
 class ChatHandlers(PanelHandlers):
@@ -39,34 +42,36 @@ class ChatHandlers(PanelHandlers):
     ) -> Iterator[tuple]:
         """Send from the chat box: streams the reply into the chat, then fills the panel and clears the box.
         `whole_doc` (the box beside the documents one): read the whole document (chat/document_task.py)."""
-        chat, owner = self._chat(), self.owner(token, request)
+        owner = self.owner(token, request)
         clean_message(message, self.settings.max_message_chars)
         conv_id = conv_id if conv_id and self.store.exists(owner, conv_id) else None  # None: a new chat
-        if conv_id is None and not use_docs:  # the box is this chat's setting: keep it from the first turn
-            conv_id = self.store.create_conversation(owner)
-            chat.set_settings(owner, conv_id, ChatSettings(use_docs=False))
         shown = list(history or []) + [
             {"role": "user", "content": escape(message, message=True)},
             {"role": "assistant", "content": "…"},
         ]
+        chat = yield from self._loaded(owner, conv_id, shown, (message,))
+        if conv_id is None and not use_docs:  # the box is this chat's setting: keep it from the first turn
+            conv_id = self.store.create_conversation(owner)
+            chat.set_settings(owner, conv_id, ChatSettings(use_docs=False))
         whole = {"whole_document": True} if whole_doc else {}
         events = chat.send(owner, conv_id, message, use_docs=bool(use_docs), **whole)
         for panel in self._stream(owner, conv_id, shown, events):
             yield (*panel, "")
 
     @user_errors
-    def regenerate(self, conv_id, use_docs, token, request: gr.Request) -> Iterator[Panel]:
+    def regenerate(self, conv_id, use_docs, token, request: gr.Request) -> Iterator[tuple]:
         """The chat's retry control: answer the last message again; the new reply replaces the old one."""
         yield from self._redo(conv_id, use_docs, token, request, more=False)
 
     @user_errors
-    def continue_reply(self, conv_id, use_docs, token, request: gr.Request) -> Iterator[Panel]:
+    def continue_reply(self, conv_id, use_docs, token, request: gr.Request) -> Iterator[tuple]:
         """Continue: a reply cut by the length cap or stopped grows from where it ended."""
         yield from self._redo(conv_id, use_docs, token, request, more=True)
 
-    def _redo(self, conv_id, use_docs, token, request, *, more: bool) -> Iterator[Panel]:
-        chat, owner = self._chat(), self.owner(token, request)
+    def _redo(self, conv_id, use_docs, token, request, *, more: bool) -> Iterator[tuple]:
+        owner = self.owner(token, request)
         conv = self._current(owner, conv_id)
+        chat = yield from self._loaded(owner, conv_id, history_messages(conv))
         if not conv.turns:
             raise InputError("There is no reply to regenerate or continue yet.")
         last = conv.turns[-1]
@@ -88,12 +93,13 @@ class ChatHandlers(PanelHandlers):
         return (*self._reshown(owner, conv_id, "Removed the last turn."), gone.user)
 
     @user_errors
-    def edit(self, conv_id, use_docs, token, request: gr.Request, edited: gr.EditData) -> Iterator[Panel]:
+    def edit(self, conv_id, use_docs, token, request: gr.Request, edited: gr.EditData) -> Iterator[tuple]:
         """The chat's edit control on a user message: send the new text in place of that turn. The
         chat forks there: the turns from it on stay, as another version (the switcher shows it)."""
-        chat, owner = self._chat(), self.owner(token, request)
+        owner = self.owner(token, request)
         conv = self._current(owner, conv_id)
         messages = history_messages(conv)
+        chat = yield from self._loaded(owner, conv_id, messages)
         index = edited.index if isinstance(edited.index, int) else edited.index[0]
         turn = sum(1 for m in messages[:index] if m.get("role") == "user")
         value = edited.value
@@ -126,6 +132,21 @@ class ChatHandlers(PanelHandlers):
         self._chat().switch_version(owner, conv_id, fork, (active + step) % count)
         conv = self.store.get(owner, conv_id)
         return self.panel(owner, conv, f"Turn {fork + 1}: version {conv.versions[fork][0] + 1} of {count}.", fork=fork)
+
+    def _loaded(self, owner: str, conv_id, shown: list[dict], tail: tuple = ()) -> Generator[tuple, None, Any]:
+        """The chat, once its model is served (a chat of its own model gets it, when its owner may
+        switch models: web/panels/models.py); while a model loads, the reply's place shows the
+        load's progress (a switch, or a load again after the keep-alive unloaded it)."""
+        ensure_chat_model(self, owner, conv_id)
+        deadline = time.monotonic() + WAIT_READY_S
+        while True:
+            try:
+                return self.runtime.wait_ready(LOAD_POLL_S)
+            except LlmwebError:
+                if getattr(self.runtime, "_error", None) is not None or time.monotonic() > deadline:
+                    raise  # a failed load says why; a load past WAIT_READY_S says it is still loading
+            loading = [*shown[:-1], {"role": "assistant", "content": f"*{escape(self.runtime.status, inline=True)}*"}]
+            yield (*Panel.streaming(conv_id or "", loading), *tail)
 
     def _stream(self, owner: str, conv_id, shown: list[dict], events) -> Iterator[Panel]:
         """Show a turn's events: the queue position, a whole-document task's progress (under the text

@@ -19,6 +19,8 @@ from llmweb.web.identity import gradio_api_owner
 from llmweb.web.panels.base import PanelHandlers, user_errors
 from llmweb.web.visitors import visitors_for
 
+READY_TICK_S = 30.0  # the status line's refresh once the model is ready
+
 
 class EndpointHandlers(PanelHandlers):
     """`/chat` and `/stats` for gradio_client callers."""
@@ -62,5 +64,7 @@ class StatusHandlers(PanelHandlers):
         return f"**llmweb** · {escape(self.runtime.status, inline=True)}"  # it may quote a server's words
 
     def tick(self) -> tuple:
-        """The timer: refresh the status line, and stop ticking once the model is ready."""
-        return self.status_text(), gr.update(active=not self.runtime.ready)
+        """The timer: refresh the status line every second while the model loads, then every
+        READY_TICK_S (a switch elsewhere, or the keep-alive's unload, shows within that)."""
+        loading = not self.runtime.ready and not getattr(self.runtime, "unloaded", False)
+        return self.status_text(), gr.update(value=1.0 if loading else READY_TICK_S, active=True)
