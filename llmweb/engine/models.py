@@ -67,6 +67,7 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)
     backend: str = "transformers"  # or "llama.cpp"
     max_batch: int = 0  # requests decoded together, as sized to memory (runtime/engines.py); 0: unsized
+    kv_store_bytes: int = 0  # the idle chats' caches' budget where memory was tight (runtime/engines.py); 0: default
 
     @property
     def on_cpu(self) -> bool:

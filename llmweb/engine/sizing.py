@@ -6,8 +6,9 @@ trained context, capped on the CPU for prefill speed: chat/context.py) and the b
 until every slot's full-context KV cache fits the room; `Fit.note` says what was reduced and why,
 for the status line. The room is measured by `room_bytes` in the process that holds the model
 (runtime/engines.py calls it after the load): on the CPU the memory limit (LLMWEB_MEM_LIMIT_MB, or
-80% of RAM) minus the process's RSS, minus the weights where llama.cpp maps them without reading
-them yet, minus LLMWEB_MEM_MARGIN_MB; on CUDA the free device memory minus that margin.
+80% of RAM) minus the process's RSS (the weights are in it by then: llama.cpp reads them all at
+load), minus LLMWEB_MEM_MARGIN_MB; on CUDA the free device memory minus that margin; and from either,
+the activations' floor (engine/admission.py's ACTIVATION_FLOOR).
 
 Must not: load anything or decide the budget's other parts (chat/context.py's `Budget` does).
 """

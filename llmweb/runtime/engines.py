@@ -32,9 +32,12 @@ def gpu_entry(fn):
 
 
 def kv_budget_bytes(settings: Settings, loaded) -> int:
-    """LLMWEB_KV_BUDGET_MB, or a quarter of free device memory after loading (CPU: 1/16 of RAM, <= 1 GiB)."""
+    """LLMWEB_KV_BUDGET_MB, or a quarter of free device memory after loading (CPU: 1/16 of RAM, <= 1 GiB),
+    or less where the model was sized to a tight memory (`size_to_memory`: a quarter of the room)."""
     if settings.kv_budget_mb > 0:
         return settings.kv_budget_mb * 2**20
+    if getattr(loaded, "kv_store_bytes", 0):
+        return loaded.kv_store_bytes
     if not loaded.on_cpu:
         import torch
 
@@ -53,6 +56,7 @@ def size_to_memory(settings: Settings, loaded) -> None:
     """Fit the loaded model's context and batch to the memory left now (engine/sizing.py), in the
     process that holds it: `loaded.max_context` and `loaded.max_batch` are cut where every slot's
     full-context KV cache would not fit, and the reason joins `loaded.notes` (the status line)."""
+    from llmweb.engine.admission import ACTIVATION_FLOOR
     from llmweb.engine.request import auto_max_batch
     from llmweb.engine.sizing import fit
 
@@ -60,14 +64,17 @@ def size_to_memory(settings: Settings, loaded) -> None:
     wanted = Budget.from_settings(s, loaded.max_context, loaded.on_cpu).context_limit
     slots = s.max_batch or auto_max_batch(loaded.on_cpu)
     margin = s.mem_margin_mb * 2**20
-    if loaded.on_cpu:
-        unread = loaded.weights_bytes if loaded.backend == "llama.cpp" else 0  # mapped, paged in as it runs
-        room = cpu_mem_limit_bytes(s) - psutil.Process().memory_info().rss - unread - margin
+    if loaded.on_cpu:  # the weights are resident once loaded (llama.cpp reads them all: 111 MiB for a 92 MiB file)
+        room = cpu_mem_limit_bytes(s) - psutil.Process().memory_info().rss - margin
     else:
         import torch
 
         room = int(torch.cuda.mem_get_info()[0]) - margin
+    room -= ACTIVATION_FLOOR  # the compute buffers and activations beside the KV caches (engine/admission.py)
     sized = fit(wanted, slots, loaded.kv_bytes_per_token, room, name=loaded.name)
+    if sized.note:  # tight: the idle chats' caches (kept as host bytes) get a quarter of the room, the pool the rest
+        loaded.kv_store_bytes = min(kv_budget_bytes(s, loaded), max(room, 0) // 4)
+        sized = fit(wanted, slots, loaded.kv_bytes_per_token, room - loaded.kv_store_bytes, name=loaded.name)
     loaded.max_context = min(loaded.max_context, sized.context) if sized.note else loaded.max_context
     loaded.max_batch = sized.slots
     if sized.note:

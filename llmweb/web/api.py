@@ -103,6 +103,7 @@ class OpenAIApi:
         self.callers = ApiCallers(self.settings)
         self.created = int(time.time())
         self._stateless: StatelessChat | None = None
+        self._stateless_of = None  # the chat it was made over
         self._lock = threading.Lock()
 
     def model_names(self) -> list[str]:
@@ -224,8 +225,10 @@ class OpenAIApi:
         return _Turn(events, cancel, "stateless", None, max_tokens, notes)
 
     def stateless(self, chat) -> StatelessChat:
+        """The stateless path over `chat`'s engine: made again after a model switch (a new chat)."""
         with self._lock:
-            if self._stateless is None:
+            if self._stateless is None or self._stateless_of is not chat:
+                self._stateless_of = chat
                 self._stateless = StatelessChat(
                     self.settings, chat.engine, chat.fmt, chat.budget, chat.folds.summariser.write, chat.library
                 )

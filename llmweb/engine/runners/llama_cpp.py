@@ -117,12 +117,16 @@ class LlamaRunner(BaseRunner):
         return self.kv_bytes_per_token * (len(request.prompt_ids) + request.max_new_tokens)
 
     def available(self) -> int:
-        """The pool's free cells in bytes (the running slots' tokens are taken), and no more than
-        the room under the RSS limit, if one is set."""
+        """The pool's free cells in bytes (the running slots' tokens are taken); nothing while the
+        process is over its RSS limit, if one is set (idle session caches, kept as host bytes, are
+        then evicted first). The pool itself is allocated, and cleared, when the context is made, so
+        its cells are in the RSS already: counting a request's KV against the room under the limit
+        too would count it twice."""
         used = sum(self.held(s) for s in self._running.values())
         free = self.n_ctx * self.kv_bytes_per_token - used
         if self.mem_limit_bytes > 0:
-            free = min(free, self.mem_limit_bytes - rss_bytes())
+            over = rss_bytes() - self.mem_limit_bytes
+            free = min(free, -over) if over > 0 else free
         return free
 
     # ---- the sequences
