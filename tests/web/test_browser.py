@@ -533,6 +533,24 @@ def test_uploaded_document_is_cited(page, server, tmp_path):
         )
         shot(page, "cited-source.png")
 
+    with step(page, "opened-source"):  # issue 37: a click on the cited source shows its passage beside the chat
+        sources.locator("strong").filter(has_text=DOC_NAME).first.click()
+        passage = page.locator("#llmweb-source")
+        text = poll(
+            lambda: t if "412 hours" in (t := passage.inner_text()) else "",
+            60,
+            "the clicked source's passage in the source panel",
+            server,
+            page,
+        )
+        assert f"[1] {DOC_NAME}" in text and "Zephyr-7 rover notes" in text, text  # its name and heading
+        assert "412 hours" in page.locator("#llmweb-source .llmweb-cited").inner_text()
+        assert "&lt;" not in text and "&amp;" not in text, f"HTML entities shown as text: {text!r}"
+        assert f"[1] {DOC_NAME}" in page.locator("#llmweb-source-pick").inner_text()
+        shot(page, "opened-source.png")
+        page.locator("#llmweb-source-close").click()
+        passage.wait_for(state="hidden", timeout=30_000)
+
 
 def test_a_whole_document_summary_shows_its_progress_and_cites_its_sections(page, server):
     """Issue 27: the per-message "Whole document" box reads the whole uploaded document, shows

@@ -86,6 +86,7 @@ class Panel(NamedTuple):
     loop_guard: Any
     versions_row: Any  # the version switcher, shown when the chat has versions
     version_dd: Any
+    source_box: Any  # the source panel (panels/sources.py): closed when another view of the chat is shown
 
     @classmethod
     def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
@@ -141,6 +142,7 @@ class PanelHandlers:
             memory_plot=line_chart_html(memory_df, "MiB", "measure", "Memory"),
             prompt_box=prompt,
             **self._settings_shown(conv.settings),
+            source_box=gr.update(visible=False),
         )
 
     def _settings_shown(self, chosen: ChatSettings) -> dict:
