@@ -97,9 +97,19 @@ SOURCE_CLICKS = """() => {
       if (m && above) n = parseInt(m[1], 10);
     }
     window.llmwebSource = n;
+    window.llmwebSourceClicked = Boolean(block);
   }, true);
 }"""
 OPEN_SOURCE = "(conv, n, token) => [conv, window.llmwebSource || 0, token]"
+# once a source opened: bring the panel into view (on a phone it is below the chat; elsewhere a no-op)
+SHOW_SOURCE = """() => {
+  if (!window.llmwebSourceClicked) return [];
+  setTimeout(() => {
+    const panel = document.getElementById("llmweb-source");
+    if (panel) panel.scrollIntoView({block: "nearest"});
+  }, 300);
+  return [];
+}"""
 
 
 def body_cap(settings):
@@ -504,6 +514,7 @@ def _wire_sources(ui: Layout, h: SourceHandlers, me: list) -> None:
     """A click on a Sources message opens the source panel; its picker and Close. Not the chat's
     output: a click while a reply streams changes nothing of it."""
     panel = ui.outputs("source_box", "source_pick", "source_html")
-    ui.chatbot.select(h.open_clicked, [ui.conv_state, ui.source_n] + me, panel, js=OPEN_SOURCE, **PRIVATE)
+    opened = ui.chatbot.select(h.open_clicked, [ui.conv_state, ui.source_n] + me, panel, js=OPEN_SOURCE, **PRIVATE)
+    opened.then(None, None, None, js=SHOW_SOURCE)
     ui.source_pick.input(h.pick, [ui.conv_state, ui.source_pick] + me, panel, **PRIVATE)
     ui.source_close.click(h.close, None, panel, **PRIVATE)

@@ -207,3 +207,15 @@ def test_a_recall_source_opens_its_earlier_turn_while_that_turn_is_still_in_the_
     assert open_source(None, A, edited, source) is None, "another version of the chat is shown now"
     assert open_source(None, A, conversation(), source) is None, "the turn was undone"
     assert open_source(None, A, conv, Source(1, "turn x", kind="recall", doc_id="turn-x")) is None
+
+
+def test_every_section_a_whole_document_task_cites_opens_as_its_run_of_the_document(library, tmp_path):
+    from llmweb.chat.document_plan import split
+
+    doc = upload(library, A, "rover.md", LETTER, tmp_path)
+    chunks = library.chunks(A, doc)
+    pieces = split(chunks, 60, lambda t: len(t.split()))
+    assert 1 < len(pieces) < len(chunks), "pieces of a few chunks each"
+    for piece in pieces:
+        p = open_source(library, A, None, Source.from_chunk(piece.as_chunk(), piece.n))
+        assert p is not None and " ".join(p.cited.text.split()) == " ".join(piece.text.split())
