@@ -51,6 +51,11 @@ class Source:
     score: float = 0.0
     kind: str = "document"  # document | recall
     snippet: str = ""
+    # where the passage is, to open it again (chat/passages.py): the chunk's `doc_id` (a document's
+    # content hash; "turn-<i>" for recall) and its character offsets; "" in turns stored before
+    doc_id: str = ""
+    start: int = 0
+    end: int = 0
 
     SNIPPET_CHARS = 240
 
@@ -58,20 +63,26 @@ class Source:
     def from_chunk(cls, chunk: Chunk, n: int) -> Source:
         text = " ".join(chunk.text.split())
         snippet = text[: cls.SNIPPET_CHARS] + ("…" if len(text) > cls.SNIPPET_CHARS else "")
-        return cls(n, chunk.source, chunk.page, chunk.heading, round(float(chunk.score), 3), chunk.kind, snippet)
+        score = round(float(chunk.score), 3)
+        where = (chunk.doc_id, chunk.start, chunk.end)
+        return cls(n, chunk.source, chunk.page, chunk.heading, score, chunk.kind, snippet, *where)
 
     def label(self) -> str:
         return source_label(self.source, self.page, self.heading)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in _SOURCE_FIELDS}
+        """The stored form; the place (`doc_id`, `start`, `end`) only when known, so a source
+        without one is stored as before."""
+        fields = _SOURCE_FIELDS + (_PLACE_FIELDS if self.doc_id else ())
+        return {f: getattr(self, f) for f in fields}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Source:
-        return cls(**{k: d[k] for k in _SOURCE_FIELDS if k in d})
+        return cls(**{k: d[k] for k in _SOURCE_FIELDS + _PLACE_FIELDS if k in d})
 
 
 _SOURCE_FIELDS = ("n", "source", "page", "heading", "score", "kind", "snippet")
+_PLACE_FIELDS = ("doc_id", "start", "end")
 
 
 def source_label(source: str, page: int | None, heading: str | None) -> str:

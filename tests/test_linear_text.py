@@ -18,7 +18,9 @@ import pytest
 from llmweb.bench import hostile
 from llmweb.bench.hostile import CASES, MAX_RATIO, Target, measure, measure_steady
 from llmweb.chat import facts
-from llmweb.web import api_wire
+from llmweb.chat.passages import Excerpt, Passage
+from llmweb.records import Source
+from llmweb.web import api_wire, formatting
 
 # facts.py's sentence regex before issue 25: a line without an end mark, cut by a newline, made it
 # retry every suffix of the line (4,000 characters 0.32 s, 16,000 4.79 s, a 62,000-dash line ~80 s)
@@ -29,9 +31,15 @@ def _api_messages(text: str) -> object:
     return api_wire.parse_messages([{"role": "user", "content": [{"type": "text", "text": text}]}], 10**8)
 
 
-API_TARGETS = (
+def _passage_html(text: str) -> str:
+    source = Source(1, text[:200], 1, text[:200], snippet=text[:240])
+    return formatting.passage_html(Passage(source, Excerpt(text), Excerpt(text, 2), Excerpt(text)), source)
+
+
+API_TARGETS = (  # and the page's: web/ is a layer above bench too
     Target("api_wire.parse_messages", _api_messages),
     Target("api_wire.parse_json", api_wire.parse_json, lambda t: api_wire.json.dumps({"messages": t}).encode()),
+    Target("formatting.passage_html", _passage_html),
 )
 PAIRS = list(hostile.pairs(extra=API_TARGETS))
 

@@ -259,11 +259,19 @@ def _as_chunks(text: str) -> list:
     ]
 
 
+def _cited(text: str) -> tuple:
+    """The text's chunks (`_as_chunks`) and a source cited over all of them, as a whole-document
+    task cites a piece (chat/passages.py opens it)."""
+    from llmweb.records import Chunk, Source
+
+    return _as_chunks(text), Source.from_chunk(Chunk(text, "x.txt", start=0, end=len(text), doc_id="d"), 1)
+
+
 def targets(chunking: bool = True) -> list[Target]:
     """Every text function on a path from a stranger's text (chat message, upload, import, the
     model's own replies folded into summaries). The API's wire parsing (web/api_wire.py) is a peer
     layer that bench may not import: tests/test_linear_text.py adds it to these."""
-    from llmweb.chat import document_plan, facts, summary
+    from llmweb.chat import document_plan, facts, passages, summary
     from llmweb.chat.session import clean_message
     from llmweb.retrieval import keywords
 
@@ -286,6 +294,7 @@ def targets(chunking: bool = True) -> list[Target]:
         Target("document_plan.split", lambda chunks: document_plan.split(chunks, 64, _words), _as_chunks),
         Target("document_plan.attribute", lambda t: document_plan.attribute(t, document_plan.cite_index({1: t}), 1)),
         Target("document_plan.by_section", lambda t: document_plan.by_section([(1, 2, t)])),
+        Target("passages.locate", lambda cited: passages.locate(*cited), _cited),
         Target("documents.parse .txt", _parse(".txt"), lambda t: t.encode()),
         Target("documents.parse .md", _parse(".md"), lambda t: t.encode()),
         Target("documents.parse .html", _parse(".html"), lambda t: t.encode()),

@@ -38,12 +38,14 @@ MAX_FACT_CHARS = 10_000
 MAX_SUMMARY_CHARS = 200_000
 MAX_SOURCES = 100  # sources under one reply
 MAX_NAME_CHARS = 4_096  # a source's file name, heading or snippet
+MAX_DOC_ID_CHARS = 100  # a source's doc_id: a content hash, or "turn-<i>"
 MAX_STAT_INT = 2**53  # any figure in a turn's stats
 MAX_TIME = 1e11  # unix seconds (year ~5000)
 # the prompt sections a turn's stats may name: chat/context.py's SECTIONS (a test keeps them equal;
 # the store may not import the chat)
 SECTION_NAMES = ("system", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
 SOURCE_KINDS = ("document", "recall")
+_SOURCE_OPTIONAL = ("page", "heading", "score", "kind", "snippet", "doc_id", "start", "end")
 _TOP = ("format", "version", "title", "created", "updated", "summary", "summarized_upto", "turns")
 _TOP_OPTIONAL = ("id", "settings", "facts", "versions")
 _TURN = ("idx", "user", "assistant", "stats", "sources", "created")
@@ -301,7 +303,7 @@ def _sections(value: Any) -> None:
 def _sources_json(items: Any) -> str:
     out = []
     for s in _items(items, "sources", MAX_SOURCES):
-        s = _fields(s, "a source", ("n", "source"), ("page", "heading", "score", "kind", "snippet"))
+        s = _fields(s, "a source", ("n", "source"), _SOURCE_OPTIONAL)
         if s.get("kind", "document") not in SOURCE_KINDS:
             raise ValueError(f"unknown source kind {str(s.get('kind'))[:20]!r}")
         source = Source(
@@ -312,6 +314,11 @@ def _sources_json(items: Any) -> str:
             _float(s.get("score", 0.0), "a source's score"),
             s.get("kind", "document"),
             _text(s.get("snippet", ""), "a source's snippet", MAX_NAME_CHARS),
+            # where its passage is: kept as given, since opening it looks only in the importer's own
+            # library and chat (chat/passages.py), where another owner's place finds nothing
+            _text(s.get("doc_id", ""), "a source's doc_id", MAX_DOC_ID_CHARS),
+            _int(s.get("start", 0), "a source's start", MAX_STAT_INT),
+            _int(s.get("end", 0), "a source's end", MAX_STAT_INT),
         )
         out.append(source.to_dict())
     return json.dumps(out)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API, on the UI's port: `GET /v1/models`, `POST /v1/chat/completions`.
+"""The OpenAI-compatible API, on the UI's port: `GET /v1/models`, `POST /v1/chat/completions`, and
+llmweb's own `GET /v1/x_llmweb/passage` (a cited source's passage, by the place its citation gives).
 
 `api_routes(runtime)` returns the routes; cli/main.py hands them to Gradio's FastAPI app
 (`launch(app_kwargs={"routes": ...})`), so `python -m llmweb serve` serves both on one port. This
@@ -42,6 +43,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from llmweb.chat.passages import Passage, open_source
 from llmweb.chat.session import Delta, Finished, Progress, Queued, Started
 from llmweb.chat.stateless import Fitted, StatelessChat
 from llmweb.chat.turn import Cancel, Sampling
@@ -63,13 +65,16 @@ from llmweb.web.api_wire import (
     ApiError,
     ChatRequest,
     Completion,
+    PassageQuery,
     StopScanner,
     Usage,
     bad,
     finish_reason,
     model_object,
     parse_json,
+    parse_passage_query,
     parse_request,
+    passage_object,
     sse,
 )
 from llmweb.web.failures import public_message
@@ -79,7 +84,7 @@ from llmweb.web.login import login_routes
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2  # what a 429 / 503 tells the client to wait
-ENDPOINTS = "GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions"
+ENDPOINTS = "GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, GET /v1/x_llmweb/passage"
 
 
 def api_routes(runtime) -> list:
@@ -90,6 +95,7 @@ def api_routes(runtime) -> list:
     router.add_api_route("/v1/models", api.models, methods=["GET"], include_in_schema=False)
     router.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"], include_in_schema=False)
     router.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"], include_in_schema=False)
+    router.add_api_route("/v1/x_llmweb/passage", api.passage, methods=["GET"], include_in_schema=False)
     router.add_api_route(
         "/v1/{path:path}", api.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
     )
@@ -129,7 +135,7 @@ class OpenAIApi:
         return JSONResponse(found[0] if found else model_object(model_id, self.created))
 
     async def unknown(self, request: Request, path: str) -> Response:
-        known = {"models": "GET", "chat/completions": "POST"}
+        known = {"models": "GET", "chat/completions": "POST", "x_llmweb/passage": "GET"}
         if path in known:
             e = ApiError(405, f"Use {known[path]} for /v1/{path}.", code="method_not_allowed")
         else:
@@ -159,6 +165,33 @@ class OpenAIApi:
         if req.stream:
             return _EventStream(reply.stream(pump), on_close=pump.close, headers=reply.headers(None))
         return await reply.whole(pump, request)
+
+    async def passage(self, request: Request) -> Response:
+        """A cited source's passage, by the place `x_llmweb.sources[i]` gives (chat/passages.py), in
+        what the key's owner may read; 404 for any other place, whatever the reason."""
+        try:
+            caller = self.callers.caller(request)
+            query = parse_passage_query(request.query_params)
+            found = await asyncio.to_thread(self._passage, caller, query)
+        except ApiError as e:
+            return error_response(e)
+        except Exception as e:
+            return error_response(api_error(e))
+        if found is None:
+            message = "No passage of yours is at that place (its document or turn may be gone, or changed)."
+            return error_response(ApiError(404, message, type="not_found_error", code="passage_not_found"))
+        return JSONResponse(passage_object(found))
+
+    def _passage(self, caller: Caller, query: PassageQuery) -> Passage | None:
+        conv_id, conv = query.conversation_id, None
+        owner = caller.of_conversation(conv_id) if conv_id else caller.stateless_owner
+        if conv_id:
+            if not self.runtime.store.exists(owner, conv_id):
+                return None
+            conv = self.runtime.store.get(owner, conv_id)
+        if query.source.kind == "recall" and conv is None:
+            return None
+        return open_source(self.runtime.library, owner, conv, query.source)
 
     # ---- the turn
     def start(self, caller: Caller, req: ChatRequest) -> _Turn:

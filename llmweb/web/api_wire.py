@@ -22,9 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmweb.chat.passages import Excerpt, Passage
 from llmweb.chat.session import clean_message
 from llmweb.errors import InputError
-from llmweb.records import MAX_CHAT_DOCUMENTS
+from llmweb.records import MAX_CHAT_DOCUMENTS, Source
 
 MODEL_ID = "llmweb"  # the one model /v1/models lists; the loaded model's own name is accepted too
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -507,3 +508,53 @@ def models_list(models: Sequence[str], created: int) -> dict[str, Any]:
 
 def model_object(model: str, created: int) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": created, "owned_by": "llmweb"}
+
+
+# ---- a cited source's passage: GET /v1/x_llmweb/passage (llmweb's own, not OpenAI's)
+
+PASSAGE_PARAMS = ("doc_id", "start", "end", "kind", "snippet", "conversation_id")
+MAX_OFFSET = 10**12
+
+
+@dataclass(frozen=True, slots=True)
+class PassageQuery:
+    source: Source  # the place, as `x_llmweb.sources[i]` gives it
+    conversation_id: str = ""  # whose chat (and, for a key of no user, whose library) to look in
+
+
+def parse_passage_query(params: Mapping[str, str]) -> PassageQuery:
+    """`doc_id`, `start`, `end` (and `kind`, `snippet`, `conversation_id`) of a source, as
+    `x_llmweb.sources[i]` and the response's conversation id give them; 400 for anything else."""
+    for name in params:
+        if name not in PASSAGE_PARAMS:
+            raise bad(f"Unknown parameter {name[:40]!r}; this endpoint takes {', '.join(PASSAGE_PARAMS)}.", name)
+    doc_id, kind = params.get("doc_id", ""), params.get("kind", "document")
+    if not doc_id or len(doc_id) > 100:
+        raise bad("doc_id: the source's doc_id, as x_llmweb.sources gives it.", "doc_id")
+    if kind not in ("document", "recall"):
+        raise bad("kind: document or recall.", "kind")
+    place = []
+    for name in ("start", "end"):
+        value = params.get(name, "0")
+        if not value.isdigit() or len(value) > 13 or int(value) > MAX_OFFSET:
+            raise bad(f"{name}: a character offset (a whole number), as x_llmweb.sources gives it.", name)
+        place.append(int(value))
+    snippet = params.get("snippet", "")[: Source.SNIPPET_CHARS + 1]
+    source = Source(1, "", kind=kind, snippet=snippet, doc_id=doc_id, start=place[0], end=place[1])
+    return PassageQuery(source, params.get("conversation_id", "")[:100])
+
+
+def passage_object(p: Passage) -> dict[str, Any]:
+    """A passage as the API returns it: the cited text, and the document's text just before and after."""
+    s = p.source
+    return {
+        "object": "x_llmweb.passage",
+        **{"doc_id": s.doc_id, "start": s.start, "end": s.end, "kind": s.kind},
+        **_excerpt(p.cited),
+        "before": _excerpt(p.before) if p.before else None,
+        "after": _excerpt(p.after) if p.after else None,
+    }
+
+
+def _excerpt(e: Excerpt) -> dict[str, Any]:
+    return {"text": e.text, "page": e.page, "heading": e.heading, "cut": e.cut}

@@ -13,6 +13,7 @@ import inspect
 import re
 from collections.abc import Sequence
 
+from llmweb.chat.passages import Passage
 from llmweb.engine.telemetry import mib
 from llmweb.records import ENGINE_STOPPED, Source, TurnStats
 from llmweb.store.models import HIT_END, HIT_START
@@ -31,6 +32,7 @@ NEAR = 0.9  # warn when a turn uses this share of the context or of the memory l
 NO_TURNS = "*No turns yet. Ask something.*"
 STOPPED = "\n\n*(stopped)*"
 CUT_OFF = "\n\n*(cut off: the model process stopped; press retry)*"
+SOURCES_HINT = "*Click a source to read it in its document.*"  # atop a Sources message
 
 _MD_LEAD = re.compile(r"^\s*(#{1,6}\s+|[>*+-]\s+|\d+[.)]\s+)+")
 _SCHEME = re.compile(r"(?i)\b(javascript|vbscript|data|file)(\s*):")
@@ -246,9 +248,65 @@ def sources_message(sources: Sequence[Source]) -> dict | None:
         )
     return {
         "role": "assistant",
-        "content": "\n\n".join(lines),
+        "content": "\n\n".join([SOURCES_HINT] + lines),
         "metadata": {"title": f"Sources ({len(sources)})", "status": "done"},
     }
+
+
+def source_choices(idx: int, sources: Sequence[Source]) -> list[tuple[str, str]]:
+    """A turn's sources as (label, value) choices for the source panel: "[1] guide.pdf, p. 3"; the
+    value "idx:n" (turn index, source number) says which one to open."""
+    return [(f"[{s.n}] {s.label()}", f"{idx}:{s.n}") for s in sources]
+
+
+def sources_turn(conv, index: int) -> int | None:
+    """The turn (its `idx`) whose Sources message is message `index` of `history_messages(conv)`,
+    or None when that message is another kind (a question, an answer) or not there."""
+    at = 0
+    for t in conv.turns:
+        at += 2  # the question and the answer
+        if t.sources:
+            if at == index:
+                return t.idx
+            at += 1
+        if at > index:
+            return None
+    return None
+
+
+def passage_html(passage: Passage | None, source: Source) -> str:
+    """An opened source (chat/passages.py) for the source panel: its name, page and heading, the
+    document's text just before it (subdued), the passage the model was given (marked), the text
+    just after it; or, when it cannot be found, a sentence saying so. Every text is escaped."""
+    where = "".join(f" · {escape(w)}" for w in _where(source.page, source.heading))
+    head = f'<div class="llmweb-passage-head"><strong>[{int(source.n)}] {escape(source.source)}</strong>{where}</div>'
+    if passage is None:
+        why = (
+            "This earlier turn is not in this chat any more (it was undone, or edited into another version)."
+            if source.kind == "recall"
+            else "This passage is not available: its document is not in your library any more, or has "
+            "changed since this answer."
+        )
+        return f'<div class="llmweb-passage">{head}<p class="llmweb-missing"><em>{why}</em></p></div>'
+    parts = [head]
+    if passage.by_words:
+        parts.append(
+            '<p class="llmweb-note"><em>Found by its name and first words: this answer was stored before '
+            "llmweb kept where each source is.</em></p>"
+        )
+    cited = passage.cited
+    for excerpt, kind in ((passage.before, "before"), (cited, "cited"), (passage.after, "after")):
+        if excerpt is None:
+            continue
+        elsewhere = (excerpt.page, excerpt.heading) != (cited.page, cited.heading)
+        tag = " · ".join(escape(w) for w in _where(excerpt.page, excerpt.heading)) if elsewhere else ""
+        label = f'<small class="llmweb-where">{tag}</small>' if tag else ""
+        parts.append(f'<div class="llmweb-{kind}">{label}<div class="llmweb-text">{escape(excerpt.text)}</div></div>')
+    return f'<div class="llmweb-passage">{"".join(parts)}</div>'
+
+
+def _where(page: int | None, heading: str | None) -> list[str]:
+    return ([f"p. {int(page)}"] if page else []) + ([heading] if heading else [])
 
 
 def history_messages(conv) -> list[dict]:

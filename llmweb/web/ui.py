@@ -3,7 +3,7 @@
 Three parts, read top to bottom:
   - layout: `layout()` builds the components and returns them as a `Layout` dataclass;
   - handlers: `Handlers`, the panels' handlers over one runtime (web/panels/, one module per
-    panel: chat, chats, memory, settings, transfer, documents, account, endpoints);
+    panel: chat, chats, memory, settings, transfer, documents, sources, account, endpoints);
   - wiring: `build_app` connects the two, one `_wire_*` function per part of the page.
 What is shown (Markdown, HTML, messages, plot tables) is made by the pure functions of
 web/formatting.py. Policy lives elsewhere (chat, store, retrieval): this file must not decide what
@@ -35,6 +35,7 @@ from llmweb.web.panels.endpoints import EndpointHandlers, StatusHandlers
 from llmweb.web.panels.memory import MemoryHandlers
 from llmweb.web.panels.models import ModelHandlers
 from llmweb.web.panels.settings import SettingsHandlers
+from llmweb.web.panels.sources import SourceHandlers
 from llmweb.web.panels.transfer import TransferHandlers
 
 DOC_TYPES = [".txt", ".md", ".pdf", ".html", ".htm", ".docx"]
@@ -45,6 +46,14 @@ CSS = """
 .llmweb-legend span {display:inline-block; margin-right:10px; font-size:12px}
 .llmweb-legend i {display:inline-block; width:10px; height:10px; margin-right:3px; border-radius:2px}
 .llmweb-plot svg text {fill: currentColor}
+/* a cited source: its lines in a Sources message open it; the source panel shows its passage */
+#llmweb-chat .selectable {cursor: auto !important}
+#llmweb-chat .thought strong {cursor: pointer; text-decoration: underline dotted}
+#llmweb-source {max-height: 60vh; overflow-y: auto}
+.llmweb-passage .llmweb-text {white-space: pre-wrap; overflow-wrap: anywhere; margin: 6px 0}
+.llmweb-passage .llmweb-before, .llmweb-passage .llmweb-after {opacity: .6}
+.llmweb-passage .llmweb-cited {border-left: 3px solid #f59e0b; background: rgba(245, 158, 11, .12); padding: 2px 8px}
+.llmweb-passage .llmweb-where {opacity: .8}
 /* while an event runs, gradio pulses the border of each of its outputs at the screen's frame rate:
    a browser on the server's cores repaints all the time the reply streams (bench busy: Chromium's
    renderer 1.86-2.06 CPU s in a 3.5 s turn with it, 1.33-1.50 without); the border stays, still */
@@ -74,6 +83,36 @@ SCROLL_TO_TURN = """(hit) => {
 }"""
 
 
+# Which cited source a click in a Sources message is on: the chat's select event says only which
+# message. Recorded as the click starts (capture phase, before the Chatbot's own handler), for the
+# event's `js` (OPEN_SOURCE) to send: the "[n]" of the last source line at or above the click, 0 for
+# none (the hint above them: the first source).
+SOURCE_CLICKS = """() => {
+  document.addEventListener("click", (e) => {
+    const block = e.target.closest ? e.target.closest("#llmweb-chat .thought") : null;
+    let n = 0;
+    for (const line of block ? block.querySelectorAll("strong") : []) {
+      const m = /^\\[(\\d+)\\]/.exec(line.textContent.trim());
+      const after = line.compareDocumentPosition(e.target) & Node.DOCUMENT_POSITION_FOLLOWING;
+      const above = line.contains(e.target) || after;
+      if (m && above) n = parseInt(m[1], 10);
+    }
+    window.llmwebSource = n;
+    window.llmwebSourceClicked = Boolean(block);
+  }, true);
+}"""
+OPEN_SOURCE = "(conv, n, token) => [conv, window.llmwebSource || 0, token]"
+# once a source opened: bring the panel into view (on a phone it is below the chat; elsewhere a no-op)
+SHOW_SOURCE = """() => {
+  if (!window.llmwebSourceClicked) return [];
+  setTimeout(() => {
+    const panel = document.getElementById("llmweb-source");
+    if (panel) panel.scrollIntoView({block: "nearest"});
+  }, 300);
+  return [];
+}"""
+
+
 def body_cap(settings):
     """The middleware that caps request bodies before Gradio's routes read them (web/body_cap.py)."""
     from starlette.middleware import Middleware
@@ -89,6 +128,7 @@ def launch_kwargs(settings) -> dict:
         max_file_size=f"{settings.max_file_mb}mb",
         show_error=True,
         css=CSS,
+        js=SOURCE_CLICKS,
         allowed_paths=[],
         footer_links=["api"],
     )
@@ -138,6 +178,11 @@ class Layout:
     remove_btn: gr.Button
     doc_scope: gr.Dropdown  # the documents this chat reads (none picked: all)
     # panel column
+    source_box: gr.Group  # the source panel: a cited source opened (panels/sources.py)
+    source_pick: gr.Radio
+    source_html: gr.HTML
+    source_close: gr.Button
+    source_n: gr.Number  # which source was clicked, as the page's script says (SOURCE_CLICKS)
     stats_md: gr.Markdown
     bar: gr.HTML
     memory_md: gr.Markdown
@@ -295,6 +340,11 @@ def _chat_column() -> dict:
 
 
 def _panel_column() -> dict:
+    with gr.Group(visible=False, elem_id="llmweb-source-panel") as source_box:
+        source_pick = gr.Radio(choices=[], label="Source", elem_id="llmweb-source-pick")
+        source_html = gr.HTML("", elem_id="llmweb-source", padding=True)
+        source_close = gr.Button("Close", size="sm", elem_id="llmweb-source-close")
+    source_n = gr.Number(0, precision=0, visible=False)
     gr.Markdown("### Last turn")
     stats_md = gr.Markdown(stats_markdown(None), elem_id="llmweb-stats")
     bar = gr.HTML("", elem_id="llmweb-sections")
@@ -325,6 +375,11 @@ def _panel_column() -> dict:
     tokens_plot = gr.HTML(NO_PLOT, elem_id="llmweb-tokens-plot")
     memory_plot = gr.HTML(NO_PLOT, elem_id="llmweb-memory-plot")
     return dict(
+        source_box=source_box,
+        source_pick=source_pick,
+        source_html=source_html,
+        source_close=source_close,
+        source_n=source_n,
         prompt_box=prompt_box,
         system_box=system_box,
         temperature=temperature,
@@ -359,6 +414,7 @@ class Handlers:
         self.settings = SettingsHandlers(runtime)
         self.transfer = TransferHandlers(runtime)
         self.docs = DocumentHandlers(runtime)
+        self.sources = SourceHandlers(runtime)
         self.account = AccountHandlers(runtime, self.docs)
         self.endpoints = EndpointHandlers(runtime)
         self.status = StatusHandlers(runtime)
@@ -396,6 +452,7 @@ def build_app(runtime) -> gr.Blocks:
         _wire_chat(ui, h.chat, shown, me)
         _wire_sidebar(ui, h, shown, me)
         _wire_panel(ui, h, shown, me)
+        _wire_sources(ui, h.sources, me)
         library = [ui.docs_md, ui.remove_dd, ui.doc_scope]
         chat_id = [ui.conv_state]
         demo.load(h.account.visit, [ui.owner_state, ui.conv_state], [ui.owner_state] + shown, **PRIVATE).then(
@@ -468,3 +525,13 @@ def _wire_panel(ui: Layout, h: Handlers, shown: list, me: list) -> None:
         (ui.del_fact_btn, h.memory.delete_fact),
     ):
         button.click(handler, [ui.conv_state, ui.fact_dd] + me, shown + [ui.new_fact], **PRIVATE)
+
+
+def _wire_sources(ui: Layout, h: SourceHandlers, me: list) -> None:
+    """A click on a Sources message opens the source panel; its picker and Close. Not the chat's
+    output: a click while a reply streams changes nothing of it."""
+    panel = ui.outputs("source_box", "source_pick", "source_html")
+    opened = ui.chatbot.select(h.open_clicked, [ui.conv_state, ui.source_n] + me, panel, js=OPEN_SOURCE, **PRIVATE)
+    opened.then(None, None, None, js=SHOW_SOURCE)
+    ui.source_pick.input(h.pick, [ui.conv_state, ui.source_pick] + me, panel, **PRIVATE)
+    ui.source_close.click(h.close, None, panel, **PRIVATE)

@@ -1,13 +1,14 @@
 """The real app, served by `python -m llmweb serve`, driven in headless Debian chromium like a user.
 
-One server and one browser page for the first nine tests; the steps run in file order and build
-on each other: a streamed answer with its stats, a stopped long answer, a question answered from
-an uploaded document with its cited source, a reload that restores the chat, then a rename and a
-regenerated reply; then a new chat with its own system prompt (kept over a reload, in its
-prompt), the import of its export, an edit of turn 2 that forks the imported chat (the switcher
-goes back to the original, over a reload), and the page at a phone's width (390 px). The last test starts its own server
-(LLMWEB_SINGLE_USER=0) and drives two visitors in two browser contexts: neither sees the other's
-chats or uploads, in the page or through the API, over reloads and an app restart.
+One server and one browser page for the first nine tests; the steps run in file order and build on
+each other: a streamed answer with its stats, a stopped long answer, a question answered from an
+uploaded document with its cited source (a click shows its passage beside the chat), a reload that
+restores the chat, then a rename and a regenerated reply; then a new chat with its own system
+prompt (kept over a reload, in its prompt), the import of its export, an edit of turn 2 that forks
+the imported chat (the switcher goes back to the original, over a reload), and the page at a
+phone's width (390 px). The last test starts its own server (LLMWEB_SINGLE_USER=0) and drives two
+visitors in two browser contexts: neither sees the other's chats or uploads, in the page or through
+the API, over reloads and an app restart.
 Screenshots of each step go to test-artifacts/browser/ (git-ignored); a failing step also leaves
 `<step>-failure.png` and `<step>-failure.html` there.
 
@@ -532,6 +533,24 @@ def test_uploaded_document_is_cited(page, server, tmp_path):
             page,
         )
         shot(page, "cited-source.png")
+
+    with step(page, "opened-source"):  # issue 37: a click on the cited source shows its passage beside the chat
+        sources.locator("strong").filter(has_text=DOC_NAME).first.click()
+        passage = page.locator("#llmweb-source")
+        text = poll(
+            lambda: t if "412 hours" in (t := passage.inner_text()) else "",
+            60,
+            "the clicked source's passage in the source panel",
+            server,
+            page,
+        )
+        assert f"[1] {DOC_NAME}" in text and "Zephyr-7 rover notes" in text, text  # its name and heading
+        assert "412 hours" in page.locator("#llmweb-source .llmweb-cited").inner_text()
+        assert "&lt;" not in text and "&amp;" not in text, f"HTML entities shown as text: {text!r}"
+        assert f"[1] {DOC_NAME}" in page.locator("#llmweb-source-pick").inner_text()
+        shot(page, "opened-source.png")
+        page.locator("#llmweb-source-close").click()
+        passage.wait_for(state="hidden", timeout=30_000)
 
 
 def test_a_whole_document_summary_shows_its_progress_and_cites_its_sections(page, server):

@@ -13,6 +13,7 @@ import gradio as gr
 import pytest
 from markdown_it import MarkdownIt
 
+from llmweb.chat.passages import Excerpt, Passage
 from llmweb.errors import InputError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
 from llmweb.store.models import Conversation, Fact, StoredTurn
@@ -103,6 +104,10 @@ def rendered(s: str) -> dict[str, str]:
     for i, message in enumerate(f.history_messages(conv)):
         out[f"message {i}"] = markdown_html(message["content"])
     out["sources_message"] = markdown_html(f.sources_message(conv.turns[0].sources)["content"])
+    source, recalled = conv.turns[0].sources
+    opened = Passage(source, Excerpt(s, 3, s), Excerpt(s, 2, s, cut=True), Excerpt(s, None, s), by_words=True)
+    out["passage_html"] = f.passage_html(opened, source)
+    out["passage_missing"] = f.passage_html(None, recalled)
     out["error toast"] = _toast(InputError(f"The file {s} is not allowed."))
     return out
 

@@ -10,6 +10,7 @@ each component's events to them.
   settings.py   this chat's settings: save them, the documents checkbox
   transfer.py   export a chat (.md, .json) and import a .json export
   documents.py  the documents accordion: the list, upload, remove
+  sources.py    the source panel: a cited source opened beside the chat, its passage in its document
   account.py    the visit (a new browser's owner token) and "Delete all my data"
   endpoints.py  the gradio_client endpoints (/chat, /stats) and the status line
 

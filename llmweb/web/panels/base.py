@@ -88,6 +88,7 @@ class Panel(NamedTuple):
     versions_row: Any  # the version switcher, shown when the chat has versions
     version_dd: Any
     doc_scope: Any  # the documents this chat reads (empty: all), among those the owner can read
+    source_box: Any  # the source panel (panels/sources.py): closed when another view of the chat is shown
 
     @classmethod
     def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
@@ -144,6 +145,7 @@ class PanelHandlers:
             prompt_box=prompt,
             doc_scope=self.scope_shown(owner, conv.settings),
             **self._settings_shown(conv.settings),
+            source_box=gr.update(visible=False),
         )
 
     def scope_shown(self, owner: str, chosen: ChatSettings):

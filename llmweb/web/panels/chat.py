@@ -176,7 +176,8 @@ class ChatHandlers(PanelHandlers):
                 yield Panel.streaming(conv_id, shown)
             elif isinstance(event, Finished):
                 notes, prompt = " ".join(event.notes), event.prompt_text()
-        yield self.panel(owner, self.store.get(owner, conv_id), notes, prompt)
+        # the chat grew: a source opened meanwhile, of an earlier turn, stays open
+        yield self.panel(owner, self.store.get(owner, conv_id), notes, prompt)._replace(source_box=gr.skip())
 
     @user_errors
     def after_stop(self, conv_id, history, token, request: gr.Request):
