@@ -153,6 +153,33 @@ def test_a_dropped_connection_resumes_within_the_same_fetch(fake, tmp_path):
     assert ranges[0] is None and ranges[1].startswith("bytes=") and len(ranges) == 2
 
 
+def test_raising_from_the_progress_callback_stops_and_the_next_fetch_resumes(fake, tmp_path):
+    """How a page cancels: its callback raises; the bytes written so far stay for the next fetch."""
+    fake.add("someone/big-GGUF", {"big.gguf": BIG})
+    p = hub.plan("someone/big-GGUF", "big.gguf", endpoint=fake.url)
+
+    class Stop(Exception):
+        pass
+
+    def stop_past_20_mb(done: int, total: int, what: str) -> None:
+        if done > 20_000_000:
+            raise Stop
+
+    with pytest.raises(Stop):
+        hub.fetch(p, tmp_path, stop_past_20_mb, max_bytes=MAX)
+    assert hub.bytes_kept(p, tmp_path) > 0 and not (tmp_path / "big.gguf").exists()
+    assert hub.fetch(p, tmp_path, max_bytes=MAX).read_bytes() == BIG
+
+
+def test_a_file_whose_hash_differs_from_the_hubs_is_deleted_not_installed(fake, tmp_path):
+    fake.add("someone/bad-GGUF", {"bad.gguf": Q4})
+    p = hub.plan("someone/bad-GGUF", "bad.gguf", endpoint=fake.url)
+    fake.blobs[p.files[0].sha256] = bytes(len(Q4))  # the CDN serves other bytes of the same size
+    with pytest.raises(DownloadError, match=r"^bad\.gguf arrived damaged \(its hash differs from the Hub's\)"):
+        hub.fetch(p, tmp_path, max_bytes=MAX)
+    assert not (tmp_path / "bad.gguf").exists() and hub.bytes_kept(p, tmp_path) == 0
+
+
 def test_offline_is_said_at_once(fake, monkeypatch):
     import huggingface_hub.constants as hf
 
