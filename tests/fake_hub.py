@@ -13,7 +13,8 @@ calls huggingface_hub 2.4.0 makes for `HfApi.model_info(files_metadata=True)`, `
   RevisionNotFound, EntryNotFound, GatedRepo (401 without a token, 403 with a token but not the repo's).
 
 Knobs: `cut_after` (the next /cdn GET sends that many body bytes, then drops the connection), `then_down`
-(after that cut, every request gets 503 until `down` is set False). Counters: `served` (body bytes sent
+(after that cut, every request gets 503 until `down` is set False), `not_a_hub` (HTML for every request,
+as a captive portal answers). Counters: `served` (body bytes sent
 by /cdn GETs), `requests` ((method, path, headers) of each request).
 """
 
@@ -60,6 +61,7 @@ class FakeHub:
         self.cut_after: int | None = None
         self.then_down = False
         self.down = False
+        self.not_a_hub = False
         self.served = 0
         self.requests: list[tuple[str, str, dict]] = []
         self._lock = threading.Lock()
@@ -117,6 +119,8 @@ class _Handler(BaseHTTPRequestHandler):
             hub.requests.append((self.command, path, dict(self.headers)))
         if hub.down:
             return self._error(503, "", "Service unavailable", body)
+        if hub.not_a_hub:
+            return self._send(200, b"<html>a captive portal</html>", {"Content-Type": "text/html"}, body)
         parts = [unquote(p) for p in path.split("/")[1:]]
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             return self._api(parts[2] + "/" + parts[3], parts[5] if len(parts) == 6 else "main", body)

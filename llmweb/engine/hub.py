@@ -236,24 +236,39 @@ def plan(
         check_filename(filename)
     if revision is not None:
         check_revision(revision)
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import constants
 
     if constants.is_offline_mode():
         raise DownloadError(OFFLINE)
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     asked = revision or constants.DEFAULT_REVISION
     with _hub_errors(repo_id, asked, endpoint, token):
-        info = HfApi(endpoint=endpoint, token=token, library_name=LIBRARY).model_info(
-            repo_id, revision=revision, files_metadata=True, timeout=timeout_s
-        )
-    if not info.sha:
-        raise DownloadError(f"The Hub at {endpoint} did not say which commit {repo_id} is at; is HF_ENDPOINT a Hub?")
+        info = _model_info(repo_id, revision, endpoint, token, timeout_s)
     listing = {s.rfilename: _hub_file(s) for s in info.siblings or []}
     kind, target, files = _choose(repo_id, f"{owner}--{name}", listing, filename)
     chosen = FetchPlan(repo_id, asked, info.sha, kind, files, target, endpoint, token)
     with _hub_errors(repo_id, asked, endpoint, token):  # a gated repo's files say so now, not at download
         _file_metadata(chosen, max(files, key=lambda f: f.size), timeout_s)
     return chosen
+
+
+def _model_info(repo_id: str, revision: str | None, endpoint: str, token: str | bool | None, timeout_s: float) -> Any:
+    """huggingface_hub's `model_info` with the files' sizes; a server that answers, but not as the Hub, is said."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    not_a_hub = f"The server at {endpoint} does not answer as the Hugging Face Hub does: check HF_ENDPOINT."
+    try:
+        info = HfApi(endpoint=endpoint, token=token, library_name=LIBRARY).model_info(
+            repo_id, revision=revision, files_metadata=True, timeout=timeout_s
+        )
+    except HfHubHTTPError:
+        raise  # _hub_errors says which
+    except (ValueError, KeyError, TypeError):  # not JSON, or not the Hub's JSON
+        raise DownloadError(not_a_hub) from None
+    if not info.sha:
+        raise DownloadError(not_a_hub)
+    return info
 
 
 def _hub_file(sibling: Any) -> HubFile | None:

@@ -207,6 +207,12 @@ def test_an_unreachable_or_silent_hub_is_said_in_seconds():
         assert time.perf_counter() - t0 < 2
 
 
+def test_a_server_that_is_not_a_hub_is_said(fake):
+    fake.not_a_hub = True
+    with pytest.raises(DownloadError, match=rf"^The server at {fake.url} does not answer as the Hugging Face Hub"):
+        hub.plan(GGUF_REPO, "tiny-Q4_K_M.gguf", endpoint=fake.url)
+
+
 @pytest.mark.parametrize(
     "repo, filename, revision",
     [
