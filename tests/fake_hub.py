@@ -14,8 +14,8 @@ calls huggingface_hub 2.4.0 makes for `HfApi.model_info(files_metadata=True)`, `
 
 Knobs: `cut_after` (the next /cdn GET sends that many body bytes, then drops the connection), `then_down`
 (after that cut, every request gets 503 until `down` is set False), `not_a_hub` (HTML for every request,
-as a captive portal answers). Counters: `served` (body bytes sent
-by /cdn GETs), `requests` ((method, path, headers) of each request).
+as a captive portal answers). Counters: `served` (body bytes sent by /cdn GETs), `requests` ((method,
+path, headers) of each request).
 """
 
 from __future__ import annotations
