@@ -45,6 +45,7 @@ class Settings:
     backend: str = "auto"  # llama.cpp for a GGUF model on the CPU, else transformers (models.resolve_backend)
     threads: int = 0  # llama.cpp's threads; 0 = the cores this process may use
     gguf_requant: str = "off"  # llama.cpp: re-encode the GGUF file once as q8_0 (faster kernels)
+    max_download_gb: float = 64.0  # `models fetch` (engine/hub.py) refuses a model bigger than this, in GB (10^9 B)
     device: str = "auto"
     offload: bool = False
     warmup: bool = False
@@ -137,6 +138,7 @@ class Settings:
             f"LLMWEB_GGUF_REQUANT must be one of {', '.join(GGUF_REQUANTS)}, not {self.gguf_requant!r}",
         )
         check(self.threads >= 0, "LLMWEB_THREADS must be >= 0 (0 = the cores this process may use)")
+        check(self.max_download_gb > 0, "LLMWEB_MAX_DOWNLOAD_GB must be > 0 (the largest model `models fetch` takes)")
         check(self.device in DEVICES, f"LLMWEB_DEVICE must be one of {', '.join(DEVICES)}, not {self.device!r}")
         check(self.context_limit >= 0, "LLMWEB_CONTEXT_LIMIT must be >= 0 (0 = the model's maximum)")
         check(self.max_batch >= 0, "LLMWEB_MAX_BATCH must be >= 0 (0 = by device, 1 = one request at a time)")
@@ -267,6 +269,10 @@ class Settings:
     def models_folder(self) -> Path:
         """The folder whose .gguf files and model folders llmweb serves (LLMWEB_MODELS_DIR)."""
         return Path(self.models_dir).expanduser() if self.models_dir is not None else self.data_dir / "models"
+
+    @property
+    def max_download_bytes(self) -> int:
+        return int(self.max_download_gb * 10**9)
 
     def replace(self, **changes) -> Settings:
         return dataclasses.replace(self, **changes)

@@ -38,3 +38,13 @@ class TimedOut(LlmwebError):
 
 class EngineStopped(LlmwebError):
     """The model's process stopped (crashed, killed) while serving; the request was not answered."""
+
+
+class DownloadError(LlmwebError):
+    """A model could not be fetched from the Hub: offline, refused (gated, missing, too big, no safe
+    weights) or stopped midway (the bytes so far are kept and the same fetch resumes). `choices`: the
+    (file name, size) pairs to pick from when the error is about which file (a GGUF repo)."""
+
+    def __init__(self, message: str, choices: tuple[tuple[str, int], ...] = ()):
+        super().__init__(message)
+        self.choices = choices

@@ -1,4 +1,4 @@
-"""Command line: `python -m llmweb serve | replay | ingest | search | bench | capacity`.
+"""Command line: `python -m llmweb serve | replay | ingest | search | user | models | bench | capacity`.
 
 Settings come from `LLMWEB_*` variables; flags override them. Domain errors end the command
 with their message and exit status 2, never a traceback; `replay` is the exception per turn: a
@@ -199,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from llmweb import bench
     from llmweb.cli import docs as docs_cli
-    from llmweb.cli import user
+    from llmweb.cli import models, user
 
     docs_cli.add_parsers(sub)
     user.add_parser(sub)  # user add | remove | list | key
+    models.add_parser(sub)  # models fetch
     bench.register(sub)  # bench, capacity
     return p
 

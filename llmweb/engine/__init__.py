@@ -20,6 +20,7 @@ Where things are, in reading order:
   remote.py      the runner for such a server (`RemoteRunner`) and `remote_engine`
   kvcache.py, blockcache.py   session KV caches; models.py: model loading; telemetry.py: reading
                  memory figures
+  hub.py         fetching a model from the Hugging Face Hub into the models folder (plan, then fetch)
 
 Speaks token ids only: it knows nothing of text, chats, documents or the UI. It may import
 `llmweb.config`, `llmweb.errors` and `llmweb.records`, nothing else of llmweb. Only

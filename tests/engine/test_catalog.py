@@ -163,3 +163,21 @@ def test_the_api_lists_every_model_and_a_request_switches_only_for_those_who_may
     assert api_models.ensure(served, Caller(None), "llmweb") == EMBEDDED_NAME, "the served model is anyone's"
     assert api_models.ensure(served, Caller(LOCAL_OWNER), "qwen-tiny") == "qwen-tiny"
     assert served.switched == ["qwen-tiny"]
+
+
+def test_models_list_prints_each_model_and_says_when_one_has_no_template(folder):
+    import io
+    from types import SimpleNamespace as Args
+
+    from llmweb.cli.models import cmd_list
+
+    write_gguf(folder.models_folder / "bare.gguf", template=None)
+    out = io.StringIO()
+    assert cmd_list(Args(json=False), folder, out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith(f"{EMBEDDED_NAME}  gguf") and "8,192 ctx" in lines[1]
+    assert lines[2].startswith("bare  gguf") and "no chat template" in lines[2]
+    out = io.StringIO()
+    cmd_list(Args(json=True), folder, out)
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [(r["id"], r["chat_template"]) for r in rows] == [(EMBEDDED_NAME, True), ("bare", False)]
