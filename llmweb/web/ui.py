@@ -145,6 +145,12 @@ class Layout:
     timer: gr.Timer
     # sidebar
     model_dd: gr.Dropdown  # the model served (web/panels/models.py)
+    fetch_box: gr.Accordion  # "Get a model" from the Hugging Face Hub (operators only)
+    fetch_repo: gr.Textbox
+    fetch_file: gr.Textbox
+    fetch_check: gr.Button
+    fetch_go: gr.Button
+    fetch_md: gr.Markdown
     new_btn: gr.Button
     search_box: gr.Textbox
     search_hits: gr.Radio
@@ -228,6 +234,13 @@ def layout(status_text: Callable[[], str], secret: str) -> Layout:
 
 def _sidebar() -> dict:
     model_dd = gr.Dropdown(label="Model", choices=[], interactive=False, elem_id="llmweb-model")
+    with gr.Accordion("Get a model", open=False, visible=False, elem_id="llmweb-fetch") as fetch_box:
+        fetch_repo = gr.Textbox(placeholder="Hub id: owner/name", show_label=False, max_lines=1)
+        fetch_file = gr.Textbox(placeholder="file (.gguf repos): name.gguf", show_label=False, max_lines=1)
+        with gr.Row():
+            fetch_check = gr.Button("Check size", size="sm")
+            fetch_go = gr.Button("Download", size="sm", variant="primary")
+        fetch_md = gr.Markdown(elem_id="llmweb-fetch-report")
     new_btn = gr.Button("New chat", variant="secondary")
     search_box = gr.Textbox(
         placeholder="Search my chats (Enter)", show_label=False, max_lines=1, elem_id="llmweb-search"
@@ -254,6 +267,12 @@ def _sidebar() -> dict:
         cancel_all_btn = gr.Button("Cancel", size="sm")
     return dict(
         model_dd=model_dd,
+        fetch_box=fetch_box,
+        fetch_repo=fetch_repo,
+        fetch_file=fetch_file,
+        fetch_check=fetch_check,
+        fetch_go=fetch_go,
+        fetch_md=fetch_md,
         new_btn=new_btn,
         search_box=search_box,
         search_hits=search_hits,
@@ -457,7 +476,10 @@ def build_app(runtime) -> gr.Blocks:
         chat_id = [ui.conv_state]
         demo.load(h.account.visit, [ui.owner_state, ui.conv_state], [ui.owner_state] + shown, **PRIVATE).then(
             h.docs.documents, chat_id + me, library, **PRIVATE
-        ).then(h.models.picker, me, [ui.model_dd], **PRIVATE)
+        ).then(h.models.picker, me, [ui.model_dd], **PRIVATE).then(h.models.fetch_box, me, [ui.fetch_box], **PRIVATE)
+        wanted = [ui.fetch_repo, ui.fetch_file]
+        ui.fetch_check.click(h.models.check_fetch, wanted + me, [ui.fetch_md], **PRIVATE)
+        ui.fetch_go.click(h.models.fetch, wanted + me, [ui.fetch_md, ui.model_dd], **FILES)
         ui.model_dd.input(h.models.switch, [ui.model_dd] + chat_id + me, [ui.status, ui.timer, ui.model_dd], **PRIVATE)
         ui.confirm_all_btn.click(h.account.delete_everything, me, shown + library + [ui.confirm_row], **FILES)
         ui.files.upload(h.docs.upload, [ui.files] + chat_id + me, library + [ui.ingest_md, ui.files], **FILES)

@@ -13,8 +13,9 @@ import dataclasses
 
 import gradio as gr
 
+from llmweb.engine import hub
 from llmweb.errors import InputError
-from llmweb.web.formatting import model_label
+from llmweb.web.formatting import escape, model_label
 from llmweb.web.identity import may_switch_models
 from llmweb.web.panels.base import PanelHandlers, user_errors
 
@@ -34,6 +35,11 @@ class ModelHandlers(PanelHandlers):
         return gr.update(choices=choices, value=self.runtime.model_id, interactive=allowed and len(choices) > 1)
 
     @user_errors
+    def fetch_box(self, token, request: gr.Request):
+        """The "Get a model" box: shown to those who may switch models only."""
+        return gr.update(visible=may_switch_models(self.settings, self.owner(token, request)))
+
+    @user_errors
     def switch(self, model_id, conv_id, token, request: gr.Request):
         """Serve `model_id` from now on, and keep it as the open chat's model. Returns the status
         line and its timer (ticking until the load is done) and the picker."""
@@ -48,6 +54,34 @@ class ModelHandlers(PanelHandlers):
             self.store.set_settings(owner, conv_id, dataclasses.replace(settings, model=str(model_id)))
         status = f"**llmweb** · Switching to {model_id}…"
         return status, gr.update(value=SWITCH_TICK_S, active=True), self.picker(token, request)
+
+    @user_errors
+    def check_fetch(self, repo, filename, token, request: gr.Request) -> str:
+        """What a fetch would download, and its size, before anything downloads (engine/hub.py)."""
+        self._operator(token, request)
+        plan = hub.plan(str(repo or "").strip(), str(filename or "").strip() or None)
+        files = "\n".join(f"- {escape(f.name, inline=True)} · {hub.human_bytes(f.size)}" for f in plan.files)
+        kept = hub.bytes_kept(plan, self.settings.models_folder)
+        resume = f"\n\n{hub.human_bytes(kept)} of it is here already: Download resumes." if kept else ""
+        return f"**{escape(plan.summary(), inline=True)}**\n\n{files}{resume}"
+
+    @user_errors
+    def fetch(self, repo, filename, token, request: gr.Request, progress=gr.Progress()):
+        """Download the model into the models folder with a progress bar (resumable: a stopped
+        download goes on from where it was); then it is in the picker."""
+        self._operator(token, request)
+        plan = hub.plan(str(repo or "").strip(), str(filename or "").strip() or None)
+
+        def tell(done: int, total: int, what: str) -> None:
+            progress((done, max(total, 1)), desc=f"{what}: {hub.human_bytes(done)} of {hub.human_bytes(total)}")
+
+        path = hub.fetch(plan, self.settings.models_folder, tell, max_bytes=self.settings.max_download_bytes)
+        said = f"Downloaded {escape(path.name, inline=True)} ({hub.human_bytes(plan.total_bytes)}): pick it above."
+        return said, self.picker(token, request)
+
+    def _operator(self, token, request) -> None:
+        if not may_switch_models(self.settings, self.owner(token, request)):
+            raise InputError("Only this server's operator adds models.")
 
 
 def ensure_chat_model(handlers: PanelHandlers, owner: str, conv_id: str | None) -> None:
