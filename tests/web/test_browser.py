@@ -553,6 +553,53 @@ def test_uploaded_document_is_cited(page, server, tmp_path):
         passage.wait_for(state="hidden", timeout=30_000)
 
 
+UPDATE_NAME = "zephyr-update.md"  # disagrees with DOC_NAME: a chat scoped to DOC_NAME must not cite it
+UPDATE_TEXT = "# Zephyr-7 rover update\n\nAfter the upgrade, the Zephyr-7 rover's battery lasts 530 hours.\n"
+
+
+def test_a_chat_scoped_to_one_document_cites_only_it(page, server, tmp_path):
+    """Issue 37: under Documents, "This chat reads" picks one of two documents that disagree; the
+    answer's sources name only it. Picking none again reads every document."""
+    with step(page, "scoped-chat"):
+        doc = tmp_path / UPDATE_NAME
+        doc.write_text(UPDATE_TEXT, encoding="utf-8")
+        page.locator("#llmweb-upload input[type=file]").set_input_files(str(doc))
+        poll(
+            lambda: UPDATE_NAME in page.locator("#llmweb-doclist").inner_text(),
+            REPLY_S,
+            f"{UPDATE_NAME} in the documents list",
+            server,
+            page,
+        )
+        picker = page.locator("#llmweb-doc-scope")
+        picker.locator("input").click()
+        page.get_by_role("option", name=f"{DOC_NAME} (yours)").click()
+        poll(
+            lambda: f"This chat reads {DOC_NAME}." in page.locator("#llmweb-stats").inner_text(),
+            30,
+            "the stats to say which document the chat reads",
+            server,
+            page,
+        )
+        page.locator("body").click(position={"x": 5, "y": 5})  # close the option list
+        n_thoughts = page.locator(THOUGHTS).count()
+        ask(page, server, "How long does the Zephyr-7 rover's battery last?")
+        assert page.locator(THOUGHTS).count() == n_thoughts + 1, "no Sources block after the reply"
+        sources = page.locator(THOUGHTS).last
+        sources.locator(".title").click()
+        text = poll(lambda: t if DOC_NAME in (t := sources.inner_text()) else "", 30, "the sources", server, page)
+        assert UPDATE_NAME not in text and "530" not in text, text
+        shot(page, "scoped-chat.png")
+        picker.locator("button.token-remove, .token-remove").first.click()  # none picked: every document again
+        poll(
+            lambda: "This chat reads every document." in page.locator("#llmweb-stats").inner_text(),
+            30,
+            "the chat to read every document again",
+            server,
+            page,
+        )
+
+
 def test_a_whole_document_summary_shows_its_progress_and_cites_its_sections(page, server):
     """Issue 27: the per-message "Whole document" box reads the whole uploaded document, shows
     "Reading section 1 of 1…" while it runs, cites it, and clears itself once sent."""
@@ -576,7 +623,7 @@ def test_reload_restores_the_chat(page, server):
         users_before = user_texts(page)
         replies_before = reply_texts(page)
         turn_before = stats_turn(page)
-        assert len(users_before) == 5, users_before  # four questions, then the whole-document summary
+        assert len(users_before) == 6, users_before  # five questions (one in the scoped chat), then the summary
 
         page.reload(wait_until="domcontentloaded")
         poll(
