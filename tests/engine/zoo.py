@@ -19,7 +19,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 CONVERTER_ENV = "LLMWEB_LLAMA_CONVERTER"
@@ -131,7 +131,6 @@ class Family:
     # would rebuild the pre-tokenizer with Qwen's own split, which this vocabulary does not have)
     tokenizer_class: str = "PreTrainedTokenizerFast"
     pad: str | None = None
-    extra: dict = field(default_factory=dict)  # more tokenizer_config.json keys
 
 
 FAMILIES = {
@@ -207,7 +206,6 @@ FAMILIES = {
         ),
     )
 }
-CHAT_FAMILIES = ("llama", "qwen3", "gemma3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -235,7 +233,7 @@ def build_tokenizer(family: Family, base_dir: Path, out: Path):
     tok.save_pretrained(out)
     config_file = out / "tokenizer_config.json"
     config = json.loads(config_file.read_text())
-    config.update(tokenizer_class=family.tokenizer_class, **family.extra)
+    config["tokenizer_class"] = family.tokenizer_class
     if family.template is None:
         config.pop("chat_template", None)
         (out / "chat_template.jinja").unlink(missing_ok=True)
