@@ -9,18 +9,40 @@ same on every turn. That is what lets the session KV cache (engine/kvcache.py) r
 lets the planner (chat/context.py) count each section without re-rendering the whole prompt.
 
 `TemplateFormat` derives the per-message segments from the model's real chat template by
-rendering with and without the message and taking the difference. No torch here.
+rendering with and without the message and taking the difference. What templates do beyond that
+is absorbed here, each with a warning where the model gets less than its template promised:
+- a closing the template adds only when no reply is asked for (Phi-3's eos token) is left out;
+- a template with no system role of its own (Gemma's: it raises, or moves the system prompt into
+  the first user turn) gets the system prompt as a user message of its own;
+- a tokenizer with no chat template (a base model) gets PLAIN_TEMPLATE, a "Role: text" transcript.
+No torch here.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Protocol
 
 from llmweb.errors import ConfigError
 
-_PROBE_SYSTEM = "S"
+log = logging.getLogger(__name__)
+
+# distinctive texts, so that no template's own words are taken for them
+_PROBE_SYSTEM = "llmweb-probe-system"
+_PROBE_USER = "llmweb-probe-user"
+_PROBE_REPLY = "llmweb-probe-reply"
+_PROBE_MESSAGE = "llmweb-probe-message"
+
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+NO_TEMPLATE_NOTE = (
+    "the model has no chat template: the chat is written to it as a plain transcript (User: / Assistant:)"
+)
+NO_SYSTEM_NOTE = "the model's chat template has no system role: the system prompt goes to it as a user message"
 
 
 class ChatFormat(Protocol):
@@ -43,14 +65,29 @@ class TemplateFormat:
 
     def __init__(self, tokenizer, cache_size: int = 2048):
         self.tokenizer = tokenizer
-        render = self._render
-        probe = render([{"role": "system", "content": _PROBE_SYSTEM}])
-        with_gen = render([{"role": "system", "content": _PROBE_SYSTEM}], add_generation_prompt=True)
-        if not with_gen.startswith(probe):
+        self._template = None if getattr(tokenizer, "chat_template", None) else PLAIN_TEMPLATE
+        if self._template is not None:
+            log.warning(NO_TEMPLATE_NOTE)
+        self._closing = ""  # _render reads it: none while it is being found
+        self._closing = self._closing_text()
+        # 1) a system message of its own, at the start of a conversation (else: as a user message)
+        system = [{"role": "system", "content": _PROBE_SYSTEM}]
+        self._native_system = self._shows(system, _PROBE_SYSTEM)
+        if not self._native_system:
+            log.warning(NO_SYSTEM_NOTE)
+            system = []
+        # 2) per role, a conversation the template takes that message after (roles alternating if it insists)
+        user, reply = {"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}
+        self._before = {
+            "user": self._first_context("user", [system, [*system, user, reply]]),
+            "assistant": self._first_context("assistant", [system, [*system, user]]),
+        }
+        # 3) the generation prompt: what the template adds where an assistant message would start
+        context, head = self._before["assistant"]
+        with_gen = self._render(context, add_generation_prompt=True)
+        if not with_gen.startswith(head):
             raise ConfigError("this model's chat template does not render a prompt as a sequence of messages")
-        self._probe = probe
-        self._gen_text = with_gen[len(probe) :]
-        self._gen_ids = self._encode(self._gen_text)
+        self._gen_ids = self._encode(with_gen[len(head) :])
         self.system_ids = lru_cache(maxsize=256)(self._system_ids)
         self.message_ids = lru_cache(maxsize=cache_size)(self._message_ids)
         stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -61,23 +98,65 @@ class TemplateFormat:
         self._stop_ids = frozenset(stops)
 
     def _render(self, messages, add_generation_prompt=False) -> str:
+        """The template's text, less the closing it adds when no reply is asked for."""
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self._template
             )
         except Exception as e:  # jinja's TemplateError for templates without a system role, etc.
-            raise ConfigError(f"this model's chat template cannot render a system prompt: {e}") from e
+            raise ConfigError(f"this model's chat template cannot render this conversation: {e}") from e
+        if not add_generation_prompt and self._closing and text.endswith(self._closing):
+            text = text[: -len(self._closing)]
+        return text
+
+    def _closing_text(self) -> str:
+        """What the template appends only when no reply is asked for (Phi-3: its eos token): the
+        tokens of a conversation that the same conversation with a generation prompt does not
+        start with. "" for the usual template, whose generation prompt only adds."""
+        probe = [{"role": "user", "content": _PROBE_USER}]
+        bare, with_gen = self._render(probe), self._render(probe, add_generation_prompt=True)
+        if with_gen.startswith(bare):
+            return ""
+        ids, gen_ids = self._encode(bare), self._encode(with_gen)
+        shared = 0
+        while shared < min(len(ids), len(gen_ids)) and ids[shared] == gen_ids[shared]:
+            shared += 1
+        closing = self.tokenizer.decode(ids[shared:], skip_special_tokens=False)
+        if not (bare.endswith(closing) and with_gen.startswith(bare[: len(bare) - len(closing)])):
+            raise ConfigError("this model's chat template does not render a prompt as a sequence of messages")
+        return closing
+
+    def _shows(self, messages, probe: str) -> bool:
+        try:
+            return probe in self._render(messages)
+        except ConfigError:
+            return False
+
+    def _first_context(self, role: str, contexts) -> tuple[list, str]:
+        """The first of `contexts` after which the template renders a `role` message by adding to
+        the context's own text: (that context, its text)."""
+        for context in contexts:
+            try:
+                head = self._render(context)
+                full = self._render([*context, {"role": role, "content": _PROBE_MESSAGE}])
+            except ConfigError:
+                continue
+            if full.startswith(head) and _PROBE_MESSAGE in full[len(head) :]:
+                return context, head
+        raise ConfigError(f"this model's chat template does not render a {role} message after the ones before it")
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _system_ids(self, text: str) -> list[int]:
-        return self._encode(self._render([{"role": "system", "content": text}]))
+        role = "system" if self._native_system else "user"
+        return self._encode(self._render([{"role": role, "content": text}]))
 
     def _message_ids(self, role: str, text: str) -> list[int]:
-        full = self._render([{"role": "system", "content": _PROBE_SYSTEM}, {"role": role, "content": text}])
-        assert full.startswith(self._probe), "chat template is not prefix-stable"
-        return self._encode(full[len(self._probe) :])
+        context, head = self._before.get(role, self._before["user"])
+        full = self._render([*context, {"role": role, "content": text}])
+        assert full.startswith(head), "chat template is not prefix-stable"
+        return self._encode(full[len(head) :])
 
     def generation_prompt_ids(self) -> list[int]:
         return list(self._gen_ids)

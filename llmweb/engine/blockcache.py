@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 BLOCK = 256  # tokens of spare room a buffer gets when it grows
 KEEP_ROOM = 64  # tokens of spare room an idle session's cache keeps (`compact`)
@@ -122,7 +122,14 @@ def compact(cache: DynamicCache, room: int = KEEP_ROOM) -> None:
 
 
 def new_cache(config) -> DynamicCache:
-    """A DynamicCache for `config` whose full-attention layers grow in blocks (others as transformers makes them)."""
+    """A DynamicCache for `config` whose attention layers grow in blocks, sliding-window ones too.
+
+    A sliding-window layer (Gemma's, Mistral's) keeps every token here, as llama.cpp's full-size SWA
+    cache does: the model's mask still limits each query to its window, and the cache can be cut back
+    to any prefix (session reuse, a failed batch step) and join the batch like any other. transformers'
+    own sliding layer drops what left the window, so its `crop` raises once the window is full: the
+    second turn of a chat failed. Other layers (linear attention) stay as transformers makes them."""
     cache = DynamicCache(config=config)
-    cache.layers = [BlockLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    growable = (DynamicLayer, DynamicSlidingWindowLayer)
+    cache.layers = [BlockLayer() if type(layer) in growable else layer for layer in cache.layers]
     return cache

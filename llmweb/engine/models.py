@@ -341,6 +341,14 @@ def load_tokenizer(settings: Settings, backend: str, progress: Progress = log.in
     return AutoTokenizer.from_pretrained(folder)
 
 
+def template_notes(tokenizer) -> list[str]:
+    """For the status line: a model without a chat template is chatted with as a plain transcript
+    (chat/tokens.py PLAIN_TEMPLATE), which a model tuned on its own template would follow poorly."""
+    if getattr(tokenizer, "chat_template", None):
+        return []
+    return ["The model has no chat template: the chat is written to it as a plain transcript."]
+
+
 def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
     """The GGUF model on llama.cpp (engine/gguf.py) and its transformers tokenizer (same ids)."""
     from llmweb.engine.gguf import GgufModel, openmp_note, requantised
@@ -369,6 +377,7 @@ def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         kv_bytes_per_token=gguf.kv_bytes_per_token,
         dtype_bytes=2,
         load_s=time.perf_counter() - t0,
+        notes=template_notes(tokenizer),
         backend="llama.cpp",
     )
     note = openmp_note()
@@ -445,7 +454,7 @@ def load_transformers(settings: Settings, device: str, progress: Progress = log.
         kv_bytes_per_token=kv_bytes_per_token(model.config, dtype_bytes),
         dtype_bytes=dtype_bytes,
         load_s=time.perf_counter() - t0,
-        notes=notes,
+        notes=notes + template_notes(tokenizer),
     )
     progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s.")
     return loaded

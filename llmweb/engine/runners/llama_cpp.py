@@ -10,7 +10,8 @@ cancel, time limits, the session KV store and the stats are the ones the transfo
                             `n_ctx` = n_seq_max x the context limit, shared by the running slots
     start(slot)             a free sequence id; the session's saved KV state (host bytes, from
                             `kv`) is restored into it and cut to the longest common prefix with
-                            the prompt (`llama_memory_seq_rm`)
+                            the prompt (`llama_memory_seq_rm`); a sliding-window model's only
+                            where its saved window reaches back to the cut
     prefill(slot)           one `llama_decode` of the next prompt chunk (PREFILL_CHUNK tokens,
                             BACKGROUND_CHUNK for a background request)
                             on the slot's sequence; the last chunk asks for logits and samples
@@ -98,6 +99,7 @@ class LlamaRunner(BaseRunner):
             raise LlmwebError(f"llama.cpp could not create a context of {self.n_ctx} tokens for {model.path.name}.")
         self.mem = ll.llama_get_memory(self.ctx)
         self.n_vocab = model.n_vocab
+        self.n_swa = ll.llama_model_n_swa(model.ptr)  # the sliding window, 0 without one
         self._batch = ll.llama_batch_init(params.n_batch, 0, 1)
         self._free = list(range(self.slots))[::-1]  # sequence ids not in use
         self._running: dict[int, Slot] = {}
@@ -156,6 +158,13 @@ class LlamaRunner(BaseRunner):
         read = self.ll.llama_state_seq_set_data(self.ctx, data, len(data), seq.seq)
         if read == 0:  # no room in the pool for it now: prefill it all
             log.info("llama runner: the session's cache did not fit the pool; prefilling the whole prompt")
+            self.ll.llama_memory_seq_rm(self.mem, seq.seq, -1, -1)
+            return 0
+        # A sliding-window model's saved state holds only the window before its last token (llama.cpp
+        # leaves out what that window masks), so a cut further back lacks keys the next tokens attend
+        # to, and the reply would silently differ: prefill it all, as llama-server does.
+        if self.n_swa and self.ll.llama_memory_seq_pos_min(self.mem, seq.seq) > max(reused - self.n_swa, 0):
+            log.info("llama runner: the session's sliding-window cache does not reach back to the cut; prefilling")
             self.ll.llama_memory_seq_rm(self.mem, seq.seq, -1, -1)
             return 0
         self.ll.llama_memory_seq_rm(self.mem, seq.seq, reused, -1)

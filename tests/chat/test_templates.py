@@ -1,0 +1,103 @@
+"""TemplateFormat over real chat templates (the zoo's: Llama 3, Qwen3, Gemma 3, Phi-3; one that
+refuses a system role; none at all), on a tiny byte-level tokenizer built in memory: a prompt made
+message by message is the template's own rendering of the whole conversation, with no probe text
+and no closing in the middle; what a template cannot do is worked around with a warning."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from llmweb.chat.tokens import NO_SYSTEM_NOTE, NO_TEMPLATE_NOTE, TemplateFormat, render_prompt
+from tests.engine import zoo
+
+SYSTEM = "You are terse."
+CHAT = [("user", "Hi there"), ("assistant", "  Hello! How can I help?\n"), ("user", "Tell me a joke.")]
+
+# Gemma 2's template: it raises on a system message instead of moving it
+NO_SYSTEM_ROLE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n'"
+    " + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def tokenizer(family: zoo.Family, template: str | None):
+    """A byte-level BPE with no merges (every byte a token) and the family's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [t for t in (family.bos, family.eos, family.end_of_turn, *family.specials) if t]
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=family.bos, eos_token=family.eos)
+    hf.add_special_tokens({"additional_special_tokens": list(dict.fromkeys(specials))})
+    hf.chat_template = template
+    return hf
+
+
+def rendered(fmt: TemplateFormat, system: str, chat) -> str:
+    return fmt.tokenizer.decode(render_prompt(fmt, system, chat), skip_special_tokens=False)
+
+
+def as_dicts(chat) -> list[dict]:
+    return [{"role": role, "content": text} for role, text in chat]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+def test_a_prompt_is_the_templates_own_rendering_of_the_conversation(name, caplog):
+    family = zoo.FAMILIES[name]
+    tok = tokenizer(family, family.template)
+    with caplog.at_level(logging.WARNING, logger="llmweb.chat.tokens"):
+        fmt = TemplateFormat(tok)
+    assert not caplog.records
+    whole = tok.apply_chat_template(as_dicts([("system", SYSTEM), *CHAT]), tokenize=False, add_generation_prompt=True)
+    assert rendered(fmt, SYSTEM, CHAT) == whole
+    assert {tok.eos_token_id, tok.convert_tokens_to_ids(family.end_of_turn)} <= fmt.stop_ids
+    # every message's ids are its own, wherever it sits: a longer chat starts with the shorter one
+    gen = len(fmt.generation_prompt_ids())
+    shorter, longer = render_prompt(fmt, SYSTEM, CHAT), render_prompt(fmt, SYSTEM, [*CHAT, ("assistant", "No.")])
+    assert longer[: len(shorter) - gen] == shorter[:-gen]
+
+
+def test_phi3s_closing_eos_is_left_out_of_the_prompt():
+    """Phi-3's template ends a conversation that asks no reply with the eos token: per message, that
+    would put an eos after the system prompt and every turn (it used to fail at start-up instead)."""
+    family = zoo.FAMILIES["phi3"]
+    fmt = TemplateFormat(tokenizer(family, family.template))
+    assert family.eos not in rendered(fmt, SYSTEM, CHAT)
+    assert fmt.tokenizer.decode(fmt.generation_prompt_ids()) == "<|assistant|>\n"
+
+
+@pytest.mark.parametrize("template", ["gemma3", "raises"])
+def test_a_template_without_a_system_role_gets_the_system_prompt_as_a_user_message(template, caplog):
+    """Gemma 3 moves a system message into the first user turn (so on its own it rendered nothing, and
+    each user message carried the probe's system text); Gemma 2 raises. Both get the system prompt as
+    a user message of its own, the rest as the template renders it, and a warning."""
+    family = zoo.FAMILIES["gemma3"]
+    tok = tokenizer(family, family.template if template == "gemma3" else NO_SYSTEM_ROLE)
+    with caplog.at_level(logging.WARNING, logger="llmweb.chat.tokens"):
+        fmt = TemplateFormat(tok)
+    assert [r.getMessage() for r in caplog.records] == [NO_SYSTEM_NOTE]
+    rest = tok.apply_chat_template(as_dicts(CHAT), tokenize=False, add_generation_prompt=True)
+    system_turn = f"<start_of_turn>user\n{SYSTEM}<end_of_turn>\n"
+    assert rendered(fmt, SYSTEM, CHAT) == "<bos>" + system_turn + rest.removeprefix("<bos>")
+
+
+def test_a_tokenizer_without_a_template_gets_a_plain_transcript_and_a_warning(caplog):
+    family = zoo.FAMILIES["plain"]
+    with caplog.at_level(logging.WARNING, logger="llmweb.chat.tokens"):
+        fmt = TemplateFormat(tokenizer(family, None))
+    assert [r.getMessage() for r in caplog.records] == [NO_TEMPLATE_NOTE]
+    assert rendered(fmt, SYSTEM, CHAT) == (
+        f"System: {SYSTEM}\n\nUser: Hi there\n\nAssistant:   Hello! How can I help?\n\n\n"
+        "User: Tell me a joke.\n\nAssistant:"
+    )
+    assert fmt.stop_ids == {fmt.tokenizer.eos_token_id}
