@@ -8,15 +8,17 @@ noise, blur, a strong JPEG). `cer` is the Levenshtein distance between the refer
 engine's text, both with runs of whitespace made one space, over the reference's length.
 
 The engines: llmweb's own (retrieval/ocr.py: the engine it ships, as uploads are read), and
-whichever other candidates are installed: `rapidocr-onnxruntime` 1.4.4 (PP-OCRv4), Debian's
-`tesseract` 5.3. One that is missing is listed as missing, not measured. Each page is read
-`repeats` times after one warm-up read; the table gives the median. The engine's load is timed
-apart. This module reads no file of the user's and writes none.
+whichever other candidates are installed: rapidocr with its own defaults, `rapidocr-onnxruntime`
+1.4.4 (PP-OCRv4), Debian's `tesseract` 5.3. One that is missing is listed as missing, not
+measured. The CER is of a warm-up read; then every engine reads every page once per round,
+`repeats` rounds, and the table gives the median seconds. The engine's load is timed apart. This
+module reads no file of the user's and writes none.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import random
 import shutil
 import statistics
@@ -284,13 +286,27 @@ def pages(dpis: Sequence[int] = (300, 150)) -> list[Page]:
     return [*(scan_page(dpi=dpi) for dpi in dpis), note_photo()]
 
 
+@dataclass(slots=True)
+class _Loaded:
+    engine: Engine
+    read: Callable[[Any], str]
+    load_s: float
+    version: str
+    texts: list[str]  # one per page, from the warm-up read
+    seconds: list[list[float]]  # per page, one per timed read
+
+
 def run(dpis: Sequence[int] = (300, 150), repeats: int = 3, progress: Callable[[str], None] | None = None) -> dict:
-    """Each installed engine on each page: CER and the median seconds of `repeats` reads."""
+    """Each installed engine on each page: CER and the median seconds of `repeats` reads. The timed
+    reads go round by round (every engine on every page, then again), so a neighbour's load on a
+    shared machine falls on every engine alike."""
     from llmweb.retrieval.ocr import OcrUnavailable
 
     say = progress or (lambda _m: None)
+    load_before = os.getloadavg()[0]
     rendered = pages(dpis)
     rows: list[dict] = []
+    loaded: list[_Loaded] = []
     for engine in ENGINES:
         try:
             t0 = time.perf_counter()
@@ -301,21 +317,26 @@ def run(dpis: Sequence[int] = (300, 150), repeats: int = 3, progress: Callable[[
             rows.append({"engine": engine.name, "missing": f"not installed ({type(e).__name__}: {e})"})
             say(f"{engine.name}: not installed")
             continue
-        say(f"{engine.name}: loaded in {load_s:.2f} s")
-        results = []
-        for page in rendered:
-            read(page.image)  # warm-up: the first call sizes buffers
-            times, text = [], ""
-            for _ in range(repeats):
+        texts = [read(page.image) for page in rendered]  # the warm-up (the first call sizes buffers)
+        say(f"{engine.name}: CER " + ", ".join(f"{cer(p.text, t):.3f}" for p, t in zip(rendered, texts)))
+        loaded.append(_Loaded(engine, read, load_s, version, texts, [[] for _ in rendered]))
+        rows.append({"engine": engine.name, "version": version, "load_s": load_s, "pages": []})
+    for round_ in range(repeats):
+        for item in loaded:
+            for page, seconds in zip(rendered, item.seconds):
                 t0 = time.perf_counter()
-                text = read(page.image)
-                times.append(time.perf_counter() - t0)
-            row = {"page": page.name, "cer": cer(page.text, text), "seconds": statistics.median(times), "text": text}
-            results.append(row)
-            say(f"{engine.name}, {page.name}: CER {row['cer']:.3f}, {row['seconds']:.2f} s")
-        rows.append({"engine": engine.name, "version": version, "load_s": load_s, "pages": results})
+                item.read(page.image)
+                seconds.append(time.perf_counter() - t0)
+        say(f"timed round {round_ + 1} of {repeats} done")
+    for item in loaded:
+        row = next(r for r in rows if r["engine"] == item.engine.name)
+        row["pages"] = [
+            {"page": page.name, "cer": cer(page.text, text), "seconds": statistics.median(seconds), "text": text}
+            for page, text, seconds in zip(rendered, item.texts, item.seconds)
+        ]
     sizes = {p.name: f"{p.image.width} x {p.image.height}" for p in rendered}
-    return {"dpis": list(dpis), "repeats": repeats, "pages": sizes, "rows": rows}
+    load = {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}
+    return {"dpis": list(dpis), "repeats": repeats, "pages": sizes, "rows": rows, "load_average": load}
 
 
 def markdown(r: dict) -> str:
@@ -333,5 +354,11 @@ def markdown(r: dict) -> str:
         cells = " | ".join(f"{p['cer']:.1%} | {p['seconds']:.2f}" for p in row["pages"])
         lines.append(f"| {row['engine']} | {row['version']} | {row['load_s']:.2f} | {cells} |")
     pixels = ", ".join(f"{name} {size}" for name, size in r["pages"].items())
-    lines += ["", f"Pages (pixels): {pixels}.", ""]
+    load = r["load_average"]
+    lines += [
+        "",
+        f"Pages (pixels): {pixels}. The machine's 1-minute load average: {load['before']:.2f} before, "
+        f"{load['after']:.2f} after (this run's own included); {load['cores']} cores.",
+        "",
+    ]
     return "\n".join(lines)
