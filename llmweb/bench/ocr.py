@@ -11,8 +11,9 @@ The engines: llmweb's own (retrieval/ocr.py: the engine it ships, as uploads are
 whichever other candidates are installed: rapidocr with its own defaults, `rapidocr-onnxruntime`
 1.4.4 (PP-OCRv4), Debian's `tesseract` 5.3. One that is missing is listed as missing, not
 measured. The CER is of a warm-up read; then every engine reads every page once per round,
-`repeats` rounds, and the table gives the median seconds. The engine's load is timed apart. This
-module reads no file of the user's and writes none.
+`repeats` rounds, and the table gives the median wall-clock and CPU seconds (every thread, and a
+child process's: the CPU figure moves less when a neighbour loads the machine). The engine's load
+is timed apart. This module reads no file of the user's and writes none.
 """
 
 from __future__ import annotations
@@ -294,6 +295,7 @@ class _Loaded:
     version: str
     texts: list[str]  # one per page, from the warm-up read
     seconds: list[list[float]]  # per page, one per timed read
+    cpu: list[list[float]]  # per page, CPU seconds of each timed read (every thread, and child processes)
 
 
 def run(dpis: Sequence[int] = (300, 150), repeats: int = 3, progress: Callable[[str], None] | None = None) -> dict:
@@ -319,39 +321,54 @@ def run(dpis: Sequence[int] = (300, 150), repeats: int = 3, progress: Callable[[
             continue
         texts = [read(page.image) for page in rendered]  # the warm-up (the first call sizes buffers)
         say(f"{engine.name}: CER " + ", ".join(f"{cer(p.text, t):.3f}" for p, t in zip(rendered, texts)))
-        loaded.append(_Loaded(engine, read, load_s, version, texts, [[] for _ in rendered]))
+        loaded.append(_Loaded(engine, read, load_s, version, texts, [[] for _ in rendered], [[] for _ in rendered]))
         rows.append({"engine": engine.name, "version": version, "load_s": load_s, "pages": []})
     for round_ in range(repeats):
         for item in loaded:
-            for page, seconds in zip(rendered, item.seconds):
-                t0 = time.perf_counter()
+            for page, seconds, cpu in zip(rendered, item.seconds, item.cpu):
+                t0, c0 = time.perf_counter(), _cpu_seconds()
                 item.read(page.image)
                 seconds.append(time.perf_counter() - t0)
+                cpu.append(_cpu_seconds() - c0)
         say(f"timed round {round_ + 1} of {repeats} done")
     for item in loaded:
         row = next(r for r in rows if r["engine"] == item.engine.name)
         row["pages"] = [
-            {"page": page.name, "cer": cer(page.text, text), "seconds": statistics.median(seconds), "text": text}
-            for page, text, seconds in zip(rendered, item.texts, item.seconds)
+            {
+                "page": page.name,
+                "cer": cer(page.text, text),
+                "seconds": statistics.median(seconds),
+                "cpu_seconds": statistics.median(cpu),
+                "text": text,
+            }
+            for page, text, seconds, cpu in zip(rendered, item.texts, item.seconds, item.cpu)
         ]
     sizes = {p.name: f"{p.image.width} x {p.image.height}" for p in rendered}
     load = {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}
     return {"dpis": list(dpis), "repeats": repeats, "pages": sizes, "rows": rows, "load_average": load}
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all threads) and of its finished children."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def markdown(r: dict) -> str:
     names = list(r["pages"])
     lines = [
-        f"## OCR: character error rate (CER) and seconds per page, median of {r['repeats']} reads",
+        f"## OCR: character error rate (CER), seconds and CPU seconds per page, median of {r['repeats']} reads",
         "",
-        "| engine | version | load s | " + " | ".join(f"{n}: CER | s" for n in names) + " |",
-        "|---|---|---:|" + "---:|---:|" * len(names),
+        "| engine | version | load s | " + " | ".join(f"{n}: CER | s | CPU s" for n in names) + " |",
+        "|---|---|---:|" + "---:|---:|---:|" * len(names),
     ]
     for row in r["rows"]:
         if "missing" in row:
-            lines.append(f"| {row['engine']} | {row['missing']} | |" + " | |" * len(names))
+            lines.append(f"| {row['engine']} | {row['missing']} | |" + " | | |" * len(names))
             continue
-        cells = " | ".join(f"{p['cer']:.1%} | {p['seconds']:.2f}" for p in row["pages"])
+        cells = " | ".join(f"{p['cer']:.1%} | {p['seconds']:.2f} | {p['cpu_seconds']:.2f}" for p in row["pages"])
         lines.append(f"| {row['engine']} | {row['version']} | {row['load_s']:.2f} | {cells} |")
     pixels = ", ".join(f"{name} {size}" for name, size in r["pages"].items())
     load = r["load_average"]
