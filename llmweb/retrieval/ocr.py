@@ -11,8 +11,8 @@ Contract:
 - `layout(boxes, texts)` is that ordering as a pure function of the engine's boxes.
 
 Why this engine and these settings: `python -m llmweb bench ocr` (docs/documents.md has the table).
-The line-orientation classifier is off: it turned 2 of 40 lines of a 150 dpi scan upside down
-(7.8% CER with it, 0% without); a page scanned upside down is not turned back.
+The line-orientation classifier is off: it took 3 of the 32 lines of the 150 dpi scan for upside
+down and garbled them (7.8% CER with it, 0% without); a page scanned upside down is not turned back.
 
 This module knows nothing of files, formats or limits (retrieval/scans.py does) and must not be
 imported at module level by anything that runs without OCR: it loads onnxruntime and OpenCV.
