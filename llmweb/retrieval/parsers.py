@@ -237,11 +237,10 @@ def _decode_text(data: bytes, name: str) -> str:
 def _parse_pdf(data: bytes, name: str, ocr: OcrLimits, progress: Progress | None) -> tuple[str, list[Section]]:
     reader, pages = _with_pdf_errors(name, lambda: _open_pdf(data, name))
     # pages without a text layer that draw an image are read by OCR; the others keep their text
-    scanned = _with_pdf_errors(
-        name, lambda: scans.pdf_pages_to_read(pages, lambda n: scans.pdf_page_has_images(reader, n))
-    )
+    images = scans.PdfImages(reader, name)
+    scanned = _with_pdf_errors(name, lambda: scans.pdf_pages_to_read(pages, images.has_images))
     if scanned and (ocr.enabled or not any(p.strip() for p in pages)):  # OCR off: the text pages alone
-        read = _with_pdf_errors(name, lambda: scans.read_pdf_pages(reader, scanned, name, ocr, progress))
+        read = _with_pdf_errors(name, lambda: scans.read_pdf_pages(images, scanned, ocr, progress))
         pages = [read.get(number, text) for number, text in enumerate(pages, 1)]
     parts: list[str] = []
     sections: list[Section] = []

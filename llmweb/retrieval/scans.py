@@ -5,9 +5,9 @@ Contract:
   (whatever its suffix says, only these decoders are used). Each frame of a multi-page TIFF is a
   page and its section carries the page number; another file is one image, with no page.
 - `pdf_pages_to_read(texts, has_images)`: the PDF pages to read by OCR, 1-based: no text layer and
-  at least one image. `read_pdf_pages(reader, numbers, name, limits, progress)`: their text, from
-  the images each page draws, as pypdf extracts them (`page.images`; no rasteriser), turned by
-  the page's /Rotate.
+  at least one image XObject (`PdfImages` finds them; an inline image is not read).
+  `read_pdf_pages(images, numbers, limits, progress)`: their text, from the images each page
+  holds, as pypdf decodes them (no rasteriser), turned by the page's /Rotate.
 - Limits, checked before the work they bound: `OcrLimits.max_pages` pages to read per document
   (0 = OCR off) before the first is read; MAX_IMAGE_PIXELS per image from its header (or the
   PDF's /Width and /Height) before it is decoded; MAX_IMAGES_PER_PAGE; `max_seconds` of OCR per
@@ -34,6 +34,8 @@ IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".tif": "TIFF",
 IMAGE_SUFFIXES = tuple(IMAGE_FORMATS)
 MAX_IMAGE_PIXELS = 50_000_000  # one image (an A4 page at 600 dpi is 35 million)
 MAX_IMAGES_PER_PAGE = 16  # a scanned page is one image, or a few strips
+MAX_XOBJECT_VISITS = 100_000  # images and forms looked at, in a whole PDF, to find its pages' images
+MAX_FORM_DEPTH = 8  # forms inside forms followed while looking for a page's images
 MIN_IMAGE_SIDE = 16  # pixels: a smaller image (a rule, a bullet, a speck) holds no text to read
 MIN_OCR_SIDE = 32  # pixels: the engine needs this much on each side...
 MAX_OCR_ASPECT = 40  # ...and an aspect under this: a thin strip is padded with white to it
@@ -184,58 +186,110 @@ def pdf_pages_to_read(texts: Sequence[str], has_images: Callable[[int], bool]) -
     return [n for n, text in enumerate(texts, 1) if not text.strip() and has_images(n)]
 
 
-def pdf_page_has_images(reader: Any, number: int) -> bool:
-    return len(reader.pages[number - 1].images.keys()) > 0
+class PdfImages:
+    """The image XObjects of an open PDF's pages, found by a walk of each page's resources: each
+    object once a page, forms followed MAX_FORM_DEPTH deep, MAX_XOBJECT_VISITS objects looked at in
+    the whole document (InputError past it). Not pypdf's `page.images`: it checks each object
+    against a list of those it has seen, quadratic in a page's objects (4,000 forms took 1 s, a
+    20 MB file of them would take half an hour), and `images[key]` runs that walk again."""
+
+    def __init__(self, reader: Any, name: str) -> None:
+        self.reader, self.name = reader, name
+        self.visits = 0
+        self._paths: dict[int, list[list[str]]] = {}
+
+    def has_images(self, number: int) -> bool:
+        return bool(self.paths(number))
+
+    def paths(self, number: int) -> list[list[str]]:
+        """Page `number`'s images as paths of XObject names (through forms), in resource order."""
+        if number not in self._paths:
+            self._paths[number] = self._walk(self.reader.pages[number - 1], number)
+        return self._paths[number]
+
+    def _walk(self, page: Any, number: int) -> list[list[str]]:
+        from pypdf.generic import DictionaryObject, IndirectObject, StreamObject
+
+        found: list[list[str]] = []
+        seen: set[Any] = set()
+        todo: list[tuple[Any, list[str]]] = [(page, [])]
+        while todo:
+            holder, path = todo.pop(0)
+            resources = holder.get("/Resources")
+            resources = resources.get_object() if resources is not None else None
+            xobjects = resources.get("/XObject") if isinstance(resources, DictionaryObject) else None
+            xobjects = xobjects.get_object() if xobjects is not None else None
+            if not isinstance(xobjects, DictionaryObject):
+                continue
+            for key in xobjects:
+                ref = xobjects.raw_get(key)
+                identity = (ref.idnum, ref.generation) if isinstance(ref, IndirectObject) else id(ref)
+                if identity in seen:
+                    continue
+                seen.add(identity)
+                self.visits += 1
+                if self.visits > MAX_XOBJECT_VISITS:
+                    raise InputError(
+                        f"{self.name} holds more than {MAX_XOBJECT_VISITS:,} images and forms to look through "
+                        f"(page {number}); the limit is that."
+                    )
+                entry = ref.get_object()
+                if not isinstance(entry, StreamObject):
+                    continue
+                if entry.get("/Subtype") == "/Image":
+                    found.append([*path, str(key)])
+                elif entry.get("/Subtype") == "/Form" and len(path) < MAX_FORM_DEPTH:
+                    todo.append((entry, [*path, str(key)]))
+        return found
+
+    def images(self, number: int) -> list[Any]:
+        """Page `number`'s images, each checked by its declared size before pypdf decodes it,
+        turned as the page is shown (/Rotate)."""
+        page, name = self.reader.pages[number - 1], self.name
+        paths = self.paths(number)
+        if len(paths) > MAX_IMAGES_PER_PAGE:
+            raise InputError(
+                f"{name}: page {number} draws {len(paths):,} images; the limit is {MAX_IMAGES_PER_PAGE} for a "
+                "scanned page."
+            )
+        images = []
+        for path in paths:
+            declared = _declared_size(page, path)
+            check_pixels(declared, name, number)
+            if min(declared) < MIN_IMAGE_SIDE:
+                continue
+            try:
+                image = page._get_image(path).image  # one image by its path (not `images[key]`: see above)
+                check_pixels(image.size, name, number)
+                image.load()
+            except InputError:
+                raise
+            except Exception as e:  # pypdf and Pillow raise many types on damaged or oversized streams
+                raise InputError(
+                    f"{name}: the image on page {number} could not be read ({type(e).__name__})."
+                ) from None
+            if min(image.size) < MIN_IMAGE_SIDE:
+                continue
+            images.append(image.rotate(-page.rotation, expand=True) if page.rotation % 360 else image)
+        return images
 
 
 def read_pdf_pages(
-    reader: Any, numbers: Sequence[int], name: str, limits: OcrLimits, progress: Progress | None = None
+    images: PdfImages, numbers: Sequence[int], limits: OcrLimits, progress: Progress | None = None
 ) -> dict[int, str]:
-    """The OCR text of the 1-based pages `numbers` of an open pypdf reader, page by page."""
+    """The OCR text of the 1-based pages `numbers`, page by page, from the images each draws."""
+    name, pages = images.name, len(images.reader.pages)
     budget = OcrBudget(limits, name, len(numbers), progress)
     out: dict[int, str] = {}
     for number in numbers:
-        budget.page(number, len(reader.pages))
-        texts = [_read(image, name, number) for image in _page_images(reader.pages[number - 1], name, number)]
+        budget.page(number, pages)
+        texts = [_read(image, name, number) for image in images.images(number)]
         out[number] = "\n\n".join(t for t in texts if t.strip())
     return out
 
 
-def _page_images(page: Any, name: str, number: int) -> list[Any]:
-    """The images a PDF page draws, each checked by its declared size before pypdf decodes it,
-    turned as the page is shown (/Rotate)."""
-    keys = page.images.keys()
-    if len(keys) > MAX_IMAGES_PER_PAGE:
-        raise InputError(
-            f"{name}: page {number} draws {len(keys):,} images; the limit is {MAX_IMAGES_PER_PAGE} for a scanned page."
-        )
-    images = []
-    for key in keys:
-        declared = _declared_size(page, key)
-        if declared is not None:
-            check_pixels(declared, name, number)
-            if min(declared) < MIN_IMAGE_SIDE:
-                continue
-        try:
-            image = page.images[key].image
-            check_pixels(image.size, name, number)
-            image.load()
-        except InputError:
-            raise
-        except Exception as e:  # pypdf and Pillow raise many types on damaged or oversized streams
-            raise InputError(f"{name}: the image on page {number} could not be read ({type(e).__name__}).") from None
-        if min(image.size) < MIN_IMAGE_SIDE:
-            continue
-        images.append(image.rotate(-page.rotation, expand=True) if page.rotation % 360 else image)
-    return images
-
-
-def _declared_size(page: Any, key: str | list[str]) -> tuple[int, int] | None:
-    """The /Width and /Height of the image XObject at `key` (a name, or the path of names through
-    forms), read without decoding it; None for an inline image (pypdf read it with the page)."""
-    path = [key] if isinstance(key, str) else list(key)
-    if path[-1].startswith("~"):
-        return None
+def _declared_size(page: Any, path: list[str]) -> tuple[int, int]:
+    """The /Width and /Height of the image XObject at `path` (names through forms), undecoded."""
     obj = page
     for part in path:
         obj = obj["/Resources"].get_object()["/XObject"].get_object()[part].get_object()

@@ -310,6 +310,45 @@ def test_a_page_with_more_images_than_the_limit_is_refused(engine, monkeypatch):
         parse_document(buf.getvalue(), "strips.pdf", ocr=LIMITS)
 
 
+def forms_pdf(forms: int, shared: int = 0) -> bytes:
+    """One page without text whose resources hold `forms` distinct empty forms, plus `shared` more
+    names for the first of them; no image anywhere."""
+    names = [b"/F%d %d 0 R" % (i, 5 + i) for i in range(forms)] + [b"/S%d 5 0 R" % i for i in range(shared)]
+    return pdf_file(
+        [
+            b"<< /Type /Catalog /Pages 2 0 R >>",
+            b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /XObject << "
+            + b" ".join(names)
+            + b" >> >> /Contents 4 0 R >>",
+            b"<< /Length 0 >>\nstream\n\nendstream",
+            *[b"<< /Subtype /Form /BBox [0 0 1 1] /Length 0 >>\nstream\n\nendstream"] * forms,
+        ]
+    )
+
+
+def test_a_page_of_thousands_of_forms_is_walked_once_each_not_by_pypdfs_quadratic_images(engine, monkeypatch):
+    """pypdf's `page.images` checks each object against a list of those seen (4,000 forms: 1 s; a
+    20 MB file of them: half an hour); llmweb's walk looks at each object once and is capped."""
+    from pypdf import PdfReader
+    from pypdf._page import PageObject
+
+    def refuse(_page):
+        raise AssertionError("pypdf's quadratic page.images was used")
+
+    monkeypatch.setattr(PageObject, "images", property(refuse))
+    images = scans.PdfImages(PdfReader(io.BytesIO(forms_pdf(8000, shared=500))), "forms.pdf")
+    assert images.paths(1) == [] and images.visits == 8000, "each form once, its 500 other names skipped"
+    with pytest.raises(InputError, match=r"^forms\.pdf has no extractable text"):
+        parse_document(forms_pdf(8000), "forms.pdf", ocr=LIMITS)
+    monkeypatch.setattr(scans, "MAX_XOBJECT_VISITS", 1000)
+    with pytest.raises(
+        InputError, match=r"forms\.pdf holds more than 1,000 images and forms to look through \(page 1\)"
+    ):
+        parse_document(forms_pdf(1001), "forms.pdf", ocr=LIMITS)
+    assert engine.sizes == []
+
+
 # ---- the real engine, on small pages (a second or two)
 
 
