@@ -108,7 +108,12 @@ def read_image(
 ) -> tuple[str, list[tuple[int, int, int | None]]]:
     """The text of an image file and its sections as (start, end, page or None)."""
     image = _open(data, name)
-    frames = getattr(image, "n_frames", 1) if image.format == "TIFF" else 1
+    frames = _frames(image, name, most=limits.max_pages + 1)
+    if limits.enabled and frames > limits.max_pages:
+        raise InputError(
+            f"{name} has more than {limits.max_pages:,} pages to read by OCR; the limit is that "
+            "(LLMWEB_OCR_MAX_PAGES). Split the file and upload the parts."
+        )
     budget = OcrBudget(limits, name, frames, progress)
     texts: list[str] = []
     for frame in range(frames):
@@ -145,6 +150,24 @@ def _open(data: bytes, name: str) -> Any:
     except Exception as e:  # a header Pillow recognises but cannot parse
         raise InputError(f"{name} could not be read as an image (damaged: {type(e).__name__}).") from None
     return image
+
+
+def _frames(image: Any, name: str, most: int) -> int:
+    """How many pages (frames) a TIFF holds, counted up to `most` (Pillow's `n_frames` walks every
+    one of a file's frames, however many); 1 for another format."""
+    if image.format != "TIFF":
+        return 1
+    count = 1
+    try:
+        while count < most:
+            image.seek(count)  # from the frame before: one step each
+            count += 1
+    except EOFError:
+        pass
+    except Exception as e:  # a damaged chain of frames
+        raise InputError(f"{name} could not be read as an image (damaged: {type(e).__name__}).") from None
+    image.seek(0)
+    return count
 
 
 def check_pixels(size: tuple[int, int], name: str, page: int | None = None) -> None:

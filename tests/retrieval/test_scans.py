@@ -214,6 +214,15 @@ def test_bad_images_get_one_sentence_and_the_engine_never_sees_them(engine, name
     assert engine.sizes == []
 
 
+def test_a_tiff_of_more_pages_than_the_limit_is_refused_counting_no_further(engine):
+    frames = [Image.new("L", (40, 40), 255) for _ in range(12)]
+    tiff = png(frames[0], "TIFF", save_all=True, append_images=frames[1:])
+    with pytest.raises(InputError, match=r"fax\.tiff has more than 5 pages to read by OCR; the limit is that"):
+        parse_document(tiff, "fax.tiff", ocr=OcrLimits(5, 300))
+    assert engine.sizes == []
+    assert len(parse_document(tiff, "fax.tiff", ocr=OcrLimits(12, 300)).sections) == 12
+
+
 def test_an_image_without_text_and_an_unsupported_format_say_so(engine):
     engine.texts = [""]
     with pytest.raises(InputError, match=r"^No text found in blank\.png: OCR read nothing in the image\.$"):
