@@ -8,7 +8,8 @@ the test does not compile it twice), checks that its llama.cpp has no OpenMP and
 (pre-requirements.txt says why), and
 starts `app.py` with `SYSTEM=spaces`, offline (`HF_HUB_OFFLINE=1`: no model may come from a hub),
 on a free port, from this checkout. It asks one question through the OpenAI-compatible API and
-checks the answer and that the status line names llama.cpp.
+checks the answer and that the status line names llama.cpp. Before that, the same environment
+reads a photo of a note by OCR with a fresh home: rapidocr's models come from its wheel.
 
 Slow (an install of several minutes): it runs where LLMWEB_SPACE_BUILD_TEST=1 (CI sets it), and
 is skipped elsewhere unless asked for.
@@ -76,6 +77,18 @@ def test_a_space_built_from_its_requirements_files_alone_answers(tmp_path: Path)
     assert "AVX" in info and "OPENMP = 1" not in info, info
     if platform.machine() == "x86_64":  # the portable build (pre-requirements.txt says why)
         assert "AVX2 = 1" in info and "AVX512" not in info and "AMX" not in info, info
+    # OCR from the models inside rapidocr's wheel: a fresh home, nothing cached, nothing downloaded
+    read = "from llmweb.bench.ocr import note_photo; from llmweb.retrieval import ocr, scans; "
+    read += "print(ocr.engine().read(scans.prepare(note_photo().image)))"
+    ocr = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", read],
+        cwd=REPO,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ocr.returncode == 0 and "under the blue flowerpot" in ocr.stdout, ocr.stdout + ocr.stderr[-3000:]
     port = _free_port()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

@@ -1,5 +1,5 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|recycle|gpu]`
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|recycle|gpu|ocr]`
 and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
@@ -34,6 +34,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
   served.py     a real `python -m llmweb serve` on a scratch data dir, for busy and peer
   gpu.py        `bench gpu [--rehearse]`: the CUDA path in one command (NF4 load, a real OOM and its
                 recovery, fragmentation, capacity of an 8B shape with random weights); parts in gpu_parts.py
+  ocr.py        `bench ocr`: OCR engines side by side on pages rendered from known text (a scan, a photo
+                of a note): character error rate and seconds per page. No chat model.
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
 
 The contract: a benchmark changes engine settings only through public configuration (a Runtime
@@ -66,6 +68,7 @@ BENCHES = [
     "peer",
     "recycle",
     "gpu",
+    "ocr",
 ]
 
 
@@ -74,7 +77,7 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load | document | loops | busy | peer | recycle | gpu",
+        "| hostile | load | document | loops | busy | peer | recycle | gpu | ocr",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -121,7 +124,8 @@ def register(sub) -> None:
         "--repeats",
         type=int,
         default=3,
-        help="suite: A/B repeats of the engine-overhead runs; decode: repeats of every step; busy: of every case",
+        help="suite: A/B repeats of the engine-overhead runs; decode: repeats of every step; busy: of every case; "
+        "ocr: timed reads of every page",
     )
     b.add_argument("--fillers", type=int, default=12, help="fidelity: filler turns before each checkpoint")
     b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
@@ -129,6 +133,7 @@ def register(sub) -> None:
     b.add_argument("--parts", type=int, default=4, help="document: copies of the guide in the long text")
     b.add_argument("--rehearse", action="store_true", help="gpu: the same steps on the CPU, tiny shapes, a memory cap")
     b.add_argument("--quick", action="store_true", help="gpu: the smallest settings (the slow test's)")
+    b.add_argument("--dpi", default="300,150", help="ocr: scan resolutions of the prose page, comma-separated")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=bench_command)
 
@@ -174,6 +179,7 @@ def bench_command(args) -> int:
         "peer": _bench_peer,
         "recycle": _bench_recycle,
         "gpu": _bench_gpu,
+        "ocr": _bench_ocr,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
     return run(args)
@@ -392,6 +398,14 @@ def _bench_gpu(args) -> int:
     for kind, p in paths.items():
         _stderr(f"{kind}: {p}")
     return 1 if any(part.get("error") for part in result["parts"]) else 0
+
+
+def _bench_ocr(args) -> int:
+    from . import ocr
+
+    result = ocr.run(dpis=parse_ints(args.dpi), repeats=args.repeats, progress=_stderr)
+    _print(result, args.json, ocr.markdown)
+    return 0
 
 
 def capacity_command(args) -> int:

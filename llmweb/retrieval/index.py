@@ -40,6 +40,7 @@ from llmweb.retrieval.chunking import chunk_document
 from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.keywords import KeywordIndex, Term
 from llmweb.retrieval.parsers import SUPPORTED_SUFFIXES, Document, load_document, safe_name
+from llmweb.retrieval.scans import OcrLimits
 from llmweb.retrieval.storage import MANIFEST, DocumentInfo, State, file_lock, namespace_dir, thread_lock_for
 
 Progress = Callable[[int, int, str], None]  # (done, total, what) for a UI bar or tqdm
@@ -238,7 +239,7 @@ class Index:
                 continue
             entries.append((Path(path), name, None))
         reports: dict[int, IngestReport] = {}
-        docs = _load(entries, self.settings.max_file_mb, progress, reports)
+        docs = _load(entries, self.settings, progress, reports)
         return Read([str(given) for _, given in files], docs, reports)
 
     def add_read(self, read: Read, progress: Progress | None = None) -> list[IngestReport]:
@@ -328,7 +329,7 @@ class Index:
     ) -> list[IngestReport]:
         """Read, chunk, embed and commit (path, display name, error) entries: one report each, in order."""
         reports: dict[int, IngestReport] = {}
-        self._add_docs(_load(entries, self.settings.max_file_mb, progress, reports), reports, progress)
+        self._add_docs(_load(entries, self.settings, progress, reports), reports, progress)
         return [reports[n] for n in range(len(entries))]
 
     def _add_docs(
@@ -478,19 +479,22 @@ def _add(base: State, pending: Sequence[_Pending], replace_same_name: bool) -> t
 
 def _load(
     entries: list[tuple[Path | None, str, str | None]],
-    max_mb: float,
+    settings: Settings,
     progress: Progress | None,
     reports: dict[int, IngestReport],
 ) -> list[tuple[int, Document]]:
-    """Parse each entry: (its position, the document), or an "error" report at its position."""
+    """Parse each entry: (its position, the document), or an "error" report at its position. Before
+    each page OCR reads, `progress` hears the page ("scan.pdf: reading page 3 of 12 (OCR)…")."""
     docs: list[tuple[int, Document]] = []
+    ocr = OcrLimits.of(settings)
     for n, (path, name, error) in enumerate(entries):
         _tell(progress, n, len(entries), f"reading {name}")
         if error is not None or path is None:
             reports[n] = IngestReport(name, "error", message=error or f"{name}: cannot be read.")
             continue
+        pages = None if progress is None else (lambda what, n=n: _tell(progress, n, len(entries), what))
         try:
-            docs.append((n, load_document(path, name, max_mb=max_mb)))
+            docs.append((n, load_document(path, name, max_mb=settings.max_file_mb, ocr=ocr, progress=pages)))
         except InputError as e:
             reports[n] = IngestReport(name, "error", message=str(e))
     _tell(progress, len(entries), len(entries), "read")

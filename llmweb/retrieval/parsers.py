@@ -1,11 +1,14 @@
 """Parsers: read a user's file into text with structure, within limits on what it may unpack to.
 
 Contract:
-- `load_document(path, name)` reads one file (.txt, .md, .pdf, .html/.htm, .docx) and returns a
-  `Document`: the extracted text, `Section`s saying which page (PDF) or nearest heading
-  (Markdown, HTML, DOCX) covers each character range, and a content hash used as `doc_id`.
-  Anything we cannot use raises `InputError` with one sentence naming the file and the problem.
+- `load_document(path, name)` reads one file (.txt, .md, .pdf, .html/.htm, .docx, or an image:
+  .png, .jpg/.jpeg, .tif/.tiff, .webp) and returns a `Document`: the extracted text, `Section`s
+  saying which page (PDF, multi-page TIFF) or nearest heading (Markdown, HTML, DOCX) covers each
+  character range, and a content hash used as `doc_id`. Anything we cannot use raises
+  `InputError` with one sentence naming the file and the problem.
 - `parse_document(data, name)` does the same from bytes already read (a document is parsed once).
+- Images, and PDF pages without a text layer, are read by OCR (retrieval/scans.py) within the
+  `OcrLimits` passed in; `progress(what)` hears each OCR page before it is read.
 - `safe_name(name)` turns a user-given file name into a display name that is a plain basename.
 
 Every loader is linear in its input and capped while it reads (text, pages, unpacked bytes,
@@ -19,14 +22,17 @@ import codecs
 import hashlib
 import io
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from llmweb.config import Settings
 from llmweb.errors import InputError
+from llmweb.retrieval import scans
+from llmweb.retrieval.scans import IMAGE_SUFFIXES, OcrLimits, Progress
 
-SUPPORTED_SUFFIXES = (".txt", ".md", ".markdown", ".pdf", ".html", ".htm", ".docx")
+SUPPORTED_SUFFIXES = (".txt", ".md", ".markdown", ".pdf", ".html", ".htm", ".docx", *IMAGE_SUFFIXES)
 MB = 1024 * 1024
 MAX_NAME_CHARS = 200
 MAX_PATH_CHARS = 4096  # a name given with its folders (Linux's PATH_MAX); longer is refused before it is read
@@ -43,6 +49,7 @@ MAX_DOCX_MEMBERS = 5_000
 MAX_DOCX_ROW_CELLS = 1_000  # grid cells in one table row, spans counted (Word itself stops at 63 columns)
 MAX_HTML_BYTES = 50 * MB
 MAX_HTML_DEPTH = 5_000  # elements inside elements (unclosed <p> and <li> nest too, in html.parser)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +120,14 @@ def hash_bytes(data: bytes) -> str:
 # --------------------------------------------------------------------------- loading
 
 
-def load_document(path: str | Path, name: str | None = None, *, max_mb: float | None = None) -> Document:
+def load_document(
+    path: str | Path,
+    name: str | None = None,
+    *,
+    max_mb: float | None = None,
+    ocr: OcrLimits | None = None,
+    progress: Progress | None = None,
+) -> Document:
     """Read and parse one file. `name` is the display name (default: the file's basename);
     it is passed through `display_name`, so it can never be absolute or climb with "..".
 
@@ -137,17 +151,29 @@ def load_document(path: str | Path, name: str | None = None, *, max_mb: float | 
         data = path.read_bytes()
     except OSError as e:
         raise InputError(f"{name}: cannot read the file ({e.strerror or e}).") from None
-    return parse_document(data, name, suffix=suffix)
+    return parse_document(data, name, suffix=suffix, ocr=ocr, progress=progress)
 
 
-def parse_document(data: bytes, name: str, *, suffix: str | None = None) -> Document:
-    """Parse a file's bytes; `suffix` (e.g. ".pdf") defaults to the name's extension."""
+def parse_document(
+    data: bytes,
+    name: str,
+    *,
+    suffix: str | None = None,
+    ocr: OcrLimits | None = None,
+    progress: Progress | None = None,
+) -> Document:
+    """Parse a file's bytes; `suffix` (e.g. ".pdf") defaults to the name's extension. `ocr`: the
+    limits of OCR (default: Settings' defaults); `progress` hears each page OCR reads."""
     suffix = (suffix or Path(name).suffix).lower()
     _check_suffix(name, suffix)
+    ocr = ocr if ocr is not None else OcrLimits.of(Settings())
     if not data:
         raise InputError(f"{name} is empty.")
     if suffix == ".pdf":
-        text, sections = _parse_pdf(data, name)
+        text, sections = _parse_pdf(data, name, ocr, progress)
+    elif suffix in IMAGE_SUFFIXES:
+        text, spans = scans.read_image(data, name, ocr, progress)
+        sections = [Section(start, end, page=page) for start, end, page in spans]
     elif suffix == ".docx":
         text, sections = _parse_docx(data, name)
     elif suffix in (".html", ".htm"):
@@ -208,7 +234,40 @@ def _decode_text(data: bytes, name: str) -> str:
 # PDF ------------------------------------------------------------------------
 
 
-def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
+def _parse_pdf(data: bytes, name: str, ocr: OcrLimits, progress: Progress | None) -> tuple[str, list[Section]]:
+    reader, pages = _with_pdf_errors(name, lambda: _open_pdf(data, name))
+    # pages without a text layer that draw an image are read by OCR; the others keep their text
+    images = scans.PdfImages(reader, name)
+    scanned = _with_pdf_errors(name, lambda: scans.pdf_pages_to_read(pages, images.has_images))
+    if scanned and (ocr.enabled or not any(p.strip() for p in pages)):  # OCR off: the text pages alone
+        read = _with_pdf_errors(name, lambda: scans.read_pdf_pages(images, scanned, ocr, progress))
+        pages = [read.get(number, text) for number, text in enumerate(pages, 1)]
+    parts: list[str] = []
+    sections: list[Section] = []
+    pos = 0
+    for number, page_text in enumerate(pages, start=1):
+        page_text = _normalise(page_text).strip()
+        if not page_text:
+            continue
+        if parts:
+            parts.append("\n\n")
+            pos += 2
+        sections.append(Section(pos, pos + len(page_text), page=number))
+        parts.append(page_text)
+        pos += len(page_text)
+    if not parts and scanned:
+        pages_word = "page" if len(scanned) == 1 else f"{len(scanned)} pages"
+        raise InputError(
+            f"No text found in {name}: it has no text layer, and OCR read nothing in its scanned {pages_word}."
+        )
+    if not parts:
+        raise InputError(f"{name} has no extractable text (no text layer, and no image for OCR to read).")
+    _check_text_size(name, pos)
+    return "".join(parts), sections
+
+
+def _open_pdf(data: bytes, name: str) -> tuple[Any, list[str]]:
+    """The reader (decrypted if it opens with an empty password) and each page's text layer."""
     from pypdf import PdfReader
     from pypdf.errors import DependencyError, FileNotDecryptedError
 
@@ -223,31 +282,21 @@ def _parse_pdf(data: bytes, name: str) -> tuple[str, list[Section]]:
                 opened = False
             if not opened:
                 raise InputError(f"{name} is password-protected (encrypted); remove the password and upload it again.")
-        pages = _pdf_pages(reader, name, len(data))
-    except InputError:
-        raise
+        return reader, _pdf_pages(reader, name, len(data))
     except FileNotDecryptedError:
         raise InputError(
             f"{name} is password-protected (encrypted); remove the password and upload it again."
         ) from None
+
+
+def _with_pdf_errors(name: str, read: Callable[[], T]) -> T:
+    """`read()`, with pypdf's many exception types on a damaged file made one InputError."""
+    try:
+        return read()
+    except InputError:
+        raise
     except Exception as e:  # pypdf raises many types (PdfReadError, KeyError, ValueError...) on damaged files
         raise InputError(f"{name} could not be read as a PDF (damaged or malformed: {type(e).__name__}).") from None
-    parts: list[str] = []
-    sections: list[Section] = []
-    pos = 0
-    for number, page_text in enumerate(pages, start=1):
-        page_text = _normalise(page_text).strip()
-        if not page_text:
-            continue
-        if parts:
-            parts.append("\n\n")
-            pos += 2
-        sections.append(Section(pos, pos + len(page_text), page=number))
-        parts.append(page_text)
-        pos += len(page_text)
-    if not parts:
-        raise InputError(f"{name} has no extractable text (scanned pages? OCR is not supported).")
-    return "".join(parts), sections
 
 
 def _pdf_pages(reader, name: str, size: int) -> list[str]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
+from llmweb.retrieval.parsers import SUPPORTED_SUFFIXES
 from llmweb.web.accounts import gradio_auth
 from llmweb.web.body_cap import BodyCap
 from llmweb.web.formatting import LATEX_DELIMITERS, NO_PLOT, stats_markdown
@@ -38,7 +39,7 @@ from llmweb.web.panels.settings import SettingsHandlers
 from llmweb.web.panels.sources import SourceHandlers
 from llmweb.web.panels.transfer import TransferHandlers
 
-DOC_TYPES = [".txt", ".md", ".pdf", ".html", ".htm", ".docx"]
+DOC_TYPES = list(SUPPORTED_SUFFIXES)  # the upload box offers what the parsers read
 
 CSS = """
 .llmweb-bar {display:flex; height:18px; border-radius:4px; overflow:hidden; border:1px solid #d1d5db}

@@ -60,7 +60,7 @@ def corpus(tmp_path) -> Path:
         )
     )
     (folder / ".hidden.txt").write_text("hidden file, must be skipped")
-    (folder / "image.png").write_bytes(b"\x89PNG\r\n")
+    (folder / "image.gif").write_bytes(b"GIF89a")  # not a supported type: a folder walk skips it
     return folder
 
 
