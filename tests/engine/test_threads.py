@@ -52,27 +52,3 @@ def test_between_samples_the_answer_is_kept_without_reading_and_one_core_never_c
 def test_this_machine_gives_a_sample():
     s = cpu_sample()
     assert s is not None and s[1] >= 0 and s[2] >= 0
-
-
-def test_the_first_reading_after_an_idle_spell_starts_a_new_window_and_decides_nothing():
-    """A minute idle, during which another process was busy for half of it: averaged over the minute
-    (0.5 cores) it would take a thread away; it is dropped, and the next window decides alone."""
-    state = {"t": 0.0, "busy": 0.0, "own": 0.0}
-    clock = {"t": 0.0}
-
-    def sample():
-        return state["t"], state["busy"], state["own"]
-
-    def advance(seconds, others, own=1.8):
-        state["t"] += seconds
-        state["busy"] += (others + own) * seconds
-        state["own"] += own * seconds
-        clock["t"] += seconds
-
-    g = ThreadGovernor(2, sample, lambda: clock["t"])
-    advance(60.0, 0.5, own=0.0)  # idle: a neighbour busy on average
-    assert g.threads() == 2 and g.others == 0.0, "the spell's average is not a reading"
-    advance(threads.SAMPLE_S, 0.0)  # now: nothing else runs
-    assert g.threads() == 2 and g.others == 0.0
-    advance(threads.SAMPLE_S, 0.6)  # and a busy window still takes a thread at once
-    assert g.threads() == 1

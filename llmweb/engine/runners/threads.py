@@ -14,9 +14,6 @@ keeps every core.
                 over the last SAMPLE_S
     fewer       others >= BUSY cores: cores - 1 decode threads (at least 1)
     all again   others < IDLE cores in two samples in a row (no flapping on a single quiet one)
-    stale       the first reading after an idle spell (a window over STALE_S) only starts a new
-                window: an average over a minute of idling says nothing of the reply starting now
-                (its own page renders it), so the last decision holds for one more SAMPLE_S
 
 Must not: be used when the user fixed the thread count (LLMWEB_THREADS), or read anything but
 /proc/stat, this process's own times and those of the process it counts as its own.
@@ -32,7 +29,6 @@ from collections.abc import Callable, Sequence
 SAMPLE_S = 0.5  # how often the others' load is read
 BUSY = 0.25  # cores of other processes' work that take a decode thread away
 IDLE = 0.10  # ... and below which it comes back
-STALE_S = 4 * SAMPLE_S  # a reading over a longer window spans an idle spell: a new window starts instead
 
 
 def cpu_sample(kin: Sequence[int] = ()) -> tuple[float, float, float] | None:
@@ -93,8 +89,6 @@ class ThreadGovernor:
         self._due = self.clock() + SAMPLE_S
         wall, busy, own = (b - a for a, b in zip(self._last, now))
         self._last = now
-        if wall > STALE_S:  # the first step after an idle spell: that spell says nothing of now
-            return self.current  # (the last reply's neighbours, likely this one's: the page renders it)
         self.others = max(busy - own, 0.0) / wall
         if self.others >= BUSY:
             self.current, self._quiet = max(self.cores - 1, 1), 0
