@@ -99,7 +99,7 @@ def test_an_upload_through_the_page_is_read_by_ocr_with_progress_outside_the_emb
     monkeypatch.setattr(ocr.OcrEngine, "read", read_while_another_thread_takes_the_embedders_lock)
     heard: list[str] = []
     *_, report, cleared = Handlers(runtime).docs.upload(
-        uploads, A_TOKEN, NOBODY, progress=lambda fraction, desc="": heard.append(desc)
+        uploads, "", A_TOKEN, NOBODY, progress=lambda fraction, desc="": heard.append(desc)
     )
     assert "archive.pdf: added" in report and "note.png: added" in report, report
     assert cleared is None

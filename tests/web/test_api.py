@@ -69,7 +69,9 @@ def wait_for(predicate, timeout=WAIT_S, what="condition"):
 def test_models_and_a_stateless_answer_without_and_with_streaming(served):
     runtime, base = served
     c = client(base)
-    assert [m.id for m in c.models.list()] == ["llmweb"]
+    models = {m.id: m for m in c.models.list()}
+    assert list(models)[:2] == ["llmweb", runtime.model_id], "the model served, under both names, first"
+    assert models["llmweb"].context_length == runtime.budget.context_limit and models[runtime.model_id].loaded
 
     r = c.chat.completions.create(model="llmweb", messages=ask("What is the capital of France?"), max_tokens=24)
     assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")

@@ -193,7 +193,7 @@ def test_through_a_plain_forwarder_nobody_is_the_owner_and_the_owners_link_still
         token, *panel = event(stranger, demo, "visit", ["", ""])
         assert len(token) == 32, "an anonymous visitor, with a token of its own"
         assert "Secret plans" not in json.dumps(panel)
-        assert "secret-letter" not in json.dumps(event(stranger, demo, "documents", [token]))
+        assert "secret-letter" not in json.dumps(event(stranger, demo, "documents", ["", token]))
         r = stranger.get("/v1/models")
         assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_required"
         r = stranger.post(
@@ -217,7 +217,7 @@ def test_through_a_plain_forwarder_nobody_is_the_owner_and_the_owners_link_still
     assert owner.get("/").status_code == 200
     kept, *panel = event(owner, demo, "visit", ["", ""])
     assert kept == "" and "Secret plans" in json.dumps(panel), "the owner sees their chats"
-    assert "secret-letter.txt" in json.dumps(event(owner, demo, "documents", [""])), "and their uploads"
+    assert "secret-letter.txt" in json.dumps(event(owner, demo, "documents", ["", ""])), "and their uploads"
     key = {"Authorization": f"Bearer {owner_secrets(runtime.settings).api_key}"}
     assert owner.get("/v1/models", headers=key).status_code == 200, "the local API key from the data dir"
     assert Client(url, headers=key, verbose=False).predict(conv, api_name="/stats") == "{}"
