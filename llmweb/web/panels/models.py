@@ -87,10 +87,11 @@ class ModelHandlers(PanelHandlers):
 def ensure_chat_model(handlers: PanelHandlers, owner: str, conv_id: str | None) -> None:
     """Before a turn: a chat with a model of its own gets it served, if its owner may switch models
     (a chat imported by a visitor who may not simply runs on the model served)."""
-    if not conv_id or not handlers.store.exists(owner, conv_id):
+    if not conv_id or not may_switch_models(handlers.settings, owner):
+        return  # first, with no I/O: a visitor who may not switch pays no read of the chat per turn
+    if not handlers.store.exists(owner, conv_id):
         return
     wanted = handlers.store.get(owner, conv_id).settings.model
     runtime = handlers.runtime
-    if wanted and wanted != runtime.model_id and may_switch_models(handlers.settings, owner):
-        if any(e.id == wanted for e in runtime.models()):
-            runtime.switch(wanted)
+    if wanted and wanted != runtime.model_id and any(e.id == wanted for e in runtime.models()):
+        runtime.switch(wanted)
