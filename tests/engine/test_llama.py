@@ -71,6 +71,21 @@ def test_the_samplers_repetition_penalty_is_transformers_own():
         assert ours == _transformers_next(logits, prompt, 1.3)
 
 
+def test_the_samplers_penalty_covers_the_ids_it_generated():
+    """Step by step over one request: every id the sampler chose joins those penalised, as in
+    transformers' processor over prompt + generated ids."""
+    rng = np.random.default_rng(1)
+    prompt = [int(x) for x in rng.integers(0, 64, size=6)]
+    sampler = NumpySampler(GenerationRequest(prompt, 30, repetition_penalty=1.5), prompt, 64)
+    ids = list(prompt)
+    for _ in range(30):
+        logits = rng.normal(size=64).astype(np.float32)
+        expected = _transformers_next(logits, ids, 1.5)
+        assert sampler(logits.copy()) == expected
+        ids.append(expected)
+    assert len(set(ids)) > len(set(prompt)), "the request generated ids the prompt did not have"
+
+
 def test_the_sampler_is_greedy_at_temperature_0_and_seeded_with_top_p():
     logits = np.array([0.0, 5.0, 4.9, -1.0], dtype=np.float32)
     assert NumpySampler(GenerationRequest([0], 1), [0], 4)(logits) == 1
