@@ -116,7 +116,7 @@ def _mean_reference(runs: list[list[dict] | None]) -> list[dict] | None:
 
 def batched_bench(model, prompt: int, new_tokens: int, concurrencies: Sequence[int], progress=log.info) -> list | None:
     """llama.cpp's `llama-batched-bench` on the model's GGUF file: k sequences of `prompt` tokens, each
-    writing `new_tokens`, at once (`-npl`), on a unified KV pool with flash attention off and
+    writing `new_tokens`, at once (`-npl`), a KV stream per sequence (no `-kvu`) with flash attention off and
     PREFILL_CHUNK-token batches, as our runner; a row per k. None when it is not installed.
       aggregate_vs_serial  k x (time for one sequence) / (time for k at once): the same figure as
                            ours (prefill included), for llama.cpp batching alone
@@ -133,7 +133,7 @@ def batched_bench(model, prompt: int, new_tokens: int, concurrencies: Sequence[i
     chunk = str(PREFILL_CHUNK)
     args = [exe, "-m", str(model.path), "-c", str(max(ks) * (prompt + new_tokens) + 256), "-b", chunk, "-ub", chunk]
     args += ["-npp", str(prompt), "-ntg", str(new_tokens), "-npl", ",".join(map(str, ks)), "-t", str(model.threads)]
-    args += ["-fa", "off", "-kvu", "--output-format", "jsonl"]
+    args += ["-fa", "off", "--output-format", "jsonl"]
     progress(f"concurrency: llama-batched-bench, {','.join(map(str, ks))} sequences at once…")
     done = subprocess.run(args, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:

@@ -135,7 +135,7 @@ def test_batched_bench_runs_llama_cpp_as_our_runner_and_reads_its_ratios(tmp_pat
     ref = batched_bench(SimpleNamespace(path=tmp_path / "m.gguf", threads=2), 48, 128, [2, 4], progress=str)
     args = log.read_text().split()
     assert args[args.index("-npl") + 1] == "1,2,4" and args[args.index("-t") + 1] == "2"  # 1 is the baseline
-    assert args[args.index("-fa") + 1] == "off" and "-kvu" in args and args[args.index("-npp") + 1] == "48"
+    assert args[args.index("-fa") + 1] == "off" and "-kvu" not in args and args[args.index("-npp") + 1] == "48"
     assert [x["concurrency"] for x in ref] == [2, 4]
     assert ref[0]["aggregate_vs_serial"] == pytest.approx(2 * 2.0 / 2.5) and ref[0]["tokens_per_s"] == 2 * 128 / 2.5
     assert ref[1]["aggregate_vs_serial"] == 2.0 and ref[1]["decode_vs_one"] == 2.4
