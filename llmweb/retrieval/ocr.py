@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from llmweb.retrieval.background import in_background
+
 MODELS = {  # rapidocr's config key -> the model file inside the rapidocr package (rapidocr 3.10)
     "Det": "PP-OCRv6_det_small.onnx",
     "Rec": "PP-OCRv6_rec_small.onnx",
@@ -61,8 +63,8 @@ class OcrEngine:
         import numpy as np
 
         pixels = np.asarray(image.convert("RGB"))[:, :, ::-1]  # OpenCV's BGR
-        with self.lock:
-            result = self._ocr(np.ascontiguousarray(pixels))
+        with self.lock:  # on the background thread: another visitor's work to the engine's governor
+            result = in_background("ocr", self._ocr, np.ascontiguousarray(pixels))
         if not result.txts:
             return ""
         return layout(result.boxes.tolist(), list(result.txts))
@@ -77,7 +79,7 @@ def engine() -> OcrEngine:
     global _engine
     with _engine_lock:
         if _engine is None:
-            _engine = OcrEngine()
+            _engine = in_background("ocr", OcrEngine)  # onnxruntime's threads are born there, named
         return _engine
 
 

@@ -11,17 +11,20 @@ keeps every core.
 
     others      the CPU time of every other process (from /proc/stat's busy time minus this
                 process's, and the web process's when this is an engine process), in cores,
-                over the last SAMPLE_S
+                over the last SAMPLE_S; the web process's background threads (an upload's
+                embedding and OCR, named BACKGROUND_PREFIX: retrieval/background.py) count as others
+    stale       the first reading after an idle spell (a window over STALE_S) says nothing of
+                the reply starting now: it only starts a window of FRESH_S, and the last decision
+                holds until that one is read
     fewer       others >= BUSY cores: cores - 1 decode threads (at least 1)
     all again   others < IDLE cores in two samples in a row (no flapping on a single quiet one)
 
 Must not: be used when the user fixed the thread count (LLMWEB_THREADS), or read anything but
-/proc/stat, this process's own times and those of the process it counts as its own.
+/proc/stat, this process's own times and those of the process it counts as its own (and its threads').
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +32,9 @@ from collections.abc import Callable, Sequence
 SAMPLE_S = 0.5  # how often the others' load is read
 BUSY = 0.25  # cores of other processes' work that take a decode thread away
 IDLE = 0.10  # ... and below which it comes back
+STALE_S = 4 * SAMPLE_S  # a reading over a longer window spans an idle spell
+FRESH_S = 0.1  # ... and then the window read next, at the reply's start
+BACKGROUND_PREFIX = b"llmweb-bg"  # retrieval/background.py's thread names: another visitor's work
 
 
 def cpu_sample(kin: Sequence[int] = ()) -> tuple[float, float, float] | None:
@@ -56,6 +62,49 @@ def _cpu_ticks(pid: int) -> int:
     return int(after_name[11]) + int(after_name[12])
 
 
+def _thread_ticks(pid: int) -> dict[int, tuple[int, bool]]:
+    """Each thread of `pid`: its user + system CPU ticks, and whether it is named as background work."""
+    out: dict[int, tuple[int, bool]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                name, _, rest = f.read().partition(b"(")[2].rpartition(b")")
+        except OSError:
+            continue
+        fields = rest.split()
+        out[int(tid)] = (int(fields[11]) + int(fields[12]), name.startswith(BACKGROUND_PREFIX))
+    return out
+
+
+class KinSample:
+    """`cpu_sample` with the process `pid` counted as ours, less the CPU of its threads named as
+    background work (at either end of a window: a thread is named only while it does that work)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._last: dict[int, tuple[int, bool]] = {}
+        self._background = 0  # ticks, summed over readings
+
+    def __call__(self) -> tuple[float, float, float] | None:
+        base = cpu_sample((self.pid,))
+        if base is None:
+            return None
+        now = _thread_ticks(self.pid)
+        for tid, (ticks, background) in now.items():
+            last = self._last.get(tid)
+            if last is None:
+                self._background += ticks if background else 0  # born since the last reading
+            elif background or last[1]:
+                self._background += ticks - last[0]
+        self._last = now
+        wall, busy, own = base
+        return wall, busy, own - self._background / os.sysconf("SC_CLK_TCK")
+
+
 class ThreadGovernor:
     """`threads()` before each decode step: the decode threads for now (see the module docstring)."""
 
@@ -76,8 +125,9 @@ class ThreadGovernor:
 
     def count_as_own(self, pid: int) -> None:
         """Count `pid`'s CPU time as ours: the web process, for a runner in an engine process
-        (its streaming is the reply's own work, as when both were one process)."""
-        self.sample = functools.partial(cpu_sample, (pid,))
+        (its streaming is the reply's own work, as when both were one process), but not its
+        background threads' (an upload's embedding: another visitor's work)."""
+        self.sample = KinSample(pid)
         self._last = self.sample() if self.cores > 1 else None
 
     def threads(self) -> int:
@@ -89,6 +139,9 @@ class ThreadGovernor:
         self._due = self.clock() + SAMPLE_S
         wall, busy, own = (b - a for a, b in zip(self._last, now))
         self._last = now
+        if wall > STALE_S:  # the first step after an idle spell: read a fresh window first
+            self._due = self.clock() + FRESH_S
+            return self.current
         self.others = max(busy - own, 0.0) / wall
         if self.others >= BUSY:
             self.current, self._quiet = max(self.cores - 1, 1), 0
