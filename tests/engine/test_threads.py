@@ -75,13 +75,12 @@ def test_the_first_reading_after_an_idle_spell_starts_a_short_window_and_decides
     assert g.threads() == 2 and g.others == 0.0, "the spell's average is not a reading"
     advance(threads.FRESH_S, 0.6)  # the reply's first tenth of a second: a neighbour is busy now
     assert g.threads() == 1, "the fresh window decides, a SAMPLE_S early"
+    advance(threads.SAMPLE_S, 0.0)
+    assert g.threads() == 1, "while decoding, one quiet window is not enough"
     advance(60.0, 0.0, own=0.0)
     assert g.threads() == 1, "the last decision holds over the stale reading"
     advance(threads.FRESH_S, 0.0)
-    advance(threads.SAMPLE_S, 0.0)
-    assert g.threads() == 1 and g.threads() == 1
-    advance(threads.SAMPLE_S, 0.0)
-    assert g.threads() == 2, "two quiet windows give the thread back"
+    assert g.threads() == 2, "after an idle spell, one quiet fresh window gives the thread back"
 
 
 BURN = """

@@ -15,7 +15,8 @@ keeps every core.
                 embedding and OCR, named BACKGROUND_PREFIX: retrieval/background.py) count as others
     stale       the first reading after an idle spell (a window over STALE_S) says nothing of
                 the reply starting now: it only starts a window of FRESH_S, and the last decision
-                holds until that one is read
+                holds until that one is read; a quiet fresh window gives every thread back at once
+                (no second sample: there was no decoding to flap)
     fewer       others >= BUSY cores: cores - 1 decode threads (at least 1)
     all again   others < IDLE cores in two samples in a row (no flapping on a single quiet one)
 
@@ -139,8 +140,8 @@ class ThreadGovernor:
         self._due = self.clock() + SAMPLE_S
         wall, busy, own = (b - a for a, b in zip(self._last, now))
         self._last = now
-        if wall > STALE_S:  # the first step after an idle spell: read a fresh window first
-            self._due = self.clock() + FRESH_S
+        if wall > STALE_S:  # the first step after an idle spell: read a fresh window first, and
+            self._due, self._quiet = self.clock() + FRESH_S, 1  # a quiet one gives every thread back
             return self.current
         self.others = max(busy - own, 0.0) / wall
         if self.others >= BUSY:
