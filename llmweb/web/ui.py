@@ -469,19 +469,16 @@ def build_app(runtime) -> gr.Blocks:
         ui = layout(h.status.status_text, runtime.secret)
         shown = ui.outputs(*Panel._fields)
         me = [ui.owner_state]  # every handler's last input: who is asking (with the request)
-        _wire_chat(ui, h.chat, shown, me)
+        turns = _wire_chat(ui, h.chat, shown, me)
         _wire_sidebar(ui, h, shown, me)
         _wire_panel(ui, h, shown, me)
         _wire_sources(ui, h.sources, me)
+        _wire_models(ui, h, me, turns)
         library = [ui.docs_md, ui.remove_dd, ui.doc_scope]
         chat_id = [ui.conv_state]
         demo.load(h.account.visit, [ui.owner_state, ui.conv_state], [ui.owner_state] + shown, **PRIVATE).then(
             h.docs.documents, chat_id + me, library, **PRIVATE
         ).then(h.models.picker, me, [ui.model_dd], **PRIVATE).then(h.models.fetch_box, me, [ui.fetch_box], **PRIVATE)
-        wanted = [ui.fetch_repo, ui.fetch_file]
-        ui.fetch_check.click(h.models.check_fetch, wanted + me, [ui.fetch_md], **PRIVATE)
-        ui.fetch_go.click(h.models.fetch, wanted + me, [ui.fetch_md, ui.model_dd], **FILES)
-        ui.model_dd.input(h.models.switch, [ui.model_dd] + chat_id + me, [ui.status, ui.timer, ui.model_dd], **PRIVATE)
         ui.confirm_all_btn.click(h.account.delete_everything, me, shown + library + [ui.confirm_row], **FILES)
         ui.files.upload(h.docs.upload, [ui.files] + chat_id + me, library + [ui.ingest_md, ui.files], **FILES)
         ui.remove_btn.click(h.docs.remove_document, [ui.remove_dd] + chat_id + me, library + [ui.ingest_md], **PRIVATE)
@@ -497,8 +494,9 @@ def build_app(runtime) -> gr.Blocks:
     return demo
 
 
-def _wire_chat(ui: Layout, h: ChatHandlers, shown: list, me: list) -> None:
-    """Send (box and button), retry, Continue, edit, undo, the version switcher, and Stop."""
+def _wire_chat(ui: Layout, h: ChatHandlers, shown: list, me: list) -> tuple:
+    """Send (box and button), retry, Continue, edit, undo, the version switcher, and Stop. Returns
+    the events that end a turn (Stop's included)."""
     inputs = ui.outputs("msg", "chatbot", "conv_state", "use_docs") + me + [ui.whole_doc]  # respond's last argument
     ev_submit = ui.msg.submit(h.respond, inputs, shown + [ui.msg], **group("generate", api_name="respond_enter"))
     ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], **group("generate", api_name="respond"))
@@ -510,9 +508,26 @@ def _wire_chat(ui: Layout, h: ChatHandlers, shown: list, me: list) -> None:
     for button, handler in ((ui.prev_version_btn, h.prev_version), (ui.next_version_btn, h.next_version)):
         button.click(handler, [ui.conv_state, ui.version_dd] + me, shown, **PRIVATE)
     ui.chatbot.undo(h.undo, [ui.conv_state] + me, shown + [ui.msg], **PRIVATE)
-    ui.stop.click(None, None, None, cancels=[ev_submit, ev_send, ev_retry, ev_more, ev_edit]).then(
+    turns = (ev_submit, ev_send, ev_retry, ev_more, ev_edit)
+    stopped = ui.stop.click(None, None, None, cancels=list(turns)).then(
         h.after_stop, [ui.conv_state, ui.chatbot] + me, shown, **STOP
     )
+    return (*turns, stopped)
+
+
+def _wire_models(ui: Layout, h: Handlers, me: list, turns: tuple) -> None:
+    """The model picker and "Get a model". A turn may switch the model (a chat takes its own model
+    back: panels/models.py's `ensure_chat_model`), so once it ends the status line, its timer and the
+    picker say what is served, not what was before the turn."""
+    wanted = [ui.fetch_repo, ui.fetch_file]
+    ui.fetch_check.click(h.models.check_fetch, wanted + me, [ui.fetch_md], **PRIVATE)
+    ui.fetch_go.click(h.models.fetch, wanted + me, [ui.fetch_md, ui.model_dd], **FILES)
+    switched = [ui.status, ui.timer, ui.model_dd]
+    ui.model_dd.input(h.models.switch, [ui.model_dd, ui.conv_state] + me, switched, **PRIVATE)
+    for turn in turns:
+        turn.then(h.status.tick, None, [ui.status, ui.timer], show_progress="hidden", **STATUS).then(
+            h.models.picker, me, [ui.model_dd], show_progress="hidden", **PRIVATE
+        )
 
 
 def _wire_sidebar(ui: Layout, h: Handlers, shown: list, me: list) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
@@ -33,6 +34,15 @@ Q4, Q8 = "smollm2-q4", "smollm2-q8"
 KEEP_ALIVE_S = 4.0
 
 
+def add_q8_model(models: Path, scratch: Path) -> Path:
+    """The embedded model re-encoded as Q8_0 by llama.cpp's quantiser, as models/Q8.gguf (~1 s on 2
+    cores; also the browser test's second model, tests/web/test_browser.py)."""
+    folder_, name = embedded_gguf()
+    made = gguf.requantised(folder_ / name, "q8_0", scratch, 2, print)
+    models.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.move(made, models / f"{Q8}.gguf"))
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A models folder with two GGUF files of different encodings."""
@@ -41,8 +51,7 @@ def folder(tmp_path_factory):
     models.mkdir()
     folder_, name = embedded_gguf()
     shutil.copy(folder_ / name, models / f"{Q4}.gguf")
-    made = gguf.requantised(models / f"{Q4}.gguf", "q8_0", data / "copies", 2, print)
-    shutil.move(made, models / f"{Q8}.gguf")
+    add_q8_model(models, data / "copies")
     return data
 
 

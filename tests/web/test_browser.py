@@ -1,14 +1,19 @@
 """The real app, served by `python -m llmweb serve`, driven in headless Debian chromium like a user.
 
-One server and one browser page for the first nine tests; the steps run in file order and build on
-each other: a streamed answer with its stats, a stopped long answer, a question answered from an
-uploaded document with its cited source (a click shows its passage beside the chat), a reload that
-restores the chat, then a rename and a regenerated reply; then a new chat with its own system
-prompt (kept over a reload, in its prompt), the import of its export, an edit of turn 2 that forks
-the imported chat (the switcher goes back to the original, over a reload), and the page at a
-phone's width (390 px). The last test starts its own server (LLMWEB_SINGLE_USER=0) and drives two
-visitors in two browser contexts: neither sees the other's chats or uploads, in the page or through
-the API, over reloads and an app restart.
+One server and one browser page for the tests up to the model picker's; the steps run in file
+order and build on each other: a streamed answer with its stats, a stopped long answer, a question
+answered from an uploaded document with its cited source (a click shows its passage beside the
+chat), a reload that restores the chat, then a rename and a regenerated reply; then a new chat with
+its own system prompt (kept over a reload, in its prompt), the import of its export, an edit of
+turn 2 that forks the imported chat (the switcher goes back to the original, over a reload), and
+the page at a phone's width (390 px). Then the model picker (issue 38), on the same server, whose
+models folder holds the embedded model re-encoded as Q8_0: the owner picks it, the status line
+names it and it answers, a reload shows it; with another model picked in another chat meanwhile,
+the chat's next message takes its own back and the status line and the picker follow; a browser
+without the owner link sees the picker greyed. The two-visitors test starts its own server
+(LLMWEB_SINGLE_USER=0) and drives two visitors in two browser contexts: neither sees the other's
+chats or uploads, in the page or through the API, over reloads and an app restart, nor may switch
+the model.
 Screenshots of each step go to test-artifacts/browser/ (git-ignored); a failing step also leaves
 `<step>-failure.png` and `<step>-failure.html` there.
 
@@ -365,7 +370,11 @@ def wait_ready(pg, server: Server) -> None:
 def server(tmp_path_factory):
     if _missing:
         pytest.fail(f"LLMWEB_REQUIRE_BROWSER=1 but {_missing}", pytrace=False)
-    srv = start_server(tmp_path_factory.mktemp("browser-data"), free_port())
+    from tests.engine.test_models_folder import add_q8_model
+
+    data_dir = tmp_path_factory.mktemp("browser-data")
+    add_q8_model(data_dir / "models", data_dir / "copies")  # a second model in the picker (its default folder)
+    srv = start_server(data_dir, free_port())
     try:
         yield srv
     finally:
@@ -877,6 +886,128 @@ def test_at_390_px_the_chat_input_and_stop_are_reachable_without_horizontal_scro
         context.close()
 
 
+# ---- the model picker (issue 38): the same server, whose models folder holds a second model
+FIRST_MODEL = "SmolLM2-135M-Instruct"  # the embedded model (Q4_1), served at start
+SECOND_MODEL = "smollm2-q8"  # the same model re-encoded as Q8_0 (the `server` fixture)
+PICKER = "#llmweb-model input"
+SWITCH_S = 180.0  # the replies in progress finish, the engine process restarts on the Q8_0 file
+STATUS_RECORDER_JS = """() => {
+  const el = document.querySelector("#llmweb-status");
+  const seen = window.__llmwebStatus = [];
+  const record = () => {
+    const t = el.innerText.trim();
+    if (!seen.length || seen[seen.length - 1] !== t) seen.push(t);
+  };
+  record();
+  new MutationObserver(record).observe(el, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def status_line(pg) -> str:
+    return pg.locator("#llmweb-status").inner_text()
+
+
+def picked(pg) -> str:
+    """The picker's text: the chosen model's label, which starts with its id."""
+    return pg.locator(PICKER).input_value()
+
+
+def pick(pg, server: Server, model: str) -> None:
+    """Choose `model` in the picker and wait until the status line names it, loaded."""
+    pg.locator(PICKER).click()
+    pg.locator('[data-testid="dropdown-option"]').filter(has_text=model).click()
+    poll(lambda: f"Ready: {model}" in status_line(pg), SWITCH_S, f"the status line to name {model}, loaded", server, pg)
+
+
+def test_the_picker_switches_the_chat_to_the_second_model_and_shows_it_over_a_reload(page, server):
+    """The owner picks the second model: the status line says it switches, then names it loaded; the
+    next reply is its (the status line still names it); the chat keeps it as its own model; a
+    reload shows it in the picker."""
+    from llmweb.records import LOCAL_OWNER
+    from llmweb.store.db import Store
+
+    with step(page, "picker"):
+        page.get_by_role("button", name="New chat").click()
+        poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
+        idle(page)
+        poll(lambda: picked(page).startswith(FIRST_MODEL), 60, f"the picker to show {FIRST_MODEL}", server, page)
+        assert page.locator(PICKER).is_enabled(), "the owner's picker is greyed"
+        assert f"Ready: {FIRST_MODEL}" in status_line(page), status_line(page)
+        assert page.locator("#llmweb-fetch").is_visible(), "the owner has no Get a model box"
+        ask(page, server, "Name a fruit.")
+
+        page.evaluate(STATUS_RECORDER_JS)
+        pick(page, server, SECOND_MODEL)
+        seen = page.evaluate("() => window.__llmwebStatus")
+        assert any(f"Switching to {SECOND_MODEL}" in t for t in seen), f"no switch shown: {seen}"
+        assert "Q8_0" in status_line(page), status_line(page)
+        assert picked(page).startswith(SECOND_MODEL), picked(page)
+
+        reply, turn = ask(page, server, "Name a colour.")
+        assert is_real_text(reply) and turn == 2, (reply, turn)
+        assert f"Ready: {SECOND_MODEL}" in status_line(page), status_line(page)
+        with Store(server.log_path.parent / "llmweb.sqlite3") as store:
+            conv = store.get(LOCAL_OWNER, store.list_conversations(LOCAL_OWNER)[0].id)
+        assert [t.user for t in conv.turns] == ["Name a fruit.", "Name a colour."], conv.turns
+        assert conv.settings.model == SECOND_MODEL, "the pick is not the chat's own model"
+        shot(page, "picker.png")
+
+        page.reload(wait_until="domcontentloaded")
+        wait_ready(page, server)
+        poll(
+            lambda: user_texts(page) == ["Name a fruit.", "Name a colour."],
+            REPLY_S,
+            "the reloaded page to show the chat",
+            server,
+            page,
+        )
+        poll(
+            lambda: picked(page).startswith(SECOND_MODEL),
+            60,
+            f"the reloaded page's picker to show the chat's model, {SECOND_MODEL}",
+            server,
+            page,
+        )
+        assert f"Ready: {SECOND_MODEL}" in status_line(page), status_line(page)
+
+    with step(page, "picker-chat-model"):  # another model served meanwhile: the chat's next message takes its own back
+        page.get_by_role("button", name="New chat").click()
+        poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
+        idle(page)
+        pick(page, server, FIRST_MODEL)
+        page.locator("#llmweb-conversations label").filter(has_text="Name a fruit.").click()
+        poll(lambda: len(user_texts(page)) == 2, 60, "the picked chat to open", server, page)
+        _reply, turn = ask(page, server, "Name a bird.")
+        assert turn == 3
+        poll(
+            lambda: f"Ready: {SECOND_MODEL}" in status_line(page) and picked(page).startswith(SECOND_MODEL),
+            15,  # sooner than the status line's own refresh once ready (READY_TICK_S, 30 s)
+            f"the status line and the picker to show the chat's own model, {SECOND_MODEL}, after its message",
+            server,
+            page,
+        )
+
+
+def test_a_visitor_without_the_owner_link_sees_the_model_served_greyed(server, browser):
+    """Another browser (no owner link: an anonymous visitor) sees which model is served, in a
+    picker it cannot open, and no "Get a model" box."""
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        pg = context.new_page()
+        pg.set_default_timeout(60_000)
+        pg.goto(server.url, wait_until="domcontentloaded", timeout=120_000)
+        with step(pg, "picker-visitor"):
+            wait_ready(pg, server)
+            served = re.search(r"Ready: (\S+)", status_line(pg)).group(1)
+            # not `page=pg`: the visitor's notice (a toast) is expected here
+            poll(lambda: picked(pg).startswith(served), 60, f"the visitor's picker to show {served}", server)
+            assert pg.locator(PICKER).is_disabled(), "a visitor's picker is not greyed"
+            assert not pg.locator("#llmweb-fetch").is_visible(), "a visitor sees the Get a model box"
+            shot(pg, "picker-visitor.png")
+    finally:
+        context.close()
+
+
 # ---- two visitors, one server (its own app: per-browser owners on localhost)
 OWNERS_TOKENS = 24  # the replies are not what this test checks: keep them short
 SECRET = "My locker code is Zanzibar-7781. Please remember it."
@@ -958,8 +1089,10 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path, browser):
 
     from gradio_client import Client
 
+    from tests.engine.test_models_folder import add_q8_model
+
     data_dir, port = tmp_path / "owners-data", free_port()
-    data_dir.mkdir()
+    add_q8_model(data_dir / "models", tmp_path / "copies")  # two models: only the right to switch greys the picker
     env = {
         "LLMWEB_SINGLE_USER": "0",
         "LLMWEB_MAX_NEW_TOKENS": str(OWNERS_TOKENS),
@@ -1019,6 +1152,8 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path, browser):
                     assert not (found := leaks(page_b, A_ONLY + ("Quokkafrost",))), (
                         f"B's page {moment} shows A's data: {found}"
                     )
+                poll(lambda: picked(page_b).startswith(FIRST_MODEL), 60, "B's picker to show the model", srv, page_b)
+                assert page_b.locator(PICKER).is_disabled(), "a visitor of a shared server may switch the model"
 
                 # The API: A's conversation id (from the server's database) opens nothing.
                 rows = conversations()

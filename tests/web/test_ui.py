@@ -524,6 +524,25 @@ def test_build_app_keeps_the_endpoints_and_element_ids(runtime):
     assert {"llmweb_conversation", "llmweb_owner"} <= keys
 
 
+def test_once_a_turn_ends_the_status_line_then_the_picker_show_the_model_served(runtime):
+    """A turn may switch the model (a chat takes its own back: web/panels/models.py), so every event
+    that ends one, Stop's included, is followed by the status line's refresh, then the picker's."""
+    config = build_app(runtime).config
+    elem = {c["id"]: c["props"].get("elem_id") for c in config["components"]}
+
+    def after(dep) -> dict[frozenset, dict]:
+        then = [d for d in config["dependencies"] if d.get("trigger_after") == dep["id"]]
+        return {frozenset(elem.get(o) for o in d["outputs"]): d for d in then}
+
+    ends = ("respond", "respond_enter", "regenerate", "continue_reply", "edit", "after_stop")
+    turns = [d for d in config["dependencies"] if d.get("api_name") in ends]
+    assert len(turns) == len(ends)
+    for turn in turns:
+        status = after(turn).get(frozenset({"llmweb-status", None}))  # the timer has no elem_id
+        assert status is not None, f"{turn['api_name']}: no status line refresh after it"
+        assert list(after(status)) == [frozenset({"llmweb-model"})], f"{turn['api_name']}: no picker refresh"
+
+
 def test_delete_all_my_data_removes_only_the_callers_chats(runtime, monkeypatch):
     monkeypatch.setattr(gr, "Info", lambda message: None)  # the toast needs a running event
     h = Handlers(runtime)
