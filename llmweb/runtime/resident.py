@@ -116,10 +116,16 @@ class Residents:
                 self._parked[record.model_id] = record
             return record
 
-    def take(self, model_id: str) -> Resident | None:
-        """The parked `model_id`, out of the parked ones (to be served, or closed); None if not parked."""
+    def unpark(self, model_id: str) -> Resident | None:
+        """The parked `model_id` is the served one from now on, in one step (a lease asked for it
+        meanwhile finds it parked or served, never neither); None if it is not parked."""
         with self._cond:
-            return self._parked.pop(model_id, None)
+            assert self._serving is None, f"{self._serving.model_id} is still served: park or unserve it first"
+            record = self._parked.pop(model_id, None)
+            if record is not None:
+                record.used_at = time.monotonic()
+                self._serving = record
+            return record
 
     def remove(self, record: Resident) -> bool:
         """`record` out of the parked ones (to be closed); False when it was not there (taken already)."""

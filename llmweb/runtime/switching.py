@@ -85,7 +85,7 @@ def switch_model(runtime, wanted: str) -> bool:
         runtime.unloaded = False
         runtime.settings = runtime.settings.replace(model=entry.model_setting)
         runtime.model_id = entry.id
-        record = runtime.residents.take(entry.id)
+        record = runtime.residents.unpark(entry.id)
         if record is not None:
             _serve_parked(runtime, record, said)
         else:
@@ -119,11 +119,10 @@ def _set_aside(runtime, next_id: str) -> list[str]:
 
 
 def _serve_parked(runtime, record: Resident, said: list[str]) -> None:
-    """Serve a parked model again: no load, no drain (its engine never closed)."""
+    """Serve a parked model again (unparked already): no load, no drain (its engine never closed)."""
     runtime.engine, runtime.chat = record.engine, record.chat
     runtime.loaded, runtime.budget = record.loaded, record.budget
     runtime._error = None
-    runtime.residents.serve(record)
     runtime._status.after_ready = " ".join([*said, f"{record.model_id} was loaded already: switched at once."])
     runtime._status.ready_again(record.status)
     runtime._ready.set()

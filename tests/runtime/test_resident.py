@@ -45,8 +45,8 @@ def test_the_least_recently_used_parked_model_goes_first_and_a_turn_counts_as_us
         assert chat == "a" and a.holds == 1
     assert a.holds == 0 and r.over(loading=1) == [b] and r.ids() == ["a", "b"]
     assert r.hold("nobody") is None and r.hold(None) is None, "nothing served"
-    assert r.take("a") is a and r.ids() == ["b"] and r.take("a") is None
-    assert not r.remove(a) and r.remove(b) and r.ids() == []
+    assert r.unpark("a") is a and r.serving is a and r.ids() == ["a", "b"] and r.hold("a").chat == "a"
+    assert r.unserve() is a and not r.remove(a) and r.remove(b) and r.ids() == []
 
 
 def test_a_held_model_is_waited_for_and_the_keep_alive_skips_it():
