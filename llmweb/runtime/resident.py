@@ -36,18 +36,18 @@ class Resident:
     holds: int = 0  # turns running on it now (`Lease`)
 
     def footprint(self) -> int:
-        """The memory it holds outside the web process: its engine process's RSS, at least its
-        weights and KV pool; 0 for a model in the web process (that process's RSS counts it)."""
-        pid = getattr(self.engine.runner, "pid", None)
-        if not isinstance(pid, int):
-            return 0
-        try:
-            rss = psutil.Process(pid).memory_info().rss
-        except psutil.Error:  # it just exited: nothing held
-            return 0
+        """The memory it holds: its weights and KV pool, or its engine process's RSS where more (a
+        model in the web process has no RSS of its own: that process's counts it with the rest)."""
         lm = self.loaded
         pool = getattr(lm, "kv_bytes_per_token", 0) * getattr(lm, "max_context", 0) * (getattr(lm, "max_batch", 0) or 1)
-        return max(rss, getattr(lm, "weights_bytes", 0) + pool)
+        held = getattr(lm, "weights_bytes", 0) + pool
+        pid = getattr(self.engine.runner, "pid", None)
+        if not isinstance(pid, int):
+            return held
+        try:
+            return max(psutil.Process(pid).memory_info().rss, held)
+        except psutil.Error:  # it just exited: nothing held
+            return 0
 
 
 class Lease:

@@ -165,9 +165,10 @@ def _cpu_room(runtime, parked: list[Resident]) -> int:
 
 
 def sizing_settings(runtime) -> Settings:
-    """The settings the next engine process loads with: LLMWEB_MEM_LIMIT_MB less what the parked
-    models' engine processes hold, so that two models never both size to the whole limit (said
-    after the ready line). In the web process nothing changes: its RSS counts them already."""
+    """The settings the next engine process loads with (`Runtime._load_process`): LLMWEB_MEM_LIMIT_MB
+    less what the parked models' engine processes hold, so that two models never both size to the
+    whole limit (said after the ready line). A model loaded in the web process needs none of this:
+    that process's RSS, which its sizing subtracts, counts the parked models already."""
     s, parked = runtime.settings, runtime.residents.parked()
     held = sum(r.footprint() for r in parked)
     if not held:
