@@ -38,6 +38,7 @@ class Settings:
     cache_dir: Path | None = None  # converted model copies; default data_dir/models
     models_dir: Path | None = None  # the models folder (engine/catalog.py); default data_dir/models
     model_keep_alive_s: float = 0.0  # unload the model after this long without a request; 0 = keep it loaded
+    max_loaded: int = 1  # models kept loaded at once (runtime/resident.py); 1 = a switch closes the one served
     operators: str = ""  # login names (comma-separated) who may switch the server's model (web/owner.py)
     # the model
     model: str = ""  # "" = the embedded SmolLM2-135M-Instruct; else a hub id or a local path
@@ -145,6 +146,7 @@ class Settings:
         check(self.context_limit >= 0, "LLMWEB_CONTEXT_LIMIT must be >= 0 (0 = the model's maximum)")
         check(self.max_batch >= 0, "LLMWEB_MAX_BATCH must be >= 0 (0 = by device, 1 = one request at a time)")
         check(self.model_keep_alive_s >= 0, "LLMWEB_MODEL_KEEP_ALIVE_S must be >= 0 (0 = keep the model loaded)")
+        check(self.max_loaded >= 1, "LLMWEB_MAX_LOADED must be >= 1 (the models kept loaded at once; 1 = one)")
         check(self.max_new_tokens >= 1, "LLMWEB_MAX_NEW_TOKENS must be >= 1")
         for name in (
             "summary_tokens",

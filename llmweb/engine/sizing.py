@@ -24,6 +24,11 @@ MIN_CONTEXT = 512  # below this a chat is not useful: the model does not fit
 USEFUL_CONTEXT = 2048  # fewer batch slots before a context below this
 
 
+class DoesNotFit(ConfigError):
+    """Not even MIN_CONTEXT tokens of KV cache fit the room (runtime/switching.py lets a parked model
+    go, least recently used first, and loads again)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Fit:
     context: int  # the most tokens one request holds
@@ -35,7 +40,7 @@ def fit(wanted: int, slots: int, kv_bytes_per_token: int, room: int, *, name: st
     """The largest context up to `wanted`, with up to `slots` slots, whose KV caches (slots x context
     x kv_bytes_per_token) fit in `room` bytes. Slots go first while the context would fall below
     USEFUL_CONTEXT (a long chat needs its context more than a fifth visitor needs a slot). A room
-    that holds not even MIN_CONTEXT tokens for one request is a ConfigError that says so."""
+    that holds not even MIN_CONTEXT tokens for one request is a DoesNotFit that says so."""
     asked = slots = max(slots, 1)
     if kv_bytes_per_token <= 0 or wanted * slots * kv_bytes_per_token <= room:
         return Fit(wanted, slots)
@@ -45,7 +50,7 @@ def fit(wanted: int, slots: int, kv_bytes_per_token: int, room: int, *, name: st
         slots -= 1
     context = min(wanted, tokens // slots // STEP * STEP)
     if context < min(wanted, MIN_CONTEXT):
-        raise ConfigError(
+        raise DoesNotFit(
             f"{name} does not fit in this machine's memory: its KV cache needs "
             f"{_mib(kv_bytes_per_token * MIN_CONTEXT)} for {MIN_CONTEXT} tokens and {_mib(max(room, 0))} is left "
             "after loading it. Choose a smaller model, or raise LLMWEB_MEM_LIMIT_MB."

@@ -8,6 +8,8 @@ chat is usable and re-raises a load failure as a user-facing error. The CLI's `r
 `Runtime` (this file) only wires the parts and runs the start-up; each other job has its module:
 
   engines.py    engine parts from settings: KV and memory budgets, limits, the remote engine
+  switching.py  which model is served: a switch, the unload when idle, room for the next model
+  resident.py   the models kept loaded (LLMWEB_MAX_LOADED), the turns that hold them, whom to let go
   status.py     the status line the page shows (`Runtime.status`)
   health.py     the remote engine's health watch, which keeps the status line current
   secret.py     the secret file that encrypts what browsers keep (`Runtime.secret`)
@@ -40,11 +42,25 @@ from llmweb.runtime.engines import (
     tokenizer_dir,
 )
 from llmweb.runtime.health import REMOTE_RETRY_S, RemoteHealth
+from llmweb.runtime.resident import Lease, Resident, Residents
 from llmweb.runtime.retention import ANON_PREFIXES, Retention
 from llmweb.runtime.samples import seed_sample
 from llmweb.runtime.secret import read_or_create_secret
 from llmweb.runtime.status import StatusLine
-from llmweb.runtime.switching import DRAIN_S, drain, keep_alive, listed, model_id, switch_model, unload_model
+from llmweb.runtime.switching import (
+    close_parked,
+    hold_model,
+    keep_alive,
+    listed,
+    load_making_room,
+    make_room,
+    model_id,
+    progress_of,
+    retire,
+    sizing_settings,
+    switch_model,
+    unload_model,
+)
 from llmweb.runtime.worker import engine_process_runner
 from llmweb.store.db import Store
 from llmweb.store.models import OwnerCaps
@@ -91,6 +107,7 @@ class Runtime:
         self.model_id = model_id(settings)  # the model served, or to be served once loaded (engine/catalog.py)
         self._switching = threading.Lock()  # one switch, unload or reload at a time
         self.unloaded = False  # the keep-alive unloaded the model: the next `wait_ready` loads it again
+        self.residents = Residents(settings.max_loaded)  # the served model's record and the parked ones'
 
     @property
     def status(self) -> str:
@@ -120,7 +137,7 @@ class Runtime:
             if remote:
                 self._load_remote(t0)
             else:
-                self._load_local(t0)
+                load_making_room(self, lambda: self._load_local(t0))
         except BaseException as e:  # shown in the UI's status line and raised to callers
             log.exception("remote engine set-up failed" if remote else "model load failed")
             self._error = e
@@ -156,7 +173,7 @@ class Runtime:
         from llmweb.engine.scheduler import Engine
 
         s = self.settings
-        runner = engine_process_runner(s, self._status.progress)
+        runner = engine_process_runner(sizing_settings(self), progress_of(self, self.model_id))
         try:
             info = runner.boot()
             tokenizer = models.load_tokenizer(s, info["backend"], self._status.progress)
@@ -193,6 +210,7 @@ class Runtime:
 
         self.engine, self.budget = engine, budget
         self.chat = Chat(self.settings, engine, TemplateFormat(tokenizer), self.store, budget, library=self.library)
+        self.residents.serve(Resident(self.model_id, engine, self.chat, self.loaded, budget))
         if self.settings.sample_docs:
             self._seed_sample()
 
@@ -212,6 +230,13 @@ class Runtime:
         assert self.chat is not None  # a load without error made it
         return self.chat
 
+    def hold(self, model: str | None = None, timeout: float | None = None) -> Lease | None:
+        """The chat of `model` (None: the one served) held for one turn: it is not closed (switched
+        away from with LLMWEB_MAX_LOADED=1, let go, unloaded) until the lease is released. The
+        served model is waited for as `wait_ready` waits (LlmwebError past `timeout`); a parked one
+        answers at once; None when `model` is not loaded (the caller may switch to it)."""
+        return hold_model(self, model, timeout)
+
     @property
     def ready(self) -> bool:
         return self._ready.is_set() and self._error is None
@@ -223,11 +248,16 @@ class Runtime:
         return listed(self)
 
     def switch(self, wanted: str) -> bool:
-        """Serve the model `wanted` (an id from `models()`) from now on: the requests in flight finish,
-        the current model is closed, the new one loads in the background (the status line shows its
-        progress; `wait_ready` waits for it). False when it is already the one served. InputError for
-        an unknown id. The caller decides who may (web/owner.py's `may_switch_models`)."""
+        """Serve the model `wanted` (an id from `models()`) from now on: the current model is parked
+        (LLMWEB_MAX_LOADED > 1) or closed once its requests finish; a parked `wanted` serves at once,
+        else it loads in the background (the status line shows its progress; `wait_ready` waits for
+        it). False when it is already the one served. InputError for an unknown id. The caller
+        decides who may (web/owner.py's `may_switch_models`)."""
         return switch_model(self, wanted)
+
+    def loaded_ids(self) -> list[str]:
+        """The models loaded now: the served one (unless unloaded), then the parked, most recent first."""
+        return self.residents.ids()
 
     def unload(self, why: str) -> bool:
         """Close the model (its memory returns to the machine) until the next `wait_ready` loads it again."""
@@ -238,6 +268,7 @@ class Runtime:
             if not self.unloaded:
                 return
             self.unloaded = False
+            self._status.after_ready = " ".join(make_room(self))
             self._begin_load()
 
     def _begin_load(self) -> None:
@@ -248,16 +279,12 @@ class Runtime:
         self._thread.start()
 
     def _stop_serving(self, status: str) -> None:
-        """Let the requests in flight finish (bounded), then close the engine and the chat."""
+        """Let the turns and requests in flight finish (bounded), then close the engine and the chat."""
         self._ready.clear()
-        engine, chat = self.engine, self.chat
         self._status.progress(status)
-        if engine is not None:
-            drain(engine, DRAIN_S)
-        if chat is not None:
-            chat.wait_background(timeout=30)
-        if engine is not None:
-            engine.close()
+        record = self.residents.unserve()
+        if record is not None:
+            retire(self.residents, record)
         self.chat = self.engine = self.loaded = None
         self._preloaded = None  # a test's shared model is not closed, but no longer served here
 
@@ -293,4 +320,5 @@ class Runtime:
             self.chat.wait_background(timeout=30)  # summaries write to the store
         if self.engine is not None:
             self.engine.close()
+        close_parked(self)
         self.store.close()

@@ -18,6 +18,8 @@ class StatusLine:
     def __init__(self, text: str = "Starting…"):
         self.text = text
         self._down = ""  # the last reason the remote engine was down, logged once
+        self.ready_line = ""  # the last "Ready: …" of a local model, without `after_ready` (a parked one's, again)
+        self.after_ready = ""  # what a switch did ("Kept X loaded."), said once after the next ready line
 
     def progress(self, message: str) -> None:
         """A start-up step: shown, and logged."""
@@ -26,9 +28,15 @@ class StatusLine:
 
     def ready_local(self, loaded, budget, seconds: float) -> None:
         notes = (" " + " ".join(loaded.notes)) if loaded.notes else ""
-        self.progress(
+        self.ready_line = (
             f"Ready: {loaded.describe()} · context {budget.context_limit} tokens · started in {seconds:.0f} s.{notes}"
         )
+        self.ready_again(self.ready_line)
+
+    def ready_again(self, line: str) -> None:
+        """`line` (a ready line), followed once by what the switch did (`after_ready`)."""
+        self.ready_line, said, self.after_ready = line, self.after_ready, ""
+        self.progress(f"{line} {said}".rstrip())
 
     def failed(self, what: str, error: BaseException) -> None:
         """A start-up that failed: `what` names the step ("Model failed to load"). The page gets the

@@ -35,6 +35,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -108,8 +109,7 @@ class OpenAIApi:
         self.settings = runtime.settings
         self.callers = ApiCallers(self.settings)
         self.created = int(time.time())
-        self._stateless: StatelessChat | None = None
-        self._stateless_of = None  # the chat it was made over
+        self._stateless: weakref.WeakKeyDictionary[Any, StatelessChat] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def model_names(self) -> list[str]:
@@ -143,25 +143,27 @@ class OpenAIApi:
         return error_response(e)
 
     async def chat_completions(self, request: Request) -> Response:
+        lease = None
         try:
             caller = self.callers.caller(request)
             require_json(request)
             body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
             req = parse_request(body, self.model_names(), self.settings.max_message_chars, request.headers)
-            served = await run_in_threadpool(api_models.ensure, self.runtime, caller, req.model)
-            turn = self.start(caller, req)
-            pump = _Pump(turn.events, turn.cancel)
+            # the model that answers, held until the turn's events end (the pump's thread runs them)
+            lease = await run_in_threadpool(api_models.ensure, self.runtime, caller, req.model)
+            turn = self.start(caller, req, lease.chat)
+            pump = _Pump(lease.around(turn.events), turn.cancel)
             try:
                 early = await pump.until_started()
             except BaseException:
                 pump.close()
                 raise
-        except ApiError as e:
-            return error_response(e)
         except Exception as e:
-            return error_response(api_error(e))
+            if lease is not None:
+                lease.release()  # again from the pump's thread is a no-op
+            return error_response(e if isinstance(e, ApiError) else api_error(e))
         fitted = next((e for e in early if isinstance(e, Fitted)), None)
-        reply = _Reply(req, turn, fitted, Completion(served, "chatcmpl-" + secrets.token_hex(12)))
+        reply = _Reply(req, turn, fitted, Completion(lease.model_id, "chatcmpl-" + secrets.token_hex(12)))
         if req.stream:
             return _EventStream(reply.stream(pump), on_close=pump.close, headers=reply.headers(None))
         return await reply.whole(pump, request)
@@ -194,12 +196,8 @@ class OpenAIApi:
         return open_source(self.runtime.library, owner, conv, query.source)
 
     # ---- the turn
-    def start(self, caller: Caller, req: ChatRequest) -> _Turn:
-        """Start the chat turn for `req` (nothing runs until its events are read)."""
-        try:
-            chat = self.runtime.wait_ready(0)
-        except LlmwebError as e:
-            raise ApiError(503, str(e), type="server_error", code="model_unavailable", headers=_retry()) from None
+    def start(self, caller: Caller, req: ChatRequest, chat) -> _Turn:
+        """Start the chat turn for `req` on `chat` (nothing runs until its events are read)."""
         cap = chat.budget.max_new_tokens
         max_tokens = chat.budget.capped(req.max_tokens).max_new_tokens
         sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens, req.loop_guard), Cancel()
@@ -258,14 +256,15 @@ class OpenAIApi:
         return _Turn(events, cancel, "stateless", None, max_tokens, notes)
 
     def stateless(self, chat) -> StatelessChat:
-        """The stateless path over `chat`'s engine: made again after a model switch (a new chat)."""
+        """The stateless path over `chat`'s engine: one per loaded model's chat (its summaries are that
+        model's), gone with the chat."""
         with self._lock:
-            if self._stateless is None or self._stateless_of is not chat:
-                self._stateless_of = chat
-                self._stateless = StatelessChat(
+            found = self._stateless.get(chat)
+            if found is None:
+                found = self._stateless[chat] = StatelessChat(
                     self.settings, chat.engine, chat.fmt, chat.budget, chat.folds.summariser.write, chat.library
                 )
-            return self._stateless
+            return found
 
 
 @dataclass

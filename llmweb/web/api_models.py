@@ -1,11 +1,14 @@
 """The API's models: `/v1/models` lists every model the server can serve, with its context length
-and whether it is loaded; a request's `model` names one, and the served model switches to it when
-the caller may switch models (web/identity.py's `may_switch_models`: the machine's owner of a
-single-user install, or an operator), else the request is refused with 409 and the model served.
+and whether it is loaded; a request's `model` names one. A loaded one (the served model, or one
+kept loaded beside it: LLMWEB_MAX_LOADED) answers the request itself, for any caller, since
+nothing loads and the served model stays; another is switched to when the caller may switch models
+(web/identity.py's `may_switch_models`: the machine's owner of a single-user install, or an
+operator), else the request is refused with 409 and the models loaded.
 
 "llmweb" always names whichever model is served. A response's `model` is the id of the model that
-answered. Nothing here loads anything itself: `Runtime.switch` and `Runtime.wait_ready` do, on a
-worker thread (the caller awaits it), with the load's progress in the page's status line.
+answered: the one the request's lease holds (`Runtime.hold`). Nothing here loads anything itself:
+`Runtime.switch` and `Runtime.hold` do, on a worker thread (the caller awaits it), with the load's
+progress in the page's status line.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 from llmweb.chat.context import Budget
 from llmweb.errors import LlmwebError
+from llmweb.runtime.resident import Lease
 from llmweb.web.api_wire import MODEL_ID, ApiError
 from llmweb.web.identity import Caller, may_switch_models
 
@@ -32,22 +36,24 @@ def names(runtime) -> list[str]:
 
 def objects(runtime, created: int) -> list[dict[str, Any]]:
     """`/v1/models`' data: "llmweb" (the model served), then every model with its context length
-    (the served one's as loaded; another's as it would load before memory is measured), its trained
+    (a loaded one's as loaded; another's as it would load before memory is measured), its trained
     context, its size and whether it is loaded."""
     served = getattr(runtime, "model_id", None)
     budget = getattr(runtime, "budget", None)
     loaded = bool(getattr(runtime, "ready", False)) and not getattr(runtime, "unloaded", False)
+    resident = _resident(runtime, served if loaded else None)
+    parked = {r.model_id: r.budget.context_limit for r in _parked(runtime)}
     head = _object(MODEL_ID, created, served=served, context=budget.context_limit if budget else None, loaded=loaded)
     out = [head]
     for e in _entries(runtime):
         mine = e.id == served
-        context = budget.context_limit if mine and budget else _planned(runtime, e.context_train)
+        context = budget.context_limit if mine and budget else parked.get(e.id) or _planned(runtime, e.context_train)
         out.append(
             _object(
                 e.id,
                 created,
                 context=context,
-                loaded=mine and loaded,
+                loaded=e.id in resident,
                 context_train=e.context_train,
                 size_bytes=e.size_bytes,
                 architecture=e.architecture,
@@ -59,27 +65,47 @@ def objects(runtime, created: int) -> list[dict[str, Any]]:
     return out
 
 
-def ensure(runtime, caller: Caller, model: str) -> str:
-    """Make `model` the one served (switching if it is another and the caller may), wait until it is
-    ready, and return the id that will answer. Runs on a worker thread: it may wait for a load."""
-    served = getattr(runtime, "model_id", None) or MODEL_ID
+def ensure(runtime, caller: Caller, model: str) -> Lease:
+    """The model that answers a request naming `model`, held for its turn (the caller releases the
+    lease when the turn ends): a loaded one as it is, for anyone; another once switched to and
+    loaded, if the caller may switch. Runs on a worker thread: it may wait for a load."""
     loaded_name = getattr(getattr(runtime, "loaded", None), "name", None)
-    if model not in (MODEL_ID, served, loaded_name):
-        if not may_switch_models(runtime.settings, caller.owner or ""):
-            raise ApiError(
-                409,
-                f"This server serves {served}; only its operator switches models (ask for {served!r} or 'llmweb').",
-                code="model_not_loaded",
-                param="model",
-            )
-        runtime.switch(model)
-        served = model
-    if getattr(runtime, "unloaded", False) or not getattr(runtime, "ready", True):
-        try:
-            runtime.wait_ready(LOAD_WAIT_S)
-        except LlmwebError as e:
-            raise ApiError(503, str(e), type="server_error", code="model_unavailable") from None
-    return served
+    wanted = None if model in (MODEL_ID, loaded_name) else model  # None: whichever is served
+    lease = _hold(runtime, wanted)
+    if lease is not None:
+        return lease
+    if not may_switch_models(runtime.settings, caller.owner or ""):
+        names = ", ".join(repr(m) for m in [MODEL_ID, *_resident(runtime, getattr(runtime, "model_id", None))])
+        raise ApiError(
+            409,
+            f"{model[:100]!r} is not loaded on this server; only its operator loads models (ask for one of {names}).",
+            code="model_not_loaded",
+            param="model",
+        )
+    runtime.switch(model)
+    lease = _hold(runtime, model)
+    if lease is None:  # switched away again before it answered (LLMWEB_MAX_LOADED=1)
+        message = f"Another request switched the model to {runtime.model_id} before {model} answered; try again."
+        raise ApiError(503, message, type="server_error", code="model_unavailable")
+    return lease
+
+
+def _hold(runtime, model: str | None) -> Lease | None:
+    try:
+        return runtime.hold(model, LOAD_WAIT_S)
+    except LlmwebError as e:  # still loading after LOAD_WAIT_S, or failed to load
+        raise ApiError(503, str(e), type="server_error", code="model_unavailable") from None
+
+
+def _resident(runtime, served: str | None) -> list[str]:
+    """The ids of the models loaded now (a runtime without `loaded_ids`: `served`, when given)."""
+    loaded_ids = getattr(runtime, "loaded_ids", None)
+    return list(loaded_ids()) if callable(loaded_ids) else [served] if served else []
+
+
+def _parked(runtime) -> list:
+    residents = getattr(runtime, "residents", None)
+    return residents.parked() if residents is not None else []
 
 
 def _entries(runtime) -> list:

@@ -19,6 +19,7 @@ from llmweb.engine.models import EMBEDDED_NAME
 from llmweb.engine.sizing import MIN_CONTEXT, fit
 from llmweb.errors import ConfigError, InputError
 from llmweb.records import LOCAL_OWNER
+from llmweb.runtime.resident import Lease
 from llmweb.web import api_models
 from llmweb.web.api_wire import ApiError
 from llmweb.web.identity import Caller, login_owner, may_switch_models
@@ -147,6 +148,9 @@ class Served:
     def wait_ready(self, timeout=None):
         return None
 
+    def hold(self, model=None, timeout=None):
+        return Lease(self.model_id, None) if model in (None, self.model_id) else None
+
 
 def test_the_api_lists_every_model_and_a_request_switches_only_for_those_who_may(folder):
     write_gguf(folder.models_folder / "qwen-tiny.gguf")
@@ -160,8 +164,8 @@ def test_the_api_lists_every_model_and_a_request_switches_only_for_those_who_may
     with pytest.raises(ApiError) as e:  # a stranger's conversation on a shared server
         api_models.ensure(served, Caller(None), "qwen-tiny")
     assert e.value.status == 409 and served.switched == [] and served.model_id == EMBEDDED_NAME
-    assert api_models.ensure(served, Caller(None), "llmweb") == EMBEDDED_NAME, "the served model is anyone's"
-    assert api_models.ensure(served, Caller(LOCAL_OWNER), "qwen-tiny") == "qwen-tiny"
+    assert api_models.ensure(served, Caller(None), "llmweb").model_id == EMBEDDED_NAME, "the served model is anyone's"
+    assert api_models.ensure(served, Caller(LOCAL_OWNER), "qwen-tiny").model_id == "qwen-tiny"
     assert served.switched == ["qwen-tiny"]
 
 

@@ -21,6 +21,7 @@ from llmweb.config import Settings
 from llmweb.engine.request import GenerationRequest
 from llmweb.errors import ConfigError
 from llmweb.records import LOCAL_OWNER, Chunk, Turn
+from llmweb.runtime.resident import Lease
 from llmweb.store.db import Store
 from llmweb.web.api import api_routes
 from llmweb.web.api_keys import ApiKeys, parse_api_keys
@@ -323,7 +324,14 @@ def rig(tmp_path, *, library=None, **kw):
     store = Store(tmp_path / "api.sqlite3")
     chat = Chat(s, engine, fmt, store, BUDGET, library=library)
     runtime = SimpleNamespace(
-        settings=s, store=store, chat=chat, engine=engine, library=library, loaded=None, wait_ready=lambda t: chat
+        settings=s,
+        store=store,
+        chat=chat,
+        engine=engine,
+        library=library,
+        loaded=None,
+        wait_ready=lambda t: chat,
+        hold=lambda model=None, timeout=None: Lease("llmweb", chat),
     )
     # a program on this machine reads the local API key (web/owner.py) where the server accepts it
     key = owner_secrets(s).api_key if s.on_loopback and not s.login else ""

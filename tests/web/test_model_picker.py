@@ -42,6 +42,7 @@ def handlers(tmp_path, **kw) -> ModelHandlers:
         store=Store(tmp_path / "s.sqlite3"),
         model_id=EMBEDDED_NAME,
         models=lambda: catalog.scan(settings),
+        loaded_ids=lambda: [EMBEDDED_NAME],
         secret="s" * 64,
     )
     return ModelHandlers(runtime)

@@ -15,6 +15,7 @@ import pytest
 from llmweb.chat.passages import Excerpt, Passage
 from llmweb.records import Chunk, Source
 from llmweb.retrieval.library import Library
+from llmweb.runtime.resident import Lease
 from llmweb.store.db import Store
 from llmweb.web import formatting as f
 from llmweb.web.panels.sources import NOTHING
@@ -44,6 +45,7 @@ def runtime(tmp_path):
     )
     rt.chat = FakeChat(store, settings)
     rt.wait_ready = lambda timeout=None: rt.chat
+    rt.hold = lambda model=None, timeout=None: Lease("fake", rt.chat)
     yield rt
     store.close()
 

@@ -16,6 +16,7 @@ from llmweb.chat import context
 from llmweb.chat.session import Chat, Delta, Finished, Queued, Started
 from llmweb.errors import BusyError, InputError
 from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
+from llmweb.runtime.resident import Lease
 from llmweb.store.db import Store
 from llmweb.store.models import NotFound, new_id
 from llmweb.web.formatting import (
@@ -286,6 +287,7 @@ def runtime(tmp_path):
     )
     rt.chat = FakeChat(store, rt.settings)
     rt.wait_ready = lambda timeout=None: rt.chat
+    rt.hold = lambda model=None, timeout=None: Lease("fake", rt.chat)
     yield rt
     store.close()
 

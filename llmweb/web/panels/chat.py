@@ -10,16 +10,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Generator, Iterator
-from typing import Any
 
 import gradio as gr
 
 from llmweb.chat.session import Delta, Finished, Progress, Queued, Started, clean_message
 from llmweb.errors import InputError, LlmwebError
+from llmweb.runtime.resident import Lease
 from llmweb.store.models import ChatSettings
 from llmweb.web.formatting import escape, history_messages, message_text
 from llmweb.web.panels.base import WAIT_READY_S, Panel, PanelHandlers, user_errors
-from llmweb.web.panels.models import ensure_chat_model
+from llmweb.web.panels.models import chat_model
 
 # the most often a streaming reply is shown again: each update re-sends and re-renders the whole
 # message (markdown in the browser), so per token it costs O(n^2) in the reply's length, and a
@@ -49,14 +49,14 @@ class ChatHandlers(PanelHandlers):
             {"role": "user", "content": escape(message, message=True)},
             {"role": "assistant", "content": "…"},
         ]
-        chat = yield from self._loaded(owner, conv_id, shown, (message,))
-        if conv_id is None and not use_docs:  # the box is this chat's setting: keep it from the first turn
-            conv_id = self.store.create_conversation(owner)
-            chat.set_settings(owner, conv_id, ChatSettings(use_docs=False))
-        whole = {"whole_document": True} if whole_doc else {}
-        events = chat.send(owner, conv_id, message, use_docs=bool(use_docs), **whole)
-        for panel in self._stream(owner, conv_id, shown, events):
-            yield (*panel, "")
+        with (yield from self._loaded(owner, conv_id, shown, (message,))) as chat:
+            if conv_id is None and not use_docs:  # the box is this chat's setting: keep it from the first turn
+                conv_id = self.store.create_conversation(owner)
+                chat.set_settings(owner, conv_id, ChatSettings(use_docs=False))
+            whole = {"whole_document": True} if whole_doc else {}
+            events = chat.send(owner, conv_id, message, use_docs=bool(use_docs), **whole)
+            for panel in self._stream(owner, conv_id, shown, events):
+                yield (*panel, "")
 
     @user_errors
     def regenerate(self, conv_id, use_docs, token, request: gr.Request) -> Iterator[tuple]:
@@ -71,18 +71,18 @@ class ChatHandlers(PanelHandlers):
     def _redo(self, conv_id, use_docs, token, request, *, more: bool) -> Iterator[tuple]:
         owner = self.owner(token, request)
         conv = self._current(owner, conv_id)
-        chat = yield from self._loaded(owner, conv_id, history_messages(conv))
         if not conv.turns:
             raise InputError("There is no reply to regenerate or continue yet.")
-        last = conv.turns[-1]
-        shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:-1]))
-        so_far = escape(last.assistant, message=True) if more else "…"
-        shown += [
-            {"role": "user", "content": escape(last.user, message=True)},
-            {"role": "assistant", "content": so_far},
-        ]
-        events = (chat.continue_reply if more else chat.regenerate)(owner, conv_id, use_docs=bool(use_docs))
-        yield from self._stream(owner, conv_id, shown, events)
+        with (yield from self._loaded(owner, conv_id, history_messages(conv))) as chat:
+            last = conv.turns[-1]
+            shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:-1]))
+            so_far = escape(last.assistant, message=True) if more else "…"
+            shown += [
+                {"role": "user", "content": escape(last.user, message=True)},
+                {"role": "assistant", "content": so_far},
+            ]
+            events = (chat.continue_reply if more else chat.regenerate)(owner, conv_id, use_docs=bool(use_docs))
+            yield from self._stream(owner, conv_id, shown, events)
 
     @user_errors
     def undo(self, conv_id, token, request: gr.Request) -> tuple:
@@ -99,7 +99,6 @@ class ChatHandlers(PanelHandlers):
         owner = self.owner(token, request)
         conv = self._current(owner, conv_id)
         messages = history_messages(conv)
-        chat = yield from self._loaded(owner, conv_id, messages)
         index = edited.index if isinstance(edited.index, int) else edited.index[0]
         turn = sum(1 for m in messages[:index] if m.get("role") == "user")
         value = edited.value
@@ -108,10 +107,11 @@ class ChatHandlers(PanelHandlers):
         if not 0 <= turn < len(conv.turns) or messages[index].get("role") != "user":
             raise InputError("Only your own messages can be edited.")
         clean_message(text, self.settings.max_message_chars)
-        shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:turn]))
-        shown += [{"role": "user", "content": escape(text, message=True)}, {"role": "assistant", "content": "…"}]
-        events = chat.edit(owner, conv_id, turn, text, use_docs=bool(use_docs))
-        yield from self._stream(owner, conv_id, shown, events)  # the switcher then shows this fork (the latest)
+        with (yield from self._loaded(owner, conv_id, messages)) as chat:
+            shown = history_messages(dataclasses.replace(conv, turns=conv.turns[:turn]))
+            shown += [{"role": "user", "content": escape(text, message=True)}, {"role": "assistant", "content": "…"}]
+            events = chat.edit(owner, conv_id, turn, text, use_docs=bool(use_docs))
+            yield from self._stream(owner, conv_id, shown, events)  # the switcher then shows this fork (the latest)
 
     @user_errors
     def prev_version(self, conv_id, fork, token, request: gr.Request) -> Panel:
@@ -133,15 +133,20 @@ class ChatHandlers(PanelHandlers):
         conv = self.store.get(owner, conv_id)
         return self.panel(owner, conv, f"Turn {fork + 1}: version {conv.versions[fork][0] + 1} of {count}.", fork=fork)
 
-    def _loaded(self, owner: str, conv_id, shown: list[dict], tail: tuple = ()) -> Generator[tuple, None, Any]:
-        """The chat, once its model is served (a chat of its own model gets it, when its owner may
-        switch models: web/panels/models.py); while a model loads, the reply's place shows the
-        load's progress (a switch, or a load again after the keep-alive unloaded it)."""
-        ensure_chat_model(self, owner, conv_id)
+    def _loaded(self, owner: str, conv_id, shown: list[dict], tail: tuple = ()) -> Generator[tuple, None, Lease]:
+        """The chat's model, held for the turn (`with lease as chat:` releases it when the turn ends):
+        its own model where it is loaded or its owner may switch to it (web/panels/models.py), else
+        the one served. While a model loads, the reply's place shows the load's progress (a switch,
+        or a load again after the keep-alive unloaded it)."""
+        wanted = chat_model(self, owner, conv_id)
         deadline = time.monotonic() + WAIT_READY_S
         while True:
             try:
-                return self.runtime.wait_ready(LOAD_POLL_S)
+                lease = self.runtime.hold(wanted, LOAD_POLL_S)
+                if lease is not None:
+                    return lease
+                wanted = None  # its model was let go meanwhile: the one served answers
+                continue
             except LlmwebError:
                 if getattr(self.runtime, "_error", None) is not None or time.monotonic() > deadline:
                     raise  # a failed load says why; a load past WAIT_READY_S says it is still loading

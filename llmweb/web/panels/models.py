@@ -1,8 +1,9 @@
 """The model picker: which model the server serves, switched from the page by those who may (the
 machine's owner of a single-user install, an operator: web/identity.py's `may_switch_models`);
 everyone else sees the model served, and cannot change it. A switch also becomes the open chat's
-own model (`ChatSettings.model`): the chat's next message switches back to it if another was
-chosen meanwhile (`ensure_chat_model`). The load's progress is the status line's.
+own model (`ChatSettings.model`): the chat's next message is answered by it (`chat_model`), at
+once where it is loaded (LLMWEB_MAX_LOADED keeps several), else switched back to. The load's
+progress is the status line's.
 
 This module must not load or close a model itself (runtime/switching.py does).
 """
@@ -27,11 +28,13 @@ class ModelHandlers(PanelHandlers):
 
     @user_errors
     def picker(self, token, request: gr.Request):
-        """The models, the one served chosen; a visitor who may not switch sees it, greyed."""
+        """The models, the one served chosen, the others loaded beside it marked; a visitor who may
+        not switch sees it, greyed."""
         owner = self.owner(token, request)
         allowed = may_switch_models(self.settings, owner)
-        entries = self.runtime.models()
-        choices = [(model_label(e), e.id) for e in entries] or [(self.runtime.model_id, self.runtime.model_id)]
+        entries, parked = self.runtime.models(), set(self.runtime.loaded_ids()) - {self.runtime.model_id}
+        choices = [(model_label(e) + " · loaded" * (e.id in parked), e.id) for e in entries]
+        choices = choices or [(self.runtime.model_id, self.runtime.model_id)]
         return gr.update(choices=choices, value=self.runtime.model_id, interactive=allowed and len(choices) > 1)
 
     @user_errors
@@ -84,14 +87,21 @@ class ModelHandlers(PanelHandlers):
             raise InputError("Only this server's operator adds models.")
 
 
-def ensure_chat_model(handlers: PanelHandlers, owner: str, conv_id: str | None) -> None:
-    """Before a turn: a chat with a model of its own gets it served, if its owner may switch models
-    (a chat imported by a visitor who may not simply runs on the model served)."""
-    if not conv_id or not may_switch_models(handlers.settings, owner):
-        return  # first, with no I/O: a visitor who may not switch pays no read of the chat per turn
+def chat_model(handlers: PanelHandlers, owner: str, conv_id: str | None) -> str | None:
+    """Before a turn: the model that answers the chat. Its own model (`ChatSettings.model`) where it
+    is loaded (served, or kept loaded beside it: nothing switches, whoever asks) or served; where it
+    is not, switched to if its owner may switch models; else None, the model served (a chat
+    imported by a visitor who may not switch runs on it)."""
+    allowed = may_switch_models(handlers.settings, owner)
+    if not conv_id or not (allowed or handlers.settings.max_loaded > 1):
+        return None  # first, with no I/O: where only the served model is loaded, a visitor pays no read per turn
     if not handlers.store.exists(owner, conv_id):
-        return
+        return None
     wanted = handlers.store.get(owner, conv_id).settings.model
     runtime = handlers.runtime
-    if wanted and wanted != runtime.model_id and any(e.id == wanted for e in runtime.models()):
+    if not wanted or wanted == runtime.model_id or wanted in runtime.loaded_ids():
+        return wanted or None
+    if allowed and any(e.id == wanted for e in runtime.models()):
         runtime.switch(wanted)
+        return wanted
+    return None
