@@ -1,7 +1,7 @@
-"""GGUF files on llama.cpp: loading one (GgufModel: the weights memory-mapped as they ship), re-encoding
-one with llama.cpp's own quantiser (LLMWEB_GGUF_REQUANT: `requantised`), and the process-wide parts
-(the backend's one init with llama.cpp's log sent to ours, whether llama-cpp-python is usable here,
-the OpenMP warning, the default thread count).
+"""GGUF files on llama.cpp: loading one (GgufModel: the weights memory-mapped as they ship, the ids its
+metadata names as ends), re-encoding one with llama.cpp's own quantiser (LLMWEB_GGUF_REQUANT:
+`requantised`), and the process-wide parts (the backend's one init with llama.cpp's log sent to
+ours, whether llama-cpp-python is usable here, the OpenMP warning, the default thread count).
 
 Must not: run a request (engine/runners/llama_cpp.py does) or import torch. llama_cpp is imported
 inside the functions, so importing this module needs no llama-cpp-python.
@@ -22,6 +22,8 @@ from llmweb.errors import LlmwebError
 log = logging.getLogger(__name__)
 
 KV_DTYPE_BYTES = 2  # llama.cpp's default KV cache type is f16
+# the metadata keys whose token ends a reply: the eos, the end of a turn, the end of a message (Llama 3.1's tool calls)
+END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 _GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4  # ggml.h's enum ggml_log_level
 _backend_lock = threading.Lock()
@@ -150,6 +152,21 @@ class GgufModel:
         self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.ptr))
         self.size_bytes = int(ll.llama_model_size(self.ptr))
         self.type_name = _model_desc(self.ptr)
+        self.end_ids = self._end_ids()
+
+    def meta(self, key: str) -> str | None:
+        """The file's metadata value under `key`, as text; None where the file has none."""
+        import llama_cpp as ll
+
+        buf = ctypes.create_string_buffer(256)
+        n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def _end_ids(self) -> tuple[int, ...]:
+        """The ids the file's metadata names as ends (END_KEYS), in the vocabulary (the chat keeps
+        the special ones: chat/tokens.py)."""
+        ids = [self.meta(key) for key in END_KEYS]
+        return tuple(dict.fromkeys(int(v) for v in ids if v is not None and v.isdigit() and int(v) < self.n_vocab))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -68,6 +68,9 @@ class LoadedModel:
     backend: str = "transformers"  # or "llama.cpp"
     max_batch: int = 0  # requests decoded together, as sized to memory (runtime/engines.py); 0: unsized
     kv_store_bytes: int = 0  # the idle chats' caches' budget where memory was tight (runtime/engines.py); 0: default
+    # the ids the model's files name as ends (a GGUF's eos/eot/eom, generation_config's eos_token_id): the
+    # chat stops at the special ones, beside the template's own end of turn (chat/tokens.py)
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def on_cpu(self) -> bool:
@@ -379,6 +382,7 @@ def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         load_s=time.perf_counter() - t0,
         notes=template_notes(tokenizer),
         backend="llama.cpp",
+        stop_ids=gguf.end_ids,
     )
     note = openmp_note()
     if note:
@@ -455,9 +459,16 @@ def load_transformers(settings: Settings, device: str, progress: Progress = log.
         dtype_bytes=dtype_bytes,
         load_s=time.perf_counter() - t0,
         notes=notes + template_notes(tokenizer),
+        stop_ids=token_ids(model.generation_config.eos_token_id),
     )
     progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s.")
     return loaded
+
+
+def token_ids(value) -> tuple[int, ...]:
+    """generation_config's eos_token_id, an int or a list of them (or None), as a tuple of ids."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
 
 def warm_up(loaded: LoadedModel, prompt_tokens: int) -> float:
