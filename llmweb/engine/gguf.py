@@ -1,7 +1,8 @@
 """GGUF files on llama.cpp: loading one (GgufModel: the weights memory-mapped as they ship, the ids its
 metadata names as ends), re-encoding one with llama.cpp's own quantiser (LLMWEB_GGUF_REQUANT:
-`requantised`), and the process-wide parts (the backend's one init with llama.cpp's log sent to
-ours, whether llama-cpp-python is usable here, the OpenMP warning, the default thread count).
+`requantised`), the stamp that names a copy made from one (`file_stamp`), and the process-wide
+parts (the backend's one init with llama.cpp's log sent to ours, whether llama-cpp-python is usable
+here, the OpenMP warning, the default thread count).
 
 Must not: run a request (engine/runners/llama_cpp.py does) or import torch. llama_cpp is imported
 inside the functions, so importing this module needs no llama-cpp-python.
@@ -97,14 +98,10 @@ def requantised(source: Path, kind: str, folder: Path, threads: int, progress: C
     while the source is unchanged (the copy's name carries a hash of the source's path, size and
     mtime; an older copy of the same source is removed). Written to a temporary name and renamed,
     so an interrupted start leaves no half file to load."""
-    import hashlib
-
     import llama_cpp as ll
 
     init_backend()
-    st = source.stat()
-    stamp = hashlib.sha256(f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = folder / f"{source.stem}.{kind}-{stamp}.gguf"
+    target = folder / f"{source.stem}.{kind}-{file_stamp(source)}.gguf"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -127,6 +124,15 @@ def requantised(source: Path, kind: str, folder: Path, threads: int, progress: C
             old.unlink(missing_ok=True)
     progress(f"Re-encoded {source.name} as {kind.upper()} in {time.perf_counter() - t0:.1f} s.")
     return target
+
+
+def file_stamp(path: Path) -> str:
+    """12 hex digits of a hash of the file's path, size and mtime: a copy made from the file is named
+    with it, so a changed file (new size or time) gets a new copy and never an older one's."""
+    import hashlib
+
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
 class GgufModel:

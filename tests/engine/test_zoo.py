@@ -174,15 +174,24 @@ def test_every_family_chats_on_transformers_and_reuse_never_changes_a_reply(name
 
 
 @pytest.mark.parametrize("name", list(zoo.FAMILIES))
-def test_llama_cpp_tokenises_the_zoo_as_transformers_does(name, zoo_models):
+def test_llama_cpp_tokenises_the_zoo_as_transformers_does(name, zoo_models, tmp_path):
+    """And so does the tokenizer llmweb reads out of the GGUF file, as it loads it: from the copy it
+    saved of it (engine/models.py `tokenizer_source`; the chat tests above made it, or this one does)."""
     from llmweb.engine.gguf import GgufModel
 
     built = zoo_models[name]
     hf, gguf = _hf_tokenizer(built), GgufModel(built.gguf, threads=1)
+    settings = make_settings(tmp_path, model=str(built.gguf))
+    ours = models.load_tokenizer(settings, "llama.cpp")
+    copy = models.tokenizer_source(settings, built.gguf, print)
+    assert copy.parent == settings.copies_dir and copy.name.startswith(f"{name}.tokenizer-"), copy
     try:
         specials = "".join(built.family.specials)
         for text in ("Hello world, how are you?", f"{specials}Über 3.14 🐍 naïve café\n\n  x", "  spaced\n\nlines\t"):
-            assert gguf.tokenize(text) == hf.encode(text, add_special_tokens=False), text
+            ids = gguf.tokenize(text)
+            assert ids == hf.encode(text, add_special_tokens=False) == ours.encode(text, add_special_tokens=False), text
+            assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False), text
+        assert (ours.chat_template, ours.bos_token, ours.eos_token) == (hf.chat_template, hf.bos_token, hf.eos_token)
     finally:
         gguf.close()
 
