@@ -20,7 +20,8 @@ The stops come from the model, not from a list of names: the eos, the special to
 writes right after an assistant message's text (its end of turn: `<|im_end|>`, `<|eot_id|>`,
 `<end_of_turn>`, ...), and the ids the model's files name as ends (`model_stops`: a GGUF's
 eos/eot/eom ids, generation_config.json's eos_token_id). Only special tokens become stops: an
-ordinary piece such as "\n" never ends a reply. No torch here.
+ordinary piece such as "\n" never ends a reply. A plain transcript's turn has no end token: its
+stop is text (`stop_texts`: the next "User:" line; chat/turn.py cuts the reply there). No torch here.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ PLAIN_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+# a plain transcript's next "User:" line: the model has ended its turn and is writing the user's (a
+# base model has no special token for it), so the reply stops before it
+PLAIN_STOP_TEXTS = ("\nUser:",)
 NO_TEMPLATE_NOTE = (
     "the model has no chat template: the chat is written to it as a plain transcript (User: / Assistant:)"
 )
@@ -63,6 +67,9 @@ class ChatFormat(Protocol):
 
     @property
     def stop_ids(self) -> frozenset[int]: ...
+
+    @property
+    def stop_texts(self) -> tuple[str, ...]: ...
 
 
 class TemplateFormat:
@@ -200,6 +207,11 @@ class TemplateFormat:
     @property
     def stop_ids(self) -> frozenset[int]:
         return self._stop_ids
+
+    @property
+    def stop_texts(self) -> tuple[str, ...]:
+        """Text that ends a reply where no token does: a plain transcript's next "User:" line."""
+        return PLAIN_STOP_TEXTS if self._template is PLAIN_TEMPLATE else ()
 
 
 def special_ids(tokenizer) -> frozenset[int]:

@@ -108,6 +108,37 @@ def test_a_tokenizer_without_a_template_gets_a_plain_transcript_and_a_warning(ca
     assert fmt.end_of_turn_ids == () and fmt.stop_ids == {fmt.tokenizer.eos_token_id}
 
 
+def test_a_plain_transcripts_reply_ends_before_the_next_user_line(tmp_path):
+    """A base model has no end-of-turn token: after its answer it writes the user's next line. The
+    reply stops before "\nUser:", as at an end token ("eos", no "Stopped."), and the stream never
+    shows a piece of it that it would take back."""
+    from llmweb.chat.context import Budget
+    from llmweb.chat.session import Chat, Delta, Finished
+    from llmweb.store.db import Store
+    from tests.conftest import make_settings
+    from tests.fakes import FakeRunner, fake_engine
+
+    fmt = TemplateFormat(tokenizer(zoo.FAMILIES["plain"], None))
+    assert fmt.stop_texts == ("\nUser:",)
+    engine, runner = fake_engine(FakeRunner(token_delay_s=0.01))
+    store = Store(tmp_path / "chat.sqlite3")
+    budget = Budget(context_limit=2048, max_new_tokens=64, summary_tokens=30, retrieved_tokens=40, user_tokens=60)
+    chat = Chat(make_settings(tmp_path, recall=False, system_prompt=SYSTEM), engine, fmt, store, budget)
+    try:
+        said = " Hi there.\n\nUser: and what else?\n\nAssistant: more"  # 49 byte tokens, then the eos
+        runner.enqueue(fmt._encode(said) + [fmt.tokenizer.eos_token_id])
+        events = list(chat.send("anon:a", store.create_conversation("anon:a"), "Hello"))
+        fin = events[-1]
+        assert isinstance(fin, Finished) and fin.reply == "Hi there."
+        assert (fin.stats.gen.finish_reason, fin.notes) == ("eos", [])
+        assert all(" Hi there.\n".startswith(e.text) for e in events if isinstance(e, Delta))
+        assert fin.stats.gen.generated_tokens < 49, "the request was cancelled at the stop text, before the eos"
+    finally:
+        chat.wait_background(timeout=5)
+        engine.close()
+        store.close()
+
+
 # a template whose end of turn has a name no list of known names held (<|im_end|>, <|eot_id|>, <|end|>,
 # <end_of_turn>): the stop must come from the template itself
 ODD = zoo.Family(
