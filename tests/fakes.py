@@ -53,6 +53,8 @@ class FakeFormat:
     def stop_ids(self) -> frozenset[int]:
         return frozenset({self.END})
 
+    stop_texts: tuple[str, ...] = ()
+
 
 class FakeRunner:
     """A scripted, batching `Runner` for the real `Engine` (queue, batch, admission, cancel, OOM), no model.

@@ -42,7 +42,7 @@ def run(settings, new_tokens: int = 256, loaded=None, progress: Callable[[str], 
     from llmweb.engine.request import EngineLimits, GenerationRequest
 
     loaded = loaded or models.load(settings, progress=progress)
-    fmt = TemplateFormat(loaded.tokenizer)
+    fmt = TemplateFormat(loaded.tokenizer, model_stops=loaded.stop_ids)
     limits = EngineLimits(max_new_tokens=new_tokens, kv_reuse=False, request_timeout_s=3600)  # a slow machine: no cut
     engine = make_engine(loaded, KVStore(64 * 2**20, ttl_s=60), limits)
     rows = []

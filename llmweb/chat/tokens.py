@@ -15,13 +15,19 @@ is absorbed here, each with a warning where the model gets less than its templat
 - a template with no system role of its own (Gemma's: it raises, or moves the system prompt into
   the first user turn) gets the system prompt as a user message of its own;
 - a tokenizer with no chat template (a base model) gets PLAIN_TEMPLATE, a "Role: text" transcript.
-No torch here.
+
+The stops come from the model, not from a list of names: the eos, the special token(s) the template
+writes right after an assistant message's text (its end of turn: `<|im_end|>`, `<|eot_id|>`,
+`<end_of_turn>`, ...), and the ids the model's files name as ends (`model_stops`: a GGUF's
+eos/eot/eom ids, generation_config.json's eos_token_id). Only special tokens become stops: an
+ordinary piece such as "\n" never ends a reply. A plain transcript's turn has no end token: its
+stop is text (`stop_texts`: the next "User:" line; chat/turn.py cuts the reply there). No torch here.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Protocol
 
@@ -39,6 +45,9 @@ PLAIN_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+# a plain transcript's next "User:" line: the model has ended its turn and is writing the user's (a
+# base model has no special token for it), so the reply stops before it
+PLAIN_STOP_TEXTS = ("\nUser:",)
 NO_TEMPLATE_NOTE = (
     "the model has no chat template: the chat is written to it as a plain transcript (User: / Assistant:)"
 )
@@ -59,11 +68,14 @@ class ChatFormat(Protocol):
     @property
     def stop_ids(self) -> frozenset[int]: ...
 
+    @property
+    def stop_texts(self) -> tuple[str, ...]: ...
+
 
 class TemplateFormat:
     """A `ChatFormat` over a Hugging Face tokenizer and its chat template."""
 
-    def __init__(self, tokenizer, cache_size: int = 2048):
+    def __init__(self, tokenizer, cache_size: int = 2048, model_stops: Iterable[int] = ()):
         self.tokenizer = tokenizer
         self._template = None if getattr(tokenizer, "chat_template", None) else PLAIN_TEMPLATE
         if self._template is not None:
@@ -90,12 +102,10 @@ class TemplateFormat:
         self._gen_ids = self._encode(with_gen[len(head) :])
         self.system_ids = lru_cache(maxsize=256)(self._system_ids)
         self.message_ids = lru_cache(maxsize=cache_size)(self._message_ids)
-        stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
-            tid = tokenizer.convert_tokens_to_ids(name)
-            if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
-                stops.add(tid)
-        self._stop_ids = frozenset(stops)
+        # 4) the stops: the eos, the template's end of turn, the model's own (special tokens only)
+        specials = special_ids(tokenizer)
+        self.end_of_turn_ids = self._end_of_turn_ids(specials)
+        self._stop_ids = self._stops(specials, model_stops)
 
     def _render(self, messages, add_generation_prompt=False) -> str:
         """The template's text, less the closing it adds when no reply is asked for."""
@@ -125,6 +135,33 @@ class TemplateFormat:
         if not (bare.endswith(closing) and with_gen.startswith(bare[: len(bare) - len(closing)])):
             raise ConfigError("this model's chat template does not render a prompt as a sequence of messages")
         return closing
+
+    def _end_of_turn_ids(self, specials: frozenset[int]) -> tuple[int, ...]:
+        """The special token(s) the template writes right after an assistant message's text, what
+        ends a turn (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, `<|end|>`, `</s>`); whitespace
+        before them is passed over. () where a turn ends with text alone (PLAIN_TEMPLATE)."""
+        context, head = self._before["assistant"]
+        segment = self._render([*context, {"role": "assistant", "content": _PROBE_REPLY}])[len(head) :]
+        at = segment.find(_PROBE_REPLY)
+        if at < 0:
+            return ()
+        ends: list[int] = []
+        for tid in self._encode(segment[at + len(_PROBE_REPLY) :]):
+            if tid in specials:
+                ends.append(tid)
+            elif ends or self.tokenizer.decode([tid]).strip():
+                break
+        return tuple(ends)
+
+    def _stops(self, specials: frozenset[int], model_stops: Iterable[int]) -> frozenset[int]:
+        eos = self.tokenizer.eos_token_id
+        stops = {*self.end_of_turn_ids, *([eos] if eos is not None else [])}
+        for tid in model_stops:
+            if tid in specials:
+                stops.add(tid)
+            elif tid not in stops:
+                log.warning("the model names token %d as an end, but it is no special token: not a stop", tid)
+        return frozenset(stops)
 
     def _shows(self, messages, probe: str) -> bool:
         try:
@@ -170,6 +207,20 @@ class TemplateFormat:
     @property
     def stop_ids(self) -> frozenset[int]:
         return self._stop_ids
+
+    @property
+    def stop_texts(self) -> tuple[str, ...]:
+        """Text that ends a reply where no token does: a plain transcript's next "User:" line."""
+        return PLAIN_STOP_TEXTS if self._template is PLAIN_TEMPLATE else ()
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special (control) tokens, the only ones that may end a reply: its
+    named ones (eos, bos, ...) and every added token marked special (a GGUF's control tokens)."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(tid for tid, token in added.items() if getattr(token, "special", False))
+    return frozenset(ids)
 
 
 def render_prompt(fmt: ChatFormat, system: str, messages: Sequence[tuple[str, str]]) -> list[int]:

@@ -205,6 +205,18 @@ def turn_stats(
     )
 
 
+def held_back(text: str, stops: Sequence[str], final: bool = True) -> tuple[str, bool]:
+    """`text` as far as it may be shown: cut before the first of `stops` in it (True), else, unless
+    `final`, less a tail that could be the start of one (a stream must not show what it takes back)."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return text[: min(hits)], True
+    if final:
+        return text, False
+    hold = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text[: len(text) - hold], False
+
+
 Keep = Callable[[str, TurnStats], None]  # (partial reply, its stats): a turn closed early keeps what it showed
 
 
@@ -269,9 +281,9 @@ class TurnRunner:
                 if isinstance(event, Waiting):
                     yield Queued(event.position, event.wait_s)
                 elif isinstance(event, Tokens):
-                    text = self._decode(job, handle)
-                    if stop and any(s in text.lstrip() for s in stop):
-                        handle.cancel()  # the reply ends before the stop string (the caller cuts it)
+                    text, ended = self._reply(job, handle, final=False)
+                    if ended or (stop and any(s in text.lstrip() for s in stop)):
+                        handle.cancel()  # the reply ends before the stop string (the caller cuts its own)
                     yield Delta(text)
             finished = True
         finally:
@@ -279,15 +291,23 @@ class TurnRunner:
                 handle.cancel()
                 if keep is not None:
                     self._keep_partial(job, handle, keep)
-        stats = turn_stats(handle.stats, job.plan, job.number, job.summarized)
+        reply, ended = self._reply(job, handle)
+        gen = handle.stats
+        if ended and gen is not None and gen.finish_reason in ("cancelled", "length"):
+            gen = replace(gen, finish_reason="eos")  # the format's stop text ended the turn, as its token would
+        stats = turn_stats(gen, job.plan, job.number, job.summarized)
         notes = ["Stopped."] if stats.gen.finish_reason == "cancelled" else []
         if job.plan.left_out:
             notes.append(job.plan.left_out.capitalize() + ".")
-        reply = self._decode(job, handle).strip()
-        return Finished(reply, stats, plan_sources(job.plan), notes + list(job.notes), job.plan.messages, job.conv_id)
+        return Finished(
+            reply.strip(), stats, plan_sources(job.plan), notes + list(job.notes), job.plan.messages, job.conv_id
+        )
 
-    def _decode(self, job: Job, handle: Handle) -> str:
-        return self.fmt.decode([*(job.partial or ()), *handle.generated])
+    def _reply(self, job: Job, handle: Handle, final: bool = True) -> tuple[str, bool]:
+        """The reply so far, cut before the format's own stop text (`ChatFormat.stop_texts`), and
+        whether one came; while it streams (not `final`), less a tail that may be the start of one."""
+        text = self.fmt.decode([*(job.partial or ()), *handle.generated])
+        return held_back(text, self.fmt.stop_texts, final)
 
     def _keep_partial(self, job: Job, handle: Handle, keep: Keep) -> None:
         deadline = time.monotonic() + SETTLE_S
@@ -296,4 +316,4 @@ class TurnRunner:
         if handle.generated:  # keep what was shown; the worker stops within a token
             ended = ENGINE_STOPPED if isinstance(handle.error, EngineStopped) else "cancelled"
             stats = turn_stats(handle.stats, job.plan, job.number, job.summarized, ended)
-            keep(self._decode(job, handle).strip(), stats)
+            keep(self._reply(job, handle)[0].strip(), stats)

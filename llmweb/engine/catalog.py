@@ -5,8 +5,9 @@ Contract:
   `.gguf` file in it (not in subfolders: a split or a draft model lives beside its main file only
   when named like it) is a model, and so is each subfolder with a `config.json` and `*.safetensors`
   weights (a transformers model; pickled weights are never loaded). llmweb's own copies in the same
-  folder (the embedded model's converted copy and tokenizer, re-encoded GGUFs) are not listed:
-  their names start with the embedded model's name or a dot, or end like `requantised`'s copies.
+  folder (the embedded model's converted copy and tokenizer, re-encoded GGUFs, a GGUF's saved
+  tokenizer) are not listed: their names start with the embedded model's name or a dot, or end like
+  the copies named with `file_stamp` (`<stem>.q8_0-<stamp>.gguf`, `<stem>.tokenizer-<stamp>`).
 - `scan(settings)` lists them, the embedded default first, each a `ModelEntry` with what the
   sizing needs and `/v1/models` shows: the trained context, KV bytes per token, the weights' bytes,
   whether it carries a chat template. A GGUF's header is read here (`read_gguf_header`: the
@@ -43,7 +44,7 @@ MAX_KEPT_STRING = 256 * 1024  # a string value kept (a chat template); longer on
 MAX_CONFIG_BYTES = 1 << 20  # a config.json read
 KV_DTYPE_BYTES = 2  # f16 keys and values, on llama.cpp and in a transformers cache alike
 GGUF_MAGIC = b"GGUF"
-_REENCODED = re.compile(r"\.[a-z0-9_]+-[0-9a-f]{12}\.gguf$")  # engine/gguf.py's `requantised` copies
+_STAMPED = re.compile(r"\.[a-z0-9_]+-[0-9a-f]{12}(\.gguf)?$")  # copies named with engine/gguf.py's `file_stamp`
 _KEEP = ("general.architecture", "general.name", "general.file_type", "tokenizer.chat_template")
 _ARCH_KEYS = (
     "context_length",
@@ -99,7 +100,7 @@ def scan(settings: Settings) -> list[ModelEntry]:
         if len(entries) > MAX_MODELS:
             log.warning("models folder %s: only the first %d models are listed", folder, MAX_MODELS)
             break
-        if name.startswith(".") or name.startswith(EMBEDDED_NAME) or _REENCODED.search(name):
+        if name.startswith(".") or name.startswith(EMBEDDED_NAME) or _STAMPED.search(name):
             continue  # llmweb's own copies, and hidden files
         entry = _entry(folder / name)
         if entry is not None and entry.id not in seen:

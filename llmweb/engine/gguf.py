@@ -1,7 +1,8 @@
-"""GGUF files on llama.cpp: loading one (GgufModel: the weights memory-mapped as they ship), re-encoding
-one with llama.cpp's own quantiser (LLMWEB_GGUF_REQUANT: `requantised`), and the process-wide parts
-(the backend's one init with llama.cpp's log sent to ours, whether llama-cpp-python is usable here,
-the OpenMP warning, the default thread count).
+"""GGUF files on llama.cpp: loading one (GgufModel: the weights memory-mapped as they ship, the ids its
+metadata names as ends), re-encoding one with llama.cpp's own quantiser (LLMWEB_GGUF_REQUANT:
+`requantised`), the stamp that names a copy made from one (`file_stamp`), and the process-wide
+parts (the backend's one init with llama.cpp's log sent to ours, whether llama-cpp-python is usable
+here, the OpenMP warning, the default thread count).
 
 Must not: run a request (engine/runners/llama_cpp.py does) or import torch. llama_cpp is imported
 inside the functions, so importing this module needs no llama-cpp-python.
@@ -22,6 +23,8 @@ from llmweb.errors import LlmwebError
 log = logging.getLogger(__name__)
 
 KV_DTYPE_BYTES = 2  # llama.cpp's default KV cache type is f16
+# the metadata keys whose token ends a reply: the eos, the end of a turn, the end of a message (Llama 3.1's tool calls)
+END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 _GGML_LOG_WARN, _GGML_LOG_ERROR = 3, 4  # ggml.h's enum ggml_log_level
 _backend_lock = threading.Lock()
@@ -95,14 +98,10 @@ def requantised(source: Path, kind: str, folder: Path, threads: int, progress: C
     while the source is unchanged (the copy's name carries a hash of the source's path, size and
     mtime; an older copy of the same source is removed). Written to a temporary name and renamed,
     so an interrupted start leaves no half file to load."""
-    import hashlib
-
     import llama_cpp as ll
 
     init_backend()
-    st = source.stat()
-    stamp = hashlib.sha256(f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = folder / f"{source.stem}.{kind}-{stamp}.gguf"
+    target = folder / f"{source.stem}.{kind}-{file_stamp(source)}.gguf"
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -125,6 +124,15 @@ def requantised(source: Path, kind: str, folder: Path, threads: int, progress: C
             old.unlink(missing_ok=True)
     progress(f"Re-encoded {source.name} as {kind.upper()} in {time.perf_counter() - t0:.1f} s.")
     return target
+
+
+def file_stamp(path: Path) -> str:
+    """12 hex digits of a hash of the file's path, size and mtime: a copy made from the file is named
+    with it, so a changed file (new size or time) gets a new copy and never an older one's."""
+    import hashlib
+
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
 class GgufModel:
@@ -150,6 +158,21 @@ class GgufModel:
         self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.ptr))
         self.size_bytes = int(ll.llama_model_size(self.ptr))
         self.type_name = _model_desc(self.ptr)
+        self.end_ids = self._end_ids()
+
+    def meta(self, key: str) -> str | None:
+        """The file's metadata value under `key`, as text; None where the file has none."""
+        import llama_cpp as ll
+
+        buf = ctypes.create_string_buffer(256)
+        n = ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def _end_ids(self) -> tuple[int, ...]:
+        """The ids the file's metadata names as ends (END_KEYS), in the vocabulary (the chat keeps
+        the special ones: chat/tokens.py)."""
+        ids = [self.meta(key) for key in END_KEYS]
+        return tuple(dict.fromkeys(int(v) for v in ids if v is not None and v.isdigit() and int(v) < self.n_vocab))
 
     @property
     def kv_bytes_per_token(self) -> int:

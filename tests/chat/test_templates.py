@@ -1,7 +1,8 @@
 """TemplateFormat over real chat templates (the zoo's: Llama 3, Qwen3, Gemma 3, Phi-3; one that
 refuses a system role; none at all), on a tiny byte-level tokenizer built in memory: a prompt made
 message by message is the template's own rendering of the whole conversation, with no probe text
-and no closing in the middle; what a template cannot do is worked around with a warning."""
+and no closing in the middle; what a template cannot do is worked around with a warning. The stops
+are the template's own end of turn, the eos and the model's declared special ends, whatever their names."""
 
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def test_a_prompt_is_the_templates_own_rendering_of_the_conversation(name, caplo
     assert not caplog.records
     whole = tok.apply_chat_template(as_dicts([("system", SYSTEM), *CHAT]), tokenize=False, add_generation_prompt=True)
     assert rendered(fmt, SYSTEM, CHAT) == whole
-    assert {tok.eos_token_id, tok.convert_tokens_to_ids(family.end_of_turn)} <= fmt.stop_ids
+    end = tok.convert_tokens_to_ids(family.end_of_turn)
+    assert fmt.end_of_turn_ids == (end,), "derived from the template, not from a list of names"
+    assert {tok.eos_token_id, end} <= fmt.stop_ids
     # every message's ids are its own, wherever it sits: a longer chat starts with the shorter one
     gen = len(fmt.generation_prompt_ids())
     shorter, longer = render_prompt(fmt, SYSTEM, CHAT), render_prompt(fmt, SYSTEM, [*CHAT, ("assistant", "No.")])
@@ -89,6 +92,8 @@ def test_a_template_without_a_system_role_gets_the_system_prompt_as_a_user_messa
     rest = tok.apply_chat_template(as_dicts(CHAT), tokenize=False, add_generation_prompt=True)
     system_turn = f"<start_of_turn>user\n{SYSTEM}<end_of_turn>\n"
     assert rendered(fmt, SYSTEM, CHAT) == "<bos>" + system_turn + rest.removeprefix("<bos>")
+    assert fmt.end_of_turn_ids == (tok.convert_tokens_to_ids("<end_of_turn>"),)
+    assert fmt.stop_ids == {tok.eos_token_id, *fmt.end_of_turn_ids}
 
 
 def test_a_tokenizer_without_a_template_gets_a_plain_transcript_and_a_warning(caplog):
@@ -100,4 +105,99 @@ def test_a_tokenizer_without_a_template_gets_a_plain_transcript_and_a_warning(ca
         f"System: {SYSTEM}\n\nUser: Hi there\n\nAssistant:   Hello! How can I help?\n\n\n"
         "User: Tell me a joke.\n\nAssistant:"
     )
-    assert fmt.stop_ids == {fmt.tokenizer.eos_token_id}
+    assert fmt.end_of_turn_ids == () and fmt.stop_ids == {fmt.tokenizer.eos_token_id}
+
+
+def test_a_plain_transcripts_reply_ends_before_the_next_user_line(tmp_path):
+    """A base model has no end-of-turn token: after its answer it writes the user's next line. The
+    reply stops before "\nUser:", as at an end token ("eos", no "Stopped."), and the stream never
+    shows a piece of it that it would take back."""
+    from llmweb.chat.context import Budget
+    from llmweb.chat.session import Chat, Delta, Finished
+    from llmweb.store.db import Store
+    from tests.conftest import make_settings
+    from tests.fakes import FakeRunner, fake_engine
+
+    fmt = TemplateFormat(tokenizer(zoo.FAMILIES["plain"], None))
+    assert fmt.stop_texts == ("\nUser:",)
+    engine, runner = fake_engine(FakeRunner(token_delay_s=0.01))
+    store = Store(tmp_path / "chat.sqlite3")
+    budget = Budget(context_limit=2048, max_new_tokens=64, summary_tokens=30, retrieved_tokens=40, user_tokens=60)
+    chat = Chat(make_settings(tmp_path, recall=False, system_prompt=SYSTEM), engine, fmt, store, budget)
+    try:
+        said = " Hi there.\n\nUser: and what else?\n\nAssistant: more"  # 49 byte tokens, then the eos
+        runner.enqueue(fmt._encode(said) + [fmt.tokenizer.eos_token_id])
+        events = list(chat.send("anon:a", store.create_conversation("anon:a"), "Hello"))
+        fin = events[-1]
+        assert isinstance(fin, Finished) and fin.reply == "Hi there."
+        assert (fin.stats.gen.finish_reason, fin.notes) == ("eos", [])
+        assert all(" Hi there.\n".startswith(e.text) for e in events if isinstance(e, Delta))
+        assert fin.stats.gen.generated_tokens < 49, "the request was cancelled at the stop text, before the eos"
+    finally:
+        chat.wait_background(timeout=5)
+        engine.close()
+        store.close()
+
+
+# a template whose end of turn has a name no list of known names held (<|im_end|>, <|eot_id|>, <|end|>,
+# <end_of_turn>): the stop must come from the template itself
+ODD = zoo.Family(
+    name="odd",
+    architecture="LlamaForCausalLM",
+    config={},
+    specials=("<|turn_open|>", "<|turn_done|>", "<|tool_done|>"),
+    bos=None,
+    eos="<|stream_end|>",
+    end_of_turn="<|turn_done|>",
+    template=(
+        "{% for message in messages %}{{ '<|turn_open|>' + message['role'] + '\n' + message['content'] }}"
+        "{{ '<|turn_done|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|turn_open|>assistant\n' }}{% endif %}"
+    ),
+    markers=(),
+)
+
+
+def test_an_end_of_turn_token_of_any_name_stops_the_reply():
+    """<|turn_done|> was no stop while the stops were a list of names: a reply ran past its turn."""
+    from llmweb.engine.request import GenerationRequest
+    from tests.fakes import FakeRunner, fake_engine
+
+    tok = tokenizer(ODD, ODD.template)
+    fmt = TemplateFormat(tok)
+    done, eos = tok.convert_tokens_to_ids("<|turn_done|>"), tok.eos_token_id
+    assert fmt.end_of_turn_ids == (done,) and fmt.stop_ids == {done, eos}
+    engine, runner = fake_engine(FakeRunner())
+    try:
+        word = tok.convert_tokens_to_ids("a")
+        runner.enqueue([word, word, done, word])
+        h = engine.submit(GenerationRequest(render_prompt(fmt, SYSTEM, CHAT), 8, stop_ids=fmt.stop_ids))
+        assert h.result() == [word, word] and h.stats.finish_reason == "eos"
+    finally:
+        engine.close()
+
+
+def test_the_models_own_ends_are_stops_where_they_are_special_tokens(caplog):
+    """A GGUF's eos/eot/eom ids and generation_config's eos_token_id join the stops; an id naming an
+    ordinary piece (here "\n") is left out with a warning: it would end every reply at its first line."""
+    tok = tokenizer(ODD, ODD.template)
+    tool_done, newline = tok.convert_tokens_to_ids("<|tool_done|>"), tok.convert_tokens_to_ids("Ċ")
+    with caplog.at_level(logging.WARNING, logger="llmweb.chat.tokens"):
+        fmt = TemplateFormat(tok, model_stops=[tool_done, newline, tok.eos_token_id])
+    assert fmt.stop_ids == {tok.convert_tokens_to_ids("<|turn_done|>"), tok.eos_token_id, tool_done}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the model names token {newline} as an end, but it is no special token: not a stop"
+    ]
+
+
+def test_the_embedded_smollm2_stops_at_its_chatml_end_of_turn(tmp_path):
+    from transformers import AutoTokenizer
+
+    from llmweb.engine import models
+    from tests.conftest import make_settings
+
+    folder, name = models.embedded_gguf()
+    source = models.tokenizer_source(make_settings(tmp_path), folder / name, progress=lambda _: None)
+    tok = AutoTokenizer.from_pretrained(source)
+    fmt = TemplateFormat(tok)
+    assert fmt.end_of_turn_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+    assert tok.eos_token_id in fmt.stop_ids

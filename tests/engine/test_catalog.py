@@ -1,11 +1,13 @@
 """The models folder (issue 38), fast: real GGUF files written with the `gguf` package, real folders;
-the header reader's checks on malformed files; sizing to memory; who may switch the model; the
-API's listing and a request naming another model, with a scripted runtime (the real-model tests are
-tests/engine/test_models_folder.py)."""
+the header reader's checks on malformed files; a user's GGUF's tokenizer read once per file; sizing
+to memory; who may switch the model; the API's listing and a request naming another model, with a
+scripted runtime (the real-model tests are tests/engine/test_models_folder.py)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import struct
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,6 +77,9 @@ def test_the_folder_lists_gguf_files_and_safetensors_folders_after_the_embedded_
     (models / "pickles" / "pytorch_model.bin").write_bytes(b"\0")
     (models / f"{EMBEDDED_NAME}-tokenizer").mkdir()  # llmweb's own copies are not models
     write_gguf(models / "qwen-tiny.q8_0-0123456789ab.gguf")
+    (models / "qwen-tiny.tokenizer-0123456789ab").mkdir()  # its saved tokenizer, named like the copies
+    (models / "qwen-tiny.tokenizer-0123456789ab" / "config.json").write_text("{}")
+    (models / "qwen-tiny.tokenizer-0123456789ab" / "model.safetensors").write_bytes(b"\0")
     write_gguf(models / ".partial.gguf")
     entries = catalog.scan(folder)
     assert [e.id for e in entries] == [EMBEDDED_NAME, "no-template", "phi-folder", "qwen-tiny"]
@@ -104,6 +109,60 @@ def test_a_malformed_gguf_is_left_out_with_a_reason(folder, damage, caplog):
         catalog.read_gguf_header(path)
     assert [e.id for e in catalog.scan(folder)] == [EMBEDDED_NAME]
     assert "bad.gguf is left out" in caplog.text
+
+
+def test_a_gguf_files_tokenizer_is_read_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    """Reading a tokenizer out of a GGUF file takes seconds at every start: the first load saves it
+    under the copies dir and the next loads that copy; a file rewritten in place (same size, new
+    time) is read again, never served the older copy, which is removed. The reader is scripted: the
+    file's text becomes the tokenizer's chat template, so which file was read shows."""
+    from llmweb.engine import models
+    from tests.chat.test_templates import tokenizer
+    from tests.engine import zoo
+
+    reads: list[Path] = []
+
+    def read(path: Path):
+        reads.append(path)
+        return tokenizer(zoo.FAMILIES["qwen3"], path.read_text())
+
+    monkeypatch.setattr(models, "read_gguf_tokenizer", read)
+    path = tmp_path / "mine.gguf"
+    path.write_text("first  {{ messages }}")
+    s = Settings(data_dir=tmp_path / "data", sample_docs=False, model=str(path))
+    first = models.load_tokenizer(s, "llama.cpp")
+    again = models.load_tokenizer(s, "llama.cpp")
+    assert reads == [path], "the second load reads the saved copy, not the file"
+    [copy] = s.copies_dir.iterdir()  # no temporary folder left beside it
+    assert copy.name.startswith("mine.tokenizer-") and (copy / "tokenizer.json").is_file()
+    assert again.chat_template == first.chat_template == "first  {{ messages }}"
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert again.encode(text) == first.encode(text) and again.eos_token == first.eos_token == "<|im_end|>"
+
+    path.write_text("second {{ messages }}")  # the same size: the time tells
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    changed = models.load_tokenizer(s, "llama.cpp")
+    assert reads == [path, path] and changed.chat_template == "second {{ messages }}"
+    [newer] = s.copies_dir.iterdir()
+    assert newer.name != copy.name and newer.name.startswith("mine.tokenizer-"), "the older copy is removed"
+
+
+def test_a_tokenizer_whose_copy_would_tokenise_otherwise_is_read_from_the_file(tmp_path, monkeypatch, caplog):
+    from llmweb.engine import models
+    from tests.chat.test_templates import tokenizer
+    from tests.engine import zoo
+
+    read = tokenizer(zoo.FAMILIES["qwen3"], "{{ messages }}")
+    monkeypatch.setattr(models, "read_gguf_tokenizer", lambda path: read)
+    monkeypatch.setattr(models, "_save_tokenizer", lambda tok, folder: False)  # as if the copy split text otherwise
+    path = tmp_path / "odd.gguf"
+    path.write_text("x")
+    s = Settings(data_dir=tmp_path / "data", sample_docs=False, model=str(path))
+    with caplog.at_level(logging.WARNING, logger="llmweb.engine.models"):
+        assert models.load_tokenizer(s, "llama.cpp") is read
+    assert not any(s.copies_dir.iterdir()), "no copy, no temporary folder"
+    assert "odd.gguf: a saved copy of its tokenizer would not tokenise as the file does" in caplog.text
 
 
 def test_sizing_keeps_what_fits_and_cuts_the_context_then_the_slots():

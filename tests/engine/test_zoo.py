@@ -4,11 +4,12 @@ by llama.cpp's own converter, each through the whole chat path on llama.cpp and 
 
 With random weights the replies are gibberish, so every check is of structure: the prompt is the
 family's own template (its markers, the system prompt once, no probe text), the stops are the
-family's, a reply ends at its end-of-turn token or at the cap, every prompt fits the context (the
-history outgrows it), the second turn reuses the first's KV cache, and the stats are filled. On
-transformers (fp32) a chat with KV reuse gives exactly the replies of one without (on llama.cpp the
-f16 cache computed in other chunks may flip a near tie: not asserted). A sliding-window model's cache
-on llama.cpp is reused only as far back as its window reaches.
+family's (the end of turn read from its template, the eos its files declare), a reply ends at its
+end-of-turn token or at the cap, every prompt fits the context (the history outgrows it), the second
+turn reuses the first's KV cache, and the stats are filled. On transformers (fp32) a chat with KV
+reuse gives exactly the replies of one without (on llama.cpp the f16 cache computed in other chunks
+may flip a near tie: not asserted). A sliding-window model's cache on llama.cpp is reused only as far
+back as its window reaches.
 
 The converter comes with the llama-cpp-python sdist that requirements.txt pins; LLMWEB_LLAMA_CONVERTER
 names its convert_hf_to_gguf.py (.ci/run sets it; locally, point it at an unpacked sdist).
@@ -99,6 +100,16 @@ def chat(rt: Runtime, questions=QUESTIONS) -> list:
     return turns
 
 
+def check_stops(family: zoo.Family, rt: Runtime) -> None:
+    """The chat's stops: the end of turn its template writes (none without a template), and the eos
+    and the ends its files declare (a GGUF's eos id, generation_config's eos_token_id)."""
+    fmt, loaded = rt.chat.fmt, rt.loaded
+    end = fmt.tokenizer.convert_tokens_to_ids(family.end_of_turn)
+    assert fmt.end_of_turn_ids == ((end,) if family.template else ()), family.name
+    assert loaded is not None and fmt.tokenizer.eos_token_id in loaded.stop_ids, (family.name, loaded.stop_ids)
+    assert {end, *loaded.stop_ids} <= fmt.stop_ids, family.name
+
+
 def check_chat(family: zoo.Family, tokenizer, turns) -> None:
     """The structure of every turn of a zoo chat (see the module docstring)."""
     end, eos = tokenizer.convert_tokens_to_ids(family.end_of_turn), tokenizer.eos_token_id
@@ -134,6 +145,7 @@ def test_every_family_chats_on_llama_cpp(name, zoo_models, tmp_path):
         assert tokenizer.chat_template == hf.chat_template, "the GGUF file carries the family's template"
         assert (tokenizer.eos_token, tokenizer.bos_token) == (hf.eos_token, hf.bos_token)
         check_chat(built.family, tokenizer, turns)
+        check_stops(built.family, rt)
         assert rt.loaded is not None and rt.loaded.backend == "llama.cpp"
         assert (rt.loaded.model is None) == own_process, "an engine process holds the weights, not this one"
         no_template = "no chat template" in rt.status
@@ -152,6 +164,7 @@ def test_every_family_chats_on_transformers_and_reuse_never_changes_a_reply(name
             turns = chat(rt)
             if reuse:
                 check_chat(built.family, rt.chat.fmt.tokenizer, turns)
+                check_stops(built.family, rt)
             else:
                 assert not any(fin.stats.gen.reused_tokens for fin, _ in turns)
             replies[reuse] = [fin.reply for fin, _ in turns]
@@ -161,15 +174,24 @@ def test_every_family_chats_on_transformers_and_reuse_never_changes_a_reply(name
 
 
 @pytest.mark.parametrize("name", list(zoo.FAMILIES))
-def test_llama_cpp_tokenises_the_zoo_as_transformers_does(name, zoo_models):
+def test_llama_cpp_tokenises_the_zoo_as_transformers_does(name, zoo_models, tmp_path):
+    """And so does the tokenizer llmweb reads out of the GGUF file, as it loads it: from the copy it
+    saved of it (engine/models.py `tokenizer_source`; the chat tests above made it, or this one does)."""
     from llmweb.engine.gguf import GgufModel
 
     built = zoo_models[name]
     hf, gguf = _hf_tokenizer(built), GgufModel(built.gguf, threads=1)
+    settings = make_settings(tmp_path, model=str(built.gguf))
+    ours = models.load_tokenizer(settings, "llama.cpp")
+    copy = models.tokenizer_source(settings, built.gguf, print)
+    assert copy.parent == settings.copies_dir and copy.name.startswith(f"{name}.tokenizer-"), copy
     try:
         specials = "".join(built.family.specials)
         for text in ("Hello world, how are you?", f"{specials}Über 3.14 🐍 naïve café\n\n  x", "  spaced\n\nlines\t"):
-            assert gguf.tokenize(text) == hf.encode(text, add_special_tokens=False), text
+            ids = gguf.tokenize(text)
+            assert ids == hf.encode(text, add_special_tokens=False) == ours.encode(text, add_special_tokens=False), text
+            assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False), text
+        assert (ours.chat_template, ours.bos_token, ours.eos_token) == (hf.chat_template, hf.bos_token, hf.eos_token)
     finally:
         gguf.close()
 
