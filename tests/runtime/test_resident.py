@@ -103,7 +103,7 @@ def fake_loads(monkeypatch):
     """Every load is a fake engine: the runtime's `_load_local` wires it as a real load would.
     Yields the ids loaded, in order; `fail` makes a load raise."""
     monkeypatch.setattr(Runtime, "library", property(lambda self: None))
-    monkeypatch.setattr("llmweb.chat.tokens.TemplateFormat", lambda tokenizer: FakeFormat())
+    monkeypatch.setattr("llmweb.chat.tokens.TemplateFormat", lambda tokenizer, model_stops=(): FakeFormat())
     loads: list[str] = []
     fail: list = []
 
