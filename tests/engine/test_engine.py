@@ -406,6 +406,28 @@ def test_cancelling_one_request_of_a_batch_leaves_the_others_unchanged(runner, f
         e.close()
 
 
+def test_a_request_that_joins_into_a_freed_slot_decodes_as_alone(runner, fmt):
+    """The first of three leaves after 3 tokens and a fourth joins into its place: on llama.cpp it
+    takes the lowest sequence id (0) behind the others (1, 2) in the batch, which the runner feeds
+    in id order (one pass of the model); every reply is still the serial one."""
+    requests = [req(fmt, prompt(fmt, ("user", q)), n=24, owner=f"v{i}") for i, q in enumerate(QUESTIONS[:4])]
+    expected = alone(runner, requests)
+    e = runner.engine(max_batch=3)
+    try:
+        handles = [e.submit(r) for r in requests[:3]]
+        first = handles[0]
+        for ev in first.events():
+            if isinstance(ev, Tokens) and len(first.generated) >= 3:
+                first.cancel()
+        late = e.submit(requests[3])
+        same_greedy(runner, late.result(), expected[3])
+        same_greedy(runner, handles[1].result(), expected[1])
+        same_greedy(runner, handles[2].result(), expected[2])
+        assert late.stats.batch_size >= 2, "the late request decoded beside the others"
+    finally:
+        e.close()
+
+
 def cancel_in_a_batch(runner, e, requests, expected) -> None:
     """Three requests decode together; the middle one is cancelled after 3 tokens: it stops within
     a step or two, and the others' replies are the serial ones (`expected`)."""

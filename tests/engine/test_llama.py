@@ -188,3 +188,22 @@ def test_a_file_llama_cpp_cannot_reencode_fails_clearly_and_leaves_no_half_file(
     with pytest.raises(LlmwebError, match="could not re-encode broken.gguf as q8_0"):
         gguf.requantised(bad, "q8_0", tmp_path / "models", 1, progress=str)
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_a_decode_batch_is_fed_in_sequence_id_order(llama_model):
+    """llama.cpp runs a batch over KV streams as one pass per run of consecutive sequence ids, so
+    slots that arrive as 2, 0, 3, 1 are fed as 0, 1, 2, 3, and the logits' rows follow that order."""
+    from types import SimpleNamespace
+
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.runners.llama_cpp import LlamaRunner
+
+    runner = LlamaRunner(llama_model.model, KVStore(1 << 20, 60), 4, 256)
+    try:
+        slots = [SimpleNamespace(state=SimpleNamespace(seq=s, last=1, pos=0)) for s in (2, 0, 3, 1)]
+        runner._feed(slots)
+        assert [runner._batch.seq_id[i][0] for i in range(4)] == [0, 1, 2, 3]
+        ran = runner._step(slots)
+        assert ran is not None and [slot.state.seq for slot in ran[0]] == [0, 1, 2, 3]
+    finally:
+        runner.close()

@@ -36,6 +36,7 @@ the engine.
 from __future__ import annotations
 
 import ctypes
+import heapq
 import logging
 from dataclasses import dataclass
 
@@ -105,8 +106,9 @@ class LlamaRunner(BaseRunner):
         self.n_vocab = model.n_vocab
         self.n_swa = ll.llama_model_n_swa(model.ptr)  # the sliding window, 0 without one
         self._batch = ll.llama_batch_init(params.n_batch, 0, 1)
-        self._free = list(range(self.slots))[::-1]  # sequence ids not in use
+        self._free = list(range(self.slots))  # sequence ids not in use, a heap: the lowest is taken first
         self._running: dict[int, Slot] = {}
+        self._fed: list[Slot] = []  # the last decode batch's slots, in the order of its logits' rows
         # decode threads: every core, one fewer while another process keeps a core busy (threads.py)
         self.governor = None if model.fixed_threads or model.threads < 2 else ThreadGovernor(model.threads)
         self.decode_threads = model.threads
@@ -142,7 +144,7 @@ class LlamaRunner(BaseRunner):
     def _open(self, request: GenerationRequest, prompt: list[int]) -> Seq:
         assert self._free, f"more running slots than the context's {self.slots} sequences"
         sampler = NumpySampler(request, prompt, self.n_vocab, self.pieces)
-        return _Seq(prompt=prompt, sampler=sampler, seq=self._free.pop())
+        return _Seq(prompt=prompt, sampler=sampler, seq=heapq.heappop(self._free))
 
     def start(self, slot: Slot) -> None:
         super().start(slot)
@@ -152,7 +154,7 @@ class LlamaRunner(BaseRunner):
         assert isinstance(seq, _Seq)
         self.ll.llama_memory_seq_rm(self.mem, seq.seq, -1, -1)
         self._running.pop(seq.seq, None)
-        self._free.append(seq.seq)
+        heapq.heappush(self._free, seq.seq)
 
     # ---- session caches: the sequence's KV as host bytes in `kv`
     def _restore(self, seq: Seq, entry, reused: int) -> int:
@@ -210,8 +212,12 @@ class LlamaRunner(BaseRunner):
         return (None, len(chunk) - 1) if self._decode("prefill") else None
 
     def _feed(self, slots: list[Slot]) -> None:
+        """One token per slot, in the order of their sequence ids: llama.cpp splits a batch over
+        KV streams into one pass per run of consecutive ids (llama_batch_allocr::split_equal), so
+        sequences 2, 0, 3, 1 in that order would take two passes of the whole model, not one."""
         b = self._batch
-        for i, slot in enumerate(slots):
+        self._fed = sorted(slots, key=lambda slot: slot.state.seq)  # the logits' rows, for _step
+        for i, slot in enumerate(self._fed):
             seq: _Seq = slot.state
             b.token[i] = seq.last
             b.pos[i] = seq.pos
@@ -226,7 +232,7 @@ class LlamaRunner(BaseRunner):
             self.ll.llama_set_n_threads(self.ctx, n, self.model.threads)  # prefill keeps every core
             log.info("llama runner: other processes use %.2f cores; decoding with %d threads", self.governor.others, n)
             self.decode_threads = n
-        return (slots, None) if self._decode(f"decode of {len(slots)}") else None
+        return (self._fed, None) if self._decode(f"decode of {len(slots)}") else None
 
     def _row(self, logits, i: int) -> np.ndarray:
         return np.ctypeslib.as_array(self.ll.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
