@@ -31,7 +31,9 @@ from llmweb.runtime.engines import kv_budget_bytes, local_limits, size_to_memory
 
 log = logging.getLogger("llmweb.engine.worker")
 
-ARGV = [sys.executable, "-m", "llmweb.runtime.worker"]
+# -c, not -m: llmweb.runtime imports this module, so `-m llmweb.runtime.worker` ran it a second time
+# as __main__ (runpy's RuntimeWarning at every engine start)
+ARGV = [sys.executable, "-c", "import sys; from llmweb.runtime.worker import main; sys.exit(main(sys.argv))"]
 
 
 @dataclass(frozen=True)
