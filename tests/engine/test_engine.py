@@ -428,6 +428,26 @@ def test_a_request_that_joins_into_a_freed_slot_decodes_as_alone(runner, fmt):
         e.close()
 
 
+def test_when_the_middle_request_ends_first_the_others_decode_on_as_alone(runner, fmt):
+    """Three decode together and the middle one ends first. On llama.cpp the highest sequence (2)
+    then moves into the freed id (1), so the two left run as one pass a step; their replies are
+    still the serial ones, token for token."""
+    requests = [
+        req(fmt, prompt(fmt, ("user", q)), n=n, owner=f"v{i}") for i, (q, n) in enumerate(zip(QUESTIONS, (24, 6, 24)))
+    ]
+    expected = alone(runner, requests)
+    e = runner.engine(max_batch=3)
+    try:
+        handles = [e.submit(r) for r in requests]
+        for h, serial in zip(handles, expected, strict=True):
+            same_greedy(runner, h.result(), serial)
+        assert max(h.stats.batch_size for h in handles) == 3
+        if runner.name == "llama.cpp":
+            assert e.runner.moves >= 1, "the last sequence moved into the middle one's place"
+    finally:
+        e.close()
+
+
 def cancel_in_a_batch(runner, e, requests, expected) -> None:
     """Three requests decode together; the middle one is cancelled after 3 tokens: it stops within
     a step or two, and the others' replies are the serial ones (`expected`)."""
