@@ -184,6 +184,7 @@ class TurnStats:
     # a whole-document task's own figures (chat/document_plan.py DocumentStats.to_dict): pieces read
     # and from cache, fold depth, tokens read, seconds, coverage; empty for an ordinary turn
     document: dict[str, Any] = field(default_factory=dict)
+    model: str = ""  # the model that answered (engine/catalog.py's id), "" where not known
 
     @property
     def mem(self) -> MemorySnapshot:
@@ -206,6 +207,8 @@ class TurnStats:
             dropped_chunks=self.dropped_chunks,
             dropped_facts=self.dropped_facts,
         )
+        if self.model:
+            d["model"] = self.model
         if self.document:
             d["document"] = dict(self.document)
         return d

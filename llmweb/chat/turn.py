@@ -186,10 +186,15 @@ def plan_sources(plan: context.ContextPlan) -> list[Source]:
 
 
 def turn_stats(
-    gen: GenerationStats | None, plan: context.ContextPlan, number: int, summarized: int, ended: str = "cancelled"
+    gen: GenerationStats | None,
+    plan: context.ContextPlan,
+    number: int,
+    summarized: int,
+    ended: str = "cancelled",
+    model: str = "",
 ) -> TurnStats:
     """A turn's stats record: the engine's figures (or, stopped before it had any, the plan's,
-    ending as `ended`) and the plan's."""
+    ending as `ended`), the plan's, and the model that answered."""
     if gen is None:
         gen = GenerationStats(prompt_tokens=len(plan.ids), finish_reason=ended)
     return TurnStats(
@@ -202,6 +207,7 @@ def turn_stats(
         summary_tokens=plan.summary_tokens,
         dropped_chunks=len(plan.dropped_chunks),
         dropped_facts=len(plan.dropped_facts),
+        model=model,
     )
 
 
@@ -223,8 +229,9 @@ Keep = Callable[[str, TurnStats], None]  # (partial reply, its stats): a turn cl
 class TurnRunner:
     """Runs planned turns on the engine (`run`)."""
 
-    def __init__(self, settings: Settings, engine: Engine, fmt: ChatFormat):
+    def __init__(self, settings: Settings, engine: Engine, fmt: ChatFormat, model: str = ""):
         self.settings, self.engine, self.fmt = settings, engine, fmt
+        self.model = model  # named in each turn's stats
 
     def request(self, job: Job, sampling: Sampling) -> GenerationRequest:
         """The engine request: the job's prompt (continue: with the reply so far) and sampling, and
@@ -295,7 +302,7 @@ class TurnRunner:
         gen = handle.stats
         if ended and gen is not None and gen.finish_reason in ("cancelled", "length"):
             gen = replace(gen, finish_reason="eos")  # the format's stop text ended the turn, as its token would
-        stats = turn_stats(gen, job.plan, job.number, job.summarized)
+        stats = turn_stats(gen, job.plan, job.number, job.summarized, model=self.model)
         notes = ["Stopped."] if stats.gen.finish_reason == "cancelled" else []
         if job.plan.left_out:
             notes.append(job.plan.left_out.capitalize() + ".")
@@ -315,5 +322,5 @@ class TurnRunner:
             time.sleep(0.05)  # the worker notices within a token; then its stats are complete
         if handle.generated:  # keep what was shown; the worker stops within a token
             ended = ENGINE_STOPPED if isinstance(handle.error, EngineStopped) else "cancelled"
-            stats = turn_stats(handle.stats, job.plan, job.number, job.summarized, ended)
+            stats = turn_stats(handle.stats, job.plan, job.number, job.summarized, ended, self.model)
             keep(self._reply(job, handle)[0].strip(), stats)

@@ -212,6 +212,7 @@ class Runtime:
         self.engine, self.budget = engine, budget
         fmt = TemplateFormat(tokenizer, model_stops=stop_ids)
         self.chat = Chat(self.settings, engine, fmt, self.store, budget, library=self.library)
+        self.chat.runner.model = self.model_id  # each turn's stats name the model that answered
         self.residents.serve(Resident(self.model_id, engine, self.chat, self.loaded, budget))
         if self.settings.sample_docs:
             self._seed_sample()

@@ -264,6 +264,7 @@ class OpenAIApi:
                 found = self._stateless[chat] = StatelessChat(
                     self.settings, chat.engine, chat.fmt, chat.budget, chat.folds.summariser.write, chat.library
                 )
+                found.runner.model = chat.runner.model  # its turns' stats name the model, as the chat's do
             return found
 
 

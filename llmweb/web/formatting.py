@@ -171,7 +171,8 @@ def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
         return NO_TURNS
     g, mem = s.gen, s.mem
     lines = [
-        f"**Turn {s.turn}** · {escape(g.finish_reason, inline=True)}",
+        f"**Turn {s.turn}** · {escape(g.finish_reason, inline=True)}"
+        + (f" · {escape(s.model, inline=True)}" if s.model else ""),
         f"- prompt **{g.prompt_tokens:,}** tokens: "
         + (
             f"reused {g.reused_tokens:,} of {g.prompt_tokens:,} from this chat's cache, "

@@ -102,6 +102,7 @@ def test_two_models_listed_switched_by_a_request_and_the_picker_and_unloaded_whe
         # a request naming the second model is answered by it
         answer = ask(client, s, Q8)
         assert answer["model"] == Q8 and rt.model_id == Q8 and "Q8_0" in rt.status, rt.status
+        assert answer["x_llmweb"]["stats"]["model"] == Q8, "the turn's stats name the model that answered"
         assert Q8 in rt.status
         listed = {m["id"]: m for m in client.get("/v1/models", headers=owner_headers(s)).json()["data"]}
         assert listed[Q8]["loaded"] and not listed[Q4]["loaded"]
@@ -238,7 +239,9 @@ def test_two_models_kept_loaded_answer_their_requests_and_the_least_recently_use
 
         # a request naming the parked Q8 is answered by it while Q4 stays served; so is a chat of Q8's
         q8_engine = rt.residents.parked()[0].engine
-        assert ask(client, s, Q8)["model"] == Q8 and rt.model_id == Q4 and loaded(client, s) == {Q4, Q8}
+        parked_answer = ask(client, s, Q8)
+        assert parked_answer["model"] == Q8 and rt.model_id == Q4 and loaded(client, s) == {Q4, Q8}
+        assert parked_answer["x_llmweb"]["stats"]["model"] == Q8
         owner_request = SimpleNamespace(username=None, headers=owner_headers(s), session_hash=None)
         h = Handlers(rt)
         conv = rt.store.create_conversation("local")

@@ -75,6 +75,7 @@ def conversation(s: str) -> Conversation:
         sections={s: 40, "system": 10, "reserve": 30},
         context_limit=100,
         dropped_turns=1,
+        model=s,  # a models-folder file's name: anything a file may be called
     )
     source = Source(1, s, heading=s, score=0.5, snippet=s)
     turns = [

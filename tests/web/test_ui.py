@@ -80,6 +80,9 @@ def test_stats_markdown_reads_the_typed_record():
     batched = turn_stats()
     batched.gen.batch_size = 4
     assert "in a batch of up to 4 requests" in stats_markdown(batched)
+    named = turn_stats(3, model="qwen3-8b")
+    assert "**Turn 3** · eos · qwen3-8b" in stats_markdown(named), "the turn names the model that answered"
+    assert TurnStats.from_dict(named.to_dict()).model == "qwen3-8b" and "model" not in turn_stats(3).to_dict()
 
 
 def test_a_remote_engine_that_does_not_report_its_cache_shows_no_invented_reuse_or_kv_figures():
