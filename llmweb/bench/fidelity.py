@@ -98,7 +98,9 @@ def run(
         for mode, switches in MODES.items():
             scratch = scratch_settings(settings, f"{root}/{mode.replace('+', '-')}")
             rt = Runtime(scratch.replace(**switches), loaded=loaded).start(background=False)
-            loaded = rt.loaded
+            # the next mode shares this model where it is in this process; an engine process's model
+            # (the default on the CPU) is that process's, and each mode starts its own
+            loaded = rt.loaded if rt.loaded is not None and rt.loaded.model is not None else None
             try:
                 chat = rt.wait_ready()
                 conv = rt.store.create_conversation(LOCAL, f"fidelity {mode}")
