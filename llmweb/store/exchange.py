@@ -38,6 +38,7 @@ MAX_FACT_CHARS = 10_000
 MAX_SUMMARY_CHARS = 200_000
 MAX_SOURCES = 100  # sources under one reply
 MAX_NAME_CHARS = 4_096  # a source's file name, heading or snippet
+MAX_MODEL_CHARS = 255  # the model a turn's stats name (a file name's length at most)
 MAX_DOC_ID_CHARS = 100  # a source's doc_id: a content hash, or "turn-<i>"
 MAX_STAT_INT = 2**53  # any figure in a turn's stats
 MAX_TIME = 1e11  # unix seconds (year ~5000)
@@ -411,12 +412,14 @@ _STAT_CHECKS = {
     "float": lambda v, where: _float(v, where),
     "bool": _bool,
     "str": _reason,
+    "model": lambda v, where: _text(v, where, MAX_MODEL_CHARS),
 }
 _STAT_KINDS = {
     **{f.name: str(f.type) for f in dataclasses.fields(GenerationStats)},
     **{f.name: str(f.type) for f in dataclasses.fields(TurnStats) if f.name != "gen"},
     "sections": "sections",
     "mem": "mem",
+    "model": "model",  # a model's id: a file's stem or a folder's name, not a short word
 }
 _MEM_KEYS = {f.name for f in dataclasses.fields(MemorySnapshot)} | {"cuda_fragmentation_bytes"}
 _REASON = re.compile(r"[a-z_]{0,20}")

@@ -48,6 +48,14 @@ def test_an_export_still_imports_whole(store, doc):
     assert len(back.turns) == 3 and back.turns[0].stats.sections == {"system": 4, "retrieved": 6}
 
 
+def test_the_model_a_turn_names_imports_as_any_models_folder_name(store, doc):
+    """A model's id is a file's stem (capitals, digits, dots, dashes), not a short word; the page
+    escapes it (tests/web/test_escaping.py)."""
+    doc["turns"][0]["stats"]["model"] = "SmolLM2-135M-Instruct.Q4_1"
+    back = store.get(A, store.import_json(A, json.dumps(doc)))
+    assert back.turns[0].stats.model == "SmolLM2-135M-Instruct.Q4_1"
+
+
 def test_the_html_injection_through_a_section_name_is_refused(store, doc):
     """The issue's carrier: a section named with HTML rendered into the 'Last turn' bar."""
     doc["turns"][0]["stats"]["sections"] = {HOSTILE: 5, "system": 4}
@@ -64,6 +72,8 @@ def test_the_html_injection_through_a_section_name_is_refused(store, doc):
         (("turns", 0, "stats", "oom_retry"), "yes", "oom_retry"),
         (("turns", 0, "stats", "mem", "rss_bytes"), HOSTILE, "rss_bytes"),
         (("turns", 0, "stats", "mem", HOSTILE), 1, "unknown key"),
+        (("turns", 0, "stats", "model"), ["SmolLM2"], "model"),
+        (("turns", 0, "stats", "model"), "m" * 256, "model"),
         (("turns", 0, "sources", 0, "n"), HOSTILE, "n"),
         (("turns", 0, "sources", 0, "score"), HOSTILE, "score"),
         (("turns", 0, "sources", 0, "kind"), HOSTILE, "source kind"),
