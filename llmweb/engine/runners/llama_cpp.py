@@ -163,7 +163,7 @@ class LlamaRunner(BaseRunner):
         the model per run of consecutive ids, so when the middle one of three chats ends first, the
         other two would take two passes a step until a new chat fills the gap. The highest running
         sequence moves into the gap instead, as a session's cache moves (its cells' state, copied:
-        tokens x kv_bytes_per_token, ~20 ms for 1,000 tokens of the embedded model, once)."""
+        tokens x kv_bytes_per_token, once: ~23 MB for 1,000 tokens of the embedded model)."""
         ll = self.ll
         while self._free and self._running and self._free[0] < (top := max(self._running)):
             gap = self._free[0]
