@@ -28,7 +28,7 @@ from llmweb.web.accounts import gradio_auth
 from llmweb.web.body_cap import BodyCap
 from llmweb.web.formatting import LATEX_DELIMITERS, NO_PLOT, stats_markdown
 from llmweb.web.panels.account import AccountHandlers
-from llmweb.web.panels.base import Panel
+from llmweb.web.panels.base import STREAMED, Panel, rest_shown, streamed
 from llmweb.web.panels.chat import ChatHandlers
 from llmweb.web.panels.chats import ChatListHandlers
 from llmweb.web.panels.documents import DocumentHandlers
@@ -142,6 +142,7 @@ def launch_kwargs(settings) -> dict:
 class Layout:
     owner_state: gr.BrowserState
     conv_state: gr.BrowserState
+    turn_rest: gr.State  # a streamed turn's panel but its chat, for the event after it (panels/base.py)
     status: gr.Markdown
     timer: gr.Timer
     # sidebar
@@ -220,6 +221,7 @@ def layout(status_text: Callable[[], str], secret: str) -> Layout:
     top = dict(
         owner_state=gr.BrowserState("", storage_key="llmweb_owner", secret=secret),
         conv_state=gr.BrowserState("", storage_key="llmweb_conversation", secret=secret),
+        turn_rest=gr.State(None),
         status=gr.Markdown(status_text, elem_id="llmweb-status"),  # a callable: fresh on every page load
         timer=gr.Timer(1.0),
     )
@@ -496,15 +498,25 @@ def build_app(runtime) -> gr.Blocks:
 
 def _wire_chat(ui: Layout, h: ChatHandlers, shown: list, me: list) -> tuple:
     """Send (box and button), retry, Continue, edit, undo, the version switcher, and Stop. Returns
-    the events that end a turn (Stop's included)."""
+    the events that end a turn (Stop's included). A turn streams into the chat alone; the rest of
+    its panel follows as the next event (panels/base.py's `streamed`)."""
+    lead = ui.outputs(*Panel._fields[:STREAMED], "turn_rest")
+
+    def turn(trigger, handler, inputs, after: list, **kw):
+        event = trigger(streamed(handler), inputs, lead + after, **kw)
+        rest = shown[STREAMED:] + [ui.turn_rest]
+        event.then(rest_shown, [ui.turn_rest], rest, show_progress="hidden", **PRIVATE)
+        return event
+
     inputs = ui.outputs("msg", "chatbot", "conv_state", "use_docs") + me + [ui.whole_doc]  # respond's last argument
-    ev_submit = ui.msg.submit(h.respond, inputs, shown + [ui.msg], **group("generate", api_name="respond_enter"))
-    ev_send = ui.send.click(h.respond, inputs, shown + [ui.msg], **group("generate", api_name="respond"))
+    ev_submit = turn(ui.msg.submit, h.respond, inputs, [ui.msg], **group("generate", api_name="respond_enter"))
+    ev_send = turn(ui.send.click, h.respond, inputs, [ui.msg], **group("generate", api_name="respond"))
     for sent in (ev_submit, ev_send):  # the whole-document box is per message: it clears once sent
         sent.then(None, None, ui.whole_doc, js="() => false")
-    ev_retry = ui.chatbot.retry(h.regenerate, [ui.conv_state, ui.use_docs] + me, shown, **GENERATE)
-    ev_more = ui.more_btn.click(h.continue_reply, [ui.conv_state, ui.use_docs] + me, shown, **GENERATE)
-    ev_edit = ui.chatbot.edit(h.edit, [ui.conv_state, ui.use_docs] + me, shown, **GENERATE)
+    redo = [ui.conv_state, ui.use_docs] + me
+    ev_retry = turn(ui.chatbot.retry, h.regenerate, redo, [], **GENERATE)
+    ev_more = turn(ui.more_btn.click, h.continue_reply, redo, [], **GENERATE)
+    ev_edit = turn(ui.chatbot.edit, h.edit, redo, [], **GENERATE)
     for button, handler in ((ui.prev_version_btn, h.prev_version), (ui.next_version_btn, h.next_version)):
         button.click(handler, [ui.conv_state, ui.version_dd] + me, shown, **PRIVATE)
     ui.chatbot.undo(h.undo, [ui.conv_state] + me, shown + [ui.msg], **PRIVATE)

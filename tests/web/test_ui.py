@@ -31,7 +31,7 @@ from llmweb.web.formatting import (
 )
 from llmweb.web.identity import browser_owner, new_owner_token
 from llmweb.web.panels import chat as chat_panel
-from llmweb.web.panels.base import Panel, user_errors
+from llmweb.web.panels.base import STREAMED, Panel, rest_shown, streamed, user_errors
 from llmweb.web.ui import Handlers, build_app
 from tests.conftest import make_settings
 from tests.fakes import FakeFormat
@@ -313,6 +313,35 @@ def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime, monkeypatc
     assert 'class="llmweb-x-tick">1</text>' in panel.tokens_plot and "turn 1:" in panel.tokens_plot
 
 
+def test_on_the_page_a_turn_streams_the_chat_alone_and_the_next_event_shows_the_rest(runtime, monkeypatch):
+    """The page's form of respond (panels/base.py's `streamed`): while the reply streams, each update
+    is the chat's id, the chat, no rest and the box; the last carries the rest of the panel, which
+    `rest_shown` puts out once and then forgets."""
+    monkeypatch.setattr(chat_panel, "SHOW_EVERY_S", 0.0)
+    h = Handlers(runtime)
+    whole = list(h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY))
+    said = []  # the chat list is reused between yields: read each as it comes
+    outs = [said.append(o[1][-1]["content"]) or o for o in streamed(h.chat.respond)("Capital?", [], "", True, A_TOKEN, NOBODY)]
+    assert [len(o) for o in outs] == [STREAMED + 2] * len(whole), "the chat's id, the chat, the rest, the box"
+    *streaming, final = outs
+    assert all(o[STREAMED] is None for o in streaming) and said[1:-1] == ["Par", "Paris"]
+    assert final[-1] == "" and final[0] == streaming[0][0]
+    rest = final[STREAMED]
+    panel = Panel(*final[:STREAMED], *rest)
+    assert "**Turn 1**" in panel.stats_md and 'class="llmweb-x-tick">1</text>' in panel.tokens_plot
+    assert final[0] in [c[1] for c in panel.conv_list["choices"]] and panel.conv_list["value"] == final[0]
+    *shown, emptied = rest_shown(rest)
+    assert tuple(shown) == rest and emptied is None
+    *shown, emptied = rest_shown(None)  # a turn that failed, or Stop: nothing shown, and none kept
+    assert len(shown) == len(Panel._fields) - STREAMED and all(v == gr.skip() for v in shown) and emptied is None
+
+
+def test_a_streamed_turns_errors_stay_the_users_sentence(runtime):
+    h = Handlers(runtime)
+    with pytest.raises(gr.Error, match="empty"):
+        list(streamed(h.chat.respond)("   ", [], "", True, A_TOKEN, NOBODY))
+
+
 def test_stop_closes_the_chat_stream_through_the_decorator_and_shows_the_stopped_turn(runtime, monkeypatch):
     monkeypatch.setattr(chat_panel, "SHOW_EVERY_S", 0.0)
     h = Handlers(runtime)
@@ -527,6 +556,27 @@ def test_build_app_keeps_the_endpoints_and_element_ids(runtime):
     } <= ids
     keys = {c["props"].get("storage_key") for c in config["components"]}
     assert {"llmweb_conversation", "llmweb_owner"} <= keys
+
+
+def test_a_turn_streams_into_the_chat_alone_and_its_next_event_fills_the_rest_of_the_panel(runtime):
+    """Gradio rebuilds every output it is told to skip, on every streamed update: a turn's events
+    have the chat's id, the chat and the rest's state as outputs (and Send's, the box), and an
+    event after each puts out every other part of the panel."""
+    config = build_app(runtime).config
+    elem = {c["id"]: c["props"].get("elem_id") for c in config["components"]}
+    kinds = {c["id"]: c["type"] for c in config["components"]}
+    panel_parts = {o for d in config["dependencies"] if d.get("api_name") == "after_stop" for o in d["outputs"]}
+    ends = ("respond", "respond_enter", "regenerate", "continue_reply", "edit")
+    turns = [d for d in config["dependencies"] if d.get("api_name") in ends]
+    assert len(turns) == len(ends)
+    for turn in turns:
+        outs = [kinds[o] for o in turn["outputs"]]
+        assert outs[:3] == ["browserstate", "chatbot", "state"] and len(outs) <= 4, turn["api_name"]
+        then = [d for d in config["dependencies"] if d.get("trigger_after") == turn["id"]]
+        rest = [d for d in then if turn["outputs"][2] in d["inputs"]]
+        assert len(rest) == 1, f"{turn['api_name']}: no event shows the rest of its panel"
+        shown = set(rest[0]["outputs"]) | set(turn["outputs"])
+        assert panel_parts <= shown and "llmweb-stats" in {elem.get(o) for o in rest[0]["outputs"]}
 
 
 def test_once_a_turn_ends_the_status_line_then_the_picker_show_the_model_served(runtime):
