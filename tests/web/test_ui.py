@@ -321,7 +321,8 @@ def test_on_the_page_a_turn_streams_the_chat_alone_and_the_next_event_shows_the_
     h = Handlers(runtime)
     whole = list(h.chat.respond("Capital?", [], "", True, A_TOKEN, NOBODY))
     said = []  # the chat list is reused between yields: read each as it comes
-    outs = [said.append(o[1][-1]["content"]) or o for o in streamed(h.chat.respond)("Capital?", [], "", True, A_TOKEN, NOBODY)]
+    page_respond = streamed(h.chat.respond)
+    outs = [said.append(o[1][-1]["content"]) or o for o in page_respond("Capital?", [], "", True, A_TOKEN, NOBODY)]
     assert [len(o) for o in outs] == [STREAMED + 2] * len(whole), "the chat's id, the chat, the rest, the box"
     *streaming, final = outs
     assert all(o[STREAMED] is None for o in streaming) and said[1:-1] == ["Par", "Paris"]
