@@ -9,8 +9,9 @@
 
 Each case runs once per repeat, interleaved (the machine's drift hits all alike). Per row: decode
 tok/s (the turn's own stats), TTFT, and the turn's wall time measured from outside the server; the
-ratios are each case's median against the api case's. CPU seconds of the server and of Chromium
-during each turn show where the cores went.
+ratios are each case's median against the api case's. CPU seconds of the web process, of the
+engine process and of Chromium during each turn show where the cores went (the web process's, in
+the browser case against the api case: what showing the page a reply costs the server).
 
 The server is `python -m llmweb serve` as a user starts it (defaults on: the bundled guide, so
 every turn retrieves; the loop guard; the thread governor) on a free port over a temporary data
@@ -113,12 +114,13 @@ def markdown(r: dict) -> str:
             f"| {s['case']} | {s['decode_tok_s']:.1f} | {s['decode_vs_api']:.2f} | {s['wall_s']:.2f} | "
             f"{s['wall_vs_api']:.2f} |"
         )
-    head += ["", "| case | repeat | tokens | decode tok/s | TTFT s | wall s | server CPU s | Chromium CPU s | note |"]
-    head.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    head += ["", "| case | repeat | tokens | decode tok/s | TTFT s | wall s | web CPU s | engine CPU s | Chromium CPU s | note |"]
+    head.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for x in r["rows"]:
         head.append(
             f"| {x['case']} | {x['repeat']} | {x['tokens']} | {x['decode_tok_s']:.1f} | {x['ttft_s']:.2f} | "
-            f"{x['wall_s']:.2f} | {x['server_cpu_s']:.1f} | {x['browser_cpu_s']:.1f} | {x.get('note', '')} |"
+            f"{x['wall_s']:.2f} | {x['web_cpu_s']:.2f} | {x['engine_cpu_s']:.1f} | {x['browser_cpu_s']:.2f} | "
+            f"{x.get('note', '')} |"
         )
     return "\n".join(head)
 

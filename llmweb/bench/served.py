@@ -69,13 +69,14 @@ class Served:
         t0 = time.perf_counter()
         stats = turn()
         wall = time.perf_counter() - t0
-        server_cpu, browser_cpu = cpu_used(cpu0, cpu_seconds(self.proc.pid), self.proc.pid)
+        web_cpu, engine_cpu, browser_cpu = cpu_used(cpu0, cpu_seconds(self.proc.pid), self.proc.pid)
         return {
             "tokens": int(stats.get("generated_tokens", 0)),
             "decode_tok_s": float(stats.get("decode_tok_s", 0.0)),
             "ttft_s": float(stats.get("ttft_s", 0.0)),
             "wall_s": round(wall, 3),
-            "server_cpu_s": round(server_cpu, 2),
+            "web_cpu_s": round(web_cpu, 2),
+            "engine_cpu_s": round(engine_cpu, 2),
             "browser_cpu_s": round(browser_cpu, 2),
         }
 
@@ -184,24 +185,28 @@ def wait_for(
         time.sleep(0.1)
 
 
+ENGINES = -1  # `cpu_seconds`' key for the server's engine processes, together
+
+
 def cpu_seconds(server_pid: int) -> dict[int, float]:
-    """CPU seconds so far of the server (its threads and its engine process, under its pid) and of
-    each Chromium process."""
+    """CPU seconds so far of the server's web process (under its pid), of its engine processes
+    (under ENGINES) and of each Chromium process."""
     import psutil
 
     out: dict[int, float] = {}
     for p in psutil.process_iter(["name", "ppid"]):
-        server = p.pid == server_pid or p.info["ppid"] == server_pid  # the engine process is its child
-        if server or "chrom" in (p.info["name"] or "").lower():
+        engine = p.info["ppid"] == server_pid  # an engine process is its child
+        if p.pid == server_pid or engine or "chrom" in (p.info["name"] or "").lower():
             with contextlib.suppress(psutil.Error):
                 t = p.cpu_times()
-                key = server_pid if server else p.pid
+                key = ENGINES if engine else p.pid
                 out[key] = out.get(key, 0.0) + t.user + t.system
     return out
 
 
-def cpu_used(before: dict[int, float], after: dict[int, float], server_pid: int) -> tuple[float, float]:
-    """(server, Chromium) CPU seconds between two `cpu_seconds` readings: a process that started
-    between them counts from 0; one that ended is left out (its last seconds are lost, never negative)."""
+def cpu_used(before: dict[int, float], after: dict[int, float], server_pid: int) -> tuple[float, float, float]:
+    """(web process, engine processes, Chromium) CPU seconds between two `cpu_seconds` readings: a
+    process that started between them counts from 0; one that ended is left out (its last seconds
+    are lost, never negative)."""
     used = {pid: t - before.get(pid, 0.0) for pid, t in after.items()}
-    return used.pop(server_pid, 0.0), sum(used.values())
+    return used.pop(server_pid, 0.0), used.pop(ENGINES, 0.0), sum(used.values())

@@ -15,7 +15,8 @@ def row(case: str, repeat: int, tok_s: float, wall: float) -> dict:
         "decode_tok_s": tok_s,
         "ttft_s": 0.2,
         "wall_s": wall,
-        "server_cpu_s": 3.0,
+        "web_cpu_s": 0.3,
+        "engine_cpu_s": 3.0,
         "browser_cpu_s": 1.0,
     }
 
@@ -32,6 +33,7 @@ def test_the_summary_holds_each_case_to_the_quiet_api_medians():
     )
     assert "| browser | 35.0 | 0.50 | 5.00 | 2.00 |" in table
     assert "the upload still indexing at the end" in table
+    assert "| browser | 1 | 100 | 35.0 | 0.20 | 4.00 | 0.30 | 3.0 | 1.00 |" in table
 
 
 def test_the_uploads_pdf_expands_tenfold_and_parses_within_the_caps():
@@ -40,3 +42,12 @@ def test_the_uploads_pdf_expands_tenfold_and_parses_within_the_caps():
     assert len(doc.text) >= busy.EXPANSION * len(data)
     assert "Plot 000001 of survey 3" in doc.text and doc.sections[-1].page > 1
     assert busy.expanding_pdf(seed=4, chars=60_000) != data, "each repeat uploads new content"
+
+
+def test_a_turns_cpu_is_split_into_the_web_process_the_engine_processes_and_chromium():
+    from llmweb.bench.served import ENGINES, cpu_used
+
+    before = {100: 5.0, ENGINES: 20.0, 300: 1.0, 301: 2.0}
+    after = {100: 5.4, ENGINES: 22.5, 300: 1.5, 302: 0.25}  # Chromium's 301 ended, 302 started
+    web, engine, browser = cpu_used(before, after, server_pid=100)
+    assert (round(web, 2), round(engine, 2), round(browser, 2)) == (0.4, 2.5, 0.75)
