@@ -114,7 +114,8 @@ def markdown(r: dict) -> str:
             f"| {s['case']} | {s['decode_tok_s']:.1f} | {s['decode_vs_api']:.2f} | {s['wall_s']:.2f} | "
             f"{s['wall_vs_api']:.2f} |"
         )
-    head += ["", "| case | repeat | tokens | decode tok/s | TTFT s | wall s | web CPU s | engine CPU s | Chromium CPU s | note |"]
+    cpu = "web CPU s | engine CPU s | Chromium CPU s"
+    head += ["", f"| case | repeat | tokens | decode tok/s | TTFT s | wall s | {cpu} | note |"]
     head.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for x in r["rows"]:
         head.append(
