@@ -108,9 +108,9 @@ def streamed(handler):
 
     Why: per streamed update, Gradio rebuilds the component of every output it is told to skip
     (a new component and its config each, ~0.25 ms) and the page updates the status of every output
-    of the event. With the whole panel as outputs, a reply shown 10 times a second cost the server
-    0.40-0.48 CPU s a turn, against 0.18-0.25 for the same reply through the API (bench busy's page
-    turn, 160 tokens); with the chat alone, 0.25-0.37."""
+    of the event. With the whole panel as outputs, a 160-token reply shown 10 times a second cost
+    the web process 0.51-0.64 CPU s, against 0.17-0.32 for the same reply through the API; with the
+    chat alone, 0.27-0.28 (`bench busy`, docs/benchmarks.md)."""
 
     @functools.wraps(handler)
     def run(*args, **kwargs):
