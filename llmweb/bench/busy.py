@@ -7,6 +7,9 @@
   upload    the API request again while another visitor's page uploads a PDF whose text is ten
             times its bytes (chunked, embedded and indexed in the server's process)
 
+Before the cases, the page sits idle for IDLE_S (its warm-up turns over): Chromium's CPU then, in
+cores, is what an open tab costs the machine between turns.
+
 Each case runs once per repeat, interleaved (the machine's drift hits all alike). Per row: decode
 tok/s (the turn's own stats), TTFT, and the turn's wall time measured from outside the server; the
 ratios are each case's median against the api case's. CPU seconds of the web process, of the
@@ -25,12 +28,13 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from llmweb.errors import ConfigError
 
-from .served import START_S, TURN_S, Served, serve, wait_for
+from .served import START_S, TURN_S, Served, cpu_seconds, cpu_used, serve, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
@@ -41,6 +45,8 @@ EXPANSION = 10  # the upload's text is at least this many times its file's bytes
 WARM_TURNS = 2  # the page's chat has this many turns before its first measured one
 UPLOAD_CHARS = 600_000  # its text (about 600 chunks to embed: tens of seconds on 2 cores)
 UPLOAD_S = 900.0
+SETTLE_S = 3.0  # after the last warm-up turn, before the idle page is measured
+IDLE_S = 5.0
 
 
 def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None] = print) -> dict:
@@ -56,6 +62,7 @@ def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None]
                 page = _open(browser.new_context(), srv)  # one visitor, whose chat grows as people's do
                 for turn in range(WARM_TURNS):
                     _page_turn(srv, page, turn + 1)
+                idle = _idle_browser_cores(srv)
                 for r in range(repeats):
                     order = CASES if r % 2 == 0 else ("browser", "api", "upload")
                     for case in order:
@@ -72,6 +79,7 @@ def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None]
         "message": MESSAGE,
         "new_tokens": new_tokens,
         "repeats": repeats,
+        "idle_browser_cores": round(idle, 3),
         "rows": rows,
         "summary": summarize(rows),
     }
@@ -114,6 +122,9 @@ def markdown(r: dict) -> str:
             f"| {s['case']} | {s['decode_tok_s']:.1f} | {s['decode_vs_api']:.2f} | {s['wall_s']:.2f} | "
             f"{s['wall_vs_api']:.2f} |"
         )
+    if "idle_browser_cores" in r:
+        cores = r["idle_browser_cores"]
+        head += ["", f"Chromium with the page open and idle for {IDLE_S:.0f} s: {cores:.3f} of a core."]
     cpu = "web CPU s | engine CPU s | Chromium CPU s"
     head += ["", f"| case | repeat | tokens | decode tok/s | TTFT s | wall s | {cpu} | note |"]
     head.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -150,6 +161,16 @@ def _case(case: str, srv: Served, browser, new_tokens: int, r: int, tmp: Path) -
         return row
     finally:
         context.close()
+
+
+def _idle_browser_cores(srv: Served) -> float:
+    """Chromium's CPU, in cores, while its one page sits idle for IDLE_S (after SETTLE_S)."""
+    time.sleep(SETTLE_S)
+    before = cpu_seconds(srv.proc.pid)
+    t0 = time.perf_counter()
+    time.sleep(IDLE_S)
+    _web, _engine, browser = cpu_used(before, cpu_seconds(srv.proc.pid), srv.proc.pid)
+    return browser / (time.perf_counter() - t0)
 
 
 def _page_turn(srv: Served, page, turn: int) -> dict:

@@ -7,6 +7,7 @@
   accounts.py   login accounts and the users file; throttle.py the login back-off
   api_keys.py   the OpenAI-compatible API's keys
   api.py        the OpenAI-compatible API's routes; api_wire.py its request parsing and JSON
+  page_assets.py  Gradio's page file with a frontend bug fixed, served in front of Gradio's own
 
 Transport only: who is calling, reading bounded input, showing results, and turning domain
 errors into messages (gr.Error, HTTP status). Policy lives in chat/, engine/, retrieval/ and

@@ -29,8 +29,10 @@ def test_the_summary_holds_each_case_to_the_quiet_api_medians():
     assert summary["browser"]["decode_vs_api"] == 0.5 and summary["browser"]["wall_vs_api"] == 2.0
     assert summary["upload"]["runs"] == 1 and summary["upload"]["decode_vs_api"] == 0.2
     table = busy.markdown(
-        {"message": "m", "new_tokens": 160, "repeats": 2, "rows": rows, "summary": list(summary.values())}
+        {"message": "m", "new_tokens": 160, "repeats": 2, "idle_browser_cores": 0.004, "rows": rows}
+        | {"summary": list(summary.values())}
     )
+    assert "Chromium with the page open and idle for 5 s: 0.004 of a core." in table
     assert "| browser | 35.0 | 0.50 | 5.00 | 2.00 |" in table
     assert "the upload still indexing at the end" in table
     assert "| browser | 1 | 100 | 35.0 | 0.20 | 4.00 | 0.30 | 3.0 | 1.00 |" in table

@@ -886,6 +886,43 @@ def test_at_390_px_the_chat_input_and_stop_are_reachable_without_horizontal_scro
         context.close()
 
 
+# ---- an idle tab's status trackers ask for no frames (web/page_assets.py)
+COUNT_FRAMES = """(() => { const ask = window.requestAnimationFrame.bind(window); window.__frames = 0;
+window.requestAnimationFrame = (cb) => {
+  const caller = (new Error().stack || "").split(String.fromCharCode(10))[2] || "";
+  if (caller.includes("/assets/statustracker-")) window.__frames += 1;
+  return ask(cb); }; })()"""
+
+
+def tracker_frames(pg, seconds: float) -> int:
+    """How many animation frames the page's status trackers ask for in `seconds` (COUNT_FRAMES
+    counts a call whose caller is in Gradio's tracker file; a spring's frames come from its loop)."""
+    pg.evaluate("() => { window.__frames = 0; }")
+    time.sleep(seconds)
+    return pg.evaluate("() => window.__frames")
+
+
+def test_an_idle_tabs_status_trackers_ask_for_no_frames_after_loading_or_after_a_reply(server, browser):
+    """Gradio's loading screen leaves a status tracker's timer loop asking for a frame 60 times a
+    second for as long as the tab is open; the served fix stops it (about 120 in 2 s without it).
+    During a turn the trackers still count its pending time (the first frames are asked for)."""
+    context = browser.new_context(viewport=VIEWPORT)
+    context.add_init_script(COUNT_FRAMES)
+    try:
+        pg = open_page(context, server)
+        with step(pg, "idle frames"):
+            wait_ready(pg, server)
+            time.sleep(2.0)  # the page's own first renders settle
+            assert tracker_frames(pg, 2.0) == 0, "an idle tab's status tracker keeps asking for frames after loading"
+            pg.evaluate("() => { window.__frames = 0; }")
+            ask(pg, server, "Say hello in five words.")
+            assert pg.evaluate("() => window.__frames") > 0, "no tracker counted the turn's pending time"
+            time.sleep(3.0)  # the panel's follow-up event and the chat's last render
+            assert tracker_frames(pg, 2.0) == 0, "an idle tab's status tracker keeps asking for frames after a reply"
+    finally:
+        context.close()
+
+
 # ---- the model picker (issue 38): the same server, whose models folder holds a second model
 FIRST_MODEL = "SmolLM2-135M-Instruct"  # the embedded model (Q4_1), served at start
 SECOND_MODEL = "smollm2-q8"  # the same model re-encoded as Q8_0 (the `server` fixture)
