@@ -260,11 +260,12 @@ def source_choices(idx: int, sources: Sequence[Source]) -> list[tuple[str, str]]
     return [(f"[{s.n}] {s.label()}", f"{idx}:{s.n}") for s in sources]
 
 
-def sources_turn(conv, index: int) -> int | None:
-    """The turn (its `idx`) whose Sources message is message `index` of `history_messages(conv)`,
-    or None when that message is another kind (a question, an answer) or not there."""
-    at = 0
-    for t in conv.turns:
+def sources_turn(conv, index: int, first: int = 0) -> int | None:
+    """The turn (its `idx`) whose Sources message is message `index` of `history_messages(conv,
+    first)`, or None when that message is another kind (a question, an answer, the note on the
+    turns not shown) or not there."""
+    at = 1 if first else 0  # the note on the turns before `first`
+    for t in conv.turns[first:]:
         at += 2  # the question and the answer
         if t.sources:
             if at == index:
@@ -310,11 +311,20 @@ def _where(page: int | None, heading: str | None) -> list[str]:
     return ([f"p. {int(page)}"] if page else []) + ([heading] if heading else [])
 
 
-def history_messages(conv) -> list[dict]:
-    """A stored conversation as Chatbot messages: user, assistant (marked when stopped), sources."""
-    out: list[dict] = []
+def history_messages(conv, first: int | None = None) -> list[dict]:
+    """A stored conversation as Chatbot messages: user, assistant (marked when stopped), sources;
+    from turn `first` on, after a note that says how many turns are not shown (`hidden_turns`
+    reads it back). `first` None: the last SHOWN_TURNS turns; 0: the whole chat.
+
+    Why a window: Gradio's Chatbot renders every message it holds again at each streamed update,
+    so the browser's work per update grows with the chat (a 100-turn chat took the browser ~4x a
+    1-turn chat's CPU to show a reply: docs/benchmarks.md), and on a machine it shares with the
+    engine that slows the reply itself. The note is a message: a click on it shows the whole chat."""
+    turns = conv.turns
+    first = max(len(turns) - SHOWN_TURNS, 0) if first is None else min(max(first, 0), len(turns))
+    out: list[dict] = [earlier_note(first)] if first else []
     versions = getattr(conv, "versions", {})
-    for t in conv.turns:
+    for t in turns[first:]:
         stopped = t.stats is not None and t.stats.stopped
         mark = CUT_OFF if stopped and t.stats.gen.finish_reason == ENGINE_STOPPED else STOPPED
         marker = f"\n\n{version_marker(*versions[t.idx])}" if t.idx in versions else ""
@@ -325,6 +335,30 @@ def history_messages(conv) -> list[dict]:
         if src:
             out.append(src)
     return out
+
+
+SHOWN_TURNS = 30  # the chat's last turns the page shows (`history_messages`)
+_EARLIER = "earlier turns of this chat are not shown here"
+_EARLIER_NOTE = re.compile(r"^\*(\d+) " + _EARLIER)
+
+
+def earlier_note(n: int) -> dict:
+    """The first message of a chat shown from its turn `n` on."""
+    return {
+        "role": "assistant",
+        "content": f"*{n} {_EARLIER}, to keep the page quick while a reply streams. Click this note to show them.*",
+    }
+
+
+def hidden_turns(messages) -> int:
+    """How many turns the chat as a page shows it (`history_messages`) leaves out: the number in its
+    note, 0 without one. Only the first message can be the note (a chat's first turn is a question)."""
+    first = messages[0] if messages else None
+    content = first.get("content") if isinstance(first, dict) and first.get("role") == "assistant" else None
+    if isinstance(content, list):  # as the page sends it back: [{"type": "text", "text": ...}]
+        content = next((p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"), None)
+    match = _EARLIER_NOTE.match(content) if isinstance(content, str) else None
+    return int(match.group(1)) if match else 0
 
 
 def message_text(shown: str) -> str:

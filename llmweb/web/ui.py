@@ -102,7 +102,7 @@ SOURCE_CLICKS = """() => {
     window.llmwebSourceClicked = Boolean(block);
   }, true);
 }"""
-OPEN_SOURCE = "(conv, n, token) => [conv, window.llmwebSource || 0, token]"
+OPEN_SOURCE = "(conv, n, token, chat) => [conv, window.llmwebSource || 0, token, chat]"
 # once a source opened: bring the panel into view (on a phone it is below the chat; elsewhere a no-op)
 SHOW_SOURCE = """() => {
   if (!window.llmwebSourceClicked) return [];
@@ -516,7 +516,9 @@ def _wire_chat(ui: Layout, h: ChatHandlers, shown: list, me: list) -> tuple:
     redo = [ui.conv_state, ui.use_docs] + me
     ev_retry = turn(ui.chatbot.retry, h.regenerate, redo, [], **GENERATE)
     ev_more = turn(ui.more_btn.click, h.continue_reply, redo, [], **GENERATE)
-    ev_edit = turn(ui.chatbot.edit, h.edit, redo, [], **GENERATE)
+    ev_edit = turn(ui.chatbot.edit, h.edit, redo + [ui.chatbot], [], **GENERATE)
+    earlier = [ui.conv_state] + me + [ui.chatbot]  # a click on the note on a long chat's earlier turns
+    ui.chatbot.select(h.show_earlier, earlier, [ui.chatbot], show_progress="hidden", **PRIVATE)
     for button, handler in ((ui.prev_version_btn, h.prev_version), (ui.next_version_btn, h.next_version)):
         button.click(handler, [ui.conv_state, ui.version_dd] + me, shown, **PRIVATE)
     ui.chatbot.undo(h.undo, [ui.conv_state] + me, shown + [ui.msg], **PRIVATE)
@@ -581,7 +583,10 @@ def _wire_sources(ui: Layout, h: SourceHandlers, me: list) -> None:
     """A click on a Sources message opens the source panel; its picker and Close. Not the chat's
     output: a click while a reply streams changes nothing of it."""
     panel = ui.outputs("source_box", "source_pick", "source_html")
-    opened = ui.chatbot.select(h.open_clicked, [ui.conv_state, ui.source_n] + me, panel, js=OPEN_SOURCE, **PRIVATE)
+    shown_chat = [ui.chatbot]  # which turns the page shows (formatting.py's `hidden_turns`)
+    opened = ui.chatbot.select(
+        h.open_clicked, [ui.conv_state, ui.source_n] + me + shown_chat, panel, js=OPEN_SOURCE, **PRIVATE
+    )
     opened.then(None, None, None, js=SHOW_SOURCE)
     ui.source_pick.input(h.pick, [ui.conv_state, ui.source_pick] + me, panel, **PRIVATE)
     ui.source_close.click(h.close, None, panel, **PRIVATE)

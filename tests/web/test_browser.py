@@ -923,6 +923,37 @@ def test_an_idle_tabs_status_trackers_ask_for_no_frames_after_loading_or_after_a
         context.close()
 
 
+# ---- a long chat: the page shows its last turns, and a note that brings back the rest
+def test_a_long_imported_chat_shows_its_last_turns_and_a_click_on_the_note_shows_them_all(server, browser, tmp_path):
+    from llmweb.records import LOCAL_OWNER
+    from llmweb.store.db import Store
+    from llmweb.web.formatting import SHOWN_TURNS
+
+    n = SHOWN_TURNS + 3
+    with Store(tmp_path / "long.sqlite3") as store:  # the export of a long chat, as another server wrote it
+        conv = store.create_conversation(LOCAL_OWNER)
+        for i in range(n):
+            store.add_turn(LOCAL_OWNER, conv, f"Question number {i}?", f"Answer number {i}.")
+        exported = tmp_path / "long-chat.json"
+        exported.write_text(store.export_json(LOCAL_OWNER, conv), encoding="utf-8")
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        pg = open_page(context, server)
+        with step(pg, "long chat"):
+            wait_ready(pg, server)
+            pg.locator(IMPORT_INPUT).set_input_files(str(exported))
+            poll(lambda: "Imported" in pg.locator("#llmweb-stats").inner_text(), 60, "the import", server, pg)
+            assert user_texts(pg) == [f"Question number {i}?" for i in range(3, n)]
+            note = pg.locator('#llmweb-chat [data-testid="bot"]').first
+            assert note.inner_text().startswith("3 earlier turns of this chat are not shown here")
+            note.click()
+            poll(lambda: len(user_texts(pg)) == n, 60, "the whole chat after a click on the note", server, pg)
+            assert user_texts(pg) == [f"Question number {i}?" for i in range(n)]
+            assert "earlier turns" not in pg.locator('#llmweb-chat [data-testid="bot"]').first.inner_text()
+    finally:
+        context.close()
+
+
 # ---- the model picker (issue 38): the same server, whose models folder holds a second model
 FIRST_MODEL = "SmolLM2-135M-Instruct"  # the embedded model (Q4_1), served at start
 SECOND_MODEL = "smollm2-q8"  # the same model re-encoded as Q8_0 (the `server` fixture)

@@ -70,18 +70,18 @@ def test_a_click_on_a_sources_message_opens_the_clicked_source_beside_the_chat(r
     assert [m.get("metadata", {}).get("title") for m in messages][-1] == "Sources (2)"
     assert messages[-1]["content"].startswith(f.SOURCES_HINT)
 
-    box, pick, shown = h.sources.open_clicked(conv, 2, A_TOKEN, NOBODY, click(len(messages) - 1))
+    box, pick, shown = h.sources.open_clicked(conv, 2, A_TOKEN, messages, NOBODY, click(len(messages) - 1))
     assert box["visible"] is True
     assert pick["value"] == "1:2" and [v for _, v in pick["choices"]] == ["1:1", "1:2"]
     assert pick["choices"][0][0] == "[1] rover.md, Rover log"
     assert f.escape(chunks[3].text) in shown and 'class="llmweb-cited"' in shown
     assert "llmweb-before" in shown and "llmweb-after" in shown
-    _, pick, first = h.sources.open_clicked(conv, 0, A_TOKEN, NOBODY, click(len(messages) - 1))
+    _, pick, first = h.sources.open_clicked(conv, 0, A_TOKEN, messages, NOBODY, click(len(messages) - 1))
     assert pick["value"] == "1:1" and f.escape(chunks[1].text) in first, "no line known: the first source"
     _, _, picked = h.sources.pick(conv, "1:2", A_TOKEN, NOBODY)
     assert picked == shown
     for index in range(len(messages) - 1):  # a question or an answer: nothing opens
-        assert h.sources.open_clicked(conv, 1, A_TOKEN, NOBODY, click(index)) == NOTHING
+        assert h.sources.open_clicked(conv, 1, A_TOKEN, messages, NOBODY, click(index)) == NOTHING
     assert h.sources.pick(conv, "junk", A_TOKEN, NOBODY) == NOTHING
     assert h.sources.close()[0]["visible"] is False
 
@@ -89,8 +89,9 @@ def test_a_click_on_a_sources_message_opens_the_clicked_source_beside_the_chat(r
 def test_visitor_b_gets_nothing_of_as_chat_and_an_import_of_it_shows_not_available(runtime, tmp_path):
     conv, chunks = a_chat_citing_the_letter(runtime, tmp_path)
     h = Handlers(runtime)
-    index = len(f.history_messages(runtime.store.get(A, conv))) - 1
-    assert h.sources.open_clicked(conv, 1, B_TOKEN, NOBODY, click(index)) == NOTHING, "A's chat id, B's click"
+    messages = f.history_messages(runtime.store.get(A, conv))
+    index = len(messages) - 1
+    assert h.sources.open_clicked(conv, 1, B_TOKEN, messages, NOBODY, click(index)) == NOTHING, "A's chat id, B's click"
     assert h.sources.pick(conv, "1:1", B_TOKEN, NOBODY) == NOTHING
 
     export = json.loads(runtime.store.export_json(A, conv))
@@ -98,10 +99,10 @@ def test_visitor_b_gets_nothing_of_as_chat_and_an_import_of_it_shows_not_availab
     assert places == [(c.doc_id, c.start, c.end) for c in (chunks[1], chunks[3])], "the export keeps the places"
     theirs = runtime.store.import_json(B, json.dumps(export))
     for n in (1, 2):
-        box, _, shown = h.sources.open_clicked(theirs, n, B_TOKEN, NOBODY, click(index))
+        box, _, shown = h.sources.open_clicked(theirs, n, B_TOKEN, messages, NOBODY, click(index))
         assert box["visible"] is True and "not available" in shown
         assert "rock samples" not in shown, "none of A's text"
-    _, _, mine = h.sources.open_clicked(theirs, 1, A_TOKEN, NOBODY, click(index))
+    _, _, mine = h.sources.open_clicked(theirs, 1, A_TOKEN, messages, NOBODY, click(index))
     assert mine == NOTHING[2], "B's imported chat is not A's either"
 
 
@@ -117,8 +118,9 @@ def test_the_page_reports_the_clicked_source_line_to_the_select_event(runtime):
     assert launch_kwargs(runtime.settings)["js"] == SOURCE_CLICKS
     config = build_app(runtime).config
     chat = next(c["id"] for c in config["components"] if c["props"].get("elem_id") == "llmweb-chat")
-    [select] = [d for d in config["dependencies"] if (chat, "select") in d["targets"]]
+    [select] = [d for d in config["dependencies"] if (chat, "select") in d["targets"] and d["js"]]
     assert select["js"] == OPEN_SOURCE and select["api_visibility"] == "private"
+    assert select["inputs"][-1] == chat, "the chat as shown: which turns it leaves out"
     ids = {c["props"].get("elem_id") for c in config["components"]}
     assert {"llmweb-source-panel", "llmweb-source-pick", "llmweb-source", "llmweb-source-close"} <= ids
 
@@ -141,6 +143,10 @@ def test_sources_turn_finds_the_turn_of_each_sources_message_as_history_messages
     found = {i: f.sources_turn(conv, i) for i in range(len(messages) + 2)}
     assert {i: t for i, t in found.items() if t is not None} == {2: 0, 7: 2}
     assert all(messages[i]["metadata"]["title"].startswith("Sources") for i in (2, 7))
+    later = f.history_messages(conv, 1)  # the page shows turns 1 on, after the note on turn 0
+    found = {i: f.sources_turn(conv, i, 1) for i in range(len(later) + 2)}
+    assert {i: t for i, t in found.items() if t is not None} == {5: 2}
+    assert later[5]["metadata"]["title"].startswith("Sources")
 
 
 def test_the_passage_is_marked_between_its_subdued_neighbours_with_its_page_and_heading():

@@ -22,6 +22,9 @@ from llmweb.store.models import NotFound, new_id
 from llmweb.web.formatting import (
     NO_PLOT,
     SECTION_COLOURS,
+    SHOWN_TURNS,
+    earlier_note,
+    hidden_turns,
     history_messages,
     line_chart_html,
     plot_frames,
@@ -715,7 +718,7 @@ def test_editing_turn_2_of_4_forks_the_chat_and_the_switcher_goes_back_to_all_4_
     assert users == ["Capital?", "Italy?", "Spain?", "Peru?"] and original.versions_row["visible"] is False
     index = next(i for i, m in enumerate(original.chatbot) if m["content"] == "Italy?")
     edited = SimpleNamespace(index=index, value="Italy, please?")
-    *_, forked = h.chat.edit(conv, True, A_TOKEN, NOBODY, edited)
+    *_, forked = h.chat.edit(conv, True, A_TOKEN, original.chatbot, NOBODY, edited)
     assert [m["content"] for m in forked.chatbot if m["role"] == "user"] == ["Capital?", "Italy, please?\n\n‹ 2/2 ›"]
     assert forked.chatbot[-1]["content"] == "Rome" and forked.versions_row["visible"] is True
     assert forked.version_dd["choices"] == [("Turn 2 ‹ 2/2 ›", 1)] and forked.version_dd["value"] == 1
@@ -731,9 +734,11 @@ def test_editing_turn_2_of_4_forks_the_chat_and_the_switcher_goes_back_to_all_4_
     with pytest.raises(gr.Error, match="no longer exists"):
         h.chat.next_version(conv, 1, B_TOKEN, NOBODY)
     with pytest.raises(gr.Error, match="no longer exists"):
-        list(h.chat.edit(conv, True, B_TOKEN, NOBODY, edited))
+        list(h.chat.edit(conv, True, B_TOKEN, original.chatbot, NOBODY, edited))
     assert runtime.store.get(a, conv).versions == {1: (0, 2)}, "a stranger changed nothing"
-    again = h.chat.edit(conv, True, A_TOKEN, NOBODY, SimpleNamespace(index=index, value="Italy?\n\n‹ 1/2 › "))
+    again = h.chat.edit(
+        conv, True, A_TOKEN, back.chatbot, NOBODY, SimpleNamespace(index=index, value="Italy?\n\n‹ 1/2 › ")
+    )
     *_, third = again
     assert third.version_dd["choices"] == [("Turn 2 ‹ 3/3 ›", 1)], "the marker is not part of the message"
     assert runtime.store.get(a, conv).turns[1].user == "Italy?"
@@ -757,3 +762,66 @@ def test_the_owners_retention_may_purge_are_the_anonymous_ones_identity_mints():
     assert retention.ANON_PREFIXES == identity.ANONYMOUS
     assert identity.OPEN_STATELESS_OWNER.startswith(identity.ANONYMOUS)
     assert not identity.login_owner("alice").startswith(identity.ANONYMOUS)
+
+
+# ---- a long chat on the page: its last turns, and a note that brings back the rest
+def _long_chat(runtime, token: str, extra: int) -> str:
+    owner = f"anon:{token}"
+    conv = runtime.store.create_conversation(owner)
+    for i in range(SHOWN_TURNS + extra):
+        runtime.store.add_turn(owner, conv, f"Question {i}?", f"Answer {i}.")
+    return conv
+
+
+def _users(messages) -> list[str]:
+    return [m["content"] for m in messages if m["role"] == "user"]
+
+
+def test_a_long_chat_shows_its_last_turns_after_a_note_that_counts_the_rest():
+    turns = [
+        SimpleNamespace(idx=i, user=f"q{i}", assistant="a", stats=None, sources=[]) for i in range(SHOWN_TURNS + 3)
+    ]
+    conv = SimpleNamespace(turns=turns, versions={})
+    shown = history_messages(conv)
+    assert shown[0]["role"] == "assistant" and shown[0]["content"].startswith("*3 earlier turns")
+    assert _users(shown) == [f"q{i}" for i in range(3, SHOWN_TURNS + 3)]
+    assert hidden_turns(shown) == 3
+    as_sent_back = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in shown]  # the page's form
+    assert hidden_turns(as_sent_back) == 3
+    whole = history_messages(conv, 0)
+    assert _users(whole) == [f"q{i}" for i in range(SHOWN_TURNS + 3)] and hidden_turns(whole) == 0
+    assert hidden_turns(history_messages(SimpleNamespace(turns=turns[:SHOWN_TURNS], versions={}))) == 0, "no note"
+    assert hidden_turns([{"role": "user", "content": shown[0]["content"]}]) == 0, "only the chat's note counts"
+    assert history_messages(conv, 10**6) == [earlier_note(len(turns))], "a first past the end: the note alone"
+
+
+def test_a_click_on_the_note_shows_the_whole_chat_to_its_owner_alone(runtime):
+    h = Handlers(runtime)
+    conv = _long_chat(runtime, A_TOKEN, 4)
+    page = h.chats.switch(conv, A_TOKEN, NOBODY).chatbot
+    assert hidden_turns(page) == 4 and _users(page)[0] == "Question 4?"
+
+    whole = h.chat.show_earlier(conv, A_TOKEN, page, NOBODY, SimpleNamespace(index=0))
+    assert _users(whole) == [f"Question {i}?" for i in range(SHOWN_TURNS + 4)] and hidden_turns(whole) == 0
+    assert h.chat.show_earlier(conv, A_TOKEN, page, NOBODY, SimpleNamespace(index=1)) == gr.skip(), "a question"
+    assert h.chat.show_earlier(conv, A_TOKEN, whole, NOBODY, SimpleNamespace(index=0)) == gr.skip(), "no note"
+    assert h.chat.show_earlier(conv, B_TOKEN, page, NOBODY, SimpleNamespace(index=0)) == gr.skip(), "A's chat, B"
+    hit = f"{conv}:1"
+    assert hidden_turns(h.chats.open_hit(hit, A_TOKEN, NOBODY).chatbot) == 0, "a search hit opens it whole"
+
+
+def test_an_edit_and_a_sources_click_on_a_long_chat_find_their_turn_past_the_hidden_ones(runtime):
+    h, a = Handlers(runtime), f"anon:{A_TOKEN}"
+    conv = _long_chat(runtime, A_TOKEN, 2)
+    page = h.chats.switch(conv, A_TOKEN, NOBODY).chatbot
+    index = next(i for i, m in enumerate(page) if m["content"] == "Question 5?")
+    *_, forked = h.chat.edit(conv, True, A_TOKEN, page, NOBODY, SimpleNamespace(index=index, value="Question five?"))
+    stored = runtime.store.get(a, conv)
+    assert stored.turns[5].user == "Question five?" and list(stored.versions) == [5], "turn 6 forked, not turn 4"
+    assert forked.chatbot[-1]["content"] == "Rome"
+    whole = history_messages(stored, 0)
+    index = next(i for i, m in enumerate(whole) if m["content"] == "Question 3?")
+    list(h.chat.edit(conv, True, A_TOKEN, whole, NOBODY, SimpleNamespace(index=index, value="Question three?")))
+    assert runtime.store.get(a, conv).turns[3].user == "Question three?", "on the whole chat: no offset"
+    with pytest.raises(gr.Error, match="Only your own messages"):
+        list(h.chat.edit(conv, True, A_TOKEN, page, NOBODY, SimpleNamespace(index=0, value="the note")))

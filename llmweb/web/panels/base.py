@@ -161,14 +161,17 @@ class PanelHandlers:
             return fork
         return max(conv.versions) if conv.versions else None
 
-    def panel(self, owner: str, conv, notes: str = "", prompt: str = "", fork: int | None = None) -> Panel:
-        """Every component that shows a conversation, filled from the store."""
+    def panel(
+        self, owner: str, conv, notes: str = "", prompt: str = "", fork: int | None = None, first: int | None = None
+    ) -> Panel:
+        """Every component that shows a conversation, filled from the store; the chat from turn
+        `first` on (None: its last turns, `history_messages`)."""
         stats = conv.turns[-1].stats if conv.turns else None
         tokens_df, memory_df = plot_frames(conv)
         chats = [(f"{c.title} ({c.n_turns})", c.id) for c in self.store.list_conversations(owner)]
         return Panel(
             conv_state=conv.id,
-            chatbot=history_messages(conv),
+            chatbot=history_messages(conv, first),
             versions_row=gr.update(visible=bool(conv.versions)),
             version_dd=gr.update(choices=version_choices(conv.versions), value=self._fork_shown(conv, fork)),
             conv_list=gr.update(choices=chats, value=conv.id or None),
@@ -231,9 +234,9 @@ class PanelHandlers:
             raise InputError("Send a message first: this chat is not saved yet.")
         return self.store.get(owner, conv_id)
 
-    def _reshown(self, owner: str, conv_id: str, notes: str = "") -> Panel:
+    def _reshown(self, owner: str, conv_id: str, notes: str = "", first: int | None = None) -> Panel:
         """The panel of a stored conversation, read again after a change."""
-        return self.panel(owner, self.store.get(owner, conv_id), notes)
+        return self.panel(owner, self.store.get(owner, conv_id), notes, first=first)
 
 
 def _blank(owner: str) -> Conversation:

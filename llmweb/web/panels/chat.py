@@ -17,7 +17,7 @@ from llmweb.chat.session import Delta, Finished, Progress, Queued, Started, clea
 from llmweb.errors import InputError, LlmwebError
 from llmweb.runtime.resident import Lease
 from llmweb.store.models import ChatSettings
-from llmweb.web.formatting import escape, history_messages, message_text
+from llmweb.web.formatting import escape, hidden_turns, history_messages, message_text
 from llmweb.web.panels.base import WAIT_READY_S, Panel, PanelHandlers, user_errors
 from llmweb.web.panels.models import chat_model
 
@@ -93,18 +93,23 @@ class ChatHandlers(PanelHandlers):
         return (*self._reshown(owner, conv_id, "Removed the last turn."), gone.user)
 
     @user_errors
-    def edit(self, conv_id, use_docs, token, request: gr.Request, edited: gr.EditData) -> Iterator[tuple]:
-        """The chat's edit control on a user message: send the new text in place of that turn. The
-        chat forks there: the turns from it on stay, as another version (the switcher shows it)."""
+    def edit(self, conv_id, use_docs, token, shown, request: gr.Request, edited: gr.EditData) -> Iterator[tuple]:
+        """The chat's edit control on a user message (`edited.index` of the chat as the page shows
+        it, `shown`): send the new text in place of that turn. The chat forks there: the turns from
+        it on stay, as another version (the switcher shows it)."""
         owner = self.owner(token, request)
         conv = self._current(owner, conv_id)
-        messages = history_messages(conv)
+        first = hidden_turns(shown)
+        messages = history_messages(conv, first)
         index = edited.index if isinstance(edited.index, int) else edited.index[0]
-        turn = sum(1 for m in messages[:index] if m.get("role") == "user")
+        turn = first + sum(1 for m in messages[:index] if m.get("role") == "user")
         value = edited.value
         text = value.get("content", "") if isinstance(value, dict) else value
         text = message_text(text if isinstance(text, str) else "")  # the shown text is escaped
-        if not 0 <= turn < len(conv.turns) or messages[index].get("role") != "user":
+        if (
+            not (first <= turn < len(conv.turns) and 0 <= index < len(messages))
+            or messages[index].get("role") != "user"
+        ):
             raise InputError("Only your own messages can be edited.")
         clean_message(text, self.settings.max_message_chars)
         with (yield from self._loaded(owner, conv_id, messages)) as chat:
@@ -185,12 +190,21 @@ class ChatHandlers(PanelHandlers):
         yield self.panel(owner, self.store.get(owner, conv_id), notes, prompt)._replace(source_box=gr.skip())
 
     @user_errors
+    def show_earlier(self, conv_id, token, shown, request: gr.Request, clicked: gr.SelectData):
+        """A click on the note that a long chat's earlier turns are not shown (`history_messages`):
+        the whole chat. A click on any other message changes nothing."""
+        owner = self.owner(token, request)
+        if clicked.index != 0 or not hidden_turns(shown) or not conv_id or not self.store.exists(owner, conv_id):
+            return gr.skip()
+        return history_messages(self.store.get(owner, conv_id), 0)
+
+    @user_errors
     def after_stop(self, conv_id, history, token, request: gr.Request):
         """After Stop: wait (briefly) for the partial turn to be stored, then show it as stopped."""
         owner = self.owner(token, request)
         if not conv_id or not self.store.exists(owner, conv_id):
             return gr.skip()
-        asked = sum(1 for m in history or [] if m.get("role") == "user")
+        asked = hidden_turns(history) + sum(1 for m in history or [] if m.get("role") == "user")
         deadline = time.monotonic() + STOP_WAIT_S
         conv = self.store.get(owner, conv_id)
         while len(conv.turns) < asked and time.monotonic() < deadline:

@@ -34,11 +34,11 @@ class ChatListHandlers(PanelHandlers):
 
     @user_errors
     def open_hit(self, hit, token, request: gr.Request) -> Panel:
-        """A search result picked: open its chat, say which turn (the page then scrolls to it)."""
+        """A search result picked: open its chat, whole, and say which turn (the page then scrolls to it)."""
         conv_id, _, idx = (hit or "").rpartition(":")
         if not conv_id or not idx.isdigit():
             raise InputError("Pick a search result first.")
-        return self._reshown(self.owner(token, request), conv_id, f"Search result: turn {int(idx) + 1}.")
+        return self._reshown(self.owner(token, request), conv_id, f"Search result: turn {int(idx) + 1}.", first=0)
 
     @user_errors
     def rename(self, conv_id, title, token, request: gr.Request) -> tuple:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gradio as gr
 
 from llmweb.chat.passages import open_source
-from llmweb.web.formatting import passage_html, source_choices, sources_turn
+from llmweb.web.formatting import hidden_turns, passage_html, source_choices, sources_turn
 from llmweb.web.panels.base import PanelHandlers, user_errors
 
 NOTHING = (gr.skip(), gr.skip(), gr.skip())  # the panel as it was: a click on something else
@@ -22,15 +22,16 @@ class SourceHandlers(PanelHandlers):
     """The source panel: (shown?, the turn's sources to pick from, the passage)."""
 
     @user_errors
-    def open_clicked(self, conv_id, n, token, request: gr.Request, clicked: gr.SelectData) -> tuple:
-        """A click on a chat message (`clicked.index`): a Sources message opens its turn's source
-        number `n` (0: the first); any other message changes nothing."""
+    def open_clicked(self, conv_id, n, token, shown, request: gr.Request, clicked: gr.SelectData) -> tuple:
+        """A click on a chat message (`clicked.index` of the chat as the page shows it, `shown`): a
+        Sources message opens its turn's source number `n` (0: the first); any other message
+        changes nothing."""
         owner = self.owner(token, request)
         index = clicked.index if isinstance(clicked.index, int) else None
         if not conv_id or index is None or not self.store.exists(owner, conv_id):
             return NOTHING
         conv = self.store.get(owner, conv_id)
-        idx = sources_turn(conv, index)
+        idx = sources_turn(conv, index, hidden_turns(shown))
         return NOTHING if idx is None else self._shown(owner, conv, idx, n)
 
     @user_errors
