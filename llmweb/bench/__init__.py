@@ -131,6 +131,7 @@ def register(sub) -> None:
     b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
     b.add_argument("--prompts", default="32,512,1536", help="decode: prompt lengths in tokens, comma-separated")
     b.add_argument("--parts", type=int, default=4, help="document: copies of the guide in the long text")
+    b.add_argument("--history", type=int, default=0, help="busy: turns of an imported chat the page's chat starts with")
     b.add_argument("--rehearse", action="store_true", help="gpu: the same steps on the CPU, tiny shapes, a memory cap")
     b.add_argument("--quick", action="store_true", help="gpu: the smallest settings (the slow test's)")
     b.add_argument("--dpi", default="300,150", help="ocr: scan resolutions of the prose page, comma-separated")
@@ -345,7 +346,9 @@ def _bench_loops(args) -> int:
 def _bench_busy(args) -> int:
     from . import busy
 
-    result = busy.run(new_tokens=args.max_new_tokens or 160, repeats=args.repeats, progress=_stderr)
+    result = busy.run(
+        new_tokens=args.max_new_tokens or 160, repeats=args.repeats, progress=_stderr, history=args.history
+    )
     _print(result, args.json, busy.markdown)
     return 0
 

@@ -3,7 +3,8 @@
   api       an API request with nothing else running: the quiet figure of the same server
   browser   the same message typed into the page by a visitor in a headless Chromium on this
             machine, which renders the stream as it arrives (a localhost user's laptop); one
-            page, one chat that grows by a turn each time (WARM_TURNS turns before the first)
+            page, one chat that grows by a turn each time (WARM_TURNS turns before the first;
+            with `history`, after that many turns of an imported chat: a long session's page)
   upload    the API request again while another visitor's page uploads a PDF whose text is ten
             times its bytes (chunked, embedded and indexed in the server's process)
 
@@ -49,8 +50,9 @@ SETTLE_S = 3.0  # after the last warm-up turn, before the idle page is measured
 IDLE_S = 5.0
 
 
-def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None] = print) -> dict:
-    """Start a server and a browser, run every case `repeats` times, and return the rows."""
+def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None] = print, history: int = 0) -> dict:
+    """Start a server and a browser, run every case `repeats` times, and return the rows. With
+    `history`, the page's chat is an imported one of that many turns (as a long session's is)."""
     sync_playwright = _playwright()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="llmweb-busy-") as tmp, serve(Path(tmp), new_tokens, progress) as srv:
@@ -60,15 +62,18 @@ def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None]
                 progress(f"bench busy: a warm-up turn through the API and {WARM_TURNS} through the page…")
                 srv.api_turn(MESSAGE, new_tokens)
                 page = _open(browser.new_context(), srv)  # one visitor, whose chat grows as people's do
+                if history:
+                    progress(f"bench busy: importing a chat of {history} turns into the page…")
+                    _import_chat(page, Path(tmp), history)
                 for turn in range(WARM_TURNS):
-                    _page_turn(srv, page, turn + 1)
+                    _page_turn(srv, page, history + turn + 1)
                 idle = _idle_browser_cores(srv)
                 for r in range(repeats):
                     order = CASES if r % 2 == 0 else ("browser", "api", "upload")
                     for case in order:
                         progress(f"bench busy: repeat {r + 1}/{repeats}, {case}…")
                         if case == "browser":
-                            row = _page_turn(srv, page, WARM_TURNS + r + 1)
+                            row = _page_turn(srv, page, history + WARM_TURNS + r + 1)
                         else:
                             row = _case(case, srv, browser, new_tokens, r, Path(tmp))
                         rows.append({"case": case, "repeat": r + 1, **row})
@@ -79,6 +84,7 @@ def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None]
         "message": MESSAGE,
         "new_tokens": new_tokens,
         "repeats": repeats,
+        "history": history,
         "idle_browser_cores": round(idle, 3),
         "rows": rows,
         "summary": summarize(rows),
@@ -112,7 +118,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def markdown(r: dict) -> str:
     head = [
-        f"`bench busy`: {r['message']!r}, up to {r['new_tokens']} new tokens, {r['repeats']} repeats, one server.",
+        f"`bench busy`: {r['message']!r}, up to {r['new_tokens']} new tokens, {r['repeats']} repeats, one server"
+        + (f"; the page's chat imported with {r['history']} turns." if r.get("history") else "."),
         "",
         "| case | decode tok/s | × api | turn wall s | × api |",
         "|---|---:|---:|---:|---:|",
@@ -184,6 +191,29 @@ def _page_turn(srv: Served, page, turn: int) -> dict:
         return wait_for(lambda: srv.newest_turn(before), TURN_S, "the page's turn to be stored")
 
     return srv.measured(ask) | {"note": f"turn {turn} of the page's chat"}
+
+
+IMPORT_INPUT = 'input[data-testid="Import .json-upload-button"]'  # the page's Import button's file input
+SETTLED = 4  # the imported chat's turns not yet in its summary
+
+
+def _import_chat(page, tmp: Path, turns: int) -> None:
+    """Open, on `page`, an imported chat of `turns` turns (the export of one written here)."""
+    from llmweb.records import LOCAL_OWNER
+    from llmweb.store.db import Store
+
+    with Store(tmp / "history.sqlite3") as store:
+        conv = store.create_conversation(LOCAL_OWNER)
+        for i in range(turns):
+            store.add_turn(
+                LOCAL_OWNER, conv, f"{MESSAGE} (number {i + 1})", f"A poem, number {i + 1}: " + "waves " * 80
+            )
+        # settled as a long session is: its older turns already in the summary (no backlog to fold)
+        store.set_summary(LOCAL_OWNER, conv, "The user asked for poems about the sea.", max(turns - SETTLED, 0))
+        exported = tmp / "history.json"
+        exported.write_text(store.export_json(LOCAL_OWNER, conv), encoding="utf-8")
+    page.locator(IMPORT_INPUT).set_input_files(str(exported))
+    wait_for(lambda: "Imported" in page.locator("#llmweb-stats").inner_text(), START_S, "the imported chat to open")
 
 
 def _open(context, srv: Served):

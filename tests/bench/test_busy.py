@@ -33,6 +33,9 @@ def test_the_summary_holds_each_case_to_the_quiet_api_medians():
         | {"summary": list(summary.values())}
     )
     assert "Chromium with the page open and idle for 5 s: 0.004 of a core." in table
+    assert table.splitlines()[0].endswith("2 repeats, one server.")
+    long = busy.markdown({"message": "m", "new_tokens": 160, "repeats": 2, "history": 100, "rows": rows, "summary": []})
+    assert long.splitlines()[0].endswith("one server; the page's chat imported with 100 turns.")
     assert "| browser | 35.0 | 0.50 | 5.00 | 2.00 |" in table
     assert "the upload still indexing at the end" in table
     assert "| browser | 1 | 100 | 35.0 | 0.20 | 4.00 | 0.30 | 3.0 | 1.00 |" in table
