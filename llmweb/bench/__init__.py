@@ -27,6 +27,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 ordinary requests and 2 known loops
   busy.py       `bench busy`: a reply's speed as people get it: through the API alone, typed into the
                 page in a headless Chromium, and during another visitor's upload, on one real server
+  chatpath.py   `bench chatpath`: a new chat's four turns through the chat path against `llama-bench`'s
+                decode at each turn's prompt depth, interleaved
   peer.py       `bench peer`: k chats at once through our API against llama.cpp's `llama-server -np k`
                 on the same file, prompts, reply length and threads: aggregate tok/s side by side
   recycle.py    `bench recycle`: the engine process replaced gracefully: 20 turns 4 at a time with
@@ -65,6 +67,7 @@ BENCHES = [
     "document",
     "loops",
     "busy",
+    "chatpath",
     "peer",
     "recycle",
     "gpu",
@@ -177,6 +180,7 @@ def bench_command(args) -> int:
         "document": _bench_document,
         "loops": _bench_loops,
         "busy": _bench_busy,
+        "chatpath": _bench_chatpath,
         "peer": _bench_peer,
         "recycle": _bench_recycle,
         "gpu": _bench_gpu,
@@ -350,6 +354,16 @@ def _bench_busy(args) -> int:
         new_tokens=args.max_new_tokens or 160, repeats=args.repeats, progress=_stderr, history=args.history
     )
     _print(result, args.json, busy.markdown)
+    return 0
+
+
+def _bench_chatpath(args) -> int:
+    from llmweb.config import Settings
+
+    from . import chatpath
+
+    result = chatpath.run(Settings.from_env(), args.max_new_tokens or 128, args.repeats, progress=_stderr)
+    _print(result, args.json, chatpath.markdown)
     return 0
 
 
