@@ -339,7 +339,7 @@ def history_messages(conv, first: int | None = None) -> list[dict]:
 
 SHOWN_TURNS = 30  # the chat's last turns the page shows (`history_messages`)
 _EARLIER = "earlier turns of this chat are not shown here"
-_EARLIER_NOTE = re.compile(r"^\*(\d+) " + _EARLIER)
+_EARLIER_NOTE = re.compile(r"^\*(\d{1,9}) " + _EARLIER)  # a count a stranger sends back stays small
 
 
 def earlier_note(n: int) -> dict:

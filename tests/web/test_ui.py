@@ -792,6 +792,8 @@ def test_a_long_chat_shows_its_last_turns_after_a_note_that_counts_the_rest():
     assert _users(whole) == [f"q{i}" for i in range(SHOWN_TURNS + 3)] and hidden_turns(whole) == 0
     assert hidden_turns(history_messages(SimpleNamespace(turns=turns[:SHOWN_TURNS], versions={}))) == 0, "no note"
     assert hidden_turns([{"role": "user", "content": shown[0]["content"]}]) == 0, "only the chat's note counts"
+    forged = earlier_note(1)["content"].replace("*1 ", "*" + "9" * 5000 + " ")  # a client sends back what it likes
+    assert hidden_turns([{"role": "assistant", "content": forged}]) == 0
     assert history_messages(conv, 10**6) == [earlier_note(len(turns))], "a first past the end: the note alone"
 
 
