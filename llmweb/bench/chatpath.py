@@ -3,7 +3,7 @@ depth, side by side in one run.
 
 `python -m llmweb bench chatpath [--repeats 3] [--max-new-tokens 128] [--json]`
 
-Ours is the whole chat path, as `python -m llmweb replay` runs it: a Runtime at the defaults (the
+Ours is the whole chat path, as `python -m llmweb replay` runs it (`Chat.ask`): a Runtime at the defaults (the
 bundled guide retrieved from, the loop guard, summaries, the engine process, the thread
 governor) over a scratch data dir, and SCRIPT's four messages in a new chat; each turn's decode
 tok/s is its own stats'. The reference is `llama-bench -p 0 -n M -d N` on the same GGUF file and
@@ -36,7 +36,6 @@ SCRIPT = (
 
 
 def run(settings, new_tokens: int = 128, repeats: int = 3, progress: Callable[[str], None] = print) -> dict:
-    from llmweb.cli.main import replay
     from llmweb.engine import gguf, models
     from llmweb.runtime import Runtime
 
@@ -58,13 +57,14 @@ def run(settings, new_tokens: int = 128, repeats: int = 3, progress: Callable[[s
         runtime = Runtime(settings.replace(data_dir=Path(tmp), max_new_tokens=new_tokens)).start(background=False)
         try:
             progress(f"bench chatpath: a warm-up run of the {len(SCRIPT)} turns (it gives their depths)…")
-            depths = {t["prompt_tokens"] for t in _turns(replay(runtime, list(SCRIPT)))}
+            chat = runtime.wait_ready()
+            depths = {t["prompt_tokens"] for t in _script(chat)}
             gguf_file = Path(folder) / name
             for r in range(repeats):
                 for side in ("ours", "llama-bench") if r % 2 == 0 else ("llama-bench", "ours"):
                     if side == "ours":
                         progress(f"bench chatpath: repeat {r + 1}/{repeats}, the {len(SCRIPT)} turns…")
-                        ours.append(_turns(replay(runtime, list(SCRIPT))))
+                        ours.append(_script(chat))
                         depths |= {t["prompt_tokens"] for t in ours[-1]}  # a reply may differ by a few tokens
                     else:
                         ran = llama_bench(gguf_file, sorted(depths), new_tokens, threads, 1, progress)
@@ -80,12 +80,20 @@ def run(settings, new_tokens: int = 128, repeats: int = 3, progress: Callable[[s
     }
 
 
-def _turns(rows) -> list[dict]:
-    out = []
-    for d in rows:
-        if "error" in d:
-            raise ConfigError(f"bench chatpath: turn {d['turn']} was refused: {d['error']}")
-        out.append({"prompt_tokens": int(d["prompt_tokens"]), "decode_tok_s": float(d["decode_tok_s"])})
+def _script(chat) -> list[dict]:
+    """SCRIPT in a new chat of the local user, as `replay` sends it (its folds waited for after
+    each turn); each turn's prompt tokens and decode tok/s. The chat is deleted after."""
+    from llmweb.records import LOCAL_OWNER as LOCAL
+
+    conv, out = None, []
+    try:
+        for text in SCRIPT:
+            ev = chat.ask(LOCAL, conv, text, wait_summary=True)
+            conv, g = ev.conv_id, ev.stats.gen
+            out.append({"prompt_tokens": int(g.prompt_tokens), "decode_tok_s": float(g.decode_tok_s)})
+    finally:
+        if conv is not None:
+            chat.delete(LOCAL, conv)
     return out
 
 
