@@ -82,18 +82,15 @@ def run(settings, new_tokens: int = 128, repeats: int = 3, progress: Callable[[s
 
 def _script(chat) -> list[dict]:
     """SCRIPT in a new chat of the local user, as `replay` sends it (its folds waited for after
-    each turn); each turn's prompt tokens and decode tok/s. The chat is deleted after."""
+    each turn); each turn's prompt tokens and decode tok/s. The chat stays, as replay's does (the
+    scratch dir goes at the end)."""
     from llmweb.records import LOCAL_OWNER as LOCAL
 
     conv, out = None, []
-    try:
-        for text in SCRIPT:
-            ev = chat.ask(LOCAL, conv, text, wait_summary=True)
-            conv, g = ev.conv_id, ev.stats.gen
-            out.append({"prompt_tokens": int(g.prompt_tokens), "decode_tok_s": float(g.decode_tok_s)})
-    finally:
-        if conv is not None:
-            chat.delete(LOCAL, conv)
+    for text in SCRIPT:
+        ev = chat.ask(LOCAL, conv, text, wait_summary=True)
+        conv, g = ev.conv_id, ev.stats.gen
+        out.append({"prompt_tokens": int(g.prompt_tokens), "decode_tok_s": float(g.decode_tok_s)})
     return out
 
 
