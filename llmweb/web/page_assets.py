@@ -7,7 +7,7 @@ effect clears the flag when the tracker's status leaves "pending". A tracker unm
 pending (one is, as every visit's page loads) never runs that effect, so its loop asks for a frame
 at the screen's rate for as long as the tab is open: 60 empty frames a second, each waking the
 browser's renderer, compositor and display threads. On the 2-core machine an idle llmweb tab
-took 60 frames a second and ~0.05 of a core in headless Chromium; with the fix, none and ~0.005
+took 60 frames a second and 0.078 of a core in headless Chromium; with the fix, none and 0.004
 (`python -m llmweb bench busy`'s idle line; tests/web/test_browser.py counts the frames).
 
 The fix: the loop asks for its next frame only while the status is still "pending", which is what
