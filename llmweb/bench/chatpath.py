@@ -67,7 +67,7 @@ def run(settings, new_tokens: int = 128, repeats: int = 3, progress: Callable[[s
                         ours.append(_script(chat))
                         depths |= {t["prompt_tokens"] for t in ours[-1]}  # a reply may differ by a few tokens
                     else:
-                        ran = llama_bench(gguf_file, sorted(depths), new_tokens, threads, 1, progress)
+                        ran = llama_bench(gguf_file, sorted(depths), new_tokens, threads, 1, progress, "chatpath")
                         theirs.append(_reference(ran))
         finally:
             runtime.close()

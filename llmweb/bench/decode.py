@@ -267,7 +267,9 @@ def _threads(settings) -> int:
     return settings.threads or default_threads()
 
 
-def llama_bench(gguf, lengths, new_tokens: int, threads: int, repeats: int, progress=print) -> list[dict] | None:
+def llama_bench(
+    gguf, lengths, new_tokens: int, threads: int, repeats: int, progress=print, bench: str = "decode"
+) -> list[dict] | None:
     """llama.cpp's `llama-bench` on the GGUF file: prefill of each length (`-p N -n 0`) and decode of
     `new_tokens` after that many tokens (`-p 0 -n M -d N`); None when it is not installed."""
     import json
@@ -278,7 +280,7 @@ def llama_bench(gguf, lengths, new_tokens: int, threads: int, repeats: int, prog
         return None
     common = [exe, "-m", str(gguf), "-t", str(threads), "-r", str(max(repeats, 1)), "-o", "json"]
     joined = ",".join(str(n) for n in lengths)
-    progress(f"bench decode: llama-bench, prefill {joined} and decode {new_tokens} at those depths…")
+    progress(f"bench {bench}: llama-bench, prefill {joined} and decode {new_tokens} at those depths…")
     out: dict[int, dict] = {n: {"step": "llama.cpp llama-bench (reference)", "prompt": n} for n in lengths}
     for args, key in (
         (["-p", joined, "-n", "0"], "prefill_tok_s"),
@@ -286,7 +288,7 @@ def llama_bench(gguf, lengths, new_tokens: int, threads: int, repeats: int, prog
     ):
         done = subprocess.run(common + args, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
-            progress(f"bench decode: llama-bench failed ({done.returncode}): {done.stderr[-300:]}")
+            progress(f"bench {bench}: llama-bench failed ({done.returncode}): {done.stderr[-300:]}")
             return None
         for test in json.loads(done.stdout):
             n = test["n_prompt"] if key == "prefill_tok_s" else test.get("n_depth", 0)
