@@ -242,6 +242,8 @@ def plan(
     fmt: ChatFormat,
     recall: Sequence[Chunk] = (),
     facts: Sequence = (),
+    hold: int = 0,
+    low: float = 1.0,
 ) -> ContextPlan:
     """Plan this turn's prompt within `budget`; see the module docstring for layout and guarantees.
 
@@ -250,6 +252,12 @@ def plan(
     conversation; they share `retrieved_tokens` and are taken whole, best score first. `facts`
     (objects with `.text` and `.pinned`, oldest first) are the user's facts: all pinned ones, then
     the newest unpinned ones within `facts_tokens`.
+
+    When not every turn fits, history starts at turn `hold` (the start of the caller's last prompt:
+    chat/session.py) while the turns from there fit; past that, it is cut down to the newest turns
+    within `low` of its room (at least the newest PROTECTED_TURNS that fit). So the window's start
+    moves in steps, not a turn at a time, and the prompts between two steps share their prefix (the
+    KV cache reuses it). `low` 1.0 (the default): only what does not fit is left out.
     Raises InputError when the user's message is over `user_tokens`, or when the system prompt,
     the pinned facts, the message and the reply reserve alone do not fit in the context.
     """
@@ -325,7 +333,8 @@ def plan(
             dropped.append((chunk, OVER_BUDGET if cost > budget.retrieved_tokens else NO_ROOM))
     left -= n_retrieved_all
 
-    # 5) history: the newest whole turns that fit in what is left
+    # 5) history: the newest whole turns that fit in what is left; when some do not, from `hold`
+    #    while the rest fits, else the newest within `low` of the room (see the docstring)
     history_room = left
     kept: list[list[int]] = []  # per turn: its user + assistant ids, newest first
     n_history = 0
@@ -335,6 +344,14 @@ def plan(
             break
         kept.append(seg)
         n_history += len(seg)
+    if len(kept) < len(turns):
+        start = len(turns) - len(kept)
+        if start <= hold <= len(turns) - min(len(kept), PROTECTED_TURNS):  # else a step: to `low`
+            n_history -= sum(len(seg) for seg in kept[len(turns) - hold :])
+            del kept[len(turns) - hold :]
+        else:
+            while len(kept) > PROTECTED_TURNS and n_history > low * left:
+                n_history -= len(kept.pop())
     kept.reverse()
     kept_turns = turns[len(turns) - len(kept) :] if kept else []
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from threading import Event
@@ -97,6 +98,32 @@ class Summariser:
         return summary.clean_summary(self.fmt.decode(handle.result()), cap, self.fmt)
 
 
+class Windows:
+    """Where each chat's last prompt started its history (a turn's index in the chat), so the next
+    prompt starts there while the turns from there fit (context.plan's `hold`): a window that
+    passed its room moves in one step, and the prompts until the next step share their prefix.
+    In memory, for the newest MAX_CHATS chats; a restart forgets them, and the first prompt after
+    it plans afresh (its KV cache is cold then anyway)."""
+
+    MAX_CHATS = 4096
+
+    def __init__(self) -> None:
+        self._starts: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def hold(self, conv_id: str, first: int) -> int:
+        """Where the window of `conv_id` starts among the turns from `first` (those not folded) on."""
+        with self._lock:
+            return max(self._starts.get(conv_id, first) - first, 0)
+
+    def note(self, conv_id: str, start: int) -> None:
+        with self._lock:
+            self._starts[conv_id] = start
+            self._starts.move_to_end(conv_id)
+            while len(self._starts) > self.MAX_CHATS:
+                self._starts.popitem(last=False)
+
+
 class FoldJob(threading.Thread):
     """A fold in flight: its thread, whose chat it folds, and the flag that stops it before its next
     write (`Folds.stop`: "Delete all my data"). `fold` is called with `args`, then the flag."""
@@ -119,9 +146,11 @@ class Folds:
         store: Store,
         budget: context.Budget,
         recalls: RecallCache,
+        windows: Windows | None = None,
     ):
         self.settings, self.engine, self.fmt, self.store, self.budget = settings, engine, fmt, store, budget
         self.recalls = recalls
+        self.windows = windows or Windows()
         self.summariser = Summariser(settings, engine, fmt, budget)
         self._jobs: dict[str, FoldJob] = {}
         self._lock = threading.Lock()
@@ -222,7 +251,16 @@ class Folds:
             window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]]
             mine = turn_settings(self.settings, self.budget, conv.settings)
             plan = context.plan(
-                mine.system_prompt, conv.summary, window, [], "", mine.budget, self.fmt, facts=conv.facts
+                mine.system_prompt,
+                conv.summary,
+                window,
+                [],
+                "",
+                mine.budget,
+                self.fmt,
+                facts=conv.facts,
+                hold=self.windows.hold(conv_id, conv.summarized_upto),
+                low=self.settings.history_low,
             )
         except LlmwebError:
             return

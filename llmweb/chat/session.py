@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from llmweb.chat import context, facts, scope
 from llmweb.chat.document_task import DocumentTasks
-from llmweb.chat.memory import Folds
+from llmweb.chat.memory import Folds, Windows
 from llmweb.chat.recall import RecallCache
 from llmweb.chat.settings import TurnSettings, check_pins, checked, clean_message, turn_settings
 from llmweb.chat.tokens import ChatFormat
@@ -104,7 +104,8 @@ class Chat:
         self.library = library
         self.runner = TurnRunner(settings, engine, fmt)
         self.recalls = RecallCache(settings, library)
-        self.folds = Folds(settings, engine, fmt, store, budget, self.recalls)
+        self.windows = Windows()  # where each chat's window starts (context.plan's `hold`)
+        self.folds = Folds(settings, engine, fmt, store, budget, self.recalls, self.windows)
         self.documents = DocumentTasks(settings, engine, fmt, store, budget, library)
 
     # ---- the turn, over four snapshots of the chat
@@ -238,6 +239,7 @@ class Chat:
         gone = use_docs and how.documents is None and conv.settings.documents is not None and not only
         prompt = self._prompt(conv, text, mine, use_docs, only)
         plan = prompt.plan(budget, self.fmt)  # InputError with the numbers when the message cannot fit
+        self.windows.note(conv.id, conv.summarized_upto + plan.dropped_turns)
         job = Job(
             owner=conv.owner,
             conv_id=conv.id,
@@ -282,6 +284,8 @@ class Chat:
             user=text,
             recall=tuple(recall),
             facts=tuple(conv.facts),
+            hold=self.windows.hold(conv.id, conv.summarized_upto),
+            low=self.settings.history_low,
         )
 
     def wait_background(self, conv_id: str | None = None, timeout: float | None = None) -> None:

@@ -125,6 +125,8 @@ class Prompt:
     user: str
     recall: tuple[Chunk, ...] = ()  # earlier passages of this conversation
     facts: tuple = ()  # the user's facts (`.text`, `.pinned`), oldest first
+    hold: int = 0  # where the window started last turn, while it still fits (context.plan)
+    low: float = 1.0  # past that, history is cut to this share of its room
 
     def plan(self, budget: context.Budget, fmt: ChatFormat) -> context.ContextPlan:
         return context.plan(
@@ -137,6 +139,8 @@ class Prompt:
             fmt,
             recall=self.recall,
             facts=self.facts,
+            hold=self.hold,
+            low=self.low,
         )
 
     def smaller(self) -> Prompt:

@@ -67,6 +67,28 @@ def test_sixty_turns_stay_inside_a_small_context(small_runtime):
     assert len(stored.turns) == 60
 
 
+def test_a_long_window_only_chat_reuses_its_cache_between_the_windows_steps(tmp_path, app_model):
+    """Window memory over a chat far past its room (an import of 30 turns, a 512-token context):
+    the first turn prefills a window cut to the low-water mark, and the next turns start where it
+    started, so the real engine serves all but their own message from the chat's KV cache (before,
+    each turn moved the window by a turn and prefilled the whole prompt)."""
+    rt = Runtime(
+        make_settings(tmp_path, context_limit=512, max_new_tokens=24, summaries=False), loaded=app_model
+    ).start(background=False)
+    try:
+        conv = rt.store.create_conversation(LOCAL)
+        for i in range(30):
+            rt.store.add_turn(LOCAL, conv, f"Old question {i} about the sea?", f"Old answer {i}: " + "waves " * 20)
+        gens = [run_turn(rt.chat, conv, f"Name one fish, number {i}.")[1].stats for i in range(3)]
+        assert gens[0].dropped_turns > 0 and gens[0].gen.reused_tokens == 0
+        for prev, s in zip(gens, gens[1:]):
+            assert s.dropped_turns == prev.dropped_turns, "the window holds its start"
+            assert s.gen.reused_tokens >= prev.gen.prompt_tokens, (prev.gen, s.gen)
+            assert s.gen.prefilled_tokens <= 40, s.gen
+    finally:
+        rt.close()
+
+
 def test_reuse_gives_the_same_replies_over_15_turns_with_a_compression(tmp_path, fp32_model):
     replies = {}
     summaries = {}

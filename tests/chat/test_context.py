@@ -196,6 +196,60 @@ def test_prefix_grows_between_turns_for_kv_reuse():
         turns.append(Turn(f"question {i}", f"answer {i}"))
 
 
+def _grow(hold_steps: bool, n: int = 40):
+    """A chat of n equal turns planned turn by turn in a small context, each plan's start held (the
+    session's part) when `hold_steps`; per turn: (its plan, whether its history starts where the last one's did)."""
+    fmt, b = FakeFormat(), budget(limit=400, new=50)
+    turns: list[Turn] = []
+    start, out = 0, []
+    for i in range(n):
+        held = dict(hold=start, low=0.5) if hold_steps else {}
+        p = plan(SYSTEM, "", turns, [], f"q{i}", b, fmt, **held)
+        out.append((p, p.dropped_turns == start))
+        start = p.dropped_turns
+        turns.append(Turn(words(20, f"u{i}_"), words(20, f"a{i}_")))
+    return fmt, b, turns, out
+
+
+def test_a_window_past_its_room_moves_in_steps_down_to_the_low_water_mark():
+    """Held at its start, the window moves only when the turns from there no longer fit, and then
+    down to half its room; a turn at a time without the hold (the old way: every turn's prefix new)."""
+    fmt, b, turns, held = _grow(True)
+    *_, sliding = _grow(False)
+    steps = [i for i, (p, same) in enumerate(held) if not same]
+    slides = [i for i, (p, same) in enumerate(sliding) if not same and p.dropped_turns]
+    assert len(slides) >= 25, "without the hold, a full window moves on every turn"
+    assert 3 <= len(steps) <= len(slides) // 3, (steps, slides)
+    for i, (p, same) in enumerate(held):
+        check_invariants_held(p, fmt, turns[:i], f"q{i}", b)
+        if not same:
+            assert p.sections["history"] <= 0.5 * p.history_room, "a step goes down to the low-water mark"
+        elif i:
+            prev = held[i - 1][0]
+            stable = len(prev.ids) - len(fmt.message_ids("user", prev.messages[-1][1])) - 2
+            assert p.ids[:stable] == prev.ids[:stable], "between steps the prompt keeps the last one's prefix"
+
+
+def check_invariants_held(p, fmt, turns, user, b):
+    assert len(p.ids) + b.max_new_tokens <= b.context_limit
+    assert p.kept_turns + p.dropped_turns == len(turns)
+    assert list(p.ids) == render_prompt(fmt, p.messages[0][1], p.messages[1:])
+    newest = turns[len(turns) - p.kept_turns :] if p.kept_turns else []
+    assert list(p.messages[1:-1]) == [m for t in newest for m in (("user", t.user), ("assistant", t.assistant))]
+
+
+def test_a_hold_is_ignored_when_every_turn_fits_or_it_would_keep_too_few():
+    fmt, b = FakeFormat(), budget(limit=400, new=50)
+    few = [Turn(words(10, f"u{i}_"), words(10, f"a{i}_")) for i in range(3)]
+    assert plan(SYSTEM, "", few, [], "q", b, fmt, hold=2, low=0.5).dropped_turns == 0, "all fit: history is whole"
+    many = [Turn(words(20, f"u{i}_"), words(20, f"a{i}_")) for i in range(20)]
+    fit = plan(SYSTEM, "", many, [], "q", b, fmt).dropped_turns
+    assert plan(SYSTEM, "", many, [], "q", b, fmt, hold=fit + 2, low=0.5).dropped_turns == fit + 2
+    stepped = plan(SYSTEM, "", many, [], "q", b, fmt, hold=19, low=0.5)  # past the newest two: a fresh step
+    assert stepped.dropped_turns == plan(SYSTEM, "", many, [], "q", b, fmt, hold=0, low=0.5).dropped_turns < 19
+    assert plan(SYSTEM, "", many, [], "q", b, fmt, hold=fit - 1, low=0.5).dropped_turns > fit, "no longer fits: a step"
+
+
 def test_budget_from_settings():
     s = Settings()
     b = Budget.from_settings(s, model_max=8192, on_cpu=False)

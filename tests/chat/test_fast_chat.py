@@ -448,6 +448,93 @@ def test_window_memory_never_folds_and_recall_is_refused_when_the_server_has_non
     assert fin.stats.dropped_turns > 0, "window only: old turns are left out, and reported"
 
 
+def _own(fmt, text: str) -> int:
+    """What a turn prefills when the session's cache holds the last prompt and reply: its message."""
+    return len(fmt.message_ids("user", text)) + len(fmt.generation_prompt_ids()) + 1
+
+
+def test_a_window_past_its_room_moves_in_steps_and_the_turns_between_prefill_only_their_message(rig):
+    """Window memory over a context too small for the chat: the window's start holds while the
+    turns from it fit, then steps down to the low-water mark, so most turns reuse the cached prefix
+    (before, every turn past the room moved it by a turn and prefilled the whole prompt)."""
+    from llmweb.store.models import ChatSettings
+
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    chat.set_settings(OWNER, conv, ChatSettings(memory="window"))
+    full, dropped = [], []
+    for i in range(30):
+        text = f"message {i} " + "x " * 12
+        runner.enqueue(words(fmt, f"reply {i} " + "y " * 10) + [fmt.END])
+        fin = chat.ask(OWNER, conv, text)
+        full.append(fin.stats.gen.prompt_tokens - fin.stats.gen.reused_tokens > _own(fmt, text))
+        dropped.append(fin.stats.dropped_turns)
+    past = [i for i, d in enumerate(dropped) if d][1:]  # the turns after the window first passed its room
+    assert len(past) >= 15, dropped
+    steps = [i for i in past if full[i]]
+    assert steps == [i for i in past if dropped[i] != dropped[i - 1]], "only a step prefills more than the message"
+    assert 2 <= len(steps) <= len(past) // 3, (steps, dropped)
+
+
+def test_an_imported_backlog_folds_in_the_background_while_the_turns_reuse_their_prefix(rig):
+    """A chat imported with 40 turns and no summary: its first turn prefills a window cut to the
+    low-water mark; while the fold of the backlog runs (held here), the next turns start where
+    the first one did and prefill only their message; the fold lands once."""
+    import threading
+
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    for i in range(40):
+        store.add_turn(OWNER, conv, f"old message {i} " + "x " * 12, f"old reply {i} " + "y " * 10)
+    release, write = threading.Event(), chat.folds.summariser.write
+
+    def held_write(previous, turns, **kw):  # the fold's thread waits; the engine stays free
+        assert release.wait(10), "the test never released the fold"
+        return write(previous, turns, **kw)
+
+    runner.background = lambda request: fmt._words("the user wrote x again.") + [fmt.END]
+    chat.folds.summariser.write = held_write
+    try:
+        gens = []
+        for i in range(4):
+            text = f"message {i} " + "x " * 12
+            runner.enqueue(words(fmt, f"reply {i}") + [fmt.END])
+            gens.append(chat.ask(OWNER, conv, text))
+        assert store.get(OWNER, conv).summarized_upto == 0, "the fold is still held"
+        assert gens[0].stats.dropped_turns > 0 and len({g.stats.dropped_turns for g in gens}) == 1
+        for g, i in zip(gens[1:], range(1, 4)):
+            assert g.stats.gen.prompt_tokens - g.stats.gen.reused_tokens <= _own(fmt, f"message {i} " + "x " * 12)
+    finally:
+        release.set()
+    chat.wait_background(conv, timeout=10)
+    assert store.get(OWNER, conv).summarized_upto > 0
+
+
+def test_a_strangers_turns_never_move_anothers_window(rig):
+    """The held start is per chat: B, refused on A's chat, leaves A's window where it was, and A's
+    next turn still prefills only its message."""
+    from llmweb.store.models import ChatSettings, NotFound
+
+    chat, runner, fmt, store = rig
+    conv = store.create_conversation(OWNER)
+    chat.set_settings(OWNER, conv, ChatSettings(memory="window"))
+    for i in range(12):
+        runner.enqueue(words(fmt, f"reply {i} " + "y " * 10) + [fmt.END])
+        last = chat.ask(OWNER, conv, f"message {i} " + "x " * 12)
+    assert last.stats.dropped_turns > 0
+    with pytest.raises(NotFound):
+        chat.ask("anon:visitor-b", conv, "message from b " + "z " * 12)
+    other = store.create_conversation("anon:visitor-b")
+    for i in range(12):
+        runner.enqueue(words(fmt, f"b reply {i} " + "y " * 10) + [fmt.END])
+        chat.ask("anon:visitor-b", other, f"b message {i} " + "z " * 12)
+    runner.enqueue(words(fmt, "reply a") + [fmt.END])
+    text = "message a"  # short: it fits in the window as it stands
+    fin = chat.ask(OWNER, conv, text)
+    assert fin.stats.dropped_turns == last.stats.dropped_turns
+    assert fin.stats.gen.prompt_tokens - fin.stats.gen.reused_tokens <= _own(fmt, text)
+
+
 def test_editing_turn_2_of_4_plans_from_turn_1_only_keeps_the_original_and_switching_back_restores_it(rig):
     chat, runner, fmt, store = rig
     conv = store.create_conversation(OWNER)
