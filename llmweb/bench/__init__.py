@@ -134,7 +134,12 @@ def register(sub) -> None:
     b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
     b.add_argument("--prompts", default="32,512,1536", help="decode: prompt lengths in tokens, comma-separated")
     b.add_argument("--parts", type=int, default=4, help="document: copies of the guide in the long text")
-    b.add_argument("--history", type=int, default=0, help="busy: turns of an imported chat the page's chat starts with")
+    b.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        help="busy, ttft: turns of an imported chat the measured chat starts with (ttft: none folded)",
+    )
     b.add_argument("--rehearse", action="store_true", help="gpu: the same steps on the CPU, tiny shapes, a memory cap")
     b.add_argument("--quick", action="store_true", help="gpu: the smallest settings (the slow test's)")
     b.add_argument("--dpi", default="300,150", help="ocr: scan resolutions of the prose page, comma-separated")
@@ -299,7 +304,12 @@ def _bench_ttft(args) -> int:
     loaded = None if settings.engine_url else models.load(settings, progress=_stderr)  # remote: the tokenizer only
     with tempfile.TemporaryDirectory(prefix="llmweb-bench-") as tmp:  # the chats never touch the user's database
         result = ttft.run(
-            scratch_settings(settings, tmp), loaded, args.turns, full=not args.reuse_only, script=args.script
+            scratch_settings(settings, tmp),
+            loaded,
+            args.turns,
+            full=not args.reuse_only,
+            script=args.script,
+            history=args.history,
         )
     _print(result, args.json, ttft.markdown)
     return 0

@@ -53,8 +53,10 @@ class ModeResult:
         return sum((p - r) < LOW_PREFILL * p for p, r in pairs) / max(len(pairs), 1)
 
 
-def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
-    """One chat of `turns` on a Runtime of its own, with session KV reuse on or off."""
+def run_mode(settings, loaded, turns: list[str], reuse: bool, history: int = 0) -> ModeResult:
+    """One chat of `turns` on a Runtime of its own, with session KV reuse on or off. `history`: the
+    chat starts with that many turns stored and none folded (an imported chat), and each turn
+    goes on without waiting for its fold, as a person's next message does."""
     from llmweb.runtime import Runtime
 
     # as the app runs: the model in an engine process of its own where the settings say so
@@ -75,10 +77,10 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
                 "max_new_tokens": runtime.budget.max_new_tokens,
                 "engine_concurrency": settings.engine_concurrency,
             }
-        conv, folded = None, 0
+        conv, folded = (imported(chat.store, history) if history else None), 0
         try:
             for text in turns:
-                ev = chat.ask(LOCAL, conv, text, wait_summary=True)
+                ev = chat.ask(LOCAL, conv, text, wait_summary=not history)
                 conv, g = ev.conv_id, ev.stats.gen
                 res.ttft_s.append(g.ttft_s)
                 res.prompt_tokens.append(g.prompt_tokens)
@@ -96,6 +98,15 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool) -> ModeResult:
     return res
 
 
+def imported(store, turns: int) -> str:
+    """A new chat of the local user with `turns` turns stored and none in its summary, as an
+    import of a long chat leaves it; its id."""
+    conv = store.create_conversation(LOCAL)
+    for i, text in enumerate(scripted_turns(turns)):
+        store.add_turn(LOCAL, conv, text, f"An earlier answer, number {i + 1}: " + "the tide comes in " * 16)
+    return conv
+
+
 def script_turns(script: str, n_turns: int) -> list[str]:
     """The user messages of a scripted chat: "topics" (questions that come back to 20 topics; no
     statement about the user, so recall has nothing to bring back) or "facts" (fidelity's chat:
@@ -109,15 +120,15 @@ def script_turns(script: str, n_turns: int) -> list[str]:
     return scripted_turns(n_turns)
 
 
-def run(settings, loaded, n_turns: int, full: bool = True, script: str = "topics") -> dict:
-    """Both modes side by side (`full=False`: reuse only, for long runs)."""
+def run(settings, loaded, n_turns: int, full: bool = True, script: str = "topics", history: int = 0) -> dict:
+    """Both modes side by side (`full=False`: reuse only, for long runs); `history`: see `run_mode`."""
     from llmweb.chat.context import Budget
 
     turns = script_turns(script, n_turns)
     n_turns = len(turns)
-    results = [run_mode(settings, loaded, turns, reuse=True)]
+    results = [run_mode(settings, loaded, turns, reuse=True, history=history)]
     if full and not settings.engine_url:
-        results.append(run_mode(settings, loaded, turns, reuse=False))
+        results.append(run_mode(settings, loaded, turns, reuse=False, history=history))
     same = sum(a == b for a, b in zip(results[0].replies, results[-1].replies))
     if settings.engine_url:
         setup = {**results[0].setup, "quant": "remote", "device": settings.engine_url, "kv_reuse": settings.kv_reuse}
@@ -127,6 +138,8 @@ def run(settings, loaded, n_turns: int, full: bool = True, script: str = "topics
         "bench": "ttft",
         "turns": n_turns,
         "script": script,
+        "history": history,
+        "memory": "recall" if settings.summaries and settings.recall else "summary" if settings.summaries else "window",
         **setup,
         "modes": {
             r.mode: {
@@ -170,7 +183,12 @@ def markdown(r: dict) -> str:
     return "\n".join(
         [
             f"## TTFT over {r['turns']} turns of the {r.get('script', 'topics')!r} chat "
-            f"({r['model']}, {r['quant']}, {r['device']}, defaults on)",
+            f"({r['model']}, {r['quant']}, {r['device']}, memory: {r.get('memory', 'recall')})",
+            (
+                f"The chat starts with {r['history']} imported turns, none folded; turns do not wait for folds."
+                if r.get("history")
+                else ""
+            ),
             "",
             *rows,
             "",
