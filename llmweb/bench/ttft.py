@@ -19,6 +19,7 @@ server reported them, or `None` per turn where it reports nothing (then no prefi
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 from llmweb.records import LOCAL_OWNER as LOCAL
@@ -28,6 +29,7 @@ from .common import describe_setup, scripted_turns
 EARLY = slice(1, 6)  # turns 2-6
 LATE = 10  # the last 10 turns
 LOW_PREFILL = 0.3  # a turn "reuses well" when it prefills under this share of its prompt
+TYPING_S = 5.0  # --history: from opening the imported chat to its first message
 
 
 @dataclass
@@ -55,8 +57,9 @@ class ModeResult:
 
 def run_mode(settings, loaded, turns: list[str], reuse: bool, history: int = 0) -> ModeResult:
     """One chat of `turns` on a Runtime of its own, with session KV reuse on or off. `history`: the
-    chat starts with that many turns stored and none folded (an imported chat), and each turn
-    goes on without waiting for its fold, as a person's next message does."""
+    chat starts with that many turns stored and none folded (an imported chat), opened as the page
+    opens one (its next prompt prefilled in the background: `Chat.warm`), its first message sent
+    TYPING_S later, and each turn goes on without waiting for its fold, as a person's next message does."""
     from llmweb.runtime import Runtime
 
     # as the app runs: the model in an engine process of its own where the settings say so
@@ -78,6 +81,9 @@ def run_mode(settings, loaded, turns: list[str], reuse: bool, history: int = 0) 
                 "engine_concurrency": settings.engine_concurrency,
             }
         conv, folded = (imported(chat.store, history) if history else None), 0
+        if conv is not None:  # opened as the page opens an import, and the first message typed meanwhile
+            chat.warm(LOCAL, conv)
+            time.sleep(TYPING_S)
         try:
             for text in turns:
                 ev = chat.ask(LOCAL, conv, text, wait_summary=not history)
@@ -185,7 +191,8 @@ def markdown(r: dict) -> str:
             f"## TTFT over {r['turns']} turns of the {r.get('script', 'topics')!r} chat "
             f"({r['model']}, {r['quant']}, {r['device']}, memory: {r.get('memory', 'recall')})",
             (
-                f"The chat starts with {r['history']} imported turns, none folded; turns do not wait for folds."
+                f"The chat starts with {r['history']} imported turns, none folded, opened {TYPING_S:.0f} s before "
+                "its first message; turns do not wait for folds."
                 if r.get("history")
                 else ""
             ),

@@ -25,7 +25,7 @@ from llmweb.chat.recall import RecallCache
 from llmweb.chat.settings import TurnSettings, turn_settings
 from llmweb.chat.tokens import ChatFormat, render_prompt
 from llmweb.config import Settings
-from llmweb.engine.request import GenerationRequest
+from llmweb.engine.request import GenerationRequest, Handle
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import InputError, LlmwebError
 from llmweb.records import Turn
@@ -116,6 +116,10 @@ class Windows:
         with self._lock:
             return max(self._starts.get(conv_id, first) - first, 0)
 
+    def forget(self, conv_id: str) -> None:
+        with self._lock:
+            self._starts.pop(conv_id, None)
+
     def note(self, conv_id: str, start: int) -> None:
         with self._lock:
             self._starts[conv_id] = start
@@ -153,6 +157,7 @@ class Folds:
         self.windows = windows or Windows()
         self.summariser = Summariser(settings, engine, fmt, budget)
         self._jobs: dict[str, FoldJob] = {}
+        self._warming: dict[str, Handle] = {}  # per owner: the warm-up of a chat it opened, while in flight
         self._lock = threading.Lock()
 
     def after_turn(self, conv: Conversation, new: Turn, plan: context.ContextPlan, mine: TurnSettings) -> None:
@@ -239,20 +244,58 @@ class Folds:
 
         A fold moves the window, so every token after the summary sits at a new position and the
         cached prefix ends there: the next turn would prefill the whole window (~1,000 tokens at
-        context 2048) before its first token. Planned with an empty message, this prompt is the
-        next turn's up to its user text; the engine keeps it as the session's cache (one token is
-        generated and dropped), and the user's next message, typed meanwhile, reuses it. Planning
+        context 2048) before its first token. The fold waits for it (`warm_request`). Planning
         never fails the fold: a conversation gone or not fitting just is not warmed.
         """
-        if not self.settings.kv_reuse:
+        request = self.warm_request(owner, conv_id)
+        if request is None:
             return
         try:
+            self.engine.submit(request).result()
+        except LlmwebError as e:  # busy, out of memory, shut down: the next turn prefills it itself
+            log.info("warming %s after a fold: %s", log_id(conv_id), e)
+
+    def warm(self, owner: str, conv_id: str) -> bool:
+        """A chat just opened (picked in the list, found, imported): prefill its next prompt into
+        its KV cache in the background, so the message its owner types meanwhile prefills only
+        itself. Not while the chat's fold runs (the fold warms it after), and one per owner at a
+        time: a visitor clicking through their chats keeps at most one prefill of theirs queued.
+        Returns whether one was submitted; it is not waited for."""
+        with self._lock:
+            for done in [k for k, h in self._warming.items() if h.stats is not None or h.error is not None]:
+                del self._warming[done]
+            fold = self._jobs.get(conv_id)
+            if owner in self._warming or (fold is not None and fold.is_alive()):
+                return False
+        request = self.warm_request(owner, conv_id)
+        if request is None:
+            return False
+        try:
+            handle = self.engine.submit(request)
+        except LlmwebError as e:  # a full queue: the next turn prefills it itself
+            log.info("warming %s as it opened: %s", log_id(conv_id), e)
+            return False
+        with self._lock:
+            self._warming[owner] = handle
+        return True
+
+    def warm_request(self, owner: str, conv_id: str) -> GenerationRequest | None:
+        """The background request that prefills the chat's next prompt up to its user text: planned
+        as a turn is (chat/session.py's `_prompt`, its window's start held and noted) with an empty
+        message and no retrieved text; the engine keeps it as the session's cache (one token is
+        generated and dropped). None where there is nothing to warm: KV reuse off, no turns, the
+        chat gone or not fitting."""
+        if not self.settings.kv_reuse:
+            return None
+        try:
             conv = self.store.get(owner, conv_id)
+            if not conv.turns:
+                return None
             window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]]
             mine = turn_settings(self.settings, self.budget, conv.settings)
             plan = context.plan(
                 mine.system_prompt,
-                conv.summary,
+                conv.summary if mine.summaries else "",
                 window,
                 [],
                 "",
@@ -263,17 +306,13 @@ class Folds:
                 low=self.settings.history_low,
             )
         except LlmwebError:
-            return
-        try:
-            self.engine.submit(
-                GenerationRequest(
-                    prompt_ids=plan.ids,
-                    max_new_tokens=1,
-                    stop_ids=self.fmt.stop_ids,
-                    session_id=conv_id,
-                    owner=owner,
-                    background=True,
-                )
-            ).result()
-        except LlmwebError as e:  # busy, out of memory, shut down: the next turn prefills it itself
-            log.info("warming %s after a fold: %s", log_id(conv_id), e)
+            return None
+        self.windows.note(conv_id, conv.summarized_upto + plan.dropped_turns)
+        return GenerationRequest(
+            prompt_ids=plan.ids,
+            max_new_tokens=1,
+            stop_ids=self.fmt.stop_ids,
+            session_id=conv_id,
+            owner=owner,
+            background=True,
+        )

@@ -107,6 +107,7 @@ class Chat:
         self.windows = Windows()  # where each chat's window starts (context.plan's `hold`)
         self.folds = Folds(settings, engine, fmt, store, budget, self.recalls, self.windows)
         self.documents = DocumentTasks(settings, engine, fmt, store, budget, library)
+        self.pins = Pins(store, budget, fmt)  # the memory panel's facts
 
     # ---- the turn, over four snapshots of the chat
     def send(
@@ -288,6 +289,12 @@ class Chat:
             low=self.settings.history_low,
         )
 
+    def warm(self, owner: str, conv_id: str) -> bool:
+        """The owner opened this chat: prefill its next prompt in the background (chat/memory.py's
+        `Folds.warm`); whether a warm-up was submitted. Another owner's chat id is not found, and
+        warms nothing."""
+        return self.folds.warm(owner, conv_id)
+
     def wait_background(self, conv_id: str | None = None, timeout: float | None = None) -> None:
         self.folds.wait(conv_id, timeout)  # the folds in flight (of one chat, or all)
 
@@ -382,14 +389,23 @@ class Chat:
     def _forget(self, conv_id: str) -> None:
         self.engine.kv.drop(conv_id)
         self.recalls.forget(conv_id)
+        self.windows.forget(conv_id)
 
-    # ---- memory panel
-    def add_fact(self, owner: str, conv_id: str, text: str) -> None:
+
+class Pins:
+    """The facts of a chat that its owner adds, pins, unpins and deletes by hand (the memory panel).
+    Pinned facts are never left out of a prompt, so together they stay within their budget
+    (`check_pins`); every call is scoped to the owner by the store."""
+
+    def __init__(self, store: Store, budget: context.Budget, fmt: ChatFormat):
+        self.store, self.budget, self.fmt = store, budget, fmt
+
+    def add(self, owner: str, conv_id: str, text: str) -> None:
         text = clean_message(text, 300)
         check_pins(self.budget, self.fmt, self.store.facts(owner, conv_id), facts.FactLike(text, True))
         self.store.add_fact(owner, conv_id, text, pinned=True)
 
-    def set_fact_pinned(self, owner: str, conv_id: str, fact_id: int, pinned: bool) -> None:
+    def set_pinned(self, owner: str, conv_id: str, fact_id: int, pinned: bool) -> None:
         if pinned:
             known = self.store.facts(owner, conv_id)
             fact = next((f for f in known if f.id == fact_id), None)
@@ -397,7 +413,7 @@ class Chat:
                 check_pins(self.budget, self.fmt, known, fact)
         self.store.set_fact_pinned(owner, conv_id, fact_id, pinned)
 
-    def delete_fact(self, owner: str, conv_id: str, fact_id: int) -> None:
+    def delete(self, owner: str, conv_id: str, fact_id: int) -> None:
         self.store.delete_fact(owner, conv_id, fact_id)
 
 

@@ -106,11 +106,11 @@ def test_pin_unpin_delete_persist_and_reach_the_prompt(tmp_path, fp32_model):
     settings = make_settings(tmp_path, max_new_tokens=8, quant="fp32")
     rt = Runtime(settings, loaded=fp32_model).start(background=False)
     conv = rt.store.create_conversation(LOCAL)
-    rt.chat.add_fact(LOCAL, conv, "My sister Ana lives in Lisbon.")
-    rt.chat.add_fact(LOCAL, conv, "I am allergic to peanuts.")
+    rt.chat.pins.add(LOCAL, conv, "My sister Ana lives in Lisbon.")
+    rt.chat.pins.add(LOCAL, conv, "I am allergic to peanuts.")
     a, b = rt.store.facts(LOCAL, conv)
-    rt.chat.set_fact_pinned(LOCAL, conv, a.id, False)
-    rt.chat.delete_fact(LOCAL, conv, b.id)
+    rt.chat.pins.set_pinned(LOCAL, conv, a.id, False)
+    rt.chat.pins.delete(LOCAL, conv, b.id)
     fin = run(rt.chat, conv, "Hello")
     assert "My sister Ana lives in Lisbon." in fin.prompt_text()
     assert "peanuts" not in fin.prompt_text()
@@ -131,9 +131,9 @@ def test_pinning_past_the_facts_budget_is_refused_with_the_numbers(tmp_path, fp3
     rt = Runtime(make_settings(tmp_path, facts_tokens=24, quant="fp32"), loaded=fp32_model).start(background=False)
     try:
         conv = rt.store.create_conversation(LOCAL)
-        rt.chat.add_fact(LOCAL, conv, "My sister Ana lives in Lisbon.")
+        rt.chat.pins.add(LOCAL, conv, "My sister Ana lives in Lisbon.")
         with pytest.raises(InputError, match="budget is 24"):
-            rt.chat.add_fact(LOCAL, conv, "My brother Tomás lives in Porto and works at the harbour as a crane driver.")
+            rt.chat.pins.add(LOCAL, conv, "My brother Tomás lives in Porto and works at the harbour as a crane driver.")
         assert [f.text for f in rt.store.facts(LOCAL, conv)] == ["My sister Ana lives in Lisbon."], "nothing was added"
     finally:
         rt.close()

@@ -104,7 +104,7 @@ def test_old_turns_fold_into_a_summary_by_a_background_job(rig):
 def test_pinned_facts_reach_the_prompt_as_their_own_section(rig):
     chat, runner, fmt, store = rig
     conv = store.create_conversation(OWNER)
-    chat.add_fact(OWNER, conv, "my locker code is Zanzibar-7781")
+    chat.pins.add(OWNER, conv, "my locker code is Zanzibar-7781")
     fin = chat.ask(OWNER, conv, "what is my locker code?")
     assert "- my locker code is Zanzibar-7781" in fin.prompt[0][1]
     assert fin.stats.sections["facts"] > 0 and fin.stats.sections["summary"] == 0
@@ -119,7 +119,7 @@ def test_two_owners_never_share_a_conversation_facts_or_a_kv_cache(rig):
     with pytest.raises(NotFound):
         chat.ask(other, mine, "what is the locker code?")
     with pytest.raises(NotFound):
-        chat.add_fact(other, mine, "I own this chat now")
+        chat.pins.add(other, mine, "I own this chat now")
     assert chat.delete(other, mine) is False and store.exists(OWNER, mine)
     theirs = chat.ask(other, None, "hello").conv_id
     assert theirs != mine and [c.id for c in store.list_conversations(other)] == [theirs]
@@ -134,7 +134,7 @@ def test_the_retention_purge_deletes_idle_anonymous_owners_only(rig):
     old = chat.ask("anon:old-visitor", None, "hello from long ago").conv_id
     account = chat.ask("user:alice", None, "an account's chat").conv_id
     recent = chat.ask(OWNER, None, "hello today").conv_id
-    chat.add_fact("anon:old-visitor", old, "my cat is called Miso")
+    chat.pins.add("anon:old-visitor", old, "my cat is called Miso")
     past = time.time() - 40 * 86400
     store._db.execute("UPDATE owners SET last_seen = ? WHERE owner IN ('anon:old-visitor', 'user:alice')", (past,))
     assert chat.purge_idle(("anon:", "api:"), 30 * 86400) == (1, 1)
@@ -533,6 +533,41 @@ def test_a_strangers_turns_never_move_anothers_window(rig):
     fin = chat.ask(OWNER, conv, text)
     assert fin.stats.dropped_turns == last.stats.dropped_turns
     assert fin.stats.gen.prompt_tokens - fin.stats.gen.reused_tokens <= _own(fmt, text)
+
+
+def test_opening_a_chat_warms_its_next_prompt_once_per_owner_and_never_anothers(rig):
+    """A chat opened (here: imported, so nothing of it is cached) is prefilled in the background,
+    and the message typed next prefills only itself. One warm-up per owner at a time; a stranger
+    who names the chat's id warms nothing of it."""
+    import time
+
+    chat, runner, fmt, store = rig
+    convs = []
+    for n in range(2):
+        conv = store.create_conversation(OWNER)
+        for i in range(6):
+            store.add_turn(OWNER, conv, f"old message {n} {i} " + "x " * 8, f"old reply {i} " + "y " * 8)
+        convs.append(conv)
+    runner.token_delay_s = 0.3  # the first warm-up is still in flight when the second is asked for
+    assert chat.warm(OWNER, convs[0])
+    assert not chat.warm(OWNER, convs[1]), "one warm-up per owner at a time"
+    assert not chat.warm("anon:visitor-b", convs[0]), "another owner's chat is not found"
+    warmups = [r for r in runner.requests if r.background]
+    deadline = time.monotonic() + 5
+    while (len(warmups) < 1 or chat.folds._warming) and time.monotonic() < deadline:
+        chat.warm("anon:nobody", "")  # prunes the finished warm-ups; warms nothing
+        warmups = [r for r in runner.requests if r.background]
+        time.sleep(0.05)
+    runner.token_delay_s = 0.0
+    assert [(r.session_id, r.owner, r.max_new_tokens) for r in warmups] == [(convs[0], OWNER, 1)]
+    text = "new message " + "x " * 8
+    runner.enqueue(words(fmt, "reply") + [fmt.END])
+    fin = chat.ask(OWNER, convs[0], text)
+    assert fin.stats.gen.reused_tokens > 0
+    assert fin.stats.gen.prompt_tokens - fin.stats.gen.reused_tokens <= _own(fmt, text), fin.stats.gen
+    runner.enqueue(words(fmt, "reply") + [fmt.END])
+    cold = chat.ask(OWNER, convs[1], text)  # never warmed: its whole prompt is prefilled
+    assert cold.stats.gen.reused_tokens == 0
 
 
 def test_editing_turn_2_of_4_plans_from_turn_1_only_keeps_the_original_and_switching_back_restores_it(rig):

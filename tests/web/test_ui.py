@@ -213,6 +213,12 @@ class FakeChat:
             context_limit=400, max_new_tokens=64, summary_tokens=30, retrieved_tokens=40, user_tokens=60
         )
         self.fmt, self.library = FakeFormat(), None
+        self.warmed: list[tuple[str, str]] = []  # (owner, chat id) of each chat opened (`warm`)
+
+    def warm(self, owner, conv_id):
+        self.store.get(owner, conv_id)  # the real one finds the chat as its owner's, or warms nothing
+        self.warmed.append((owner, conv_id))
+        return True
 
     def wait_background(self, conv_id=None, timeout=None):
         pass
@@ -446,6 +452,23 @@ def test_two_visitors_never_see_each_others_chats_through_any_handler(runtime):
     # a login is the owner, whatever the browser token says
     bob = SimpleNamespace(username="bob")
     assert browser_owner(runtime.settings, A_TOKEN, bob) == "user:bob"
+
+
+def test_a_chat_opened_by_its_owner_is_warmed_and_a_strangers_open_warms_nothing(runtime):
+    """Picking a chat in the list, a search result and an import prefill the chat's next prompt
+    (Chat.warm) as its owner's; B naming A's chat opens a blank chat and warms nothing."""
+    h = Handlers(runtime)
+    a_conv, a = _one_chat(h), f"anon:{A_TOKEN}"
+    runtime.chat.warmed.clear()
+    h.chats.switch(a_conv, A_TOKEN, NOBODY)
+    h.chats.switch(a_conv, B_TOKEN, NOBODY)
+    h.chats.switch("", A_TOKEN, NOBODY)  # a new chat: nothing to warm
+    idx = runtime.store.get(a, a_conv).turns[0].idx
+    h.chats.open_hit(f"{a_conv}:{idx}", A_TOKEN, NOBODY)
+    assert runtime.chat.warmed == [(a, a_conv), (a, a_conv)]
+    exported = h.transfer.export_json(a_conv, A_TOKEN, NOBODY)
+    imported = h.transfer.import_chat(exported, B_TOKEN, NOBODY)
+    assert imported.conv_state != a_conv and runtime.chat.warmed[-1] == (f"anon:{B_TOKEN}", imported.conv_state)
 
 
 def test_rename_shows_the_new_title_and_a_stranger_cannot_rename_it(runtime):

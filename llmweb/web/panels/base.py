@@ -229,6 +229,14 @@ class PanelHandlers:
         conv = self.store.get(owner, conv_id) if conv_id and self.store.exists(owner, conv_id) else None
         return self.panel(owner, conv or _blank(owner))
 
+    def _warmed(self, owner: str, panel: Panel) -> Panel:
+        """`panel`, a chat its owner just opened, with the chat's next prompt prefilled meanwhile
+        in the background (chat/session.py's `warm`), once the model is ready."""
+        chat = self.runtime.chat
+        if chat is not None and panel.conv_state:
+            chat.warm(owner, panel.conv_state)
+        return panel
+
     def _current(self, owner: str, conv_id: str):
         if not conv_id:
             raise InputError("Send a message first: this chat is not saved yet.")

@@ -23,7 +23,8 @@ class ChatListHandlers(PanelHandlers):
 
     @user_errors
     def switch(self, conv_id, token, request: gr.Request) -> Panel:
-        return self._open(self.owner(token, request), conv_id or "")
+        owner = self.owner(token, request)
+        return self._warmed(owner, self._open(owner, conv_id or ""))
 
     @user_errors
     def search(self, query, token, request: gr.Request):
@@ -38,7 +39,8 @@ class ChatListHandlers(PanelHandlers):
         conv_id, _, idx = (hit or "").rpartition(":")
         if not conv_id or not idx.isdigit():
             raise InputError("Pick a search result first.")
-        return self._reshown(self.owner(token, request), conv_id, f"Search result: turn {int(idx) + 1}.", first=0)
+        owner = self.owner(token, request)
+        return self._warmed(owner, self._reshown(owner, conv_id, f"Search result: turn {int(idx) + 1}.", first=0))
 
     @user_errors
     def rename(self, conv_id, title, token, request: gr.Request) -> tuple:

@@ -17,23 +17,23 @@ class MemoryHandlers(PanelHandlers):
 
     @user_errors
     def add_fact(self, conv_id, text, token, request: gr.Request) -> tuple:
-        return self._fact(conv_id, text, token, request, lambda chat, o, t: chat.add_fact(o, conv_id, t))
+        return self._fact(conv_id, text, token, request, lambda chat, o, t: chat.pins.add(o, conv_id, t))
 
     @user_errors
     def pin_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
         return self._picked(
-            conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, True)
+            conv_id, fact_id, token, request, lambda chat, o, f: chat.pins.set_pinned(o, conv_id, f, True)
         )
 
     @user_errors
     def unpin_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
         return self._picked(
-            conv_id, fact_id, token, request, lambda chat, o, f: chat.set_fact_pinned(o, conv_id, f, False)
+            conv_id, fact_id, token, request, lambda chat, o, f: chat.pins.set_pinned(o, conv_id, f, False)
         )
 
     @user_errors
     def delete_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
-        return self._picked(conv_id, fact_id, token, request, lambda chat, o, f: chat.delete_fact(o, conv_id, f))
+        return self._picked(conv_id, fact_id, token, request, lambda chat, o, f: chat.pins.delete(o, conv_id, f))
 
     def _picked(self, conv_id, fact_id, token, request, action) -> tuple:
         """An action on the fact picked in the dropdown (none picked: a toast)."""
