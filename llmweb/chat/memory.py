@@ -2,10 +2,12 @@
 jobs that fold old turns into it and warm the session's cache for the next turn.
 
 Owns: `Summariser` (the summary prompts, sized so each fits: chat/fold.py's `turns_fitting`; a
-summary past its cap merged; engine jobs at background priority) and `Folds` (when a turn's
+summary past its cap merged; engine jobs at background priority), `Folds` (when a turn's
 window passes its high-water mark, one job per conversation folds its oldest turns: recall
-indexing, grounding and facts through chat/fold.py, then the store, then warming). ("Memory"
-here is what the chat remembers; RAM and VRAM are engine/telemetry.py's.)
+indexing, grounding and facts through chat/fold.py, then the store, then warming; and the
+warm-up of a chat its owner opens) and `Windows` (where each chat's window starts, held while
+its turns fit: context.plan's `hold`). ("Memory" here is what the chat remembers; RAM and VRAM
+are engine/telemetry.py's.)
 It must not plan the turn itself or stream replies: chat/turn.py does that.
 """
 
@@ -157,7 +159,7 @@ class Folds:
         self.windows = windows or Windows()
         self.summariser = Summariser(settings, engine, fmt, budget)
         self._jobs: dict[str, FoldJob] = {}
-        self._warming: dict[str, Handle] = {}  # per owner: the warm-up of a chat it opened, while in flight
+        self._warming: dict[str, Handle | None] = {}  # per owner: the warm-up of a chat it opened, in flight
         self._lock = threading.Lock()
 
     def after_turn(self, conv: Conversation, new: Turn, plan: context.ContextPlan, mine: TurnSettings) -> None:
@@ -262,22 +264,25 @@ class Folds:
         time: a visitor clicking through their chats keeps at most one prefill of theirs queued.
         Returns whether one was submitted; it is not waited for."""
         with self._lock:
-            for done in [k for k, h in self._warming.items() if h.stats is not None or h.error is not None]:
+            for done in [k for k, h in self._warming.items() if h and (h.stats is not None or h.error is not None)]:
                 del self._warming[done]
             fold = self._jobs.get(conv_id)
             if owner in self._warming or (fold is not None and fold.is_alive()):
                 return False
-        request = self.warm_request(owner, conv_id)
-        if request is None:
-            return False
+            self._warming[owner] = None  # taken while it is planned and submitted
+        handle = None
         try:
-            handle = self.engine.submit(request)
+            request = self.warm_request(owner, conv_id)
+            handle = self.engine.submit(request) if request is not None else None
         except LlmwebError as e:  # a full queue: the next turn prefills it itself
             log.info("warming %s as it opened: %s", log_id(conv_id), e)
-            return False
-        with self._lock:
-            self._warming[owner] = handle
-        return True
+        finally:
+            with self._lock:
+                if handle is None:
+                    del self._warming[owner]
+                else:
+                    self._warming[owner] = handle
+        return handle is not None
 
     def warm_request(self, owner: str, conv_id: str) -> GenerationRequest | None:
         """The background request that prefills the chat's next prompt up to its user text: planned

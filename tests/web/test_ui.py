@@ -470,6 +470,12 @@ def test_a_chat_opened_by_its_owner_is_warmed_and_a_strangers_open_warms_nothing
     imported = h.transfer.import_chat(exported, B_TOKEN, NOBODY)
     assert imported.conv_state != a_conv and runtime.chat.warmed[-1] == (f"anon:{B_TOKEN}", imported.conv_state)
 
+    def broken(owner, conv_id):
+        raise RuntimeError("a bug in the warm-up")
+
+    runtime.chat.warm = broken  # a warm-up that fails never keeps the chat from opening
+    assert h.chats.switch(a_conv, A_TOKEN, NOBODY).conv_state == a_conv
+
 
 def test_rename_shows_the_new_title_and_a_stranger_cannot_rename_it(runtime):
     h = Handlers(runtime)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import Any, NamedTuple
 
 import gradio as gr
@@ -32,6 +33,8 @@ from llmweb.web.formatting import (
     version_choices,
 )
 from llmweb.web.visitors import visitors_for
+
+log = logging.getLogger(__name__)
 
 WAIT_READY_S = 600.0
 
@@ -234,7 +237,10 @@ class PanelHandlers:
         in the background (chat/session.py's `warm`), once the model is ready."""
         chat = self.runtime.chat
         if chat is not None and panel.conv_state:
-            chat.warm(owner, panel.conv_state)
+            try:
+                chat.warm(owner, panel.conv_state)
+            except Exception:  # a warm-up is a saving, never a reason the chat does not open
+                log.exception("warming a chat as it opened")
         return panel
 
     def _current(self, owner: str, conv_id: str):
