@@ -8,8 +8,8 @@ as its row and the rest still run:
 
   header         device, memory, torch / CUDA / bitsandbytes versions, the allocator settings
   model          the embedded model in NF4 through the transformers runner and the Engine: load
-                 time, weights' bytes, greedy text against the CPU's fp32, KV reuse on a second
-                 turn, a batch of 8, cancel within a token
+                 time, weights' bytes, agreement with the CPU's fp32 (top-1 on fp32's own reply,
+                 and free-running), KV reuse on a second turn, a batch of 8, cancel within a token
   oom            a real out-of-memory (CUDA: set_per_process_memory_fraction; rehearsal:
                  RLIMIT_AS), the engine's give-way and retry, the worker alive after it
   fragmentation  mixed-length requests, reserved − allocated and inactive split sampled, with

@@ -108,14 +108,28 @@ def model(p: dict, rows: list) -> None:
     same = sum(a == b for g, r in zip(got, ref, strict=True) for a, b in zip(g, r, strict=False))
     total = sum(len(r) for r in ref)
     first = sum(g[:1] == r[:1] for g, r in zip(got, ref, strict=True))
+    forced = sum(_forced(loaded, ids, r) for ids, r in zip(prompts, ref, strict=True))
     rows.append(
         (
-            "greedy agreement vs CPU fp32",
-            f"{same / max(total, 1):.0%}",
-            f"{same}/{total} tokens position by position, first token {first}/{len(ref)}, {len(ref)} prompts",
+            "top-1 agreement vs CPU fp32",
+            f"{forced / max(total, 1):.0%}",
+            f"{forced}/{total} next tokens on fp32's own greedy reply (teacher-forced), {len(ref)} prompts; "
+            f"free-running, {same}/{total} position by position (first token {first}/{len(ref)}): "
+            "a reply diverges for good at its first different token",
         )
     )
     _engine_rows(loaded, prompts, n, rows)
+
+
+def _forced(loaded, prompt: list[int], reply: list[int]) -> int:
+    """How many of `reply`'s tokens the model predicts as its top-1, each after the prompt and
+    the reply's tokens before it: agreement that one early difference does not end."""
+    import torch
+
+    ids = torch.tensor([prompt + reply[:-1]], device=loaded.device)
+    with torch.inference_mode():
+        logits = loaded.model(ids).logits[0, len(prompt) - 1 :]
+    return int((logits.argmax(-1).cpu() == torch.tensor(reply)).sum())
 
 
 def _engine_rows(loaded, prompts: list[list[int]], n: int, rows: list) -> None:
@@ -184,7 +198,9 @@ def oom(p: dict, rows: list) -> None:
     cuda = p["device"].startswith("cuda")
     loaded = models.load_transformers(_settings(p), p["device"], progress=lambda _m: None)
     short = _prompts(loaded, 1)[0]
-    long = (short * 400)[: min(loaded.max_context, 8192 if cuda else 1536) - 64]
+    # the longest prompt the model takes (at most 8k): on the CPU its KV (~90 MiB at 4k tokens) is
+    # more than the heap's free room under the cap, so an allocation truly fails part way through
+    long = (short * 400)[: min(loaded.max_context, 8192) - 64]
     engine = _engine(loaded, 8, 8)
     engine.submit(GenerationRequest(short, 4)).result()  # warm: the worker and its buffers exist
     if cuda:
