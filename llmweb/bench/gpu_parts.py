@@ -25,11 +25,16 @@ def _settings(p: dict):
 
 
 def _engine(loaded, max_batch: int, new_tokens: int, budget: int = 2**30):
+    """An Engine over `loaded`; on the CPU with the app's memory limit (LLMWEB_MEM_LIMIT_MB, else 80%
+    of RAM), so what admission lets in is what the app would let in."""
+    from llmweb.config import Settings
     from llmweb.engine.backends import make_engine
     from llmweb.engine.kvcache import KVStore
     from llmweb.engine.request import EngineLimits
+    from llmweb.runtime.engines import cpu_mem_limit_bytes
 
     limits = EngineLimits(
+        mem_limit_bytes=cpu_mem_limit_bytes(Settings.from_env()) if loaded.on_cpu else 0,
         queue_size=256,
         queue_per_user=256,
         max_wait_s=3600.0,
