@@ -193,6 +193,21 @@ def test_bench_ttft_still_works(tmp_path):
     assert all(n == 0 for n in r["modes"]["full"]["reused_tokens"])
 
 
+@pytest.mark.slow  # loads the real model in a subprocess
+def test_bench_ttft_from_an_imported_chat_warms_it_and_holds_its_window(tmp_path):
+    """`--history`: 40 turns imported unfolded (far past a 2,048-token room), opened as the page
+    opens one: the first message finds the chat prefilled, and the next ones reuse the prompt."""
+    done = run_cli(
+        tmp_path, "bench", "ttft", "--history", "40", "--turns", "3", "--max-new-tokens", "8", "--reuse-only", "--json"
+    )
+    r = json.loads(done.stdout)
+    assert r["history"] == 40 and r["memory"] in ("summary", "recall")
+    m = r["modes"]["reuse"]
+    prefilled = [p - u for p, u in zip(m["prompt_tokens"], m["reused_tokens"])]
+    assert m["reused_tokens"][0] > 0, "the warm-up on opening prefilled the first prompt"
+    assert all(f < 0.3 * p for f, p in zip(prefilled, m["prompt_tokens"])), (prefilled, m["prompt_tokens"])
+
+
 def test_bench_ttft_scripts():
     from llmweb.bench import fidelity, ttft
 

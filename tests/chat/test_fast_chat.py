@@ -510,6 +510,19 @@ def test_an_imported_backlog_folds_in_the_background_while_the_turns_reuse_their
     assert store.get(OWNER, conv).summarized_upto > 0
 
 
+def test_the_held_window_starts_are_capped_and_forgotten_with_their_chat():
+    from llmweb.chat.memory import Windows
+
+    w = Windows()
+    w.MAX_CHATS = 3
+    for i in range(4):
+        w.note(f"c{i}", 10 + i)
+    assert w.hold("c0", 0) == 0, "the oldest chat's start was dropped past the cap"
+    assert (w.hold("c3", 0), w.hold("c3", 5), w.hold("c3", 20)) == (13, 8, 0), "relative to the first unfolded turn"
+    w.forget("c3")
+    assert w.hold("c3", 0) == 0
+
+
 def test_a_strangers_turns_never_move_anothers_window(rig):
     """The held start is per chat: B, refused on A's chat, leaves A's window where it was, and A's
     next turn still prefills only its message."""
