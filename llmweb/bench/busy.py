@@ -1,19 +1,29 @@
 """`bench busy`: a reply's speed as people get it, on one real server, side by side in one run.
 
-  api       an API request with nothing else running: the quiet figure of the same server
+  api       a turn through the API with nothing else running: the quiet figure of the same server
   browser   the same message typed into the page by a visitor in a headless Chromium on this
             machine, which renders the stream as it arrives (a localhost user's laptop); one
             page, one chat that grows by a turn each time (WARM_TURNS turns before the first;
             with `history`, after that many turns of an imported chat: a long session's page)
-  upload    the API request again while another visitor's page uploads a PDF whose text is ten
+  upload    the API turn again while another visitor's page uploads a PDF whose text is ten
             times its bytes (chunked, embedded and indexed in the server's process)
+
+The api and upload cases each ask in a stateful API chat of their own that grows as the page's
+does (the same warm-up turns, the same imported history), so in every repeat the three replies
+start at the same turn of their chats and the same prompt length: decoding slows as the context
+grows (llama-bench: ~125 tok/s at a 45-token prompt, ~90 at 700, on the 2-core machine), so a
+page turn at 700 tokens against a fresh one-message request would count the depth as the browser's
+cost. Each row prints its prompt's tokens.
 
 Before the cases, the page sits idle for IDLE_S (its warm-up turns over): Chromium's CPU then, in
 cores, is what an open tab costs the machine between turns.
 
-Each case runs once per repeat, interleaved (the machine's drift hits all alike). Per row: decode
-tok/s (the turn's own stats), TTFT, and the turn's wall time measured from outside the server; the
-ratios are each case's median against the api case's. CPU seconds of the web process, of the
+Each case runs once per repeat, interleaved (the machine's drift hits all alike), CASE_GAP_S after
+the one before: long enough for the thread governor to read the pause as an idle spell, so that
+no case starts on the decision the one before it left (a reply after a page turn would otherwise
+start on one thread). Per row: decode tok/s (the turn's own stats), TTFT, and the turn's wall time
+measured from outside the server; the ratios are the median of each repeat's case against that
+repeat's api turn. CPU seconds of the web process, of the
 engine process and of Chromium during each turn show where the cores went (the web process's, in
 the browser case against the api case: what showing the page a reply costs the server).
 
@@ -21,6 +31,10 @@ The server is `python -m llmweb serve` as a user starts it (defaults on: the bun
 every turn retrieves; the loop guard; the thread governor) on a free port over a temporary data
 dir. The browser is /usr/bin/chromium through playwright (requirements-dev.txt); without either,
 the command says so and stops. Its turns are read back from the server's SQLite file, read-only.
+
+Where llama.cpp's `llama-bench` is found (LLMWEB_LLAMA_BENCH or the PATH), it then decodes as many
+tokens after each prompt length the page's turns had, on 1 thread and on every core: the bounds a
+reply decoded on fewer threads meets (the governor gives one up while Chromium renders).
 
 Must not: be imported by the product; leave the server or Chromium running when it ends.
 """
@@ -33,6 +47,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from llmweb.engine.runners.threads import STALE_S
 from llmweb.errors import ConfigError
 
 from .served import START_S, TURN_S, Served, cpu_seconds, cpu_used, serve, wait_for
@@ -42,12 +57,14 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"
 MESSAGE = "Write a poem about the sea."
 MESSAGE_BOX = 'textarea[data-testid="textbox"][placeholder^="Ask anything"]'
 CASES = ("api", "browser", "upload")
+API_CHATS = ("api", "upload")  # the cases that ask through the API, each in a chat of its own
 EXPANSION = 10  # the upload's text is at least this many times its file's bytes
 WARM_TURNS = 2  # the page's chat has this many turns before its first measured one
 UPLOAD_CHARS = 600_000  # its text (about 600 chunks to embed: tens of seconds on 2 cores)
 UPLOAD_S = 900.0
 SETTLE_S = 3.0  # after the last warm-up turn, before the idle page is measured
 IDLE_S = 5.0
+CASE_GAP_S = STALE_S + 0.5  # between cases: the governor's next reading spans an idle spell
 
 
 def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None] = print, history: int = 0) -> dict:
@@ -59,26 +76,33 @@ def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None]
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
             try:
-                progress(f"bench busy: a warm-up turn through the API and {WARM_TURNS} through the page…")
-                srv.api_turn(MESSAGE, new_tokens)
                 page = _open(browser.new_context(), srv)  # one visitor, whose chat grows as people's do
+                chats = dict.fromkeys(API_CHATS, "new")  # the api and upload cases' own chats, through the API
                 if history:
-                    progress(f"bench busy: importing a chat of {history} turns into the page…")
+                    progress(f"bench busy: importing a chat of {history} turns into the page and the API's chats…")
                     _import_chat(page, Path(tmp), history)
+                    chats = dict(zip(API_CHATS, _owner_imports(browser, srv, Path(tmp), history), strict=True))
+                progress(f"bench busy: {WARM_TURNS} warm-up turns in each chat…")
                 for turn in range(WARM_TURNS):
                     _page_turn(srv, page, history + turn + 1)
+                    for case in API_CHATS:
+                        chats[case] = srv.api_turn(MESSAGE, new_tokens, chats[case])["conversation_id"]
                 idle = _idle_browser_cores(srv)
                 for r in range(repeats):
                     order = CASES if r % 2 == 0 else ("browser", "api", "upload")
+                    turn = history + WARM_TURNS + r + 1
                     for case in order:
                         progress(f"bench busy: repeat {r + 1}/{repeats}, {case}…")
+                        time.sleep(CASE_GAP_S)
                         if case == "browser":
-                            row = _page_turn(srv, page, history + WARM_TURNS + r + 1)
+                            row = _page_turn(srv, page, turn)
                         else:
-                            row = _case(case, srv, browser, new_tokens, r, Path(tmp))
+                            row = _case(case, srv, browser, new_tokens, r, Path(tmp), chats[case], turn)
                         rows.append({"case": case, "repeat": r + 1, **row})
             finally:
                 browser.close()
+        depths = sorted({r["prompt_tokens"] for r in rows if r["case"] == "browser"})
+        reference = _llama_bench(depths, new_tokens, progress)
     return {
         "bench": "busy",
         "message": MESSAGE,
@@ -88,29 +112,37 @@ def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None]
         "idle_browser_cores": round(idle, 3),
         "rows": rows,
         "summary": summarize(rows),
+        "llama_bench": reference,
     }
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per case: the median of each figure over its repeats, and the ratios to the api case's."""
+    """Per case: the median of each figure over its repeats, and its ratios to the api case's, as
+    the median over repeats of each repeat's own ratio (a repeat's cases are at the same turn of
+    their chats: the same prompt length; the next repeat's are a turn further)."""
     out = []
-    by_case = {c: [r for r in rows if r["case"] == c] for c in CASES}
-    quiet = by_case["api"]
-
-    def med(rs: list[dict], key: str) -> float:
-        return statistics.median(r[key] for r in rs) if rs else 0.0
-
-    for case, rs in by_case.items():
+    quiet = {r["repeat"]: r for r in rows if r["case"] == "api"}
+    for case in CASES:
+        rs = [r for r in rows if r["case"] == case]
         if not rs:
             continue
+
+        def med(key: str, rs=rs) -> float:
+            return statistics.median(r[key] for r in rs)
+
+        def vs_api(key: str, rs=rs) -> float:
+            pairs = [r[key] / max(quiet[r["repeat"]][key], 1e-9) for r in rs if r["repeat"] in quiet]
+            return round(statistics.median(pairs), 2) if pairs else 0.0
+
         out.append(
             {
                 "case": case,
                 "runs": len(rs),
-                "decode_tok_s": round(med(rs, "decode_tok_s"), 1),
-                "wall_s": round(med(rs, "wall_s"), 2),
-                "decode_vs_api": round(med(rs, "decode_tok_s") / max(med(quiet, "decode_tok_s"), 1e-9), 2),
-                "wall_vs_api": round(med(rs, "wall_s") / max(med(quiet, "wall_s"), 1e-9), 2),
+                "prompt_tokens": round(med("prompt_tokens")) if all("prompt_tokens" in r for r in rs) else 0,
+                "decode_tok_s": round(med("decode_tok_s"), 1),
+                "wall_s": round(med("wall_s"), 2),
+                "decode_vs_api": vs_api("decode_tok_s"),
+                "wall_vs_api": vs_api("wall_s"),
             }
         )
     return out
@@ -121,36 +153,88 @@ def markdown(r: dict) -> str:
         f"`bench busy`: {r['message']!r}, up to {r['new_tokens']} new tokens, {r['repeats']} repeats, one server"
         + (f"; the page's chat imported with {r['history']} turns." if r.get("history") else "."),
         "",
-        "| case | decode tok/s | × api | turn wall s | × api |",
-        "|---|---:|---:|---:|---:|",
+        "| case | prompt tokens | decode tok/s | × api | turn wall s | × api |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for s in r["summary"]:
         head.append(
-            f"| {s['case']} | {s['decode_tok_s']:.1f} | {s['decode_vs_api']:.2f} | {s['wall_s']:.2f} | "
-            f"{s['wall_vs_api']:.2f} |"
+            f"| {s['case']} | {s.get('prompt_tokens', 0)} | {s['decode_tok_s']:.1f} | {s['decode_vs_api']:.2f} | "
+            f"{s['wall_s']:.2f} | {s['wall_vs_api']:.2f} |"
         )
+    head += ["", "(Medians over the repeats; each × api is the median of a repeat's case against its api turn.)"]
     if "idle_browser_cores" in r:
         cores = r["idle_browser_cores"]
         head += ["", f"Chromium with the page open and idle for {IDLE_S:.0f} s: {cores:.3f} of a core."]
+    if r.get("llama_bench"):
+        head += _reference_table(r)
     cpu = "web CPU s | engine CPU s | Chromium CPU s"
-    head += ["", f"| case | repeat | tokens | decode tok/s | TTFT s | wall s | {cpu} | note |"]
-    head.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    head += ["", f"| case | repeat | prompt tokens | tokens | decode tok/s | TTFT s | wall s | {cpu} | note |"]
+    head.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for x in r["rows"]:
         head.append(
-            f"| {x['case']} | {x['repeat']} | {x['tokens']} | {x['decode_tok_s']:.1f} | {x['ttft_s']:.2f} | "
+            f"| {x['case']} | {x['repeat']} | {x.get('prompt_tokens', 0)} | {x['tokens']} | {x['decode_tok_s']:.1f} | "
+            f"{x['ttft_s']:.2f} | "
             f"{x['wall_s']:.2f} | {x['web_cpu_s']:.2f} | {x['engine_cpu_s']:.1f} | {x['browser_cpu_s']:.2f} | "
             f"{x.get('note', '')} |"
         )
     return "\n".join(head)
 
 
+def _reference_table(r: dict) -> list[str]:
+    """Per repeat: the api and browser turns' decode beside llama-bench's at their prompt length."""
+    ref = {(x["prompt_tokens"], x["threads"]): x["decode_tok_s"] for x in r["llama_bench"]}
+    threads = sorted({t for _, t in ref})
+    cols = " | ".join(f"llama-bench, {t} thread{'s' if t > 1 else ''}" for t in threads)
+    out = ["", f"| repeat | prompt tokens | api tok/s | browser tok/s | {cols} |", "|---:" * (4 + len(threads)) + "|"]
+    for rep in sorted({x["repeat"] for x in r["rows"]}):
+        got = {x["case"]: x for x in r["rows"] if x["repeat"] == rep}
+        if "browser" not in got or "api" not in got:
+            continue
+        depth = got["browser"]["prompt_tokens"]
+        refs = " | ".join(f"{ref[(depth, t)]:.1f}" if (depth, t) in ref else "—" for t in threads)
+        api = f"{got['api']['decode_tok_s']:.1f}" if got["api"]["prompt_tokens"] == depth else "—"
+        out.append(f"| {rep} | {depth} | {api} | {got['browser']['decode_tok_s']:.1f} | {refs} |")
+    return out
+
+
 # -- the cases -------------------------------------------------------------------------------------
 
 
-def _case(case: str, srv: Served, browser, new_tokens: int, r: int, tmp: Path) -> dict:
-    """The api case, or the upload case: a second visitor's page uploads, the API asks meanwhile."""
+def _llama_bench(depths: list[int], new_tokens: int, progress: Callable[[str], None]) -> list[dict]:
+    """llama-bench's decode of `new_tokens` after each of `depths` on the embedded file, on 1 thread
+    and on every core (what the server decodes with); [] without llama-bench."""
+    import json
+    import subprocess
+
+    from llmweb.engine import gguf, models
+
+    from .common import llama_tool
+
+    exe = llama_tool("llama-bench")
+    if not exe or not depths:
+        progress("bench busy: no llama-bench (LLMWEB_LLAMA_BENCH), so no reference rates")
+        return []
+    folder, name = models.embedded_gguf()
+    threads = sorted({1, gguf.default_threads()})
+    progress(f"bench busy: llama-bench at the page's prompt lengths, on {' and '.join(map(str, threads))} threads…")
+    args = ["-p", "0", "-n", str(new_tokens), "-d", ",".join(map(str, depths)), "-t", ",".join(map(str, threads))]
+    cmd = [exe, "-m", str(Path(folder) / name), *args, "-r", "1", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        progress(f"bench busy: llama-bench failed ({done.returncode}): {done.stderr[-300:]}")
+        return []
+    return [
+        {"prompt_tokens": t["n_depth"], "threads": t["n_threads"], "decode_tok_s": round(float(t["avg_ts"]), 1)}
+        for t in json.loads(done.stdout)
+    ]
+
+
+def _case(case: str, srv: Served, browser, new_tokens: int, r: int, tmp: Path, chat: str, turn: int) -> dict:
+    """The api case, or the upload case: a second visitor's page uploads, the API asks meanwhile;
+    either asks as turn `turn` of its own chat through the API, `chat`."""
+    note = f"turn {turn} of its API chat"
     if case == "api":
-        return srv.measured(lambda: srv.api_turn(MESSAGE, new_tokens))
+        return srv.measured(lambda: srv.api_turn(MESSAGE, new_tokens, chat)) | {"note": note}
     pdf = tmp / f"field-notes-{r + 1}.pdf"
     pdf.write_bytes(expanding_pdf(r))
     context = browser.new_context()
@@ -159,10 +243,12 @@ def _case(case: str, srv: Served, browser, new_tokens: int, r: int, tmp: Path) -
         page.locator("#llmweb-documents").get_by_text("Documents", exact=True).first.click()
         page.locator("#llmweb-upload input[type=file]").set_input_files(str(pdf))
         embedding = wait_for(lambda: "embedding" in page.locator("body").inner_text().lower(), 120, "", quiet=True)
-        row = srv.measured(lambda: srv.api_turn(MESSAGE, new_tokens))
+        row = srv.measured(lambda: srv.api_turn(MESSAGE, new_tokens, chat))
         listed = pdf.name in page.locator("#llmweb-doclist").inner_text()
-        row["note"] = ("began before the upload embedded; " if not embedding else "") + (
-            "the upload ended during the turn" if listed else "the upload still indexing at the end"
+        row["note"] = (
+            f"{note}; "
+            + ("began before the upload embedded; " if not embedding else "")
+            + ("the upload ended during the turn" if listed else "the upload still indexing at the end")
         )
         wait_for(lambda: pdf.name in page.locator("#llmweb-doclist").inner_text(), UPLOAD_S, "the upload to finish")
         return row
@@ -197,8 +283,35 @@ IMPORT_INPUT = 'input[data-testid="Import .json-upload-button"]'  # the page's I
 SETTLED = 4  # the imported chat's turns not yet in its summary
 
 
-def _import_chat(page, tmp: Path, turns: int) -> None:
-    """Open, on `page`, an imported chat of `turns` turns (the export of one written here)."""
+def _import_chat(page, tmp: Path, turns: int, name: str = "history.json") -> None:
+    """Open, on `page`, an imported chat of `turns` turns (the export of one written here, as the
+    file `name`: a page's file input takes the same file twice as no change)."""
+    exported = tmp / "history.json"
+    if not exported.exists():
+        _export_chat(tmp, turns)
+    if name != exported.name:
+        (tmp / name).write_bytes(exported.read_bytes())
+    page.locator(IMPORT_INPUT).set_input_files(str(tmp / name))
+    wait_for(lambda: "Imported" in page.locator("#llmweb-stats").inner_text(), START_S, "the imported chat to open")
+
+
+def _owner_imports(browser, srv: Served, tmp: Path, turns: int) -> list[str]:
+    """The API cases' chats: the same chat as the page's, imported by the owner's page (the API's
+    local key acts for the owner) once per case; their ids."""
+    context = browser.new_context()
+    try:
+        page = _open(context, srv, owner=True)
+        ids = []
+        for case in API_CHATS:
+            before = srv.conversations()
+            _import_chat(page, tmp, turns, f"history-{case}.json")
+            ids.append(wait_for(lambda b=before: next(iter(srv.conversations() - b), None), START_S, "the import"))
+        return ids
+    finally:
+        context.close()
+
+
+def _export_chat(tmp: Path, turns: int) -> None:
     from llmweb.records import LOCAL_OWNER
     from llmweb.store.db import Store
 
@@ -212,14 +325,14 @@ def _import_chat(page, tmp: Path, turns: int) -> None:
         store.set_summary(LOCAL_OWNER, conv, "The user asked for poems about the sea.", max(turns - SETTLED, 0))
         exported = tmp / "history.json"
         exported.write_text(store.export_json(LOCAL_OWNER, conv), encoding="utf-8")
-    page.locator(IMPORT_INPUT).set_input_files(str(exported))
-    wait_for(lambda: "Imported" in page.locator("#llmweb-stats").inner_text(), START_S, "the imported chat to open")
 
 
-def _open(context, srv: Served):
+def _open(context, srv: Served, owner: bool = False):
+    """A page of the app: an anonymous visitor's, or (`owner`) the owner's, through the link
+    `serve` prints."""
     page = context.new_page()
     page.set_default_timeout(120_000)
-    page.goto(srv.url, wait_until="domcontentloaded")
+    page.goto(srv.url + (f"?token={srv.owner_token}" if owner else ""), wait_until="domcontentloaded")
     wait_for(lambda: "Ready" in page.locator("#llmweb-status").inner_text(), START_S, 'the status line to say "Ready"')
     page.locator(MESSAGE_BOX).wait_for(state="visible")
     return page

@@ -39,15 +39,28 @@ class Served:
             self._key = (self.data_dir / "local-api-key").read_text().strip()
         return self._key
 
+    @property
+    def owner_token(self) -> str:
+        return (self.data_dir / "owner-token").read_text().strip()
+
+    def conversations(self) -> set[str]:
+        """The ids of every stored conversation."""
+        with self._db() as db:
+            return {c for (c,) in db.execute("SELECT id FROM conversations")}
+
     def completion(self, body: dict) -> dict:
         """POST /v1/chat/completions (no streaming) with the local key; the response. A 503 (the model
         still loading) is asked again for up to START_S; any other error status is an LlmwebError."""
         return post_json(self.url + "v1/chat/completions", body, {"Authorization": f"Bearer {self.key}"}, START_S)
 
-    def api_turn(self, message: str, new_tokens: int) -> dict:
-        """One chat completion of `message`; its stats from `x_llmweb`."""
+    def api_turn(self, message: str, new_tokens: int, conversation_id: str | None = None) -> dict:
+        """One chat completion of `message`; its stats from `x_llmweb` (and, with `conversation_id`,
+        a turn of that stateful conversation: "new" starts one, whose id is the stats' "conversation_id")."""
         body = {"model": "llmweb", "messages": [{"role": "user", "content": message}], "max_tokens": new_tokens}
-        return self.completion(body)["x_llmweb"]["stats"]
+        if conversation_id is not None:
+            body["conversation_id"] = conversation_id
+        x = self.completion(body)["x_llmweb"]
+        return x["stats"] | ({"conversation_id": x["conversation_id"]} if conversation_id is not None else {})
 
     def finished_turns(self) -> set[tuple[str, int]]:
         with self._db() as db:
@@ -72,6 +85,7 @@ class Served:
         web_cpu, engine_cpu, browser_cpu = cpu_used(cpu0, cpu_seconds(self.proc.pid), self.proc.pid)
         return {
             "tokens": int(stats.get("generated_tokens", 0)),
+            "prompt_tokens": int(stats.get("prompt_tokens", 0)),
             "decode_tok_s": float(stats.get("decode_tok_s", 0.0)),
             "ttft_s": float(stats.get("ttft_s", 0.0)),
             "wall_s": round(wall, 3),
