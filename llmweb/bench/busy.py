@@ -67,9 +67,16 @@ IDLE_S = 5.0
 CASE_GAP_S = STALE_S + 0.5  # between cases: the governor's next reading spans an idle spell
 
 
-def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None] = print, history: int = 0) -> dict:
+def run(
+    new_tokens: int = 160,
+    repeats: int = 3,
+    progress: Callable[[str], None] = print,
+    history: int = 0,
+    upload_chars: int = UPLOAD_CHARS,
+) -> dict:
     """Start a server and a browser, run every case `repeats` times, and return the rows. With
-    `history`, the page's chat is an imported one of that many turns (as a long session's is)."""
+    `history`, the page's chat is an imported one of that many turns (as a long session's is);
+    `upload_chars`, the text of each upload (a test's shorter run)."""
     sync_playwright = _playwright()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="llmweb-busy-") as tmp, serve(Path(tmp), new_tokens, progress) as srv:
@@ -97,7 +104,8 @@ def run(new_tokens: int = 160, repeats: int = 3, progress: Callable[[str], None]
                         if case == "browser":
                             row = _page_turn(srv, page, turn)
                         else:
-                            row = _case(case, srv, browser, new_tokens, r, Path(tmp), chats[case], turn)
+                            ask = (new_tokens, r, chats[case], turn, upload_chars)
+                            row = _case(case, srv, browser, Path(tmp), *ask)
                         rows.append({"case": case, "repeat": r + 1, **row})
             finally:
                 browser.close()
@@ -229,14 +237,16 @@ def _llama_bench(depths: list[int], new_tokens: int, progress: Callable[[str], N
     ]
 
 
-def _case(case: str, srv: Served, browser, new_tokens: int, r: int, tmp: Path, chat: str, turn: int) -> dict:
+def _case(
+    case: str, srv: Served, browser, tmp: Path, new_tokens: int, r: int, chat: str, turn: int, upload_chars: int
+) -> dict:
     """The api case, or the upload case: a second visitor's page uploads, the API asks meanwhile;
     either asks as turn `turn` of its own chat through the API, `chat`."""
     note = f"turn {turn} of its API chat"
     if case == "api":
         return srv.measured(lambda: srv.api_turn(MESSAGE, new_tokens, chat)) | {"note": note}
     pdf = tmp / f"field-notes-{r + 1}.pdf"
-    pdf.write_bytes(expanding_pdf(r))
+    pdf.write_bytes(expanding_pdf(r, upload_chars))
     context = browser.new_context()
     try:
         page = _open(context, srv)

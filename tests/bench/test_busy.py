@@ -1,10 +1,18 @@
-"""`bench busy`'s pure parts: the summary's ratios, its table, and the upload's tenfold PDF.
-(The command itself starts a server and Chromium: docs/benchmarks.md has its figures.)"""
+"""`bench busy`: its pure parts (the summary's paired ratios, its tables, the upload's tenfold
+PDF), and one shortened real run (a served app, headless Chromium, an upload, llama-bench) whose
+figures are printed, not asserted: docs/benchmarks.md has them."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from llmweb.bench import busy
+from llmweb.bench.common import llama_tool
 from llmweb.retrieval.parsers import parse_document
+
+REQUIRE = os.environ.get("LLMWEB_REQUIRE_BROWSER") == "1"
 
 
 def row(case: str, repeat: int, tok_s: float, wall: float) -> dict:
@@ -71,8 +79,30 @@ def test_the_reference_puts_llama_bench_beside_each_repeats_turns_at_their_promp
     ]
     r = {"message": "m", "new_tokens": 160, "repeats": 2, "rows": rows, "summary": [], "llama_bench": ref}
     table = busy.markdown(r)
-    assert "| repeat | prompt tokens | api tok/s | browser tok/s | llama-bench, 1 thread | llama-bench, 2 threads |" in table
+    head = "| repeat | prompt tokens | api tok/s | browser tok/s | llama-bench, 1 thread | llama-bench, 2 threads |"
+    assert head in table
     assert "| 1 | 400 | 98.2 | 67.6 | 70.9 | 100.6 |" in table
     # the api turn of repeat 2 was at another length than the page's (400): not set beside it
     assert "| 2 | 577 | — | 66.7 | 66.1 | — |" in table
     assert "llama-bench" not in busy.markdown(r | {"llama_bench": []})
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+@pytest.mark.skipif(not busy.CHROMIUM.exists() and not REQUIRE, reason="no /usr/bin/chromium")
+@pytest.mark.skipif(not llama_tool("llama-bench"), reason="no llama-bench (LLMWEB_LLAMA_BENCH or the PATH)")
+def test_one_run_asks_every_case_at_the_pages_prompt_length_beside_llama_bench(monkeypatch):
+    """The real command, shortened: a served app, headless Chromium, an upload, llama-bench. Its
+    figures are printed, not asserted; what must hold is that the api case asked at the page's
+    prompt length (its own chat, grown as the page's) and llama-bench ran at that length."""
+    monkeypatch.delenv("LLMWEB_GGUF_REQUANT", raising=False)
+    result = busy.run(new_tokens=24, repeats=1, progress=lambda _: None, upload_chars=30_000)
+    got = {r["case"]: r for r in result["rows"]}
+    assert set(got) == set(busy.CASES)
+    assert got["browser"]["prompt_tokens"] > 45 + 2 * 24, "the page's chat has its warm-up turns"
+    assert got["api"]["prompt_tokens"] == got["browser"]["prompt_tokens"]
+    assert abs(got["upload"]["prompt_tokens"] - got["browser"]["prompt_tokens"]) < 2 * 24
+    assert all(r["tokens"] > 0 and r["decode_tok_s"] > 0 for r in got.values()), got
+    depth = got["browser"]["prompt_tokens"]
+    assert {(x["prompt_tokens"], x["threads"]) for x in result["llama_bench"]} >= {(depth, 1)}
+    print(busy.markdown(result))
