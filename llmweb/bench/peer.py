@@ -42,6 +42,7 @@ from .common import TOPICS, llama_tool
 from .served import START_S, free_port, http_status, post_json, serve, stop, wait_for
 
 SERVERS = ("llmweb", "llama-server")
+PAUSE_S = 1.0  # before each round: ggml's kept thread pool (llama-server's) polls for work after a request
 SLOT_CONTEXT = 1024  # llama-server's context per slot: a prompt of ~60 tokens and the reply
 
 
@@ -87,6 +88,7 @@ def run(
                 for r in range(repeats):
                     asks = questions(k, r)
                     for which in SERVERS if r % 2 == 0 else SERVERS[::-1]:
+                        time.sleep(PAUSE_S)  # the other's threads stop polling for work first
                         progress(f"bench peer: {k} chat(s) at once, repeat {r + 1}/{repeats}, {which}…")
                         url, hdrs = (ours, headers) if which == "llmweb" else (peer, {})
                         rows.append(
