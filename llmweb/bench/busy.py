@@ -41,6 +41,7 @@ Must not: be imported by the product; leave the server or Chromium running when 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
@@ -50,13 +51,14 @@ from pathlib import Path
 from llmweb.engine.runners.threads import STALE_S
 from llmweb.errors import ConfigError
 
-from .served import START_S, TURN_S, Served, cpu_seconds, cpu_used, serve, wait_for
+from .served import START_S, TURN_S, Served, cpu_seconds, cpu_used, nginx_exe, nginx_proxy, serve, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 MESSAGE = "Write a poem about the sea."
 MESSAGE_BOX = 'textarea[data-testid="textbox"][placeholder^="Ask anything"]'
-CASES = ("api", "browser", "upload")
+CASES = ("api", "browser", "upload", "proxy")
+PAGES = ("browser", "proxy")  # the cases typed into a page: the first directly, the second through nginx
 API_CHATS = ("api", "upload")  # the cases that ask through the API, each in a chat of its own
 EXPANSION = 10  # the upload's text is at least this many times its file's bytes
 WARM_TURNS = 2  # the page's chat has this many turns before its first measured one
@@ -79,30 +81,41 @@ def run(
     `upload_chars`, the text of each upload (a test's shorter run)."""
     sync_playwright = _playwright()
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="llmweb-busy-") as tmp, serve(Path(tmp), new_tokens, progress) as srv:
+    trusted = {"LLMWEB_TRUSTED_PROXIES": "127.0.0.1"}  # the proxy case's nginx, as a deployment lists it
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="llmweb-busy-"))
+        srv = stack.enter_context(serve(Path(tmp), new_tokens, progress, env=trusted))
+        proxy_url = stack.enter_context(nginx_proxy(srv.url, Path(tmp) / "nginx")) if nginx_exe() else None
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
             try:
-                page = _open(browser.new_context(), srv)  # one visitor, whose chat grows as people's do
+                # one visitor, whose chat grows as people's do; a second through nginx, if there is one
+                pages = {"browser": _open(browser.new_context(), srv)}
+                if proxy_url:
+                    pages["proxy"] = _open(browser.new_context(), srv, url=proxy_url)
+                else:
+                    progress("bench busy: no nginx on the PATH, so no proxy case")
                 chats = dict.fromkeys(API_CHATS, "new")  # the api and upload cases' own chats, through the API
                 if history:
-                    progress(f"bench busy: importing a chat of {history} turns into the page and the API's chats…")
-                    _import_chat(page, Path(tmp), history)
+                    progress(f"bench busy: importing a chat of {history} turns into the pages and the API's chats…")
+                    for case, page in pages.items():
+                        _import_chat(page, Path(tmp), history, f"history-{case}.json")
                     chats = dict(zip(API_CHATS, _owner_imports(browser, srv, Path(tmp), history), strict=True))
                 progress(f"bench busy: {WARM_TURNS} warm-up turns in each chat…")
                 for turn in range(WARM_TURNS):
-                    _page_turn(srv, page, history + turn + 1)
+                    for page in pages.values():
+                        _page_turn(srv, page, history + turn + 1)
                     for case in API_CHATS:
                         chats[case] = srv.api_turn(MESSAGE, new_tokens, chats[case])["conversation_id"]
                 idle = _idle_browser_cores(srv)
                 for r in range(repeats):
-                    order = CASES if r % 2 == 0 else ("browser", "api", "upload")
+                    order = CASES if r % 2 == 0 else ("browser", "api", "proxy", "upload")
                     turn = history + WARM_TURNS + r + 1
-                    for case in order:
+                    for case in (c for c in order if c in pages or c in API_CHATS):
                         progress(f"bench busy: repeat {r + 1}/{repeats}, {case}…")
                         time.sleep(CASE_GAP_S)
-                        if case == "browser":
-                            row = _page_turn(srv, page, turn)
+                        if case in pages:
+                            row = _page_turn(srv, pages[case], turn, through="nginx" if case == "proxy" else "")
                         else:
                             ask = (new_tokens, r, chats[case], turn, upload_chars)
                             row = _case(case, srv, browser, Path(tmp), *ask)
@@ -150,10 +163,16 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "decode_tok_s": round(med("decode_tok_s"), 1),
                 "wall_s": round(med("wall_s"), 2),
                 "decode_vs_api": vs_api("decode_tok_s"),
+                "seen_ttft_s": _median_of(rs, "seen_ttft_s"),
                 "wall_vs_api": vs_api("wall_s"),
             }
         )
     return out
+
+
+def _median_of(rs: list[dict], key: str) -> float | None:
+    got = [r[key] for r in rs if r.get(key) is not None]
+    return round(statistics.median(got), 3) if got else None
 
 
 def markdown(r: dict) -> str:
@@ -161,13 +180,14 @@ def markdown(r: dict) -> str:
         f"`bench busy`: {r['message']!r}, up to {r['new_tokens']} new tokens, {r['repeats']} repeats, one server"
         + (f"; the page's chat imported with {r['history']} turns." if r.get("history") else "."),
         "",
-        "| case | prompt tokens | decode tok/s | × api | turn wall s | × api |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| case | prompt tokens | decode tok/s | × api | turn wall s | × api | first words seen s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for s in r["summary"]:
+        seen = "—" if s.get("seen_ttft_s") is None else f"{s['seen_ttft_s']:.2f}"
         head.append(
             f"| {s['case']} | {s.get('prompt_tokens', 0)} | {s['decode_tok_s']:.1f} | {s['decode_vs_api']:.2f} | "
-            f"{s['wall_s']:.2f} | {s['wall_vs_api']:.2f} |"
+            f"{s['wall_s']:.2f} | {s['wall_vs_api']:.2f} | {seen} |"
         )
     head += ["", "(Medians over the repeats; each × api is the median of a repeat's case against its api turn.)"]
     if "idle_browser_cores" in r:
@@ -176,12 +196,14 @@ def markdown(r: dict) -> str:
     if r.get("llama_bench"):
         head += _reference_table(r)
     cpu = "web CPU s | engine CPU s | Chromium CPU s"
-    head += ["", f"| case | repeat | prompt tokens | tokens | decode tok/s | TTFT s | wall s | {cpu} | note |"]
-    head.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    seen = "first words seen s | updates seen"
+    head += ["", f"| case | repeat | prompt tokens | tokens | decode tok/s | TTFT s | {seen} | wall s | {cpu} | note |"]
+    head.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for x in r["rows"]:
+        first = "—" if x.get("seen_ttft_s") is None else f"{x['seen_ttft_s']:.2f}"
         head.append(
             f"| {x['case']} | {x['repeat']} | {x.get('prompt_tokens', 0)} | {x['tokens']} | {x['decode_tok_s']:.1f} | "
-            f"{x['ttft_s']:.2f} | "
+            f"{x['ttft_s']:.2f} | {first} | {x.get('seen_updates', '—')} | "
             f"{x['wall_s']:.2f} | {x['web_cpu_s']:.2f} | {x['engine_cpu_s']:.1f} | {x['browser_cpu_s']:.2f} | "
             f"{x.get('note', '')} |"
         )
@@ -276,17 +298,43 @@ def _idle_browser_cores(srv: Served) -> float:
     return browser / (time.perf_counter() - t0)
 
 
-def _page_turn(srv: Served, page, turn: int) -> dict:
+# Installed as Send is clicked: when the page first shows the new reply's words, and how many times
+# its text changes, seen by a MutationObserver on the chat (no polling: it adds no frames)
+WATCH_REPLY = """(sel) => {
+    const bubbles = () => document.querySelectorAll(sel);
+    const last = () => { const b = bubbles(); return b.length ? b[b.length - 1].textContent : ''; };
+    const s = {t0: performance.now(), before: last(), text: null, first: null, updates: 0};
+    window.__llmwebSeen = s;
+    new MutationObserver(() => {
+        const text = last();
+        if (text === s.text || text === s.before) return;
+        s.text = text;
+        s.updates += 1;
+        if (s.first === null && text.trim().length >= SEEN_CHARS) s.first = performance.now();
+    }).observe(document.querySelector('#llmweb-chat'), {subtree: true, childList: true, characterData: true});
+    document.querySelector('#llmweb-send').click();
+}"""
+SEEN_CHARS = 12  # a reply's first words, not a placeholder
+REPLY_BUBBLES = '#llmweb-chat .message:not(.thought) > [data-testid="bot"]'
+
+
+def _page_turn(srv: Served, page, turn: int, through: str = "") -> dict:
     """The visitor's page asks MESSAGE in its chat (turn `turn` of it); the finished turn is read
-    back from the server's store."""
+    back from the server's store, with when the page showed its first words after Send and how many
+    times it showed the reply's text change."""
     before = srv.finished_turns()
 
     def ask() -> dict:
         page.locator(MESSAGE_BOX).fill(MESSAGE)
-        page.locator("#llmweb-send").click()
+        page.evaluate(WATCH_REPLY.replace("SEEN_CHARS", str(SEEN_CHARS)), REPLY_BUBBLES)
         return wait_for(lambda: srv.newest_turn(before), TURN_S, "the page's turn to be stored")
 
-    return srv.measured(ask) | {"note": f"turn {turn} of the page's chat"}
+    row = srv.measured(ask)
+    time.sleep(0.2)  # the last update's render
+    seen = page.evaluate("() => window.__llmwebSeen")
+    row["seen_ttft_s"] = round((seen["first"] - seen["t0"]) / 1000, 3) if seen["first"] is not None else None
+    row["seen_updates"] = seen["updates"]
+    return row | {"note": f"turn {turn} of the page's chat" + (f", through {through}" if through else "")}
 
 
 IMPORT_INPUT = 'input[data-testid="Import .json-upload-button"]'  # the page's Import button's file input
@@ -337,12 +385,12 @@ def _export_chat(tmp: Path, turns: int) -> None:
         exported.write_text(store.export_json(LOCAL_OWNER, conv), encoding="utf-8")
 
 
-def _open(context, srv: Served, owner: bool = False):
-    """A page of the app: an anonymous visitor's, or (`owner`) the owner's, through the link
-    `serve` prints."""
+def _open(context, srv: Served, owner: bool = False, url: str = ""):
+    """A page of the app: an anonymous visitor's (at `url`: a proxy's), or (`owner`) the owner's,
+    through the link `serve` prints."""
     page = context.new_page()
     page.set_default_timeout(120_000)
-    page.goto(srv.url + (f"?token={srv.owner_token}" if owner else ""), wait_until="domcontentloaded")
+    page.goto((url or srv.url) + (f"?token={srv.owner_token}" if owner else ""), wait_until="domcontentloaded")
     wait_for(lambda: "Ready" in page.locator("#llmweb-status").inner_text(), START_S, 'the status line to say "Ready"')
     page.locator(MESSAGE_BOX).wait_for(state="visible")
     return page

@@ -144,6 +144,59 @@ def serve(
         stop(proc)
 
 
+NGINX_CONF = """worker_processes 1;
+daemon off;
+error_log {prefix}/error.log;
+pid {prefix}/nginx.pid;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body; proxy_temp_path {prefix}/proxy; fastcgi_temp_path {prefix}/fcgi;
+    uwsgi_temp_path {prefix}/uwsgi; scgi_temp_path {prefix}/scgi;
+    client_max_body_size 100m;
+    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass {upstream};
+            proxy_http_version 1.1;
+            proxy_set_header Upgrade $http_upgrade;
+            proxy_set_header Connection $connection_upgrade;
+            proxy_set_header Host $host;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto $scheme;
+        }}
+    }}
+}}
+"""
+
+
+def nginx_exe() -> str | None:
+    import shutil
+
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+
+
+@contextlib.contextmanager
+def nginx_proxy(upstream: str, prefix: Path) -> Iterator[str]:
+    """nginx on a free port in front of `upstream` as a deployment's reverse proxy is set up (its
+    default buffering, the WebSocket upgrade, the forwarding headers); yields its URL."""
+    exe = nginx_exe()
+    if exe is None:
+        raise LlmwebError("bench: no nginx on the PATH")
+    prefix.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    conf = prefix / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(prefix=prefix, port=port, upstream=upstream.rstrip("/")))
+    proc = subprocess.Popen([exe, "-c", str(conf), "-p", str(prefix)], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_for(lambda: http_status(url + "gradio_api/info") == 200, 30, "nginx to serve", proc)
+        yield url
+    finally:
+        stop(proc)
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:

@@ -31,14 +31,17 @@ def row(case: str, repeat: int, tok_s: float, wall: float) -> dict:
 
 
 def test_the_summary_holds_each_case_to_the_api_turn_of_its_own_repeat():
-    rows = [row("api", 1, 60, 2.0), row("api", 2, 80, 3.0), row("browser", 1, 35, 4.0), row("browser", 2, 35, 6.0)]
+    seen = [{"seen_ttft_s": 0.3, "seen_updates": 20}, {"seen_ttft_s": 0.5, "seen_updates": 22}]
+    rows = [row("api", 1, 60, 2.0), row("api", 2, 80, 3.0), row("browser", 1, 35, 4.0) | seen[0]]
+    rows += [row("browser", 2, 35, 6.0) | seen[1], row("proxy", 1, 30, 5.0) | seen[0] | {"note": "through nginx"}]
     rows.append(row("upload", 1, 14, 10.0) | {"note": "the upload still indexing at the end"})
     summary = {s["case"]: s for s in busy.summarize(rows)}
     assert summary["api"]["decode_tok_s"] == 70 and summary["api"]["decode_vs_api"] == 1.0
     # each repeat against its own api turn (35/60 and 35/80), not the medians' ratio (35/70 = 0.5)
     assert summary["browser"]["decode_vs_api"] == 0.51 and summary["browser"]["wall_vs_api"] == 2.0
     assert summary["upload"]["runs"] == 1 and summary["upload"]["decode_vs_api"] == 0.23
-    assert summary["browser"]["prompt_tokens"] == 400
+    assert summary["browser"]["prompt_tokens"] == 400 and summary["browser"]["seen_ttft_s"] == 0.4
+    assert summary["proxy"]["decode_vs_api"] == 0.5 and summary["api"]["seen_ttft_s"] is None
     table = busy.markdown(
         {"message": "m", "new_tokens": 160, "repeats": 2, "idle_browser_cores": 0.004, "rows": rows}
         | {"summary": list(summary.values())}
@@ -47,9 +50,11 @@ def test_the_summary_holds_each_case_to_the_api_turn_of_its_own_repeat():
     assert table.splitlines()[0].endswith("2 repeats, one server.")
     long = busy.markdown({"message": "m", "new_tokens": 160, "repeats": 2, "history": 100, "rows": rows, "summary": []})
     assert long.splitlines()[0].endswith("one server; the page's chat imported with 100 turns.")
-    assert "| browser | 400 | 35.0 | 0.51 | 5.00 | 2.00 |" in table
+    assert "| browser | 400 | 35.0 | 0.51 | 5.00 | 2.00 | 0.40 |" in table
+    assert "| api | 400 | 70.0 | 1.00 | 2.50 | 1.00 | — |" in table
     assert "the upload still indexing at the end" in table
-    assert "| browser | 1 | 400 | 100 | 35.0 | 0.20 | 4.00 | 0.30 | 3.0 | 1.00 |" in table
+    assert "| browser | 1 | 400 | 100 | 35.0 | 0.20 | 0.30 | 20 | 4.00 | 0.30 | 3.0 | 1.00 |" in table
+    assert "| api | 1 | 400 | 100 | 60.0 | 0.20 | — | — | 2.00 |" in table
 
 
 def test_the_uploads_pdf_expands_tenfold_and_parses_within_the_caps():
@@ -98,11 +103,14 @@ def test_one_run_asks_every_case_at_the_pages_prompt_length_beside_llama_bench(m
     monkeypatch.delenv("LLMWEB_GGUF_REQUANT", raising=False)
     result = busy.run(new_tokens=24, repeats=1, progress=lambda _: None, upload_chars=30_000)
     got = {r["case"]: r for r in result["rows"]}
-    assert set(got) == set(busy.CASES)
+    assert set(got) == set(busy.CASES), "the proxy case needs nginx (CI installs nginx-light)"
     assert got["browser"]["prompt_tokens"] > 45 + 2 * 24, "the page's chat has its warm-up turns"
     assert got["api"]["prompt_tokens"] == got["browser"]["prompt_tokens"]
     assert abs(got["upload"]["prompt_tokens"] - got["browser"]["prompt_tokens"]) < 2 * 24
     assert all(r["tokens"] > 0 and r["decode_tok_s"] > 0 for r in got.values()), got
+    assert got["proxy"]["prompt_tokens"] == got["browser"]["prompt_tokens"] and "nginx" in got["proxy"]["note"]
+    for case in busy.PAGES:  # the visitor saw the reply's words arrive, several times, through the proxy too
+        assert 0 < got[case]["seen_ttft_s"] < got[case]["wall_s"] and got[case]["seen_updates"] >= 2, got[case]
     depth = got["browser"]["prompt_tokens"]
     assert {(x["prompt_tokens"], x["threads"]) for x in result["llama_bench"]} >= {(depth, 1)}
     print(busy.markdown(result))
