@@ -10,6 +10,7 @@ import pytest
 
 from llmweb.bench import busy
 from llmweb.bench.common import llama_tool
+from llmweb.bench.served import nginx_exe
 from llmweb.retrieval.parsers import parse_document
 
 REQUIRE = os.environ.get("LLMWEB_REQUIRE_BROWSER") == "1"
@@ -103,13 +104,15 @@ def test_one_run_asks_every_case_at_the_pages_prompt_length_beside_llama_bench(m
     monkeypatch.delenv("LLMWEB_GGUF_REQUANT", raising=False)
     result = busy.run(new_tokens=24, repeats=1, progress=lambda _: None, upload_chars=30_000)
     got = {r["case"]: r for r in result["rows"]}
-    assert set(got) == set(busy.CASES), "the proxy case needs nginx (CI installs nginx-light)"
+    cases = set(busy.CASES) if nginx_exe() or REQUIRE else set(busy.CASES) - {"proxy"}
+    assert set(got) == cases, "the proxy case needs nginx (CI installs nginx-light)"
     assert got["browser"]["prompt_tokens"] > 45 + 2 * 24, "the page's chat has its warm-up turns"
     assert got["api"]["prompt_tokens"] == got["browser"]["prompt_tokens"]
     assert abs(got["upload"]["prompt_tokens"] - got["browser"]["prompt_tokens"]) < 2 * 24
     assert all(r["tokens"] > 0 and r["decode_tok_s"] > 0 for r in got.values()), got
-    assert got["proxy"]["prompt_tokens"] == got["browser"]["prompt_tokens"] and "nginx" in got["proxy"]["note"]
-    for case in busy.PAGES:  # the visitor saw the reply's words arrive, several times, through the proxy too
+    if "proxy" in got:
+        assert got["proxy"]["prompt_tokens"] == got["browser"]["prompt_tokens"] and "nginx" in got["proxy"]["note"]
+    for case in set(busy.PAGES) & set(got):  # the visitor saw the reply's words arrive, several times
         assert 0 < got[case]["seen_ttft_s"] < got[case]["wall_s"] and got[case]["seen_updates"] >= 2, got[case]
     depth = got["browser"]["prompt_tokens"]
     assert {(x["prompt_tokens"], x["threads"]) for x in result["llama_bench"]} >= {(depth, 1)}
