@@ -180,7 +180,7 @@ def markdown(r: dict) -> str:
         f"`bench busy`: {r['message']!r}, up to {r['new_tokens']} new tokens, {r['repeats']} repeats, one server"
         + (f"; the page's chat imported with {r['history']} turns." if r.get("history") else "."),
         "",
-        "| case | prompt tokens | decode tok/s | × api | turn wall s | × api | first words seen s |",
+        "| case | prompt tokens | decode tok/s | × api | turn wall s | × api | first text seen s |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for s in r["summary"]:
@@ -196,7 +196,7 @@ def markdown(r: dict) -> str:
     if r.get("llama_bench"):
         head += _reference_table(r)
     cpu = "web CPU s | engine CPU s | Chromium CPU s"
-    seen = "first words seen s | updates seen"
+    seen = "first text seen s | updates seen"
     head += ["", f"| case | repeat | prompt tokens | tokens | decode tok/s | TTFT s | {seen} | wall s | {cpu} | note |"]
     head.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for x in r["rows"]:
@@ -298,8 +298,9 @@ def _idle_browser_cores(srv: Served) -> float:
     return browser / (time.perf_counter() - t0)
 
 
-# Installed as Send is clicked: when the page first shows the new reply's words, and how many times
-# its text changes, seen by a MutationObserver on the chat (no polling: it adds no frames)
+# Installed as Send is clicked: when the page first shows any of the new reply's text (not the "…"
+# it shows before), and how many times its text changes, seen by a MutationObserver on the chat
+# (no polling: it adds no frames)
 WATCH_REPLY = """(sel) => {
     const bubbles = () => document.querySelectorAll(sel);
     const last = () => { const b = bubbles(); return b.length ? b[b.length - 1].textContent : ''; };
@@ -310,23 +311,23 @@ WATCH_REPLY = """(sel) => {
         if (text === s.text || text === s.before) return;
         s.text = text;
         s.updates += 1;
-        if (s.first === null && text.trim().length >= SEEN_CHARS) s.first = performance.now();
+        if (s.first === null && !['', PLACEHOLDER].includes(text.trim())) s.first = performance.now();
     }).observe(document.querySelector('#llmweb-chat'), {subtree: true, childList: true, characterData: true});
     document.querySelector('#llmweb-send').click();
 }"""
-SEEN_CHARS = 12  # a reply's first words, not a placeholder
+PLACEHOLDER = "…"  # web/panels/chat.py's reply before its first words
 REPLY_BUBBLES = '#llmweb-chat .message:not(.thought) > [data-testid="bot"]'
 
 
 def _page_turn(srv: Served, page, turn: int, through: str = "") -> dict:
     """The visitor's page asks MESSAGE in its chat (turn `turn` of it); the finished turn is read
-    back from the server's store, with when the page showed its first words after Send and how many
+    back from the server's store, with when the page showed its first text after Send and how many
     times it showed the reply's text change."""
     before = srv.finished_turns()
 
     def ask() -> dict:
         page.locator(MESSAGE_BOX).fill(MESSAGE)
-        page.evaluate(WATCH_REPLY.replace("SEEN_CHARS", str(SEEN_CHARS)), REPLY_BUBBLES)
+        page.evaluate(WATCH_REPLY.replace("PLACEHOLDER", repr(PLACEHOLDER)), REPLY_BUBBLES)
         return wait_for(lambda: srv.newest_turn(before), TURN_S, "the page's turn to be stored")
 
     row = srv.measured(ask)
