@@ -34,6 +34,12 @@ QUERY_THREADS = 1
 # truncates to max_seq_length anyway, and tokenizing the rest only held the lock (an import's
 # recall batches of whole 1 MB messages held it 24-36 s in the red team's offline timing).
 MAX_CHARS_PER_TOKEN = 16
+# Texts per locked batch. A visitor's query waits for the batch in hand (another visitor's upload):
+# at 32, ~1.0 s alone and ~2.0 s beside the chat model decoding on both cores (a turn's TTFT read
+# 2.1-2.3 s in `bench busy`'s upload case). At 8, 0.23 s and 0.41-0.52 s, and no slower overall on
+# the CPU: 35.3 texts/s against 31.7 alone, 19.4 against 16.3 beside the decode (256 texts of ~200
+# word pieces, all-MiniLM-L6-v2, 2 cores; at 4, 34.4 and 16.0).
+BATCH = 8
 
 
 def default_embedder_path() -> str:
@@ -50,7 +56,7 @@ def default_embedder_path() -> str:
 class Embedder:
     """A sentence-transformers model, loaded on first use, on the CPU by default."""
 
-    def __init__(self, name: str = "", *, device: str = "cpu", batch_size: int = 32):
+    def __init__(self, name: str = "", *, device: str = "cpu", batch_size: int = BATCH):
         self.name = name
         self.label = name or DEFAULT_EMBEDDER_LABEL  # stored in each index's manifest
         self.device = device
