@@ -360,11 +360,15 @@ def _owner_imports(browser, srv: Served, tmp: Path, turns: int) -> list[str]:
     context = browser.new_context()
     try:
         page = _open(context, srv, owner=True)
-        ids = []
+        ids: list[str] = []
         for case in API_CHATS:
             before = srv.conversations()
             _import_chat(page, tmp, turns, f"history-{case}.json")
-            ids.append(wait_for(lambda b=before: next(iter(srv.conversations() - b), None), START_S, "the import"))
+
+            def new(before: set[str] = before) -> str | None:
+                return next(iter(srv.conversations() - before), None)
+
+            ids.append(wait_for(new, START_S, "the import"))
         return ids
     finally:
         context.close()
