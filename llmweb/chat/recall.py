@@ -30,8 +30,9 @@ RECALL_MIN_SCORE = 0.40
 RECALL_CANDIDATES = 4  # recall looks at this many passages per turn it may recall
 # A passage is cut at this many characters: the embedder reads its first 256 word pieces (~1,000
 # characters) anyway, a passage past the retrieved-text budget (512 tokens) is never recalled
-# whole, and a batch of 32 passages is what one hold of the embedder's lock tokenizes. Uncut, an
-# import's batch of 1 MB messages held that lock ~24-36 s while every visitor's retrieval waited.
+# whole, and a batch of passages (retrieval/embedder.py's BATCH) is what one hold of the embedder's
+# lock tokenizes. Uncut, an import's batch of 1 MB messages held that lock ~24-36 s while every
+# visitor's retrieval waited.
 RECALL_PASSAGE_CHARS = 8_000
 
 Alive = Callable[[], bool]  # does the chat a recall writer read still exist (store.alive)?
