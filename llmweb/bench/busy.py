@@ -233,29 +233,21 @@ def _reference_table(r: dict) -> list[str]:
 def _llama_bench(depths: list[int], new_tokens: int, progress: Callable[[str], None]) -> list[dict]:
     """llama-bench's decode of `new_tokens` after each of `depths` on the embedded file, on 1 thread
     and on every core (what the server decodes with); [] without llama-bench."""
-    import json
-    import subprocess
-
     from llmweb.engine import gguf, models
 
-    from .common import llama_tool
+    from .common import llama_bench_tests, llama_tool
 
-    exe = llama_tool("llama-bench")
-    if not exe or not depths:
+    if not llama_tool("llama-bench") or not depths:
         progress("bench busy: no llama-bench (LLMWEB_LLAMA_BENCH), so no reference rates")
         return []
     folder, name = models.embedded_gguf()
     threads = sorted({1, gguf.default_threads()})
     progress(f"bench busy: llama-bench at the page's prompt lengths, on {' and '.join(map(str, threads))} threads…")
     args = ["-p", "0", "-n", str(new_tokens), "-d", ",".join(map(str, depths)), "-t", ",".join(map(str, threads))]
-    cmd = [exe, "-m", str(Path(folder) / name), *args, "-r", "1", "-o", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        progress(f"bench busy: llama-bench failed ({done.returncode}): {done.stderr[-300:]}")
-        return []
+    tests = llama_bench_tests(Path(folder) / name, [*args, "-r", "1"], progress, "busy") or []
     return [
         {"prompt_tokens": t["n_depth"], "threads": t["n_threads"], "decode_tok_s": round(float(t["avg_ts"]), 1)}
-        for t in json.loads(done.stdout)
+        for t in tests
     ]
 
 

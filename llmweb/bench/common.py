@@ -94,6 +94,21 @@ def llama_tool(name: str) -> str | None:
     return os.environ.get("LLMWEB_" + name.upper().replace("-", "_")) or shutil.which(name)
 
 
+def llama_bench_tests(gguf, args: list[str], progress, bench: str) -> list[dict] | None:
+    """`llama-bench -m gguf ARGS -o json`: its tests (each with n_prompt, n_depth, n_threads and
+    avg_ts); None when it is not installed or fails (said through `progress`)."""
+    import subprocess
+
+    exe = llama_tool("llama-bench")
+    if not exe:
+        return None
+    done = subprocess.run([exe, "-m", str(gguf), *args, "-o", "json"], capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        progress(f"bench {bench}: llama-bench failed ({done.returncode}): {done.stderr[-300:]}")
+        return None
+    return json.loads(done.stdout)
+
+
 def describe_setup(settings, loaded, budget=None) -> dict:
     """The hardware, model, quantisation and the settings that shape the figures."""
     import torch

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .common import SYSTEM, llama_tool
+from .common import SYSTEM, llama_bench_tests, llama_tool
 
 LENGTHS = (32, 512, 1536)
 FIRST_TURN = (400, 128)  # prompt tokens, new tokens
@@ -272,13 +272,9 @@ def llama_bench(
 ) -> list[dict] | None:
     """llama.cpp's `llama-bench` on the GGUF file: prefill of each length (`-p N -n 0`) and decode of
     `new_tokens` after that many tokens (`-p 0 -n M -d N`); None when it is not installed."""
-    import json
-    import subprocess
-
-    exe = llama_tool("llama-bench")
-    if not exe:
+    if not llama_tool("llama-bench"):
         return None
-    common = [exe, "-m", str(gguf), "-t", str(threads), "-r", str(max(repeats, 1)), "-o", "json"]
+    common = ["-t", str(threads), "-r", str(max(repeats, 1))]
     joined = ",".join(str(n) for n in lengths)
     progress(f"bench {bench}: llama-bench, prefill {joined} and decode {new_tokens} at those depths…")
     out: dict[int, dict] = {n: {"step": "llama.cpp llama-bench (reference)", "prompt": n} for n in lengths}
@@ -286,11 +282,10 @@ def llama_bench(
         (["-p", joined, "-n", "0"], "prefill_tok_s"),
         (["-p", "0", "-n", str(new_tokens), "-d", joined], "decode_tok_s"),
     ):
-        done = subprocess.run(common + args, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            progress(f"bench {bench}: llama-bench failed ({done.returncode}): {done.stderr[-300:]}")
+        tests = llama_bench_tests(gguf, common + args, progress, bench)
+        if tests is None:
             return None
-        for test in json.loads(done.stdout):
+        for test in tests:
             n = test["n_prompt"] if key == "prefill_tok_s" else test.get("n_depth", 0)
             if n in out:
                 out[n][key] = round(float(test["avg_ts"]), 2)

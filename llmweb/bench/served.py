@@ -174,7 +174,7 @@ http {{
 def nginx_exe() -> str | None:
     import shutil
 
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None)
 
 
 @contextlib.contextmanager
