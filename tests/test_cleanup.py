@@ -1,4 +1,4 @@
-"""In-process caches stay bounded however many strangers come (issue 25): the recall indexes are an
+"""In-process caches stay bounded however many strangers come: the recall indexes are an
 LRU with a size cap, and a conversation's finished fold leaves the table of folds in flight."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No log line carries a conversation's full id (issue 35): an id with the owner's browser token opens
+"""No log line carries a conversation's full id: an id with the owner's browser token opens
 the chat, and logs are read by more people than that. Read from the source, every logging call's
 arguments: a bare `conv_id` / `conversation_id` is refused; `log_id(conv_id)` (chat/memory.py) is
 what a log line names a chat by."""

@@ -1,7 +1,7 @@
 """`python -m llmweb bench recycle`: what a graceful replacement of the engine process costs
 (engine/process.py), measured on the real model in engine processes, as the app runs it.
 
-  crowd      20 requests, 4 at a time, with LLMWEB_RECYCLE_AFTER=5 (the issue's scenario): every one
+  crowd      20 requests, 4 at a time, with LLMWEB_RECYCLE_AFTER=5: every one
              answered; how many engine processes served; the TTFT of the requests submitted while a
              replacement was loading (they meet a recycle) against the others'
   a chat     one chat of `turns` turns, then a recycle, then its next turn: TTFT and reused tokens

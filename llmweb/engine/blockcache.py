@@ -3,7 +3,7 @@ the whole cache.
 
 transformers' `DynamicLayer.update` appends with `torch.cat`, so every decode step copies every
 layer's keys and values: at a 512-token context on the 2-core CPU that copy was 31% of a decode
-step (torch profiler, issue 14), and on a GPU it is one allocation per layer per token, which is
+step (torch profiler), and on a GPU it is one allocation per layer per token, which is
 where allocator fragmentation comes from. `BlockLayer` keeps a buffer with room for `BLOCK` more
 tokens and writes new ones into it; only when the buffer is full does it move to a bigger one
 (one copy per `BLOCK` tokens). Everything that reads `layer.keys` / `layer.values` sees exactly

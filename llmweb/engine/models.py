@@ -19,7 +19,7 @@ int8-cpu (torch's dynamic int8 linear layers: int8 weights per output channel, f
 kernels; CPU only), bf16, fp16, fp32. Why int8-cpu on the CPU: bitsandbytes' CPU path computes
 in bf16, which a CPU without bf16 instructions (AVX2 only, like our CI machine) emulates, so a
 4-bit decode step there was slower than fp32; int8 weights read 4x fewer bytes than fp32 per
-token with native int8 kernels (`bench decode`, README "Decode speed"). Where bitsandbytes
+token with native int8 kernels (`bench decode`, docs/benchmarks.md "Decode speed"). Where bitsandbytes
 cannot run, we fall back to a float dtype and say why in `LoadedModel.notes`.
 
 This module imports torch and transformers inside functions only: importing it is free.

@@ -6,7 +6,7 @@ killer) would otherwise end the web server with it, and allocator fragmentation 
 can only grow in a process that lives for weeks. vLLM's EngineCoreProc and SGLang's scheduler
 are processes of their own for the same reasons. Here the scheduler stays in the web process
 (the queue, fairness, cancel, time limits and the OOM retry's fallback survive a death), and a
-step costs one round trip: ~0.1 ms against a ~10 ms decode step (`bench decode`'s boundary row).
+step costs one round trip: ~0.5 ms against a ~10 ms decode step (`bench decode`'s boundary row).
 
 The supervisor, in this class:
   watch       a thread per engine process waits on it; a death ends every request in flight on

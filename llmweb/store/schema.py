@@ -87,7 +87,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         """INSERT INTO owners (owner, created, last_seen)
            SELECT owner, MIN(created), MAX(updated) FROM conversations GROUP BY owner""",
-        # round 1 created a conversation on every page load: drop the empty ones
+        # schema 1 created a conversation on every page load: drop the empty ones
         "DELETE FROM conversations WHERE NOT EXISTS (SELECT 1 FROM turns t WHERE t.conversation_id = conversations.id)",
     ),
     (  # 3: full-text search over the turns' text (FTS5, an external-content index: the text stays in

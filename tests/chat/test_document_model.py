@@ -1,4 +1,4 @@
-"""Whole-document tasks with the real model (issue 27): a document several contexts long is read
+"""Whole-document tasks with the real model: a document several contexts long is read
 whole, piece by piece, within the context; a second run reads the pieces from the cache; a cancel
 keeps what was read; another visitor's turn runs while a task reads, and sees nothing of it.
 Short on purpose: a 1,024-token context and 24 tokens written per piece."""

@@ -94,7 +94,7 @@ def test_fact_from_turn_1_is_in_the_prompt_sixty_turns_later(tmp_path, app_model
         assert stored.summarized_upto > 1, "turn 1 left the window long ago"
         assert "- My dog is called Pixel, a border collie." in fin.prompt[0][1], "verbatim, as a kept fact"
         assert fin.stats.sections["facts"] > 0
-        # the facts already carry turn 1's name: recalling that turn would only cost prefill (issue 15)
+        # the facts already carry turn 1's name: recalling that turn would only cost prefill
         assert fin.stats.sections["recall"] == 0 and prompt.count("My dog is called Pixel") == 1
         assert any(f.text == "My dog is called Pixel, a border collie." for f in stored.facts)
         assert fin.stats.gen.prompt_tokens + fin.stats.sections["reserve"] <= 512
@@ -236,9 +236,9 @@ def test_a_fact_stated_in_turn_1_in_korean_or_german_is_in_the_prompt_at_turn_40
         rt.close()
 
 
-# --- linear rewrites: the same answers as the regexes they replaced (issue 25) ------------------
+# --- linear rewrites: the same answers as the regexes they replaced ------------------
 
-# the expressions before issue 25, kept here as references of the answers
+# the expressions they replaced, kept here as references of the answers
 OLD_SENTENCE = r"[^.!?。！？\n]+(?:[.!?。！？]+|$)"
 OLD_WORD = r"[^\W\d_](?:[^\W\d_]|['’\-])*|\d[\d,.:/\-]*"
 
@@ -252,7 +252,7 @@ def test_sentence_and_word_regexes_answer_as_the_old_ones(text):
 
 
 def test_a_line_of_62000_dashes_is_one_quick_pass():
-    """The issue's message: under the 1,024-token limit, 70-100 s per pass of the old regex."""
+    """The 62,000-dash line: under the 1,024-token limit, 70-100 s per pass of the old regex."""
     import time
 
     text = "-" * 62_000 + "\nMy name is Bo."

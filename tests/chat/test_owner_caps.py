@@ -1,4 +1,4 @@
-"""A chat at its owner's cap is refused before the model works (issue 35): the Chat asks the store
+"""A chat at its owner's cap is refused before the model works: the Chat asks the store
 (`Store.room`) before it generates, so a visitor at LLMWEB_OWNER_MAX_CHATS or _STORED_MB hears so at
 once, not after a reply it then cannot keep. The real Engine over a FakeRunner, a real store."""
 

@@ -1,4 +1,4 @@
-"""Racing the memory (issue 25, "safe in front of strangers"): an edit, a reply or "Delete all my
+"""Racing the memory ("safe in front of strangers"): an edit, a reply or "Delete all my
 data" while a background fold runs, on a real SQLite store and real recall folders (FAISS on disk,
 with a word-hashing stand-in for the embedder), over the real Engine with a scripted FakeRunner.
 

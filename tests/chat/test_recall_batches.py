@@ -1,4 +1,4 @@
-"""An import's recall work holds the embedder's lock for one bounded batch (issue 35): each passage
+"""An import's recall work holds the embedder's lock for one bounded batch: each passage
 is cut at RECALL_PASSAGE_CHARS, so a batch of an import's 300 kB messages tokenizes ~0.5 MB, not
 ~6 MB, while other visitors' embeds wait. The real embedder and a real recall index."""
 

@@ -1,4 +1,4 @@
-"""A chat's chosen documents, the pure parts (issue 37): the stored shape and its checks, the API's
+"""A chat's chosen documents, the pure parts: the stored shape and its checks, the API's
 `x_llmweb.documents`, the keyword index's rowid filter, and a chat's choice kept, exported and
 imported. The real-embedder tests are tests/retrieval/test_scope.py, the real-model ones
 tests/chat/test_scope_model.py."""

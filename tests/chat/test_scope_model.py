@@ -1,4 +1,4 @@
-"""A chat reads the documents it chose (issue 37), with the real model, embedder and indexes: two
+"""A chat reads the documents it chose, with the real model, embedder and indexes: two
 documents that disagree, and a chat scoped to one cites only it, through the page's handlers, the
 OpenAI API and `replay`; unscoped, the same question cites both. A second visitor cannot name the
 first one's document in any of the three."""

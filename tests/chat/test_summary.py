@@ -180,7 +180,7 @@ def test_clean_summary_keeps_plain_text_and_caps_at_a_sentence():
     assert clean_summary("Summary: Ana wants tickets. I hope this helps.", 50, fmt) == "Ana wants tickets."
 
 
-# --- the trailing chatter in one pass: the same answer as the old substitution loop (issue 25) ---
+# --- the trailing chatter in one pass: the same answer as the old substitution loop ---
 
 _OLD_CHATTER_START = r"(?:let me know|i hope|hope this|feel free|is there anything|if you (?:need|have|want|would))"
 OLD_TRAILING_CHATTER = re.compile(r"(?:^|(?<=[.!?]))\s*" + _OLD_CHATTER_START + r"[^.!?]*[.!?]*\s*$", re.I)

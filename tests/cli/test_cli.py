@@ -115,7 +115,7 @@ def test_ingest_then_search_json(tmp_path):
 
 
 def test_files_the_cli_creates_are_private(tmp_path):
-    """World-readable data files (issue 35): after `main` (any command) the process's umask is 077, so
+    """World-readable data files: after `main` (any command) the process's umask is 077, so
     the SQLite file, the users file, the secret and the indexes it creates are 0600, folders 0700."""
     import stat
     import subprocess

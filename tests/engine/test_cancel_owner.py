@@ -1,4 +1,4 @@
-"""Engine.cancel_owner ("Delete all my data", issue 25): every request of one owner ends, waiting or
+"""Engine.cancel_owner ("Delete all my data"): every request of one owner ends, waiting or
 running, replies and background jobs alike; another owner's run on. Real Engine, scripted FakeRunner."""
 
 from __future__ import annotations

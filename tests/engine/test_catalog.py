@@ -1,4 +1,4 @@
-"""The models folder (issue 38), fast: real GGUF files written with the `gguf` package, real folders;
+"""The models folder, fast: real GGUF files written with the `gguf` package, real folders;
 the header reader's checks on malformed files; a user's GGUF's tokenizer read once per file; sizing
 to memory; who may switch the model; the API's listing and a request naming another model, with a
 scripted runtime (the real-model tests are tests/engine/test_models_folder.py)."""

@@ -1,4 +1,4 @@
-"""Decode speed without changing a token (issue 14): the block-growing KV cache, int8-cpu weights
+"""Decode speed without changing a token: the block-growing KV cache, int8-cpu weights
 and the `auto` quantisation, and `bench decode`.
 
 The fast tests check the cache layer against transformers' own DynamicLayer on random tensors;

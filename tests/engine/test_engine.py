@@ -34,7 +34,7 @@ def _llama_build_text(runner, ok: bool) -> None:
     """Known on the 2 Dec 2026 machine: its fresh llama-cpp-python build gives other greedy text for the
     Q4_1 file (release 38ffa72 fails the same three checks there); everything else is still asserted."""
     if not ok and runner.name == "llama.cpp":
-        pytest.xfail("this machine's llama.cpp build writes other greedy text (38ffa72 too): stop-40 note")
+        pytest.xfail("this machine's llama.cpp build writes other greedy text (38ffa72 too)")
 
 
 def prompt(fmt, *messages):

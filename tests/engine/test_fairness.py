@@ -1,4 +1,4 @@
-"""A fair queue between owners (issue 12): a per-owner cap on waiting requests, round-robin turns,
+"""A fair queue between owners: a per-owner cap on waiting requests, round-robin turns,
 and positions that count what is really ahead. The pure `FairQueue` first, then the real Engine
 over a scripted FakeRunner (no model; milliseconds each)."""
 

@@ -1,4 +1,4 @@
-"""Bring your own model (issue 38), with real models in their engine process: two GGUF files in the
+"""Bring your own model, with real models in their engine process: two GGUF files in the
 models folder (the embedded Q4_1 file and llama.cpp's own Q8_0 re-encoding of it); `/v1/models`
 lists both with their context lengths; a request naming the second is answered by it; the page's
 picker switches back and the status line names it; the keep-alive unloads the model (the memory of

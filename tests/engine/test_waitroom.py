@@ -1,4 +1,4 @@
-"""The waiting room (issue 25): each waiting request's estimated wait, from the work ahead of it in
+"""The waiting room: each waiting request's estimated wait, from the work ahead of it in
 the fair queue's real serving order and of the running batch, over the throughput the engine
 measures itself; the queue is bounded by that estimate (`max_wait_s`), not by a count. The pure
 parts first, then the real Engine over a scripted FakeRunner (no model; fractions of a second)."""

@@ -387,7 +387,7 @@ def form_bomb_pdf(draws: int = 5_000, text: str = "All work and no play makes a 
 
 
 def test_pdf_form_drawn_thousands_of_times_is_stopped_while_it_is_extracted():
-    """Issue 35: a ~1.4 KB PDF drawing one form 5,000 times extracted to 10 M characters (under the
+    """A ~1.4 KB PDF drawing one form 5,000 times extracted to 10 M characters (under the
     20 M document cap), all from one page. The budget is counted while pypdf draws the page."""
     import time
 

@@ -1,4 +1,4 @@
-"""No stranger-sized work under the embedder's lock, and an upload parsed once (issue 35).
+"""No stranger-sized work under the embedder's lock, and an upload parsed once.
 
 The real embedder and real indexes on disk. Every other visitor's retrieval takes `Embedder.lock`
 for its query; an upload that chunks a long document, or an import's recall batch of 1 MB

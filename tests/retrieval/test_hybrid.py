@@ -214,7 +214,7 @@ def test_off_topic_messages_retrieve_nothing_and_on_topic_ones_something(guide_l
     off = load_questions(EVAL_DIR / "off-topic.jsonl", on_topic=False)
     on = load_questions(EVAL_DIR / "guide-questions.jsonl", on_topic=True)
     issue = ["My locker code is Zanzibar-7781. Please remember it.", "Can you summarize our conversation so far?"]
-    assert [q.text for q in off[:2]] == issue  # the two messages of issue 15
+    assert [q.text for q in off[:2]] == issue  # two messages that must retrieve nothing
     for text in issue:
         assert guide_library.search("local", text) == [], text
         assert guide_library.search("local", text, min_score=-1, raw=True), "raw skips the gate (not the floor)"

@@ -1,4 +1,4 @@
-"""The per-owner uploads quota counts what a file unpacks to (issue 25): a small .docx or .pdf may
+"""The per-owner uploads quota counts what a file unpacks to: a small .docx or .pdf may
 hold far more text than its bytes (a zip bomb's ratio), so its extracted text is measured."""
 
 from __future__ import annotations

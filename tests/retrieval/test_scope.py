@@ -1,4 +1,4 @@
-"""A chat's chosen documents (issue 37): retrieval ranks the chosen documents' chunks alone, however
+"""A chat's chosen documents: retrieval ranks the chosen documents' chunks alone, however
 many others outrank them (FAISS's ID selector and FTS5's rowid filter, not a filter after the top k);
 names resolve only among the caller's own and the shared documents, and another owner's document
 is the same "not found" as one that does not exist; a kept choice follows a file replaced by a new

@@ -1,4 +1,4 @@
-"""Caps per owner (issue 35): conversations and bytes of text, imports included, each refusal a
+"""Caps per owner: conversations and bytes of text, imports included, each refusal a
 clear message naming its setting; one owner at a cap leaves every other owner untouched, and the
 local owner of a single-user install is not capped. Real SQLite files in tmp_path."""
 

@@ -1,4 +1,4 @@
-"""An import is a stranger's file (issue 25): checked field by field against the export's format
+"""An import is a stranger's file: checked field by field against the export's format
 and its caps before anything is written; a hostile or oversized one is refused whole."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_the_model_a_turn_names_imports_as_any_models_folder_name(store, doc):
 
 
 def test_the_html_injection_through_a_section_name_is_refused(store, doc):
-    """The issue's carrier: a section named with HTML rendered into the 'Last turn' bar."""
+    """The attack's carrier: a section named with HTML rendered into the 'Last turn' bar."""
     doc["turns"][0]["stats"]["sections"] = {HOSTILE: 5, "system": 4}
     refused(store, doc, "unknown prompt section")
 

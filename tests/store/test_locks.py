@@ -1,4 +1,4 @@
-"""No stranger-sized work under the store's lock (issue 35): a version switch of a crafted import
+"""No stranger-sized work under the store's lock: a version switch of a crafted import
 checks its facts with the lock free, and another visitor's call goes through meanwhile; a switch
 racing an edit, an undo or a delete stays consistent. Real SQLite files in tmp_path."""
 
@@ -51,7 +51,7 @@ def crafted_export(n_facts: int = 2_000, turns: int = 7, turn_chars: int = 1_000
 
 
 def test_another_visitors_new_chat_goes_through_while_a_switch_checks_its_facts(store, monkeypatch):
-    """The issue's click: "›" on a crafted import. While the switch's fact check is provably running
+    """A click on "›" of a crafted import. While the switch's fact check is provably running
     (inside it, through a hook), B's "New chat" completes through the same Store: the check holds
     no lock B needs. On the code before, the check ran inside the write lock (and no hook ran)."""
     conv = store.import_json(A, crafted_export())

@@ -1,4 +1,4 @@
-"""Chat search is scoped to the owner before it scans (issue 35): FTS5 yields the caller's rows
+"""Chat search is scoped to the owner before it scans: FTS5 yields the caller's rows
 only, so another owner's turns are never joined, ranked or cut into snippets; and a search is
 bounded in terms and in time. Real SQLite files in tmp_path; the fixtures are earlier releases'."""
 

@@ -646,7 +646,7 @@ def test_delete_owner_removes_everything_of_that_owner_only(store: Store):
 
 
 def test_a_write_begun_before_delete_all_commits_nothing_and_says_the_chat_was_deleted(store: Store):
-    """Issue 25: "Delete all my data" bumps the owner's generation in its transaction; a turn,
+    """Pressing "Delete all my data" bumps the owner's generation in its transaction; a turn,
     summary, fact or conversation write that read the older one (a reply or a fold in flight)
     commits nothing: `Deleted`, a `NotFound` with a sentence for the user."""
     from llmweb.store.models import Deleted
@@ -723,7 +723,7 @@ def test_a_database_from_before_owners_opens_without_loss_for_the_local_owner(tm
     shutil.copy(REPO / "tests" / "fixtures" / "schema1.sqlite3", path)
     with Store(path) as s:
         assert s.schema_version() == SCHEMA_VERSION
-        (info,) = s.list_conversations(LOCAL_OWNER)  # the empty "New chat" of round 1 is gone
+        (info,) = s.list_conversations(LOCAL_OWNER)  # the empty "New chat" of schema 1 is gone
         conv = s.get(LOCAL_OWNER, info.id)
         assert [(t.user, t.assistant) for t in conv.turns] == [
             ("My locker code is Zanzibar-7781. Please remember it.", "I will remember it."),

@@ -401,7 +401,7 @@ def test_failed_logins_for_a_name_back_off_exponentially_without_running_scrypt(
 
 
 def test_guesses_at_a_name_from_elsewhere_never_lock_its_owner_out_of_her_own_address(throttled):
-    """The lockout the per-name back-off allowed (issue 35): a stranger failing for "alice" from many
+    """The lockout the per-name back-off allowed: a stranger failing for "alice" from many
     addresses held alice herself up. Now an address she logged in from waits only for its own failures;
     a new address still waits for the name's."""
     acc, clock, runs = throttled
@@ -462,7 +462,7 @@ def test_the_login_route_backs_off_per_address_behind_a_trusted_proxy_and_makes_
 
 
 def test_the_login_route_refuses_a_form_posted_by_another_sites_page(tmp_path, users_path):
-    """Login CSRF (issue 35): another site's page could post the login form and log the visitor in to
+    """Login CSRF: another site's page could post the login form and log the visitor in to
     the attacker's account; now a cross-site Origin, Referer or Sec-Fetch-Site is refused first."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient

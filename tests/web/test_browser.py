@@ -6,7 +6,7 @@ answered from an uploaded document with its cited source (a click shows its pass
 chat), a reload that restores the chat, then a rename and a regenerated reply; then a new chat with
 its own system prompt (kept over a reload, in its prompt), the import of its export, an edit of
 turn 2 that forks the imported chat (the switcher goes back to the original, over a reload), and
-the page at a phone's width (390 px). Then the model picker (issue 38), on the same server, whose
+the page at a phone's width (390 px). Then the model picker, on the same server, whose
 models folder holds the embedded model re-encoded as Q8_0: the owner picks it, the status line
 names it and it answers, a reload shows it; with another model picked in another chat meanwhile,
 the chat's next message takes its own back and the status line and the picker follow; a browser
@@ -543,7 +543,7 @@ def test_uploaded_document_is_cited(page, server, tmp_path):
         )
         shot(page, "cited-source.png")
 
-    with step(page, "opened-source"):  # issue 37: a click on the cited source shows its passage beside the chat
+    with step(page, "opened-source"):  # a click on the cited source shows its passage beside the chat
         sources.locator("strong").filter(has_text=DOC_NAME).first.click()
         passage = page.locator("#llmweb-source")
         text = poll(
@@ -567,7 +567,7 @@ UPDATE_TEXT = "# Zephyr-7 rover update\n\nAfter the upgrade, the Zephyr-7 rover'
 
 
 def test_a_chat_scoped_to_one_document_cites_only_it(page, server, tmp_path):
-    """Issue 37: under Documents, "This chat reads" picks one of two documents that disagree; the
+    """Under Documents, "This chat reads" picks one of two documents that disagree; the
     answer's sources name only it. Picking none again reads every document."""
     with step(page, "scoped-chat"):
         doc = tmp_path / UPDATE_NAME
@@ -610,7 +610,7 @@ def test_a_chat_scoped_to_one_document_cites_only_it(page, server, tmp_path):
 
 
 def test_a_whole_document_summary_shows_its_progress_and_cites_its_sections(page, server):
-    """Issue 27: the per-message "Whole document" box reads the whole uploaded document, shows
+    """The per-message "Whole document" box reads the whole uploaded document, shows
     "Reading section 1 of 1…" while it runs, cites it, and clears itself once sent."""
     with step(page, "whole-document"):
         box = page.locator("#llmweb-whole-doc input[type=checkbox]")
@@ -954,7 +954,7 @@ def test_a_long_imported_chat_shows_its_last_turns_and_a_click_on_the_note_shows
         context.close()
 
 
-# ---- the model picker (issue 38): the same server, whose models folder holds a second model
+# ---- the model picker: the same server, whose models folder holds a second model
 FIRST_MODEL = "SmolLM2-135M-Instruct"  # the embedded model (Q4_1), served at start
 SECOND_MODEL = "smollm2-q8"  # the same model re-encoded as Q8_0 (the `server` fixture)
 PICKER = "#llmweb-model input"

@@ -1,5 +1,5 @@
 """Every string from outside (a visitor, the model, an import, a file name) reaches the page through
-web/formatting.py's `escape` (issue 25): each panel's formatting function is rendered with hostile
+web/formatting.py's `escape`: each panel's formatting function is rendered with hostile
 strings in every field, Markdown is rendered to HTML as a browser's renderer would (raw HTML on,
 every link allowed), and the parsed HTML has no element or attribute that came from the input."""
 
@@ -185,7 +185,7 @@ def test_the_status_line_escapes_what_a_server_said(hostile):
 
 
 def test_the_issues_import_is_refused_and_its_toast_is_escaped(runtime, tmp_path):  # noqa: F811
-    """Issue 25's carrier: an export whose stats name a section `"><img src=x onerror=…>`."""
+    """The attack's carrier: an export whose stats name a section `"><img src=x onerror=…>`."""
     import json
 
     from llmweb.web.ui import Handlers

@@ -1,4 +1,4 @@
-"""Limits and cleanup in front of strangers (issue 25): every Gradio event belongs to a concurrency
+"""Limits and cleanup in front of strangers: every Gradio event belongs to a concurrency
 group whose limits add up to less than Gradio's thread pool, so waiting handlers (a streaming turn,
 Stop waiting for the partial turn, a file being indexed) cannot hold every worker thread; Stop's wait
 is bounded; export files and Gradio's upload copies do not stay; streamed text is escaped."""
@@ -148,7 +148,7 @@ def test_request_bodies_are_capped_in_front_of_gradios_routes(tmp_path):
 
 
 def test_exports_are_private_to_this_process_and_owner(runtime, gradio_cache):  # noqa: F811
-    """A fixed /tmp/llmweb-exports (issue 35) let another local user plant the folder or read the files;
+    """A fixed /tmp/llmweb-exports let another local user plant the folder or read the files;
     now the root is the process's own mkdtemp folder, each owner's folder 0700, each file 0600."""
     import stat
     import tempfile

@@ -1,4 +1,4 @@
-"""The page's model picker and "Get a model" box (issue 38), through the handlers the page calls: the
+"""The page's model picker and "Get a model" box, through the handlers the page calls: the
 machine's owner checks a Hub model's size before anything downloads, downloads it with progress
 (a local stand-in for the Hub: tests/fake_hub.py), and finds it in the picker; a visitor of a
 shared server sees the picker greyed, no box, and is refused by the handlers whatever the page sends."""

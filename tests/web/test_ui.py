@@ -194,7 +194,7 @@ def test_user_errors_turns_domain_errors_into_toasts_for_functions_and_generator
         raise KeyError("x")
 
     with pytest.raises(gr.Error, match=r"Something went wrong \(ref [0-9a-f]+\)") as e:
-        bug()  # not a domain error: a ref to the log, never the exception's text (issue 25)
+        bug()  # not a domain error: a ref to the log, never the exception's text
     assert "KeyError" not in e.value.message and "'x'" not in e.value.message
 
 
