@@ -1,4 +1,6 @@
-"""Per-session KV caches: longest-common-prefix reuse, TTL, LRU eviction under a byte budget.
+"""Per-session KV caches: longest-common-prefix reuse, TTL, eviction under a byte budget with a
+share per owner (an owner over its share evicts its own caches first; a background job never
+evicts another owner's: `KVStore.put`), least recently used first within each pass.
 
 Each entry keeps a transformers `DynamicCache` and the exact token ids it holds
 (prompt + generated[:-1]; the last sampled token was never fed to the model). Reuse is
@@ -104,18 +106,26 @@ class KVStore:
                 best, best_n = e, n
         return (best, best_n) if best is not None else None
 
-    def put(self, session_id: str, ids: list[int], cache, nbytes: int | None = None, owner: str = "") -> bool:
-        """Store a session's cache after a request; evict least recently used idle entries to fit.
-
-        Returns False (and keeps nothing) when this cache alone exceeds the budget.
-        """
+    def put(
+        self,
+        session_id: str,
+        ids: list[int],
+        cache,
+        nbytes: int | None = None,
+        owner: str = "",
+        background: bool = False,
+    ) -> bool:
+        """Store `owner`'s session cache after a request, evicting idle entries to fit (`_room_locked`:
+        the owner's own first). Returns False (and keeps nothing) when this cache alone exceeds the
+        budget, or when a `background` job's cache would fit only by evicting another owner's."""
         nbytes = cache_nbytes(cache) if nbytes is None else nbytes
         assert nbytes >= 0, "a cache cannot hold negative bytes"
         if nbytes > self.budget_bytes:
             return False
         with self._lock:
             self._entries.pop(session_id, None)
-            self._evict_locked(self.budget_bytes - nbytes)
+            if not self._room_locked(owner, nbytes, background):
+                return False
             self._entries[session_id] = Entry(list(ids), cache, nbytes, self.clock(), owner)
         return True
 
@@ -169,6 +179,33 @@ class KVStore:
 
     def _total_locked(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
+
+    def _room_locked(self, owner: str, nbytes: int, background: bool) -> bool:
+        """Room for `owner`'s new entry of `nbytes`, each owner's share being the budget over the
+        owners holding entries (the newcomer counted). Evicted in passes, oldest first in each:
+        the owner's own while it holds more than its share; other owners' while they hold more
+        than theirs; the owner's own; anyone's. A background job (a summary, a warm-up) takes the
+        owner's own passes only: it never evicts another owner's cache. Whether it fits."""
+        allowed = self.budget_bytes - nbytes
+        used: dict[str, int] = {owner: nbytes}
+        for e in self._entries.values():
+            used[e.owner] = used.get(e.owner, 0) + e.nbytes
+        total, share = sum(used.values()) - nbytes, self.budget_bytes // len(used)
+        passes: list[Callable[[Entry], bool]] = [
+            lambda e: e.owner == owner and used[owner] > share,
+            lambda e: e.owner != owner and used[e.owner] > share and not background,
+            lambda e: e.owner == owner,
+            lambda e: not background,
+        ]
+        for evictable in passes:
+            for key, e in list(self._entries.items()):
+                if total <= allowed:
+                    return True
+                if evictable(e):
+                    del self._entries[key]
+                    total, used[e.owner] = total - e.nbytes, used[e.owner] - e.nbytes
+                    self.evictions += 1
+        return total <= allowed
 
     def _evict_locked(self, allowed_total: int) -> None:
         while self._entries and self._total_locked() > max(allowed_total, 0):

@@ -35,3 +35,36 @@ def test_a_short_common_prefix_or_an_expired_entry_gives_nothing():
     assert kv.donor("alice", list(range(2 * N)) + [5])[1] == 2 * N
     now["t"] = 61.0
     assert kv.donor("alice", list(range(2 * N)) + [5]) is None, "past its TTL"
+
+
+# ---- a share of the store per owner (`KVStore.put`)
+
+
+def test_an_owner_over_its_share_evicts_its_own_caches_first():
+    kv = KVStore(budget_bytes=100, ttl_s=60.0, clock=lambda: 0.0)
+    kv.put("v1", [1], "victim's", nbytes=40, owner="victim")  # the oldest entry
+    kv.put("f1", [1], "f1", nbytes=30, owner="flooder")
+    kv.put("f2", [1], "f2", nbytes=30, owner="flooder")
+    assert kv.put("f3", [1], "f3", nbytes=30, owner="flooder")
+    assert set(kv.sessions()) == {"v1", "f2", "f3"}, "the flooder's own oldest went, not the victim's"
+    assert kv.put("v2", [1], "v2", nbytes=10, owner="victim")  # the victim within its share: the flooder's go
+    assert set(kv.sessions()) == {"v1", "f3", "v2"} and kv.total_bytes <= 100
+
+
+def test_background_work_never_evicts_another_owners_cache():
+    kv = KVStore(budget_bytes=100, ttl_s=60.0, clock=lambda: 0.0)
+    kv.put("v1", [1], "v1", nbytes=60, owner="victim")
+    kv.put("v2", [1], "v2", nbytes=40, owner="victim")
+    assert not kv.put("w1", [1], "warm-up", nbytes=30, owner="opener", background=True), "not kept"
+    assert set(kv.sessions()) == {"v1", "v2"}
+    kv.put("o1", [1], "o1", nbytes=20, owner="opener")  # a visitor's own turn: the store is shared
+    assert set(kv.sessions()) == {"v2", "o1"}, "the owner over its share lost its oldest"
+    assert kv.put("w2", [1], "warm-up", nbytes=50, owner="opener", background=True)
+    assert set(kv.sessions()) == {"v2", "w2"}, "a warm-up makes room from its own owner's caches"
+
+
+def test_one_owner_alone_keeps_the_least_recently_used_order():
+    kv = KVStore(budget_bytes=100, ttl_s=60.0, clock=lambda: 0.0)
+    for i in range(5):
+        kv.put(f"s{i}", [1], i, nbytes=30, owner="local")
+    assert kv.sessions() == ["s2", "s3", "s4"] and kv.evictions == 2

@@ -170,7 +170,8 @@ class BaseRunner:
             return
         data, size = saved
         slot.stats.kv_session_bytes = size
-        self.kv.put(slot.request.session_id or "", held_ids, data, size, owner=slot.request.owner)
+        request = slot.request
+        self.kv.put(request.session_id or "", held_ids, data, size, owner=request.owner, background=request.background)
 
     def _pick(self, slot: Slot, logits: Any, i: int) -> int:
         """The next id of `slot` from row `i` of the pass's logits."""
