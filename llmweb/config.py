@@ -115,6 +115,10 @@ class Settings:
     shared_uploads: str = "auto"  # auto | 1 | 0: 1 = every UI upload joins the shared library; auto, 0 = private
     user_docs_mb: int = 50  # each owner's private uploads, in total
     queue_per_user: int = 2  # waiting requests per owner; more get the busy message
+    running_per_user: int = 2  # requests one owner may have in the engine's batch at once (the local owner: not capped)
+    prompt_tokens_per_min: int = 0  # prompt tokens one owner may have prefilled a minute; 0 = 4 x the context limit
+    warmups_per_min: int = 30  # warm-ups of opened chats accepted a minute, all visitors together
+    warmups_per_user_min: int = 6  # ... and from one visitor
     owner_max_chats: int = 1000  # conversations one owner may keep (the local owner: not capped)
     owner_max_stored_mb: int = 200  # text one owner's chats may hold, imports included (the local owner: not capped)
     owner_document_jobs: int = 2  # whole-document tasks one owner may run at once (the local owner: not capped)
@@ -164,6 +168,7 @@ class Settings:
             "api_max_body_kb",
             "web_max_body_kb",
             "engine_concurrency",
+            "running_per_user",
         ):
             check(getattr(self, name) >= 1, f"LLMWEB_{name.upper()} must be >= 1")
         check(0 < self.history_low < self.history_high <= 1, "need 0 < LLMWEB_HISTORY_LOW < LLMWEB_HISTORY_HIGH <= 1")

@@ -261,8 +261,9 @@ class Folds:
         """A chat just opened (picked in the list, found, imported): prefill its next prompt into
         its KV cache in the background, so the message its owner types meanwhile prefills only
         itself. Not while the chat's fold runs (the fold warms it after), and one per owner at a
-        time: a visitor clicking through their chats keeps at most one prefill of theirs queued.
-        Returns whether one was submitted; it is not waited for."""
+        time: a visitor clicking through their chats keeps at most one prefill of theirs in flight.
+        The engine drops it when busy or over the warm-up limits (LLMWEB_WARMUPS_PER_MIN,
+        LLMWEB_WARMUPS_PER_USER_MIN). Returns whether one was submitted; it is not waited for."""
         with self._lock:
             for done in [k for k, h in self._warming.items() if h and (h.stats is not None or h.error is not None)]:
                 del self._warming[done]
@@ -274,7 +275,7 @@ class Folds:
         try:
             request = self.warm_request(owner, conv_id)
             handle = self.engine.submit(request) if request is not None else None
-        except LlmwebError as e:  # a full queue: the next turn prefills it itself
+        except LlmwebError as e:  # busy or over the limits: the next turn prefills it itself
             log.info("warming %s as it opened: %s", log_id(conv_id), e)
         finally:
             with self._lock:
@@ -320,4 +321,5 @@ class Folds:
             session_id=conv_id,
             owner=owner,
             background=True,
+            optional=True,  # dropped when the engine is busy, pre-empted by a visitor's request
         )

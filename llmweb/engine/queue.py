@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from llmweb.engine.request import EngineLimits, Handle
 from llmweb.engine.waitroom import busy_message
@@ -52,9 +52,12 @@ class FairQueue:
     def push(self, handle: Handle) -> None:
         self._owners.setdefault(handle.request.owner, deque()).append((next(self._arrivals), handle))
 
-    def peek(self) -> Handle:
-        """The next request to serve (IndexError when empty)."""
-        return self._owners[self._order()[0]][0][1]
+    def peek(self, skip: Collection[str] = ()) -> Handle:
+        """The next request to serve, of an owner not in `skip` (IndexError when there is none)."""
+        owner = next((o for o in self._order() if o not in skip), None)
+        if owner is None:
+            raise IndexError("no request to serve")
+        return self._owners[owner][0][1]
 
     def pop(self) -> Handle:
         """Take the next request to serve out (IndexError when empty)."""
@@ -158,10 +161,14 @@ class Lanes:
             raise BusyError(busy_message(wait, self.limits.max_wait_s))
         return wait
 
-    def peek(self) -> Handle | None:
-        """The request to admit next: interactive first (fair between owners), then background."""
+    def peek(self, full: Collection[str] = ()) -> Handle | None:
+        """The request to admit next: interactive first (fair between owners; none of an owner in
+        `full`, those already running their `running_per_user`), then background."""
         if self.interactive:
-            return self.interactive.peek()
+            try:
+                return self.interactive.peek(full)
+            except IndexError:
+                pass
         if self.background:
             return self.background[0]
         return None

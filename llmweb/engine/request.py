@@ -44,6 +44,7 @@ class GenerationRequest:
     session_id: str | None = None  # KV-cache reuse key; None = no reuse
     owner: str = ""  # who asked, for the fair queue; "" = nobody in particular (the CLI), one owner too
     background: bool = False  # low priority (summaries); never counted as "waiting" for users
+    optional: bool = False  # background work that may be dropped (a warm-up): refused when busy, pre-empted
     timeout_s: float | None = None  # from the start of processing
     fallback: Callable[[], GenerationRequest | None] | None = None  # smaller request for the OOM retry
 
@@ -284,6 +285,10 @@ class EngineLimits:
     frag_release_bytes: int = 256 * 2**20
     kv_reuse: bool = True
     max_batch: int = 1  # requests sharing each decode step; 1 = serial (the app: LLMWEB_MAX_BATCH)
+    running_per_user: int = 0  # interactive requests one owner may have in the batch; 0 = no cap
+    prompt_tokens_per_min: int = 0  # prompt tokens one owner's requests may prefill a minute; 0 = no cap
+    warmups_per_min: int = 0  # optional jobs (warm-ups) accepted a minute, all owners together; 0 = no cap
+    warmups_per_owner_min: int = 0  # ... and from one owner; 0 = no cap
 
 
 def auto_max_batch(on_cpu: bool) -> int:

@@ -14,11 +14,12 @@ limits are per event group and guarantee nothing (docs/architecture.md).
 
 The worker's loop is schedule -> run -> postprocess, until the batch is empty:
   schedule     admit waiting requests while the batch has fewer than `max_batch`
-               (LLMWEB_MAX_BATCH) and admission says their memory fits;
-  run          one prompt chunk of the oldest joining request, a visitor's before a background
-               one, which gets a chunk while a visitor decodes only every BACKGROUND_EVERY steps
-               and within BACKGROUND_SHARE of the time (its
-               session's cache reused: only new tokens are prefilled), then one batched decode
+               (LLMWEB_MAX_BATCH), their owner fewer than `running_per_user`, and admission
+               says their memory fits; a visitor's request that waits for room pre-empts a
+               warm-up (share.py: also the owners' prompt tokens a minute and the warm-up caps);
+  run          one prompt chunk (its session's cache reused: only new tokens are prefilled),
+               chosen so that owners take turns and one owner's prompts take at most a share of
+               the time from another owner's reply (turns.py), then one batched decode
                pass that gives every decoding request its next token; a request joins the decode
                batch once its prompt is in; a pass out of memory makes one request give way: the
                joining one in a prefill, the youngest in a decode (the others' caches are as
@@ -53,21 +54,13 @@ from llmweb.engine.request import (
     Slot,
     capped,
 )
+from llmweb.engine.share import Shares, full_owners, preempt
+from llmweb.engine.turns import ChunkTurns
 from llmweb.engine.waitroom import Pace, running_work, wait_s, waiting_work
 from llmweb.errors import AdmissionError, BusyError, Cancelled, LlmwebError
 from llmweb.records import GenerationStats
 
 log = logging.getLogger(__name__)
-
-
-# while a visitor's reply decodes, a background prompt (a summary, a whole-document step) gets a
-# prefill chunk on one step in this many (a chunk every step: the visitor's decode fell from 27.8 to
-# 4.1 tok/s next to a whole-document task in `bench document`, on the 2-core CPU)
-BACKGROUND_EVERY = 4
-# ... and no more than this share of the time: a chunk's length is the runner's (512 tokens of int8
-# matrix products, 256 of llama.cpp, about 1 s on the 2-core CPU against a 15 ms decode step), so a
-# step count alone let a visitor's reply decode at 3.7 tok/s next to a whole-document task there
-BACKGROUND_SHARE = 0.25
 
 
 class Engine:
@@ -87,8 +80,8 @@ class Engine:
         self._running: list[Slot] = []  # the batch, oldest first (only the worker changes it, under the lock)
         self._memory = Admission(runner, kv, limits, self.counters)
         self._stopped = False
-        self._steps = 0  # steps a background prompt asked for a chunk (`_background_turn`)
-        self._background_free_at = 0.0  # when a background chunk may run again next to a visitor
+        self.shares = Shares(limits.prompt_tokens_per_min, limits.warmups_per_min, limits.warmups_per_owner_min)
+        self._turns = ChunkTurns()  # whose prompt gets each step's chunk (turns.py)
         self._last_work = time.monotonic()  # when a request last came or the batch last emptied (`idle_s`)
         self._thread = threading.Thread(target=self._loop, name="llmweb-engine", daemon=True)
         self._thread.start()
@@ -105,7 +98,11 @@ class Engine:
         with self._lock:
             if self._stopped:
                 raise BusyError("The engine is shutting down.")
+            if request.optional:
+                self._optional_room(request.owner)  # dropped, not refused: no one asked for it
             try:
+                if not request.background:
+                    self.shares.check_prompt(request.owner)
                 self._waiting.push(handle)
             except BusyError:
                 self.counters.refused += 1
@@ -113,6 +110,13 @@ class Engine:
             self._last_work = time.monotonic()
             self._lock.notify_all()
         return handle
+
+    def _optional_room(self, owner: str) -> None:
+        """An optional job (a warm-up) is dropped, never queued, when anything waits or the batch is
+        full, or over the warm-up limits (share.py); BusyError then (under the lock)."""
+        if self._waiting or len(self._running) >= self.limits.max_batch:
+            raise BusyError("Warm-up dropped: the model is busy.")
+        self.shares.take_warmup(owner)
 
     def position(self, handle: Handle) -> int:
         with self._lock:
@@ -125,7 +129,7 @@ class Engine:
 
     def _wait_s(self, ahead: list[Handle]) -> float:
         """The waiting room's estimate for a request with `ahead` before it (under the lock)."""
-        running = [running_work(s, self.pace) for s in self._running]
+        running = [running_work(s, self.pace) for s in self._running if not s.request.optional]  # pre-empted
         queued = [waiting_work(h.request, self.pace) for h in ahead]
         return wait_s(running, queued, self.limits.max_batch, self.pace)
 
@@ -217,12 +221,15 @@ class Engine:
         A request that does not fit next to the running batch keeps its place at the head of the
         line until the batch shrinks (nobody behind it jumps ahead).
         """
-        while len(self._running) < self.limits.max_batch:
+        while True:
             with self._lock:
                 if self._stopped:
                     return
-                handle = self._waiting.peek()
+                handle = self._waiting.peek(full_owners(self._running, self.limits.running_per_user))
             if handle is None:
+                return
+            if len(self._running) >= self.limits.max_batch:
+                preempt(self._running, handle)
                 return
             try:
                 predicted = self._memory.admit(handle, list(self._running))
@@ -231,6 +238,7 @@ class Engine:
                     handle._finish(None, refused)
                 continue
             if predicted is None:
+                preempt(self._running, handle)
                 return  # it waits for room
             if not self._take(handle):
                 continue  # cancelled meanwhile: it left the queue on its own
@@ -261,25 +269,26 @@ class Engine:
 
     def _run(self) -> None:
         """One step: a prompt chunk of the oldest joining request, then a token for every decoding one."""
-        # 1) prefill, chunked: a visitor's prompt before a background one's (a summary, a document
-        # step): a turn that arrives during a long background prefill waits one chunk, not all of it
-        joining = next((s for s in self._running if not s.ready and not s.request.background), None)
-        if joining is None and self._background_turn():
-            joining = next((s for s in self._running if not s.ready), None)
+        # 1) prefill, chunked: the owners' prompts take turns, a visitor's before a background one
+        # (a summary, a document step); next to another owner's decoding reply a prompt takes at
+        # most a share of the time (`_joining`)
+        joining, beside = self._turns.pick(self._running)
         if joining is not None:
             before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
             try:
                 if not self.runner.prefill(joining):
                     self._give_way(joining, "oom")
-                else:
-                    self.pace.prefilled(joining.stats.prefilled_tokens - before, time.perf_counter() - t0)
+                elif not joining.request.background:  # the waiting room's rate: interactive prompts only
+                    tokens = joining.stats.prefilled_tokens - before
+                    self.pace.prefilled(tokens, time.perf_counter() - t0)
+                    with self._lock:
+                        self.shares.prefilled.add(joining.request.owner, tokens)
             except GiveWay as e:
                 self._give_way(joining, e.reason, e.message)
             except BaseException as e:
                 self._fail([joining], e)
-            if joining.request.background:  # the visitors get (1/share - 1) times its time next
-                end = time.perf_counter()
-                self._background_free_at = end + (end - t0) * (1 / BACKGROUND_SHARE - 1)
+            if beside:  # the decoding replies get (1/share - 1) times its time next
+                self._turns.ran(joining, t0, time.perf_counter())
         # 2) decode: one batched forward pass
         decoding = [s for s in self._running if s.ready and s.finish is None]
         if decoding:
@@ -293,18 +302,6 @@ class Engine:
                     self.pace.stepped(time.perf_counter() - t0)
             except BaseException as e:
                 self._fail(decoding, e)
-
-    def _background_turn(self) -> bool:
-        """May a background prompt take this step's chunk? Next to a visitor's decode, only after
-        BACKGROUND_EVERY steps and (1 / BACKGROUND_SHARE - 1) times the last chunk's time."""
-        self._steps += 1
-        visitor = any(s.ready and s.finish is None and not s.request.background for s in self._running)
-        if not visitor:
-            return True
-        if self._steps < BACKGROUND_EVERY or time.perf_counter() < self._background_free_at:
-            return False
-        self._steps = 0
-        return True
 
     def _postprocess(self) -> None:
         """Whoever finished, was cancelled or ran out of time leaves the batch at once."""

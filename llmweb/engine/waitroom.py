@@ -8,9 +8,12 @@ of it and the throughput the engine measures itself. The queue is bounded by tha
            lengths (a request is expected to reply that much, at most its cap).
   Work     what a request still has to do: prompt tokens to prefill, reply tokens to decode.
   wait_s   list scheduling over the batch's `max_batch` slots: the running requests fill them
-           until their remaining work is done; each request ahead, in the fair queue's real
-           serving order, takes the first slot to free, and its prefill pauses the others (prompt
-           chunks run between decode steps); the estimate is when the next slot frees.
+           until their own remaining work (prefill, then reply) is done; each request ahead, in
+           the fair queue's real serving order, takes the first slot to free, and its prefill
+           pauses the others (prompt chunks run between decode steps); the estimate is when the
+           next slot frees. Optional jobs (warm-ups) are left out: a visitor's request pre-empts
+           them. The prefill rate is measured on interactive prompts only (background chunks are
+           smaller and slower per token).
 
 Owns: the throughput figures and the estimate. Must not: lock (the engine holds its lock around
 every estimate), order the queue (queue.py), or import torch.
@@ -93,8 +96,7 @@ def running_work(slot: Slot, pace: Pace) -> Work:
 def wait_s(running: Sequence[Work], ahead: Sequence[Work], width: int, pace: Pace) -> float:
     """Seconds until a request with `ahead` before it (in serving order) starts, next to the
     `running` batch of at most `width` requests (see the module docstring)."""
-    pause = sum(w.prefill for w in running) / pace.prefill_tok_s  # running prompts still to prefill
-    free = sorted(pause + w.reply * pace.step_s for w in running)  # when each running request leaves
+    free = sorted(pace.seconds(w) for w in running)  # when each running request leaves: its own work
     free = [0.0] * max(width - len(free), 0) + free  # a sorted list is a heap
     for work in ahead:
         start = heapq.heappop(free)

@@ -91,6 +91,10 @@ def _queue_limits(s: Settings, budget: Budget) -> dict[str, Any]:
         kv_reuse=s.kv_reuse,
         queue_per_user=s.queue_per_user,
         max_wait_s=s.max_wait_s,
+        running_per_user=s.running_per_user,
+        prompt_tokens_per_min=s.prompt_tokens_per_min or 4 * budget.context_limit,
+        warmups_per_min=s.warmups_per_min,
+        warmups_per_owner_min=s.warmups_per_user_min,
     )
 
 

@@ -8,7 +8,7 @@ import threading
 import time
 
 from llmweb.engine.request import GenerationRequest
-from llmweb.engine.scheduler import BACKGROUND_EVERY
+from llmweb.engine.turns import BACKGROUND_EVERY
 from tests.fakes import FakeRunner, fake_engine
 
 CHUNKS = 20  # steps each prompt's prefill takes
@@ -105,7 +105,7 @@ class TimedChunks(DecodeLog):
 
 
 def test_a_background_prompt_gets_at_most_its_share_of_the_time_while_a_visitor_decodes():
-    from llmweb.engine.scheduler import BACKGROUND_SHARE
+    from llmweb.engine.turns import BACKGROUND_SHARE
 
     runner = TimedChunks()
     runner.token_delay_s = 0.005

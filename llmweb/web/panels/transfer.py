@@ -132,4 +132,5 @@ class TransferHandlers(PanelHandlers):
             forget_upload(path)  # read (or refused): Gradio's upload copy is not kept
         conv_id = self._chat().import_json(owner, text)
         conv = self.store.get(owner, conv_id)
-        return self._warmed(owner, self.panel(owner, conv, f"Imported “{conv.title}” ({len(conv.turns)} turns)."))
+        # not warmed: an import is a stranger's cheapest way to ask for a long prefill
+        return self.panel(owner, conv, f"Imported “{conv.title}” ({len(conv.turns)} turns).")
