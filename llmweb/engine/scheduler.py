@@ -287,8 +287,7 @@ class Engine:
                 self._give_way(joining, e.reason, e.message)
             except BaseException as e:
                 self._fail([joining], e)
-            if beside:  # the decoding replies get (1/share - 1) times its time next
-                self._turns.ran(joining, t0, time.perf_counter())
+            self._turns.ran(joining, beside, t0, time.perf_counter())  # the replies' share next
         # 2) decode: one batched forward pass
         decoding = [s for s in self._running if s.ready and s.finish is None]
         if decoding:

@@ -6,10 +6,10 @@ chunk decides how fast everyone else's replies go:
 
   a visitor's prompt   goes before a background one (a summary, a document step, a warm-up);
                        free while no other owner's reply decodes; beside one, only once its
-                       owner's last chunk beside another's reply was followed by
-                       (1 / BACKGROUND_SHARE - 1) times its time: one owner's prompts, however
-                       many tabs send them, take at most that share from another owner's reply,
-                       and a newcomer's first chunk is never held back;
+                       owner's last chunk was followed by (1 / BACKGROUND_SHARE - 1) times its
+                       time: one owner's prompts, however many tabs send them, take at most that
+                       share from another owner's reply, and the first chunk of an owner who had
+                       none lately is never held back;
   a background prompt  runs only when no visitor's prompt joins; beside any visitor's reply, on
                        one step in BACKGROUND_EVERY and within BACKGROUND_SHARE of the time;
   among equals         the owner whose prompt had a chunk least recently goes next
@@ -48,7 +48,7 @@ class ChunkTurns:
 
     def pick(self, running: list[Slot]) -> tuple[Slot | None, bool]:
         """The slot whose prompt gets this step's chunk (None: decode only), and whether it runs
-        beside a reply it must not slow down (then tell `ran` how long it took)."""
+        beside a reply it must not slow down (tell `ran` how long every chunk took)."""
         joining = [s for s in running if not s.ready and s.finish is None]
         if not joining:
             return None, False
@@ -58,7 +58,7 @@ class ChunkTurns:
             now = time.perf_counter()
             for gone in [o for o, t in self._owner_free_at.items() if t <= now]:
                 del self._owner_free_at[gone]
-            waits = self._owner_free_at  # owners whose last chunk beside another's reply is still being paid for
+            waits = self._owner_free_at  # owners whose last chunk is still being paid for
             ready = [s for s in visitors if not decoding - {s.request.owner} or s.request.owner not in waits]
             if not ready:
                 return None, False
@@ -68,14 +68,17 @@ class ChunkTurns:
             return None, False
         return self._next_owner(joining, running), bool(decoding)
 
-    def ran(self, slot: Slot, t0: float, end: float) -> None:
-        """`slot`'s chunk ran beside another's reply from `t0` to `end`: the replies get
-        (1 / BACKGROUND_SHARE - 1) times its time before its owner's (or any background) next one."""
+    def ran(self, slot: Slot, beside: bool, t0: float, end: float) -> None:
+        """`slot`'s chunk ran from `t0` to `end` (`beside` a reply it must not slow down): the other
+        owners' replies get (1 / BACKGROUND_SHARE - 1) times its time before its owner's next chunk
+        beside them (a background chunk's: before any background chunk, when it ran beside one).
+        A visitor's chunk counts even when nobody else decoded: a reply that starts right after it
+        does not meet that owner's next chunk at once."""
         free_at = end + (end - t0) * (1 / BACKGROUND_SHARE - 1)
-        if slot.request.background:
-            self._background_free_at = free_at
-        else:
+        if not slot.request.background:
             self._owner_free_at[slot.request.owner] = free_at
+        elif beside:
+            self._background_free_at = free_at
 
     def _next_owner(self, slots: list[Slot], running: list[Slot]) -> Slot:
         """Round-robin between owners: the first slot of the owner served least recently."""

@@ -185,3 +185,44 @@ def test_each_running_slot_frees_after_its_own_prefill_not_the_sum_of_all():
     p = Pace(prefill_tok_s=1000.0, step_s=0.1)
     running = [Work(1000, 0), Work(1000, 0), Work(1000, 0)]  # 1 s of prefill each
     assert wait_s(running, [], width=3, pace=p) == pytest.approx(1.0)
+
+
+# ---- the real llama.cpp runner (slow: the embedded GGUF on the CPU)
+
+
+def test_on_llama_cpp_two_tabs_of_long_prompts_leave_another_owners_short_turn_within_2x(llama_model):
+    """One identity, two tabs, each a ~1,000-token message in a new chat (4 chunks of 256), beside
+    another owner's short turn: that turn takes at most twice its time alone, plus the one chunk
+    already running when it arrives (a chunk is never cut)."""
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.request import EngineLimits
+    from llmweb.engine.runners.llama_cpp import llama_engine
+
+    engine = llama_engine(
+        llama_model.model, KVStore(0, 1), EngineLimits(max_batch=4, max_new_tokens=64, max_wait_s=3600), 2048
+    )
+    short = GenerationRequest(list(range(1000, 1030)), 32, owner="victim")  # no stop id: 32 tokens
+
+    def turn() -> float:
+        t0 = time.perf_counter()
+        engine.submit(short).result()
+        return time.perf_counter() - t0
+
+    try:
+        turn()  # one-off allocations
+        alone = min(turn(), turn())
+        t0 = time.perf_counter()
+        engine.submit(GenerationRequest(list(range(2000, 2256)), 1, owner="probe")).result()
+        chunk = time.perf_counter() - t0  # one 256-token chunk
+        flood = [
+            engine.submit(GenerationRequest(list(range(3000 + 1000 * i, 4000 + 1000 * i)), 64, owner="flooder"))
+            for i in range(2)
+        ]
+        time.sleep(chunk / 2)  # the flooder's first chunk runs
+        beside = turn()
+        print(f"alone {alone:.2f} s, a chunk {chunk:.2f} s, beside the flood {beside:.2f} s")
+        for h in flood:
+            h.cancel()
+        assert beside <= 2 * alone + chunk, (alone, chunk, beside)
+    finally:
+        engine.close()
