@@ -92,6 +92,7 @@ class Engine:
             raise ValueError("max_new_tokens must be >= 1")
         if len(request.prompt_ids) == 0:
             raise ValueError("empty prompt")
+        assert request.background or not request.optional, "optional work is background work"
         if not request.background:  # the cap is for replies; a summary has its own (LLMWEB_SUMMARY_TOKENS)
             request = capped(request, self.limits.max_new_tokens)
         handle = Handle(request, self)
