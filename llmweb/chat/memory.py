@@ -258,9 +258,9 @@ class Folds:
             log.info("warming %s after a fold: %s", log_id(conv_id), e)
 
     def warm(self, owner: str, conv_id: str) -> bool:
-        """A chat just opened (picked in the list, found, imported): prefill its next prompt into
-        its KV cache in the background, so the message its owner types meanwhile prefills only
-        itself. Not while the chat's fold runs (the fold warms it after), and one per owner at a
+        """A chat just opened (picked in the list or found; an import is not warmed): prefill its
+        next prompt into its KV cache in the background, so the message its owner types meanwhile
+        prefills only itself. Not while the chat's fold runs (the fold warms it after), and one per owner at a
         time: a visitor clicking through their chats keeps at most one prefill of theirs in flight.
         The engine drops it when busy or over the warm-up limits (LLMWEB_WARMUPS_PER_MIN,
         LLMWEB_WARMUPS_PER_USER_MIN). Returns whether one was submitted; it is not waited for."""
