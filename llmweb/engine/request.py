@@ -189,6 +189,7 @@ class Slot:
     retry_reason: str = "oom"  # why: "oom", or the runner's `GiveWay` reason ("context_length")
     t0: float = dataclasses.field(default_factory=time.perf_counter)  # start of processing
     ready: bool = False  # the prompt is prefilled: the slot decodes with the batch
+    small_chunks: bool = False  # the scheduler's: prefill in the runner's small chunks (a chunk is never cut)
     finish: str | None = None  # eos | length | cancelled | timeout | error: it leaves after this step
     error: LlmwebError | None = None  # set by the runner with finish="error": this request alone fails
     generated: list[int] = dataclasses.field(default_factory=list)

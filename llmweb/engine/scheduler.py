@@ -99,8 +99,9 @@ class Engine:
         with self._lock:
             if self._stopped:
                 raise BusyError("The engine is shutting down.")
-            if request.optional:
-                self._optional_room(request.owner)  # dropped, not refused: no one asked for it
+            if request.optional:  # dropped (BusyError), not refused: no one asked for it
+                busy = bool(self._waiting) or len(self._running) >= self.limits.max_batch
+                self.shares.take_warmup(request.owner, busy)
             try:
                 if not request.background:
                     self.shares.check_prompt(request.owner)
@@ -111,13 +112,6 @@ class Engine:
             self._last_work = time.monotonic()
             self._lock.notify_all()
         return handle
-
-    def _optional_room(self, owner: str) -> None:
-        """An optional job (a warm-up) is dropped, never queued, when anything waits or the batch is
-        full, or over the warm-up limits (share.py); BusyError then (under the lock)."""
-        if self._waiting or len(self._running) >= self.limits.max_batch:
-            raise BusyError("Warm-up dropped: the model is busy.")
-        self.shares.take_warmup(owner)
 
     def position(self, handle: Handle) -> int:
         with self._lock:
@@ -275,6 +269,9 @@ class Engine:
         # most a share of the time (`_joining`)
         joining, beside = self._turns.pick(self._running)
         if joining is not None:
+            if not joining.request.background:
+                with self._lock:
+                    joining.small_chunks = self.shares.small_chunks(joining, self._running)
             before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
             try:
                 if not self.runner.prefill(joining):

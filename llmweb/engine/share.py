@@ -25,6 +25,9 @@ from llmweb.errors import BusyError
 from llmweb.records import LOCAL_OWNER
 
 WINDOW_S = 60.0
+# an owner whose prompts prefilled this many tokens in the last minute is heavy: its prompts go in the
+# runner's small chunks, so another owner who arrives waits for one small chunk, not a big one
+HEAVY_TOKENS = 1024
 MAX_OWNERS = 4096  # owners remembered at once; the one whose last use is oldest is forgotten first
 # not capped per owner: a single-user install's one owner, and requests of nobody in particular (the CLI)
 EXEMPT = frozenset({"", LOCAL_OWNER})
@@ -85,8 +88,17 @@ class Shares:
                 f"per visitor; try again in {self.prefilled.free_in(owner):.0f} s."
             )
 
-    def take_warmup(self, owner: str) -> None:
-        """Count an optional job of `owner`; BusyError (it is dropped) over either warm-up limit."""
+    def small_chunks(self, slot: Slot, running: list[Slot]) -> bool:
+        """Should `slot`'s next chunk be a small one? Yes for a heavy owner's prompt (HEAVY_TOKENS),
+        and for any prompt while another owner's request is in the batch."""
+        owner = slot.request.owner
+        return self.prefilled.used(owner) >= HEAVY_TOKENS or any(s.request.owner != owner for s in running)
+
+    def take_warmup(self, owner: str, busy: bool) -> None:
+        """Count an optional job of `owner`; BusyError (it is dropped, never queued) when the engine
+        is `busy` (anything waits, or the batch is full) or over either warm-up limit."""
+        if busy:
+            raise BusyError("Warm-up dropped: the model is busy.")
         if self.warmups_per_owner_min > 0 and self.warmups.used(owner) >= self.warmups_per_owner_min:
             raise BusyError("Warm-up dropped: this visitor's warm-ups for this minute are spent.")
         if self.warmups_per_min > 0 and self.warmups.total() >= self.warmups_per_min:

@@ -118,6 +118,43 @@ def test_the_owner_past_its_prompt_tokens_a_minute_is_refused_and_the_other_is_n
         engine.close()
 
 
+class FlagRunner(FakeRunner):
+    """Records (owner, small_chunks) of each prefill step."""
+
+    def __init__(self):
+        super().__init__(token_delay_s=0.002)
+        self.flags: list[tuple[str, bool]] = []
+
+    def prefill(self, slot) -> bool:
+        self.flags.append((slot.request.owner, slot.small_chunks))
+        return super().prefill(slot)
+
+
+def test_a_heavy_owners_prompts_and_any_beside_another_owner_go_in_small_chunks():
+    from llmweb.engine.share import HEAVY_TOKENS
+
+    runner = FlagRunner()
+    engine, _ = fake_engine(runner, max_batch=4)
+    try:
+        engine.submit(GenerationRequest([1, 2, 3], 2, owner="light")).result()
+        engine.submit(GenerationRequest(list(range(HEAVY_TOKENS)), 2, owner="heavy")).result()
+        engine.submit(GenerationRequest([1, 2, 3], 2, owner="heavy")).result()
+        runner.enqueue(list(range(1000, 1200)))
+        long = engine.submit(GenerationRequest([1, 2, 3], 200, owner="light"))
+        assert runner.running.wait(5)
+        engine.submit(GenerationRequest([4, 5, 6], 2, owner="other")).result()
+        long.cancel()
+        assert runner.flags == [
+            ("light", False),  # alone, light: the runner's own chunks
+            ("heavy", False),
+            ("heavy", True),  # past HEAVY_TOKENS in the last minute
+            ("light", False),
+            ("other", True),  # beside another owner's request
+        ]
+    finally:
+        engine.close()
+
+
 # ---- warm-ups: optional work
 
 

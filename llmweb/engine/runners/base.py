@@ -51,6 +51,9 @@ class BaseRunner:
     # `_restore` copies a saved cache and leaves it as it was, so one of the owner's other sessions
     # may seed a new one's common prefix (kvcache.py `donor`)
     shares_prefixes = False
+    # a visitor's chunk when the scheduler asks for small ones (`Slot.small_chunks`: another owner
+    # may arrive and wait for it); 0 = the runner's own size always
+    small_chunk = 0
 
     def __init__(self, kv: KVStore, kv_bytes_per_token: int, mem_limit_bytes: int = 0):
         self.kv = kv
@@ -98,7 +101,10 @@ class BaseRunner:
 
     def prefill(self, slot: Slot) -> bool:
         seq: Seq = slot.state
-        end = min(seq.filled + self._chunk(slot.request), len(seq.prompt))
+        size = self._chunk(slot.request)
+        if slot.small_chunks and self.small_chunk:
+            size = min(size, self.small_chunk)
+        end = min(seq.filled + size, len(seq.prompt))
         last = end == len(seq.prompt)
         try:
             with self._mode():

@@ -13,7 +13,8 @@ cancel, time limits, the session KV store and the stats are the ones the transfo
                             the prompt (`llama_memory_seq_rm`); a sliding-window model's only
                             where its saved window reaches back to the cut
     prefill(slot)           one `llama_decode` of the next prompt chunk (PREFILL_CHUNK tokens,
-                            BACKGROUND_CHUNK for a background request)
+                            BACKGROUND_CHUNK for a background request, and for a
+                            visitor's when the scheduler asks: `Slot.small_chunks`)
                             on the slot's sequence; the last chunk asks for logits and samples
     decode(slots)           ONE `llama_decode` carrying one token per slot, each on its sequence
                             at its own position: the batch, with no padding
@@ -72,6 +73,7 @@ class LlamaRunner(BaseRunner):
     name = "llama runner"
     out_of_memory = (MemoryError,)
     shares_prefixes = True  # llama_state_seq_set_data reads the saved bytes
+    small_chunk = BACKGROUND_CHUNK  # a heavy owner's, or beside another owner's request (scheduler.py)
 
     def __init__(self, model: GgufModel, kv: KVStore, slots: int, context: int, *, mem_limit_bytes: int = 0):
         import llama_cpp as ll
