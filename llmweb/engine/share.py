@@ -90,9 +90,9 @@ class Shares:
 
     def small_chunks(self, slot: Slot, running: list[Slot]) -> bool:
         """Should `slot`'s next chunk be a small one? Yes for a heavy owner's prompt (HEAVY_TOKENS),
-        and for any prompt while another owner's request is in the batch."""
-        owner = slot.request.owner
-        return self.prefilled.used(owner) >= HEAVY_TOKENS or any(s.request.owner != owner for s in running)
+        and for any prompt while another request is in the batch (one owner's two tabs too): a
+        prompt alone in the batch, of an owner who sent little, keeps the runner's own size."""
+        return self.prefilled.used(slot.request.owner) >= HEAVY_TOKENS or any(s is not slot for s in running)
 
     def take_warmup(self, owner: str, busy: bool) -> None:
         """Count an optional job of `owner`; BusyError (it is dropped, never queued) when the engine

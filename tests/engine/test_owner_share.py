@@ -130,7 +130,7 @@ class FlagRunner(FakeRunner):
         return super().prefill(slot)
 
 
-def test_a_heavy_owners_prompts_and_any_beside_another_owner_go_in_small_chunks():
+def test_a_heavy_owners_prompts_and_any_beside_another_request_go_in_small_chunks():
     from llmweb.engine.share import HEAVY_TOKENS
 
     runner = FlagRunner()
@@ -151,6 +151,12 @@ def test_a_heavy_owners_prompts_and_any_beside_another_owner_go_in_small_chunks(
             ("light", False),
             ("other", True),  # beside another owner's request
         ]
+        runner.flags.clear()
+        runner.enqueue(list(range(1000, 1050)), list(range(1000, 1050)))  # 50 tokens each: both in the batch
+        two = [engine.submit(GenerationRequest(list(range(10 + i, 14 + i)), 50, owner="tabs")) for i in range(2)]
+        for h in two:
+            h.result()
+        assert ("tabs", True) in runner.flags, "one owner's two tabs: the second prompt beside the first"
     finally:
         engine.close()
 
