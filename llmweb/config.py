@@ -117,7 +117,7 @@ class Settings:
     queue_per_user: int = 2  # waiting requests per owner; more get the busy message
     running_per_user: int = 2  # requests one owner may have in the engine's batch at once (the local owner: not capped)
     prompt_tokens_per_min: int = 0  # prompt tokens one owner may have prefilled a minute; 0 = 4 x the context limit
-    warmups_per_min: int = 30  # warm-ups of opened chats accepted a minute, all visitors together
+    warmups_per_min: int = 30  # warm-ups of opened chats accepted a minute, all visitors together; 0 = no limit
     warmups_per_user_min: int = 6  # ... and from one visitor
     owner_max_chats: int = 1000  # conversations one owner may keep (the local owner: not capped)
     owner_max_stored_mb: int = 200  # text one owner's chats may hold, imports included (the local owner: not capped)
