@@ -89,10 +89,14 @@ class Shares:
             )
 
     def small_chunks(self, slot: Slot, running: list[Slot]) -> bool:
-        """Should `slot`'s next chunk be a small one? Yes for a heavy owner's prompt (HEAVY_TOKENS),
-        and for any prompt while another request is in the batch (one owner's two tabs too): a
-        prompt alone in the batch, of an owner who sent little, keeps the runner's own size."""
-        return self.prefilled.used(slot.request.owner) >= HEAVY_TOKENS or any(s is not slot for s in running)
+        """Should `slot`'s next chunk be a small one? Yes while another owner's request is in the
+        batch, and for a heavy visitor's prompt (HEAVY_TOKENS: another visitor may arrive at any
+        step): the owner of a single-user install, or a visitor who sent little, alone or beside
+        only their own requests, keeps the runner's own size (a chunk protects nobody there)."""
+        owner = slot.request.owner
+        if any(s.request.owner != owner for s in running):
+            return True
+        return owner not in EXEMPT and self.prefilled.used(owner) >= HEAVY_TOKENS
 
     def take_warmup(self, owner: str, busy: bool) -> None:
         """Count an optional job of `owner`; BusyError (it is dropped, never queued) when the engine

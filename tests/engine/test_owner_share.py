@@ -130,8 +130,9 @@ class FlagRunner(FakeRunner):
         return super().prefill(slot)
 
 
-def test_a_heavy_owners_prompts_and_any_beside_another_request_go_in_small_chunks():
+def test_a_heavy_visitors_prompts_and_any_beside_another_owners_request_go_in_small_chunks():
     from llmweb.engine.share import HEAVY_TOKENS
+    from llmweb.records import LOCAL_OWNER
 
     runner = FlagRunner()
     engine, _ = fake_engine(runner, max_batch=4)
@@ -156,7 +157,14 @@ def test_a_heavy_owners_prompts_and_any_beside_another_request_go_in_small_chunk
         two = [engine.submit(GenerationRequest(list(range(10 + i, 14 + i)), 50, owner="tabs")) for i in range(2)]
         for h in two:
             h.result()
-        assert ("tabs", True) in runner.flags, "one owner's two tabs: the second prompt beside the first"
+        assert ("tabs", False) in runner.flags and ("tabs", True) not in runner.flags, (
+            "one light owner's two tabs: a small chunk would protect nobody"
+        )
+        runner.flags.clear()
+        local = [list(range(HEAVY_TOKENS)), [1, 2, 3]]
+        for ids in local:  # the owner of a single-user install is never heavy: full chunks, alone
+            engine.submit(GenerationRequest(ids, 2, owner=LOCAL_OWNER)).result()
+        assert runner.flags == [(LOCAL_OWNER, False), (LOCAL_OWNER, False)]
     finally:
         engine.close()
 
