@@ -193,9 +193,7 @@ def test_on_zerogpu_spaces_comes_first_and_the_model_loads_through_transformers_
         runtime.close()
 
 
-def test_a_zerogpu_space_answers_three_visitors_and_a_second_turn_reuses_the_host_s_cache(
-    spaces, tmp_path, fp32_model
-):
+def test_a_zerogpu_space_answers_three_visitors_and_a_second_turn_reuses_the_host_s_cache(spaces, tmp_path, fp32_model):
     """The done-when of ZeroGPU: a Space (`SYSTEM=spaces`, SPACES_ZERO_GPU on, the stand-in for
     `spaces`) launched as `serve` launches it, three visitors (three API conversations: three owners)
     each chat two turns; every reply is one GPU call made with that visitor's Gradio request, and

@@ -29,11 +29,12 @@ data (no engine, lock, thread or bound method), or choose what runs when (the sc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
-from llmweb.engine.kvcache import KVStore, reusable
+from llmweb.engine.kvcache import Entry, KVStore, reusable
 from llmweb.engine.request import EngineLimits, GenerationRequest, Handle, Slot
+from llmweb.engine.runners.loopguard import Pieces
 from llmweb.engine.telemetry import memory_snapshot
 from llmweb.errors import LlmwebError
 from llmweb.records import GenerationStats
@@ -96,7 +97,7 @@ class Model:
     model: object
     device: str
     kv_bytes_per_token: int
-    pieces: object = None  # the vocabulary's text, for the loop guard (decoded once, here)
+    pieces: Pieces | None = None  # the vocabulary's text, for the loop guard (decoded once, here)
 
 
 MODELS: dict[str, Model] = {}  # filled in the web process before the first call forks it
@@ -163,7 +164,10 @@ class _Alone:
         return None
 
 
-def gpu_call(spaces) -> Callable[[Job], Iterator[Step]]:
+GpuCall = Callable[[Job], Generator[Step, None, None]]
+
+
+def gpu_call(spaces) -> GpuCall:
     """`generate` decorated by `spaces.GPU`, with its `duration` per request. Call it at start-up,
     before the app launches: ZeroGPU stops a Space that has no decorated function by then."""
     return spaces.GPU(duration=duration)(generate)
@@ -171,8 +175,8 @@ def gpu_call(spaces) -> Callable[[Job], Iterator[Step]]:
 
 @dataclass(eq=False)
 class _Call:
-    steps: Iterator[Step]  # the GPU call, open
-    before: object  # the session's entry as it was taken (put back if the call ends without a cache)
+    steps: Generator[Step, None, None]  # the GPU call, open
+    before: Entry | None  # the session's entry as it was taken (put back if the call ends without a cache)
     last: Step | None = None
 
 
@@ -184,7 +188,7 @@ class ZeroRunner:
     name = "zerogpu"
     device = "cpu"  # where this process keeps what it holds: bytes
 
-    def __init__(self, call: Callable[[Job], Iterator[Step]], model: str, kv: KVStore):
+    def __init__(self, call: GpuCall, model: str, kv: KVStore):
         self.call = call
         self.model = model
         self.kv = kv
