@@ -111,7 +111,7 @@ def _turns(engine, first, second):
 
 def test_the_stand_in_refuses_an_engine_as_spaces_does(spaces):
     """A GPU call's arguments are pickled into the fork: an engine's bound method (its lock and thread
-    come with it), which the engine's busy period wrapped in spaces.GPU passed, cannot go."""
+    come with it) cannot go, so a call gets a Job of plain data, never the engine's busy period."""
     from tests.fakes import fake_engine
 
     engine, _runner = fake_engine()
@@ -151,6 +151,19 @@ def test_each_reply_is_one_gpu_call_from_host_bytes_and_the_second_turn_reuses_t
     assert len(spaces.durations) == 2 and all(isinstance(d, int) and 1 <= d <= 120 for d in spaces.durations)
 
 
+def test_the_duration_asked_grows_with_the_request_and_stays_within_its_time_limit():
+    from llmweb.engine.runners.zerogpu import Job, duration
+
+    def job(prompt: int, cached: int, new: int, timeout: float = 120.0) -> Job:
+        cache = (tuple(range(cached)), b"") if cached else None
+        return Job("m", tuple(range(prompt)), new, 0.0, 1.0, 1.0, False, None, (), True, cache, timeout)
+
+    short, long_reply = duration(job(100, 0, 64)), duration(job(100, 0, 1024))
+    assert 15 < short < long_reply <= 120
+    assert duration(job(8000, 7900, 64)) < duration(job(8000, 0, 64)), "a cached prefix is not prefilled again"
+    assert duration(job(100, 0, 1024, timeout=30.0)) == 30, "never past the request's own limit"
+
+
 def test_a_cancelled_call_stops_and_the_chat_keeps_the_cache_it_had(spaces, tiny):
     from llmweb.engine.runners.zerogpu import gpu_call
 
@@ -184,9 +197,12 @@ def test_on_zerogpu_spaces_comes_first_and_the_model_loads_through_transformers_
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(models, "load", load)
+    with pytest.raises(RuntimeError, match="No @spaces.GPU function detected during startup"):
+        spaces.startup()  # what ZeroGPU does to a Space that launches with none
     runtime = Runtime(make_settings(tmp_path, zero_gpu=True, engine_process="auto")).start(background=True)
     try:
         assert seen["decorated"], "a @spaces.GPU function exists before the model loads (and the app launches)"
+        spaces.startup()
         assert seen["backend"] == "transformers" and seen["thread"] is threading.current_thread()
         assert not runtime.ready and "stop here" in runtime.status
     finally:

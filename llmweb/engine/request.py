@@ -260,7 +260,7 @@ class Runner(Protocol):
 
     def available(self) -> int: ...
 
-    def busy(self, work: Callable[[], None]) -> None: ...  # run a busy period inside the device entry point
+    def busy(self, work: Callable[[], None]) -> None: ...  # run a busy period (the runner may wrap it)
 
     def start(self, slot: Slot) -> None: ...  # take the session's cache (prefix reuse); no forward pass
 

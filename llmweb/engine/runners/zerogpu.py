@@ -16,6 +16,8 @@ every caller), inside a copy of the context of the thread that submitted the req
 (`Handle.context`). For a visitor that is the Gradio handler's context, which carries the request
 that `spaces` reads for the visitor's X-IP-Token (their quota, not the Space's), the event and its
 progress. A background job (a summary) has no request, as on the CLI: spaces bills the Space.
+The cost of one worker: it steps the open calls in turn, so a call still waiting for a GPU (ZeroGPU
+queues them) delays the next ids of the others in the batch; their replies are not lost.
 
 `duration(job)` asks for the time the request may take (spaces takes a callable of the call's
 arguments): a start allowance plus the prompt and reply at rates well under an 8B model's on a
