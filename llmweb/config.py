@@ -259,12 +259,13 @@ class Settings:
 
     @property
     def in_engine_process(self) -> bool:
-        """Does the local model run in an engine process of its own? Auto: yes, except on ZeroGPU
-        (its GPU calls are forks of the web process). Every Space has the `spaces` package, a
-        dedicated-GPU one too, so that is no sign of ZeroGPU; SPACES_ZERO_GPU is (`spaces` reads it)."""
-        if self.engine_process != "auto":
-            return self.engine_process == "1"
-        return not self.zero_gpu
+        """Does the local model run in an engine process of its own? Yes (auto), except on ZeroGPU,
+        whatever LLMWEB_ENGINE_PROCESS says: its GPU calls are forks of the web process. Every Space
+        has the `spaces` package, a dedicated-GPU one too, so that is no sign of ZeroGPU;
+        SPACES_ZERO_GPU is (`spaces` reads it)."""
+        if self.zero_gpu:
+            return False
+        return self.engine_process in ("auto", "1")
 
     @property
     def copies_dir(self) -> Path:

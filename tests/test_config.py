@@ -83,4 +83,5 @@ def test_the_automatic_engine_process_follows_zerogpu_not_the_spaces_package(mon
     assert Settings.from_env({"SPACES_ZERO_GPU": "true"}).zero_gpu
     assert not Settings.from_env({"SPACES_ZERO_GPU": "true"}).in_engine_process
     assert not Settings.from_env({"SPACES_ZERO_GPU": "0"}).zero_gpu
-    assert Settings.from_env({"SPACES_ZERO_GPU": "1", "LLMWEB_ENGINE_PROCESS": "1"}).in_engine_process, "asked for"
+    assert not Settings.from_env({"SPACES_ZERO_GPU": "1", "LLMWEB_ENGINE_PROCESS": "1"}).in_engine_process, "no GPU"
+    assert not Settings.from_env({"LLMWEB_ENGINE_PROCESS": "0"}).in_engine_process

@@ -153,9 +153,6 @@ class Runtime:
         from llmweb.engine.backends import make_engine
 
         s = self.settings
-        if self._preloaded is None and s.in_engine_process:
-            self._load_process(t0)
-            return
         loaded = self._preloaded
         if self._zero_call is not None:  # ZeroGPU: one GPU call per request; nothing sized here (no GPU)
             loaded = loaded or models.load(zerogpu.load_settings(s), progress=self._status.progress)
@@ -163,6 +160,9 @@ class Runtime:
             self.loaded = loaded
             self._wire(engine, budget, loaded.tokenizer, loaded.stop_ids)
             self._status.ready_local(loaded, budget, time.perf_counter() - t0)
+            return
+        if loaded is None and s.in_engine_process:
+            self._load_process(t0)
             return
         if loaded is None:
             loaded = models.load(s, progress=self._status.progress)
