@@ -149,8 +149,7 @@ def generate(job: Job) -> Iterator[Step]:
     runner.release(slot, keep=True)
     entry = kv.take(SESSION)
     kept = (tuple(entry.ids), runner.export_cache(entry.cache)) if entry is not None else None
-    slot.stats.mem = memory_snapshot(part.device)
-    yield Step(kept=kept, stats=slot.stats)
+    yield Step(kept=kept, stats=slot.stats)  # its `mem`: the GPU's, as the runner took it on release
 
 
 class _Alone:
