@@ -84,6 +84,7 @@ class Settings:
     frag_release_mb: int = 256  # idle: empty_cache() when reserved-allocated passes this
     # the engine process (engine/process.py): the model runs in a child process, restarted when it dies
     engine_process: str = "auto"  # auto | 1 | 0; auto = on, except on ZeroGPU (its GPU is the web process's)
+    zero_gpu: bool = False  # a ZeroGPU Space: read from SPACES_ZERO_GPU, which the platform sets (not an LLMWEB_ name)
     recycle_after: int = 0  # requests per engine process before a graceful replacement; 0 = never
     recycle_s: float = 0.0  # an engine process's age before a graceful replacement; 0 = never
     recycle_frag_mb: int = 0  # CUDA: replace it once reserved - allocated passes this after a request; 0 = never
@@ -258,13 +259,13 @@ class Settings:
 
     @property
     def in_engine_process(self) -> bool:
-        """Does the local model run in an engine process of its own? Auto: yes, except where the
-        `spaces` package is (ZeroGPU attaches its GPU to the web process only)."""
-        if self.engine_process != "auto":
-            return self.engine_process == "1"
-        import importlib.util
-
-        return importlib.util.find_spec("spaces") is None
+        """Does the local model run in an engine process of its own? Yes (auto), except on ZeroGPU,
+        whatever LLMWEB_ENGINE_PROCESS says: its GPU calls are forks of the web process. Every Space
+        has the `spaces` package, a dedicated-GPU one too, so that is no sign of ZeroGPU;
+        SPACES_ZERO_GPU is (`spaces` reads it)."""
+        if self.zero_gpu:
+            return False
+        return self.engine_process in ("auto", "1")
 
     @property
     def copies_dir(self) -> Path:
@@ -287,8 +288,10 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> Settings:
         """Read every field from `LLMWEB_<FIELD>`; keyword overrides win (the CLI's flags)."""
         source = os.environ if env is None else env
-        values = {}
+        values: dict = {"zero_gpu": zero_gpu(source)}
         for f in dataclasses.fields(cls):
+            if f.name in PLATFORM_FIELDS:
+                continue
             raw = source.get(f"LLMWEB_{f.name.upper()}")
             if raw is None or raw == "":
                 continue
@@ -297,8 +300,16 @@ class Settings:
         return cls(**values)
 
 
+def zero_gpu(env: Mapping[str, str]) -> bool:
+    """Is this a ZeroGPU Space? SPACES_ZERO_GPU as the `spaces` package reads it (spaces/config.py)."""
+    return (env.get("SPACES_ZERO_GPU") or "").lower() in ("1", "t", "true")
+
+
+PLATFORM_FIELDS = {"zero_gpu"}  # settings the platform sets under its own names, not LLMWEB_*
+
+
 def env_names() -> list[str]:
-    return [f"LLMWEB_{f.name.upper()}" for f in dataclasses.fields(Settings)]
+    return [f"LLMWEB_{f.name.upper()}" for f in dataclasses.fields(Settings) if f.name not in PLATFORM_FIELDS]
 
 
 class _Checker:

@@ -199,7 +199,7 @@ class Engine:
         self.release_fragmentation()
 
     def _busy_period(self) -> None:
-        """Admit and step the batch until it is empty (on ZeroGPU, one GPU call)."""
+        """Admit and step the batch until it is empty."""
         while True:
             self._schedule()
             if not self._running:

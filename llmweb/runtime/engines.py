@@ -1,5 +1,5 @@
-"""Engine parts from Settings: the KV and memory budgets, the local engine's limits, the ZeroGPU
-entry, and the whole remote engine (LLMWEB_ENGINE_URL: its tokenizer, budget, limits and runner).
+"""Engine parts from Settings: the KV and memory budgets, the local engine's limits, and the whole
+remote engine (LLMWEB_ENGINE_URL: its tokenizer, budget, limits and runner).
 
 These are pure set-up: they read settings and the loaded model and build objects; they must not
 start threads, keep state or touch the store (runtime/__init__.py's `Runtime` wires the parts).
@@ -22,15 +22,6 @@ if TYPE_CHECKING:
     from llmweb.engine.scheduler import Engine
 
 
-def gpu_entry(fn):
-    """`@spaces.GPU` where the `spaces` package is present (Hugging Face ZeroGPU); elsewhere `fn` itself."""
-    try:
-        import spaces
-    except ImportError:
-        return fn
-    return spaces.GPU(fn)
-
-
 def kv_budget_bytes(settings: Settings, loaded) -> int:
     """LLMWEB_KV_BUDGET_MB, or a quarter of free device memory after loading (CPU: 1/16 of RAM, <= 1 GiB),
     or less where the model was sized to a tight memory (`size_to_memory`: a quarter of the room)."""
@@ -43,6 +34,13 @@ def kv_budget_bytes(settings: Settings, loaded) -> int:
 
         free, _total = torch.cuda.mem_get_info()
         return max(int(free * 0.25), 64 * 2**20)
+    return host_kv_budget_bytes(settings)
+
+
+def host_kv_budget_bytes(settings: Settings) -> int:
+    """The idle chats' caches kept in this process's memory: LLMWEB_KV_BUDGET_MB, or 1/16 of RAM, <= 1 GiB."""
+    if settings.kv_budget_mb > 0:
+        return settings.kv_budget_mb * 2**20
     return min(psutil.virtual_memory().total // 16, 2**30)
 
 

@@ -19,7 +19,6 @@ decides WHAT runs and when; this runner runs it on the model, one step at a time
     release(slot, keep)               the slot leaves: its row is cut out of the batch (pads
                                       dropped) and, with `keep`, stored as its session's cache
                                       (prompt + generated[:-1])
-    busy(work)                        runs the engine's busy period inside the GPU entry point
     empty_cache(), snapshot()         allocator housekeeping (CUDA; no-ops elsewhere)
 
 `torch.OutOfMemoryError` is caught here and turned into False, and on purpose by returning, not
@@ -77,7 +76,6 @@ class LocalRunner(BaseRunner):
         *,
         mem_limit_bytes: int = 0,
         mem_margin_bytes: int = 512 * 2**20,
-        gpu: Callable | None = None,
         make_cache: Callable[[object], DynamicCache] = new_cache,
     ):
         super().__init__(kv, kv_bytes_per_token, mem_limit_bytes)
@@ -88,8 +86,6 @@ class LocalRunner(BaseRunner):
         # DynamicCache (torch.cat per step) for `bench decode`'s before/after
         self._new_cache = make_cache
         self._batch = _Batch(model.config, self._new_cache)
-        # e.g. @spaces.GPU on ZeroGPU Spaces: the GPU entry point is one busy period of the engine
-        self._busy: Callable[[Callable[[], None]], None] = gpu(_call) if gpu is not None else _call
 
     # ---- memory
     def predict(self, request: GenerationRequest) -> int:
@@ -113,9 +109,6 @@ class LocalRunner(BaseRunner):
 
     def snapshot(self):
         return memory_snapshot(self.device)
-
-    def busy(self, work: Callable[[], None]) -> None:
-        self._busy(work)
 
     # ---- the sequences
     def _mode(self):
@@ -309,17 +302,12 @@ def _trim_left(cache: DynamicCache, n: int) -> None:
         layer.keys, layer.values = layer.keys[:, :, n:, :].clone(), layer.values[:, :, n:, :].clone()
 
 
-def _call(work: Callable[[], None]) -> None:
-    work()
-
-
 def local_engine(
     model,
     device: str,
     kv: KVStore,
     limits: EngineLimits,
     kv_bytes_per_token: int,
-    gpu: Callable | None = None,
 ) -> Engine:
     """An engine over a loaded transformers model (this module imports torch)."""
     runner = LocalRunner(
@@ -329,6 +317,5 @@ def local_engine(
         kv_bytes_per_token,
         mem_limit_bytes=limits.mem_limit_bytes,
         mem_margin_bytes=limits.mem_margin_bytes,
-        gpu=gpu,
     )
     return Engine(runner, kv, limits)
