@@ -23,9 +23,10 @@ from llmweb.errors import ConfigError
 from llmweb.records import LOCAL_OWNER, Chunk, Turn
 from llmweb.runtime.resident import Lease
 from llmweb.store.db import Store
-from llmweb.web.api import api_routes
-from llmweb.web.api_keys import ApiKeys, parse_api_keys
-from llmweb.web.api_wire import ApiError, StopScanner, parse_request
+from llmweb.web.api.chat_wire import StopScanner, parse_request
+from llmweb.web.api.errors import ApiError
+from llmweb.web.api.keys import ApiKeys, parse_api_keys
+from llmweb.web.api.routes import api_routes
 from llmweb.web.owner import owner_secrets
 from tests.conftest import make_settings
 from tests.fakes import FakeFormat, FakeRunner, fake_engine

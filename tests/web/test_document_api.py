@@ -1,5 +1,5 @@
 """The API's whole-document option (issue 27): `x_llmweb: {"whole_document": true}` parsed and
-checked field by field (web/api_wire.py); the figures come back in the response's `x_llmweb.document`
+checked field by field (web/api/chat_wire.py); the figures come back in the response's `x_llmweb.document`
 (the real-model test is tests/chat/test_document_model.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from llmweb.web.api_wire import ApiError, parse_request
+from llmweb.web.api.chat_wire import parse_request
+from llmweb.web.api.errors import ApiError
 
 
 def body(**kw) -> dict:
