@@ -37,14 +37,14 @@ def test_a_bad_x_llmweb_is_a_400_naming_the_field(ours, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-# ---- through the routes, over the real engine with a scripted runner (tests/web/test_api_fast.py's rig)
+# ---- through the routes, over the real engine with a scripted runner (tests/web/api/conftest.py's rig)
 
 
 @pytest.fixture
 def served(tmp_path):
     from llmweb.records import LOCAL_OWNER
     from tests.chat.test_document_task import FakeLibrary, doc_chunks
-    from tests.web.test_api_fast import rig
+    from tests.web.api.conftest import rig
 
     library = FakeLibrary()
     library.add(LOCAL_OWNER, "book.txt", doc_chunks("book.txt", 12))
