@@ -1,4 +1,4 @@
-"""The API's whole-document option (issue 27): `x_llmweb: {"whole_document": true}` parsed and
+"""The API's whole-document option: `x_llmweb: {"whole_document": true}` parsed and
 checked field by field (web/api/chat_wire.py); the figures come back in the response's `x_llmweb.document`
 (the real-model test is tests/chat/test_document_model.py)."""
 
