@@ -129,7 +129,7 @@ class Settings:
     engine_api_key: str = ""  # sent as a Bearer token
     engine_concurrency: int = 8  # requests in flight to the server at once; more wait in the fair queue
     engine_routing_header: str = "X-Session-Id"  # carries the hashed conversation id for a sticky router
-    # the OpenAI-compatible API (web/api.py)
+    # the OpenAI-compatible API (web/api/)
     api_keys: str = ""  # "alice:key1,bob:key2" or "key1,key2"; none: open on a loopback bind only
     api_max_body_kb: int = 2048  # largest request body accepted
 

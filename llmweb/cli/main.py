@@ -79,13 +79,13 @@ def serving_lines(settings: Settings, port: int | None = None) -> str:
 
 
 def launch_app(runtime, **overrides):
-    """Serve the web UI and the OpenAI-compatible API (web/api.py) on one port: Gradio's FastAPI app with
+    """Serve the web UI and the OpenAI-compatible API (web/api/) on one port: Gradio's FastAPI app with
     the API's routes and the fixed page file (web/page_assets.py) in front of its own, and the owner
     link's middleware (web/owner.py) in front of all. Blocks, unless `prevent_thread_lock=True`
     (tests); returns (demo, url)."""
     from starlette.middleware import Middleware
 
-    from llmweb.web.api import api_routes
+    from llmweb.web.api.routes import api_routes
     from llmweb.web.owner import OwnerLink
     from llmweb.web.page_assets import page_asset_routes
     from llmweb.web.ui import body_cap, build_app, launch_kwargs

@@ -5,7 +5,7 @@ size before login is checked: 50 MB of JSON held the event loop ~2 s and ~320 MB
 middleware on the app: a declared Content-Length over the cap is refused with 413 before the route runs,
 and a streamed (chunked) body is counted as it is read and cut off with 413 at the cap. Uploads
 (/gradio_api/upload) may be as large as one owner may store (LLMWEB_USER_DOCS_MB; Gradio checks each
-file against LLMWEB_MAX_FILE_MB itself); /v1 keeps its own limit (web/api.py, LLMWEB_API_MAX_BODY_KB).
+file against LLMWEB_MAX_FILE_MB itself); /v1 keeps its own limit (web/api/common.py, LLMWEB_API_MAX_BODY_KB).
 It must not read a body itself or decide anything but its size.
 """
 

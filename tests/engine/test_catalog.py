@@ -22,8 +22,8 @@ from llmweb.engine.sizing import MIN_CONTEXT, fit
 from llmweb.errors import ConfigError, InputError
 from llmweb.records import LOCAL_OWNER
 from llmweb.runtime.resident import Lease
-from llmweb.web import api_models
-from llmweb.web.api_wire import ApiError
+from llmweb.web.api import models as api_models
+from llmweb.web.api.errors import ApiError
 from llmweb.web.identity import Caller, login_owner, may_switch_models
 
 
@@ -187,7 +187,7 @@ def test_only_the_machines_owner_or_an_operator_may_switch_the_model(tmp_path):
 
 
 class Served:
-    """A runtime's model side, as api_models reads it (a scripted switch)."""
+    """A runtime's model side, as web/api/models.py reads it (a scripted switch)."""
 
     def __init__(self, settings: Settings):
         self.settings, self.model_id, self.ready, self.unloaded = settings, EMBEDDED_NAME, True, False

@@ -175,7 +175,7 @@ def test_fragmentation_past_the_limit_recycles_the_process(proc):
 
 
 def test_the_api_tells_a_client_to_retry_when_the_model_process_stopped():
-    from llmweb.web.api import api_error
+    from llmweb.web.api.errors import api_error
 
     e = api_error(EngineStopped("The model process stopped; your message was not lost: press retry."))
     assert e.status == 503 and e.headers.get("Retry-After") and "press retry" in str(e.body())

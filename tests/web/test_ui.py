@@ -94,7 +94,7 @@ def test_a_remote_engine_that_does_not_report_its_cache_shows_no_invented_reuse_
     g.reuse_reported, g.reused_tokens, g.kv_session_bytes, g.kv_store_bytes = False, 0, 0, 0
     text = stats_markdown(remote)
     assert "did not report" in text and "reused 0" not in text and "KV cache:" not in text
-    from llmweb.web.api_wire import Usage
+    from llmweb.web.api.common import Usage
 
     assert "prompt_tokens_details" not in Usage(100, 7, None).to_dict()
     assert Usage(100, 7, 40).to_dict()["prompt_tokens_details"] == {"cached_tokens": 40}
