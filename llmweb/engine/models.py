@@ -111,21 +111,45 @@ def convert_gguf(gguf: Path, target: Path, progress: Progress = log.info) -> Pat
     if _has_weights(target) and (target / "tokenizer.json").is_file():
         return target
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     progress(f"First run with {gguf.name}: converting it to safetensors (once; ~20 s per 100 MB)…")
     t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    instead = "use the model's safetensors folder instead, or llama.cpp on the CPU."
+    # transformers builds the model from the config it maps out of the file's metadata; a key it does
+    # not map (a Qwen3's head_dim other than its default, for one) gives other shapes: transformers
+    # refuses those (RuntimeError), and a weight it finds no tensor for would be left random
+    try:
+        tok = read_gguf_tokenizer(gguf)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True
+        )
+    except (RuntimeError, ValueError) as e:
+        reason = (str(e).splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"{gguf.name}: transformers could not convert it ({type(e).__name__}: {reason}): {instead}"
+        ) from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ConfigError(
+            f"{gguf.name}: transformers found no tensor for {len(missing)} weights ({missing[0]}, …): {instead}"
+        )
     # save_pretrained refuses a GGUF-loaded model until its quantizer is detached (docs/architecture.md)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     progress(f"Dequantised in {time.perf_counter() - t0:.0f} s; saving the converted copy…")
-    write_folder(target, partial(_save_pretrained, (model, tok)))
+    if not write_folder(target, partial(_save_converted, model, tok)):
+        raise ConfigError(f"{gguf.name}: its tokenizer, saved, would not tokenise as the file does.")
     del model
     progress(f"Converted copy saved to {target}.")
     return target
+
+
+def _save_converted(model, tok, folder: Path) -> bool:
+    """The weights, and the tokenizer as `_save_tokenizer` keeps it (False where it would differ)."""
+    model.save_pretrained(folder)
+    return _save_tokenizer(tok, folder)
 
 
 def _has_weights(folder: Path) -> bool:
@@ -193,12 +217,6 @@ def write_folder(target: Path, save: Callable[[Path], bool]) -> bool:
         return True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _save_pretrained(parts, folder: Path) -> bool:
-    for part in parts:
-        part.save_pretrained(folder)
-    return True
 
 
 def resolve_device(settings: Settings) -> str:

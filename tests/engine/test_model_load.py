@@ -1,5 +1,6 @@
 """The model's load on the transformers path, the way a GPU takes it, exercised on the CPU: a GGUF
-file that is not the embedded one (converted once, or refused with the reason), a load that runs
+file of an architecture transformers cannot read (refused with the reason, and not listed; the zoo's
+GGUF files are converted in tests/engine/test_zoo.py), a load that runs
 out of memory (DoesNotFit, the failed attempt's memory released, no float retry), the compute dtype
 a device without bf16 gets, and the sizing after a load (the allocator's cache counted as room, the
 4-bit weights' quantisation state counted as weights). CUDA functions are monkeypatched where the
@@ -7,10 +8,7 @@ mechanism needs a GPU's answer."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import weakref
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,40 +26,6 @@ MiB = 2**20
 
 
 # ---- a GGUF file on transformers
-
-
-def _gguf_copy(folder: Path, stem: str) -> Path:
-    """The embedded GGUF at another path (a hard link where the file system allows: no bytes more)."""
-    src_folder, name = models.embedded_gguf()
-    path = folder / f"{stem}.gguf"
-    try:
-        os.link(src_folder / name, path)
-    except OSError:
-        shutil.copy(src_folder / name, path)
-    return path
-
-
-@pytest.mark.slow
-def test_a_gguf_file_loads_on_transformers_from_a_converted_copy_made_once(tmp_path):
-    path = _gguf_copy(tmp_path, "my-model")
-    settings = make_settings(tmp_path / "data", model=str(path), backend="transformers", quant="fp32")
-    settings = settings.replace(cache_dir=tmp_path / "copies")  # the converted copy, not the shared cache's
-    said: list[str] = []
-    loaded = models.load(settings, progress=said.append)
-    assert loaded.backend == "transformers" and loaded.name == "my-model" and loaded.quant == "fp32"
-    copies = list((tmp_path / "copies").glob("my-model.safetensors-*"))
-    assert len(copies) == 1 and (copies[0] / "model.safetensors").is_file(), copies
-    assert any("converting" in line for line in said), said
-    ids = loaded.tokenizer.encode("Hello")
-    with torch.inference_mode():
-        logits = loaded.model(input_ids=torch.tensor([ids])).logits
-    assert logits.shape[-1] >= len(loaded.tokenizer) - 1 and torch.isfinite(logits).all()
-    # the web process's tokenizer (the model in an engine process) reads the same copy
-    assert models.load_tokenizer(settings, "transformers").encode("Hello") == ids
-    said.clear()
-    again = models.load(settings, progress=said.append)
-    assert not any("converting" in line for line in said), "the copy is reused"
-    assert again.weights_bytes == loaded.weights_bytes
 
 
 def test_a_gguf_of_an_architecture_transformers_cannot_read_is_refused_with_the_reason(tmp_path):
