@@ -633,19 +633,19 @@ def load_weights(
 
     from llmweb.engine.sizing import DoesNotFit
 
-    failure = ""
+    failure, out_of_memory = "", False
     try:
         if quant in ("4bit", "8bit"):
             import bitsandbytes  # noqa: F401  (fails here, clearly, when the platform lacks it)
         return AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, quant, device)), quant, []
     except torch.OutOfMemoryError:
-        failure = "oom"
+        out_of_memory = True
     except (ImportError, RuntimeError, ValueError, OSError, NotImplementedError) as e:
         if quant not in ("4bit", "8bit"):
             raise
         failure = f"{type(e).__name__}: {e}"
     release_memory(device)  # the handler has ended: the failed attempt's frames are gone
-    if failure == "oom":
+    if out_of_memory:
         free = f" ({device_free_bytes(device) / 2**20:,.0f} MiB free now)" if device.startswith("cuda") else ""
         label = {"4bit": "4-bit", "8bit": "8-bit"}.get(quant, quant)
         raise DoesNotFit(
