@@ -57,7 +57,9 @@ try:
 except InputError as e:
     message = str(e)
 seconds = time.monotonic() - started
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# the peak of this process's own memory (ru_maxrss would carry the parent's over from the fork)
+status = open("/proc/self/status").read()
+peak = int(status.split("VmHWM:")[1].split()[0]) * 1024
 print(len(data), peak - before, round(seconds, 3), max(sizes, default=(0, 0)), message, sep="\\n")
 """
 
@@ -145,7 +147,7 @@ def test_the_real_engine_stops_inside_a_dense_page_at_the_limit():
     with pytest.raises(InputError, match=r"dense\.png: OCR stopped inside the image, after \d+ s; the limit is 0\.5 s"):
         parse_document(data, "dense.png", ocr=OcrLimits(50, 0.5))
     took = time.monotonic() - started
-    assert took < 0.5 + 1.5, f"{took:.1f} s for a 0.5 s limit: stopped inside the page, not after it"
+    assert took < 0.5 + 4, f"{took:.1f} s for a 0.5 s limit: stopped inside the page, not after its minute"
 
 
 @pytest.mark.slow  # a dense page on the real engine beside a small one: ~20 s of CPU
