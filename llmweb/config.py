@@ -108,7 +108,7 @@ class Settings:
     auth_file: Path | None = None  # users file with salted scrypt hashes (python -m llmweb user add ...)
     max_file_mb: int = 20
     ocr_max_pages: int = 50  # pages (or images) one document may have read by OCR; 0 = OCR off
-    ocr_max_s: float = 300.0  # OCR time one document may take, checked before each page
+    ocr_max_s: float = 300.0  # OCR time one upload event may take, all its files, checked inside a page too
     max_message_chars: int = 100_000
     web_max_body_kb: int = 4096  # largest body of a request to the page's own routes (uploads: LLMWEB_USER_DOCS_MB)
     # many visitors, one server
@@ -173,7 +173,7 @@ class Settings:
         check(self.request_timeout_s > 0 and self.kv_ttl_s > 0, "time limits must be > 0")
         check(self.max_wait_s > 0, "LLMWEB_MAX_WAIT_S must be > 0 (seconds a request may be estimated to wait)")
         check(self.ocr_max_pages >= 0, "LLMWEB_OCR_MAX_PAGES must be >= 0 (0 = no OCR)")
-        check(self.ocr_max_s > 0, "LLMWEB_OCR_MAX_S must be > 0 (seconds of OCR per document)")
+        check(self.ocr_max_s > 0, "LLMWEB_OCR_MAX_S must be > 0 (seconds of OCR per upload)")
         check(
             not self.auth or all(":" in pair for pair in self.auth.split(",")),
             "LLMWEB_AUTH must look like user:password (several: user1:pw1,user2:pw2)",
