@@ -65,7 +65,8 @@ class ChatCompletions:
             caller = self.callers.caller(request)
             require_json(request)
             body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
-            req = parse_request(body, models.names(self.runtime), self.settings.max_message_chars, request.headers)
+            known = await run_in_threadpool(models.names, self.runtime)  # reads the models folder
+            req = parse_request(body, known, self.settings.max_message_chars, request.headers)
             # the model that answers, held until the turn's events end (the pump's thread runs them)
             lease = await run_in_threadpool(models.ensure, self.runtime, caller, req.model)
             turn = self.start(caller, req, lease.chat)

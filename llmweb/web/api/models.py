@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from llmweb.chat.context import Budget
 from llmweb.errors import LlmwebError
@@ -43,17 +44,19 @@ class Models:
             self.callers.caller(request)
         except ApiError as e:
             return error_response(e)
-        return JSONResponse({"object": "list", "data": objects(self.runtime, self.created)})
+        # the listing reads the models folder's GGUF headers (cached by size and mtime): off the event loop
+        data = await run_in_threadpool(objects, self.runtime, self.created)
+        return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request, model_id: str) -> Response:
         try:
             self.callers.caller(request)
-            if model_id not in names(self.runtime):
+            if model_id not in await run_in_threadpool(names, self.runtime):
                 message = f"The model {model_id[:100]!r} does not exist here."
                 raise ApiError(404, message, type="not_found_error", code="model_not_found")
         except ApiError as e:
             return error_response(e)
-        found = [m for m in objects(self.runtime, self.created) if m["id"] == model_id]
+        found = [m for m in await run_in_threadpool(objects, self.runtime, self.created) if m["id"] == model_id]
         return JSONResponse(found[0] if found else model_object(model_id, self.created))
 
 
