@@ -122,6 +122,8 @@ class Settings:
     secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
     trusted_proxies: str = ""  # addresses/CIDRs of proxies whose X-Forwarded-For / Forwarded names the client
     anon_per_address: int = 20  # new anonymous visitors one client address may start per hour
+    ipv6_prefix: int = 64  # an IPv6 client's address counts per network of this prefix (one line gets a /64)
+    upload_per_address_mb: int = 200  # what one client address may upload to the page within the upload cache's life
     # a remote engine (engine/remote.py): an OpenAI-compatible server generates; this process loads the tokenizer only
     engine_url: str = ""  # "" = the local model; else http(s)://host:port of vLLM, SGLang, llama.cpp, ...
     engine_model: str = ""  # the server's model name; "" = the first it lists
@@ -192,7 +194,8 @@ class Settings:
             self.user_docs_mb >= 1 and self.queue_per_user >= 1,
             "LLMWEB_USER_DOCS_MB and LLMWEB_QUEUE_PER_USER must be >= 1",
         )
-        check(self.anon_per_address >= 1, "LLMWEB_ANON_PER_ADDRESS must be >= 1")
+        check(min(self.anon_per_address, self.upload_per_address_mb) >= 1, "LLMWEB_*_PER_ADDRESS* must be >= 1")
+        check(1 <= self.ipv6_prefix <= 128, "LLMWEB_IPV6_PREFIX must be between 1 and 128 (64: one line's network)")
         check(
             min(self.owner_max_chats, self.owner_max_stored_mb, self.owner_document_jobs) >= 1,
             "LLMWEB_OWNER_MAX_CHATS, LLMWEB_OWNER_MAX_STORED_MB and LLMWEB_OWNER_DOCUMENT_JOBS must be >= 1",
