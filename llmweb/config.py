@@ -109,7 +109,7 @@ class Settings:
     ocr_max_pages: int = 50  # pages (or images) one document may have read by OCR; 0 = OCR off
     ocr_max_s: float = 300.0  # OCR time one document may take, checked before each page
     max_message_chars: int = 100_000
-    web_max_body_kb: int = 4096  # largest body of a request to the page's own routes (uploads: LLMWEB_USER_DOCS_MB)
+    web_max_body_kb: int = 2048  # largest body of a page event (its message and the turns shown; web/body_cap.py)
     # many visitors, one server
     single_user: str = "auto"  # auto | 1 | 0: one owner ("local") for every browser; auto = loopback, no login
     shared_uploads: str = "auto"  # auto | 1 | 0: 1 = every UI upload joins the shared library; auto, 0 = private
