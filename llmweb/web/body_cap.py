@@ -252,11 +252,13 @@ def _check_event(scope, body: dict) -> None:
     blocks = getattr(scope.get("app"), "get_blocks", lambda: None)()
     fns = getattr(blocks, "fns", {})
     fn = fns.get(body.get("fn_index")) if isinstance(body.get("fn_index"), int) else None
-    if fn is None and "fn_index" not in body:
+    needed = len(fn.inputs) if fn is not None else 0
+    if fn is None and "fn_index" not in body:  # an API name: the inputs the API shows (Gradio adds the rest)
         name = _route_path(scope).rstrip("/").rsplit("/", 1)[-1]
         fn = next((f for f in fns.values() if getattr(f, "api_name", None) == name), None)
-    if fn is not None and len(data) < len(fn.inputs):
-        raise BodyError(f"The event needs {len(fn.inputs)} values in its data, not {len(data)}.", status=422)
+        needed = sum(not getattr(b, "skip_api", False) for b in fn.inputs) if fn is not None else 0
+    if len(data) < needed:
+        raise BodyError(f"The event needs {needed} values in its data, not {len(data)}.", status=422)
 
 
 def _route_path(scope) -> str:

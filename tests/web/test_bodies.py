@@ -156,11 +156,13 @@ def test_a_422_never_echoes_the_input(server):
 
 
 def test_a_page_event_still_runs(server):
-    """The page's own events (a JSON object under the cap) are untouched."""
+    """The page's own events (a JSON object under the cap) and the API's calls by name are untouched."""
     demo, url = server
     http = httpx.Client(base_url=url, timeout=60, trust_env=False, headers={"X-Forwarded-For": "203.0.113.77"})
     token, *_ = event(http, demo, "visit", ["", ""])
     assert len(token) == 32
+    called = http.post("/gradio_api/call/stats", json={"data": ["no-such-conversation"]})  # as curl calls the API
+    assert called.status_code == 200 and "event_id" in called.json(), called.text[:200]
 
 
 def test_routes_llmweb_does_not_use_are_closed(server):
