@@ -110,7 +110,7 @@ class Settings:
     ocr_max_pages: int = 50  # pages (or images) one document may have read by OCR; 0 = OCR off
     ocr_max_s: float = 300.0  # OCR time one upload event may take, all its files, checked inside a page too
     max_message_chars: int = 100_000
-    web_max_body_kb: int = 4096  # largest body of a request to the page's own routes (uploads: LLMWEB_USER_DOCS_MB)
+    web_max_body_kb: int = 2048  # largest body of a page event (its message and the turns shown; web/body_cap.py)
     # many visitors, one server
     single_user: str = "auto"  # auto | 1 | 0: one owner ("local") for every browser; auto = loopback, no login
     shared_uploads: str = "auto"  # auto | 1 | 0: 1 = every UI upload joins the shared library; auto, 0 = private
@@ -123,6 +123,8 @@ class Settings:
     secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
     trusted_proxies: str = ""  # addresses/CIDRs of proxies whose X-Forwarded-For / Forwarded names the client
     anon_per_address: int = 20  # new anonymous visitors one client address may start per hour
+    ipv6_prefix: int = 64  # an IPv6 client's address counts per network of this prefix (one line gets a /64)
+    upload_per_address_mb: int = 200  # what one client address may upload to the page within the upload cache's life
     # a remote engine (engine/remote.py): an OpenAI-compatible server generates; this process loads the tokenizer only
     engine_url: str = ""  # "" = the local model; else http(s)://host:port of vLLM, SGLang, llama.cpp, ...
     engine_model: str = ""  # the server's model name; "" = the first it lists
@@ -193,7 +195,8 @@ class Settings:
             self.user_docs_mb >= 1 and self.queue_per_user >= 1,
             "LLMWEB_USER_DOCS_MB and LLMWEB_QUEUE_PER_USER must be >= 1",
         )
-        check(self.anon_per_address >= 1, "LLMWEB_ANON_PER_ADDRESS must be >= 1")
+        check(min(self.anon_per_address, self.upload_per_address_mb) >= 1, "LLMWEB_*_PER_ADDRESS* must be >= 1")
+        check(1 <= self.ipv6_prefix <= 128, "LLMWEB_IPV6_PREFIX must be between 1 and 128 (64: one line's network)")
         check(
             min(self.owner_max_chats, self.owner_max_stored_mb, self.owner_document_jobs) >= 1,
             "LLMWEB_OWNER_MAX_CHATS, LLMWEB_OWNER_MAX_STORED_MB and LLMWEB_OWNER_DOCUMENT_JOBS must be >= 1",

@@ -44,7 +44,7 @@ def test_safe_defaults():
 
 def test_configuration_table_lists_every_setting():
     text = CONFIGURATION.read_text(encoding="utf-8")
-    documented = set(re.findall(r"^\| `(LLMWEB_[A-Z_]+)` \|", text, flags=re.M))
+    documented = set(re.findall(r"^\| `(LLMWEB_[A-Z0-9_]+)` \|", text, flags=re.M))
     assert documented == set(env_names())
 
 
@@ -61,7 +61,7 @@ def test_configuration_table_shows_the_code_defaults():
     """A default written as a plain literal (`256`, `auto`, `off`) is the field's default in
     Settings; the descriptive ones (*(a file)*, `$LLMWEB_DATA_DIR/models`) are prose."""
     text = CONFIGURATION.read_text(encoding="utf-8")
-    rows = re.findall(r"^\| `LLMWEB_([A-Z_]+)` \| `([^`$ ]+)` \|", text, flags=re.M)
+    rows = re.findall(r"^\| `LLMWEB_([A-Z0-9_]+)` \| `([^`$ ]+)` \|", text, flags=re.M)
     defaults = Settings()
     assert len(rows) > 40, "the table's literal defaults were not found"
     wrong = {f"LLMWEB_{name}": (doc, getattr(defaults, name.lower())) for name, doc in rows}

@@ -118,7 +118,7 @@ def body_cap(settings):
     """The middleware that caps request bodies before Gradio's routes read them (web/body_cap.py)."""
     from starlette.middleware import Middleware
 
-    return Middleware(BodyCap, **BodyCap.options(settings))
+    return Middleware(BodyCap, **BodyCap.options(settings, upload_window_s=sum(GRADIO_CACHE_TTL)))
 
 
 def launch_kwargs(settings) -> dict:
@@ -457,9 +457,10 @@ class Handlers:
 # at a time (panels/base.py's OwnerSlots refuses a second at once): one visitor holds one place at most.
 CONCURRENCY = {"generate": 20, "stop": 4, "files": 3, "account": 2, "page": 8, "status": 2}
 GRADIO_THREADS = 40  # gradio's launch(max_threads=...) default, which llmweb keeps
-# every 10 minutes, Gradio deletes the uploads and download copies it made over 30 minutes ago (the
-# handlers delete an upload as soon as it is read; this catches any left, e.g. an abandoned upload)
-GRADIO_CACHE_TTL = (600, 1800)
+# every 2 minutes, Gradio deletes the uploads and download copies it made over 10 minutes ago (the
+# handlers delete an upload as soon as it is read; this catches any left, e.g. an abandoned upload):
+# a file stays at most 12 minutes, the window of each address's upload budget (web/body_cap.py)
+GRADIO_CACHE_TTL = (120, 600)
 
 
 def group(name: str, **kw) -> dict:
