@@ -44,7 +44,7 @@ from llmweb.web.api.chat_wire import (
     finish_reason,
     parse_request,
 )
-from llmweb.web.api.common import EventStream, Pump, Usage, disconnected, parse_json, read_body, require_json, sse
+from llmweb.web.api.common import EventStream, Pump, Usage, disconnected, parse_body, read_body, require_json, sse
 from llmweb.web.api.errors import ApiError, api_error, bad, error_response
 from llmweb.web.identity import ApiCallers, Caller
 
@@ -64,7 +64,7 @@ class ChatCompletions:
         try:
             caller = self.callers.caller(request)
             require_json(request)
-            body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
+            body = await parse_body(await read_body(request, self.settings.api_max_body_kb * 1024))
             known = await run_in_threadpool(models.names, self.runtime)  # reads the models folder
             req = parse_request(body, known, self.settings.max_message_chars, request.headers)
             # the model that answers, held until the turn's events end (the pump's thread runs them)

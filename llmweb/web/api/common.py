@@ -26,6 +26,7 @@ from fastapi.responses import StreamingResponse
 
 from llmweb.chat.session import Started
 from llmweb.chat.turn import Cancel
+from llmweb.web import json_body
 from llmweb.web.api.errors import ApiError, bad
 
 # ---- the request's body
@@ -62,7 +63,21 @@ def require_json(request: Request) -> None:
         )
 
 
+async def parse_body(raw: bytes) -> dict[str, Any]:
+    """`parse_json`, on a worker thread when `raw` is large, so the event loop answers others meanwhile."""
+    if len(raw) <= json_body.INLINE_BYTES:
+        return parse_json(raw)
+    return await asyncio.to_thread(parse_json, raw)
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """`raw` as a JSON object: anything else is refused by its first byte, and a body of more values
+    than `json_body.MAX_ELEMENTS` by a count of its separators, before anything parses it."""
+    if raw.lstrip(b" \t\r\n")[:1] != b"{":
+        raise bad("The request body must be a JSON object.", code="invalid_json")
+    if json_body.count_values(raw) > json_body.MAX_ELEMENTS:
+        message = f"The request body holds more than {json_body.MAX_ELEMENTS:,} JSON values."
+        raise ApiError(413, message, code="invalid_json")
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:

@@ -197,3 +197,18 @@ def test_a_client_that_leaves_a_stream_cancels_its_request(api):
         time.sleep(0.05)
     assert handles and handles[0].cancelled and handles[0].stats.finish_reason == "cancelled"
     assert handles[0].stats.generated_tokens < 50
+
+
+def test_a_body_that_is_not_one_bounded_object_is_refused_before_it_is_parsed(api, monkeypatch):
+    """A list is refused by its first byte, a body of more values than the bound by a count of its
+    separators: neither reaches `json.loads`, which holds the interpreter whatever thread runs it."""
+    from llmweb.web.api import common
+
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(common.json, "loads", lambda raw, **kw: parsed.append(len(raw)) or real(raw, **kw))
+    many = b'{"model": "llmweb", "x": [' + b"1," * 200_001 + b"1]}"
+    for raw, status in [(b"[" + b"1," * 100_000 + b"1]", 400), (many, 413)]:
+        r = api.client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == status and len(r.text) < 400, r.text[:400]
+    assert parsed == []
