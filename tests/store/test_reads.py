@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from llmweb.errors import InputError
 from llmweb.store import connection, search
 from llmweb.store.conversations import insert_turn
 from llmweb.store.db import Store
@@ -70,10 +71,12 @@ def test_another_visitors_calls_go_through_while_a_search_runs(store, monkeypatc
 
 
 def test_eight_slow_searches_leave_another_visitors_calls_quick(store, monkeypatch):
-    """Eight searches of A, each held ~1 s inside SQLite, at once; meanwhile B makes 20 calls.
+    """Eight visitors' searches, each held ~1 s inside SQLite, at once; meanwhile B makes 20 calls.
     Each of B's calls stays far under one search's time (on the code before, B waited behind the
     searches queued on the lock: seconds)."""
-    _fill(store, A, 200, "the bike trip")
+    searchers = [f"anon:searcher-{i}" for i in range(8)]
+    for owner in searchers:
+        _fill(store, owner, 200, "the bike trip")
     conv_b = _fill(store, B, 3, "my garden")
     main = threading.current_thread()
     started = threading.Barrier(9, timeout=WAIT_S)
@@ -87,12 +90,12 @@ def test_eight_slow_searches_leave_another_visitors_calls_quick(store, monkeypat
     monkeypatch.setattr(search, "_clock", clock, raising=False)
     results: list = []
 
-    def searcher() -> None:
+    def searcher(owner: str) -> None:
         started.wait()
         t0 = time.perf_counter()
-        results.append((len(store.search(A, "bike OR trip")), time.perf_counter() - t0))
+        results.append((len(store.search(owner, "bike OR trip")), time.perf_counter() - t0))
 
-    threads = [threading.Thread(target=searcher) for _ in range(8)]
+    threads = [threading.Thread(target=searcher, args=(owner,)) for owner in searchers]
     for t in threads:
         t.start()
     started.wait()
@@ -124,7 +127,7 @@ def test_concurrent_searches_of_two_visitors_each_see_their_own_rows(store):
             if not hits or {h.conversation_id for h in hits} - own:
                 bad.append((owner, hits))
 
-    threads = [threading.Thread(target=searcher, args=(o, c)) for o, c in [(A, mine), (B, theirs)] * 3]
+    threads = [threading.Thread(target=searcher, args=(o, c)) for o, c in [(A, mine), (B, theirs)]]
     for t in threads:
         t.start()
     for t in threads:
@@ -133,29 +136,28 @@ def test_concurrent_searches_of_two_visitors_each_see_their_own_rows(store):
 
 
 def test_concurrent_reads_and_writes_leave_the_store_consistent(store):
-    """Four writers append turns to their own chats while four readers get, list and search;
+    """Four owners' writers append turns to their chats while their readers get, list and search;
     every read sees whole turns in order, and at the end nothing is lost and the index is sound."""
-    convs = [_fill(store, owner, 1, "start") for owner in (A, B, A, B)]
+    owners = [A, B, "anon:carol", "user:dave"]
+    convs = [_fill(store, owner, 1, "start") for owner in owners]
     errors: list = []
     stop = threading.Event()
 
     def writer(k: int) -> None:
-        owner = (A, B)[k % 2]
         try:
             for i in range(40):
-                store.add_turn(owner, convs[k], f"writer {k} turn {i}", f"reply {k} {i}")
+                store.add_turn(owners[k], convs[k], f"writer {k} turn {i}", f"reply {k} {i}")
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     def reader(k: int) -> None:
-        owner = (A, B)[k % 2]
         try:
             while not stop.is_set():
-                turns = store.get(owner, convs[k]).turns
+                turns = store.get(owners[k], convs[k]).turns
                 assert [t.idx for t in turns] == list(range(len(turns)))
                 assert all(t.assistant.startswith(("a reply", "reply")) for t in turns)
-                assert len(store.list_conversations(owner)) == 2
-                assert {h.conversation_id for h in store.search(owner, "writer")} <= set(convs[k % 2 :: 2])
+                assert len(store.list_conversations(owners[k])) == 1
+                assert {h.conversation_id for h in store.search(owners[k], "writer")} <= {convs[k]}
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -169,7 +171,7 @@ def test_concurrent_reads_and_writes_leave_the_store_consistent(store):
     for t in readers:
         t.join(timeout=60)
     assert errors == []
-    assert [len(store.get((A, B)[k % 2], c).turns) for k, c in enumerate(convs)] == [41] * 4
+    assert [len(store.get(o, c).turns) for o, c in zip(owners, convs, strict=True)] == [41] * 4
     store._db.execute("INSERT INTO turns_fts(turns_fts) VALUES ('integrity-check')")
     assert store._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
@@ -226,3 +228,37 @@ def test_reads_use_read_only_connections_that_close_with_the_store(tmp_path, mon
             db.execute("SELECT 1")
     with pytest.raises(sqlite3.ProgrammingError):
         store.get(A, conv)
+
+
+def test_one_search_per_owner_at_a_time(store, monkeypatch):
+    """While A's search runs, A's second search (another tab, or a flood of them) is refused at
+    once with a clear message; B's search goes through; A searches again once the first ends.
+    On the code before, A's second search and B's waited for the first."""
+    _fill(store, A, 30, "the bike trip")
+    _fill(store, B, 30, "the bike shop")
+    seen: dict = {}
+    calls = [0]
+
+    def others() -> None:
+        try:
+            store.search(A, "trip")
+        except InputError as e:
+            seen["a"] = str(e)
+        seen["b"] = len(store.search(B, "shop"))
+
+    def clock() -> float:
+        calls[0] += 1
+        if calls[0] == 2:  # inside A's first search
+            other = threading.Thread(target=others)
+            other.start()
+            other.join(timeout=WAIT_S)
+            seen["during"] = "b" in seen
+        return 0.0
+
+    monkeypatch.setattr(search, "_PROGRESS_STEPS", 1, raising=False)
+    monkeypatch.setattr(search, "_clock", clock, raising=False)
+    assert len(store.search(A, "bike")) == 20
+    assert seen.get("during"), "A's second search and B's search were answered during A's first"
+    assert "still running" in seen.get("a", ""), seen
+    assert seen["b"] == 20
+    assert len(store.search(A, "trip")) == 20, "the first search ended: A may search again"
