@@ -22,7 +22,8 @@ The supervisor, in this class:
               kept KV caches are handed over (llama.cpp's state bytes, or the transformers
               cache's tensors as safetensors; at the switch, and again for those that ran on the
               old one meanwhile): a chat's next turn reuses its prefix instead of prefilling its
-              whole history again
+              whole history again. A hand-over answered with an error (an OOM in the new one,
+              say) stops there: those chats prefill once, and the recycle goes on
 
 Owns: the engine processes' lifecycle and the slots' placement on them. Must not: import torch,
 build a runner (runtime/worker.py does, in the engine process), or schedule (engine/scheduler.py).
@@ -181,6 +182,7 @@ class Supervisor:
         self.restarts = 0  # after a death
         self.recycles = 0
         self.handed_over = 0  # kept session caches copied to a recycled process's successor
+        self.hand_over_failures = 0  # hand-overs stopped by an error answer (the rest of those chats prefill)
         self.hand_over_caches = True  # False: a recycle drops them (bench recycle compares)
 
     # ---- the lifecycle
@@ -282,8 +284,17 @@ class Supervisor:
             if self._gave_up or restart:
                 self._status(self._gave_up or "The model process could not start; trying again…")
             return
-        if not restart and self._current is not None and self.hand_over_caches:  # the kept chats' caches come along
-            self._hand_over(self._current, child, only_missing=False)
+        try:
+            if not restart and self._current is not None and self.hand_over_caches:  # the kept chats' caches
+                self._hand_over(self._current, child, only_missing=False)
+        except BaseException:  # never a process left unwatched: it goes, the old one serves on
+            log.exception("engine process %d: failed after its load (%s); stopping it", number, why)
+            child.stop(timeout=1.0)
+            with self._cond:
+                self._loading = False
+                self._recycle_after = time.monotonic() + 60.0
+                self._cond.notify_all()
+            return
         with self._cond:
             if self._closed:  # closed while it loaded: it serves nobody
                 self._loading = False
@@ -314,12 +325,17 @@ class Supervisor:
             if child in self._draining:
                 self._draining.remove(child)
             current = self._current
-        if current is not None and self.hand_over_caches:
-            self._hand_over(child, current, only_missing=True)  # the chats whose turn ran on it meanwhile
-        log.info(
-            "engine process %d (pid %d) drained after %d requests; stopping it", child.number, child.pid, child.started
-        )
-        child.stop()
+        try:
+            if current is not None and self.hand_over_caches:
+                self._hand_over(child, current, only_missing=True)  # the chats whose turn ran on it meanwhile
+        finally:  # whatever happened, it stops: no engine process is left unwatched
+            log.info(
+                "engine process %d (pid %d) drained after %d requests; stopping it",
+                child.number,
+                child.pid,
+                child.started,
+            )
+            child.stop()
 
     def _hand_over(self, old: EngineProcess, new: EngineProcess, only_missing: bool) -> None:
         """Copy the kept sessions' caches from `old` to `new`, one at a time (so steps go on
@@ -334,6 +350,9 @@ class Supervisor:
                     moved, nbytes = moved + 1, nbytes + got[3]
         except EngineStopped:
             log.warning("engine process: a hand-over of kept caches stopped half way (a process died)")
+        except LlmwebError as e:  # e.g. out of memory in kv_import while both processes share the GPU
+            self.hand_over_failures += 1
+            log.warning("engine process %d -> %d: the hand-over of kept caches stopped: %s", old.number, new.number, e)
         self.handed_over += moved
         if moved:
             log.info(
@@ -469,7 +488,10 @@ class ProcessRunner(Supervisor):
         except EngineStopped:
             return  # it died: its caches went with it; the request ends as it was going to
         if child in self.live() and child is not self._current and not child.keys:
-            self._retire(child)
+            try:
+                self._retire(child)
+            except Exception:  # the reply is done: retiring the old process is no part of it
+                log.exception("engine process %d: retiring it failed", child.number)
         elif child is self._current:
             self._recycle_due(child, slot.stats.mem)
 

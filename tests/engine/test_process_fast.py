@@ -235,3 +235,19 @@ def test_the_engine_process_finds_llmweb_from_any_working_directory(tmp_path):
     assert installed or b"No module named 'llmweb'" in lost.stderr
     found = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True)
     assert found.returncode == 0, found.stderr.decode()[-300:]
+
+
+def test_a_hand_over_answered_with_an_error_leaves_no_process_behind_and_recycling_goes_on(proc):
+    engine, runner, launched, _ = proc(
+        {"keep_caches": True, "fail_import": True, "token_delay_s": 0.2, "default_len": 5}
+    )
+    assert engine.submit(req((1, 2), n=2, session_id="chat-a")).result() == [1, 2]
+    long = engine.submit(req(n=10, session_id="chat-b"))  # 0.8 s: it ends on the old process after the switch
+    wait_for(lambda: bool(launched[0].keys), what="the request to run on the first process")
+    assert runner.recycle_now(timeout=10.0), "the replacement serves although its hand-over failed"
+    assert long.result() == [1, 2, 3, 4, 5], "a reply that finished on the draining process is no failure"
+    wait_for(lambda: not launched[0].alive, what="the drained process to stop")
+    assert runner.hand_over_failures == 2, "at the switch, and again when the old one drained"
+    assert runner.recycle_now(timeout=10.0), "recycling goes on"
+    wait_for(lambda: [c.alive for c in launched] == [False, False, True], what="only the serving process")
+    assert runner.pid == launched[2].pid and engine.submit(req((3, 4), n=2)).result() == [3, 4]
