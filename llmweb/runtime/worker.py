@@ -36,6 +36,9 @@ log = logging.getLogger("llmweb.engine.worker")
 ARGV = [sys.executable, "-c", "import sys; from llmweb.runtime.worker import main; sys.exit(main(sys.argv))"]
 
 
+EXIT_DEVICE_LOST = 3  # the exit code after a sticky device error (engine/faults.py)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     settings: Settings
@@ -104,12 +107,17 @@ def main(argv: list[str], wrap: Callable[[Any, Any], Any] | None = None) -> int:
         conn.send(("failed", e if isinstance(e, LlmwebError) else LlmwebError(f"{type(e).__name__}: {e}")))
         return 1
     conn.send(("ready", info))
+    close = getattr(runner, "close", None)
     try:
-        serve(conn, wrap(runner, spec) if wrap is not None else runner, kv)
-    finally:
-        close = getattr(runner, "close", None)
+        lost = serve(conn, wrap(runner, spec) if wrap is not None else runner, kv)
+    except BaseException:
         if close is not None:
             close()
+        raise
+    if lost:  # a sticky device error: no clean-up (every device call would fail); the supervisor restarts us
+        os._exit(EXIT_DEVICE_LOST)
+    if close is not None:
+        close()
     return 0
 
 

@@ -251,3 +251,25 @@ def test_a_hand_over_answered_with_an_error_leaves_no_process_behind_and_recycli
     assert runner.recycle_now(timeout=10.0), "recycling goes on"
     wait_for(lambda: [c.alive for c in launched] == [False, False, True], what="only the serving process")
     assert runner.pid == launched[2].pid and engine.submit(req((3, 4), n=2)).result() == [3, 4]
+
+
+def test_a_sticky_device_error_fails_its_step_ends_the_process_and_a_new_one_answers(proc, tmp_path):
+    armed = tmp_path / "device-assert"
+    text = "CUDA error: device-side assert triggered"
+    engine, runner, launched, _ = proc({"raise_when": [str(armed), text], "default_len": 5})
+    armed.touch()
+    with pytest.raises(LlmwebError, match="device-side assert"):
+        engine.submit(req(n=5)).result()
+    wait_for(lambda: not launched[0].alive, what="the poisoned process to end")
+    assert launched[0].proc.returncode == 3
+    assert engine.submit(req((3, 4), n=2)).result() == [3, 4], "the supervisor restarted it"
+    assert len(launched) == 2 and runner.restarts == 1
+
+
+def test_an_ordinary_error_leaves_the_process_serving(proc, tmp_path):
+    armed = tmp_path / "bug"
+    engine, runner, launched, _ = proc({"raise_when": [str(armed), "shape mismatch"], "default_len": 5})
+    armed.touch()
+    with pytest.raises(LlmwebError, match="shape mismatch"):
+        engine.submit(req(n=5)).result()
+    assert engine.submit(req((3, 4), n=2)).result() == [3, 4] and launched[0].alive and len(launched) == 1

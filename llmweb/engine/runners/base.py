@@ -3,7 +3,8 @@ its sampler), taking a session's saved cache and the `reusable` check, the end o
 first token), a decode step's timing and recording, keeping the cache for the session's next turn,
 and the release stats. The out-of-memory contract lives here too: a pass that runs out of memory
 returns False (the back end's exception is caught and dropped, so the failed pass's frames and
-their memory are freed before the engine retries), never raises, and leaves every cache as it was.
+their memory are freed before the engine retries), never raises, and leaves every cache as it was;
+a device's other failures to get memory count as out of memory too (engine/faults.py).
 
 A back end (llama_cpp.py, transformers.py) supplies only the native parts: how a sequence is
 opened and closed, how a saved cache is restored and saved, one model pass, one row of logits.
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmweb.engine import faults
 from llmweb.engine.kvcache import SHARED_MIN_TOKENS, KVStore, reusable
 from llmweb.engine.request import GenerationRequest, Slot
 from llmweb.engine.runners.loopguard import Pieces
@@ -111,7 +113,9 @@ class BaseRunner:
                     seq.last = self._pick(slot, *row)
                     slot.ready = True
                     slot.record(seq.last)
-        except self.out_of_memory as e:
+        except Exception as e:
+            if not faults.out_of_memory(e, self.out_of_memory):
+                raise
             log.warning("%s: request %s ran out of memory in prefill: %s", self.name, slot.handle.id, _first_line(e))
             return False
         return True
@@ -135,7 +139,9 @@ class BaseRunner:
                     seq.last = self._pick(slot, logits, i)
                     seq.rss.peak = max(seq.rss.peak, rss)
                     slot.record(seq.last)
-        except self.out_of_memory as e:
+        except Exception as e:
+            if not faults.out_of_memory(e, self.out_of_memory):
+                raise
             log.warning("%s: a batch of %d ran out of memory in decode: %s", self.name, len(slots), _first_line(e))
             if undo is not None:
                 undo()

