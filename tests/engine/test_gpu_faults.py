@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from llmweb.engine.kvcache import KVStore
 from llmweb.engine.request import EngineLimits, GenerationRequest
-from llmweb.engine.runners.transformers import LocalRunner
+from llmweb.engine.runners.transformers import LocalRunner, _Batch
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import InputError, OutOfMemory
 
@@ -108,3 +108,36 @@ def test_an_id_past_the_embedding_fails_its_request_cleanly_and_the_next_is_answ
     with pytest.raises(InputError, match="token id 96, outside this model's 96 embeddings"):
         engine.submit(GenerationRequest(prompt_ids=[5, 96, 7], max_new_tokens=4)).result()
     assert len(engine.submit(req(5, 4)).result()) == 4
+
+
+def test_an_oom_while_a_request_leaves_costs_its_cache_not_its_reply_nor_the_batch(tiny, monkeypatch):
+    engine, runner = tiny()
+    requests = [req(10, 4, seed=1, session_id="a"), req(20, 12, seed=2), req(15, 12, seed=3)]
+    alone = [list(engine.submit(r).result()) for r in requests]
+    engine.kv.clear()
+    real, leave = torch.Tensor.index_select, _Batch.leave
+    calls, leaving = [], []
+
+    def index_select(t, *args, **kw):
+        if leaving and len(runner._batch.slots) == 3:  # the first leave of three rows: its second layer fails
+            calls.append(1)
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("out of memory (injected into _Batch.leave)")
+        return real(t, *args, **kw)
+
+    def leave_watched(batch, slot):
+        leaving.append(1)
+        try:
+            return leave(batch, slot)
+        finally:
+            leaving.clear()
+
+    monkeypatch.setattr(torch.Tensor, "index_select", index_select)
+    monkeypatch.setattr(_Batch, "leave", leave_watched)
+    handles = [engine.submit(r) for r in requests]
+    assert [list(h.result()) for h in handles] == alone, "the leaver's reply stands; the others decode on"
+    assert len(calls) >= 3 and max(h.stats.batch_size for h in handles) == 3
+    assert engine.kv.sessions() == [], "its cache was dropped"
+    monkeypatch.setattr(torch.Tensor, "index_select", real)
+    again = [engine.submit(r) for r in requests[1:]]
+    assert [list(h.result()) for h in again] == alone[1:] and max(h.stats.batch_size for h in again) == 2

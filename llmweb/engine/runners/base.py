@@ -158,6 +158,11 @@ class BaseRunner:
             cache = self._detach(slot, seq)
             if keep and slot.request.session_id:
                 self._keep(slot, seq, cache)
+        except Exception as e:  # out of memory while it leaves: its cache goes, its reply stands
+            if not faults.out_of_memory(e, self.out_of_memory):
+                raise
+            log.warning("%s: request %s ran out of memory leaving; its cache is dropped", self.name, slot.handle.id)
+            self._drop(slot, seq)
         finally:
             self._close_seq(seq)
         slot.stats.kv_store_bytes = self.kv.total_bytes
@@ -221,6 +226,10 @@ class BaseRunner:
 
     def _detach(self, slot: Slot, seq: Seq) -> Any:
         """The sequence's cache, out of the batch (None where it stays in the context until saved)."""
+        return None
+
+    def _drop(self, slot: Slot, seq: Seq) -> None:
+        """The sequence's cache, discarded without allocating (after `_detach` or `_save` ran out of memory)."""
         return None
 
     def _held_tokens(self, seq: Seq, cache: Any) -> int:

@@ -150,6 +150,10 @@ class LocalRunner(BaseRunner):
         assert isinstance(seq, _Seq)
         return self._batch.leave(slot) if slot in self._batch.slots else seq.cache
 
+    def _drop(self, slot: Slot, seq: Seq) -> None:
+        if slot in self._batch.slots:
+            self._batch.drop(slot)
+
     def _held_tokens(self, seq: Seq, cache) -> int:
         return cache.get_seq_length() if cache is not None else 0
 
@@ -267,15 +271,35 @@ class _Batch:
         keep = [j for j in range(len(self.slots)) if j != i]
         trim = min(self.pads[j] for j in keep)
         index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
-        for source, target in zip(self.cache.layers, own.layers, strict=True):
-            target.lazy_initialization(source.keys, source.values)
-            target.keys = source.keys[i : i + 1, :, pad:, :].clone()
-            target.values = source.values[i : i + 1, :, pad:, :].clone()
-            source.keys = source.keys.index_select(0, index)[:, :, trim:, :]
-            source.values = source.values.index_select(0, index)[:, :, trim:, :]
+        built = []  # all or nothing, as `join`: every new tensor first (an OOM here changes nothing), then assign
+        for source in self.cache.layers:
+            mine = tuple(t[i : i + 1, :, pad:, :].clone() for t in (source.keys, source.values))
+            rest = tuple(t.index_select(0, index)[:, :, trim:, :] for t in (source.keys, source.values))
+            built.append((mine, rest))
+        for source, target, (mine, rest) in zip(self.cache.layers, own.layers, built, strict=True):
+            target.lazy_initialization(*mine)
+            target.keys, target.values = mine
+            source.keys, source.values = rest
         self.slots = [self.slots[j] for j in keep]
         self.pads = [self.pads[j] - trim for j in keep]
         return own
+
+    def drop(self, slot: Slot) -> None:
+        """Take the slot's row out in place, allocating nothing (when `leave` ran out of memory): the
+        rows after it move up one; the buffers keep their size until they next grow."""
+        i = self.slots.index(slot)
+        assert self.cache is not None, "a row of the batch has a cache"
+        if len(self.slots) > 1:
+            with torch.inference_mode():
+                for layer in self.cache.layers:
+                    keys, values = layer.keys, layer.values
+                    for j in range(i, len(self.slots) - 1):
+                        keys[j].copy_(keys[j + 1])
+                        values[j].copy_(values[j + 1])
+                    layer.keys, layer.values = keys[:-1], values[:-1]
+        del self.slots[i], self.pads[i]
+        if not self.slots:
+            self.cache = None
 
     def crop(self, length: int) -> None:
         """Back to `length` columns (after a failed pass grew some layers)."""
