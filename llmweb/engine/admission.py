@@ -2,7 +2,8 @@
 and the allocator's housekeeping when idle.
 
   admit     a waiting request joins while the whole batch's predicted memory fits (each running
-            request's prediction minus the KV it already holds, plus the newcomer's); one that
+            request's prediction minus the KV it already holds, plus the newcomer's, with the pads
+            it adds to a left-padded batch's rows and, for its join, the batch's copy); one that
             does not fit waits at the head of the line until the batch shrinks; one that would
             not fit even alone is refused with the numbers after idle caches were evicted and
             `admission_wait_s`;
@@ -74,21 +75,28 @@ class Admission:
         self.head: tuple[Handle, float] | None = None  # the request waiting for memory, and its refusal time
         self.frag_floor = 0  # fragmentation left after the last idle release (it could not free more)
 
-    def admit(self, handle: Handle, running: list[Slot]) -> int | None:
+    def admit(self, handle: Handle, running: list[Slot], request: GenerationRequest | None = None) -> int | None:
         """The request's predicted bytes if it fits next to the running batch now; None while it
         waits for room. The batch needs what each running request still adds (its prediction
-        minus the KV it holds) plus the new one's prediction. When it would not fit even as the
-        batch shrinks, idle session caches are evicted, and after `admission_wait_s` it raises
-        AdmissionError with the numbers."""
-        need = self.runner.predict(handle.request)
+        minus the KV it holds) plus the new one's prediction, with the padding it adds to the
+        batch's rows (`Runner.padding`) and, for the moment of its join, the batch's copy. When it
+        would not fit even as the batch shrinks, idle session caches are evicted, and after
+        `admission_wait_s` it raises AdmissionError with the numbers. `request`: the handle's
+        retry, when it is not the handle's own request."""
+        request = request or handle.request
+        alone = self.runner.predict(request)
+        padding = getattr(self.runner, "padding", None)
+        pad, copy = padding(request, [s.request for s in running]) if padding is not None else (0, 0)
+        need = alone + pad
         held = sum(self.runner.held(s) for s in running)
         growth = sum(max(s.predicted - self.runner.held(s), 0) for s in running)
         free = self.runner.available()
-        if need + growth <= free:
+        if need + growth + copy <= free:
             self.head = None
             return need
-        if running and need <= free + held:
+        if running and alone <= free + held:
             return None  # it fits once running requests leave: keep the place
+        need = alone
         if self.head is None or self.head[0] is not handle:
             freed = self.kv.evict(self.kv.budget_bytes)  # every idle session cache
             gc.collect()

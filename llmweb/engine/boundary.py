@@ -12,7 +12,7 @@ hold (its pickles come from our own child, never from a client):
     ("prefill", key)              ->  (ok, SlotDelta)
     ("decode", [key, ...])        ->  (ok, [SlotDelta, ...])   one batched step
     ("release", key, keep, finish) -> SlotDelta       the runner's release stats
-    ("call", name, args)          ->  value            predict, available, snapshot, empty_cache,
+    ("call", name, args)          ->  value            predict, padding, available, snapshot, empty_cache,
                                                        timing, the KV store's maintenance, and a
                                                        kept session's cache out and in (a recycle)
 
@@ -51,7 +51,9 @@ RUNNER_STATS = (
     "mem",
 )
 # what the web process may call on the runner or its KV store by name (nothing else is dispatched)
-CALLS = frozenset({"predict", "available", "snapshot", "empty_cache", "timing", "kv", "kv_export", "kv_import"})
+CALLS = frozenset(
+    {"predict", "padding", "available", "snapshot", "empty_cache", "timing", "kv", "kv_export", "kv_import"}
+)
 KV_CALLS = frozenset({"drop", "expire", "evict", "clear", "total_bytes", "budget_bytes", "session_bytes", "sessions"})
 
 

@@ -503,6 +503,13 @@ class ProcessRunner(Supervisor):
         child = self._child()
         return 0 if child is None else child.call(("call", "predict", (strip(request),)))
 
+    def padding(self, request: GenerationRequest, running: list[GenerationRequest]) -> tuple[int, int]:
+        child = self._child()
+        if child is None:
+            return 0, 0
+        pad, copy = child.call(("call", "padding", (strip(request), [strip(r) for r in running])))
+        return pad, copy
+
     def available(self) -> int:
         child = self._child()
         return 1 << 62 if child is None else child.call(("call", "available", ()))

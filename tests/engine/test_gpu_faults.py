@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llmweb.engine.kvcache import KVStore
+from llmweb.engine.admission import predict_bytes
+from llmweb.engine.kvcache import KVStore, cache_nbytes
 from llmweb.engine.request import EngineLimits, GenerationRequest
 from llmweb.engine.runners.transformers import LocalRunner, _Batch
 from llmweb.engine.scheduler import Engine
@@ -141,3 +142,28 @@ def test_an_oom_while_a_request_leaves_costs_its_cache_not_its_reply_nor_the_bat
     monkeypatch.setattr(torch.Tensor, "index_select", real)
     again = [engine.submit(r) for r in requests[1:]]
     assert [list(h.result()) for h in again] == alone[1:] and max(h.stats.batch_size for h in again) == 2
+
+
+def test_admission_s_prediction_covers_the_left_padded_batch_after_each_join(tiny):
+    engine, runner = tiny(max_batch=6)
+    heads = CONFIG["num_attention_heads"]
+    seen = []
+
+    def kv_predicted(slot) -> int:  # a slot's prediction less its activation margin
+        r = slot.request
+        return slot.predicted - predict_bytes(KV_BYTES, heads, len(r.prompt_ids), r.max_new_tokens)[1]
+
+    def tap(slot, row):
+        batch = runner._batch
+        if batch.cache is not None and slot is batch.slots[0]:
+            predicted = sum(kv_predicted(s) for s in engine._running)
+            seen.append((len(batch.slots), cache_nbytes(batch.cache), predicted))
+
+    runner.tap = tap
+    handles = [engine.submit(req(600, 40, seed=9))]  # one long chat, then short ones join beside it
+    handles += [engine.submit(req(8, 40, seed=s)) for s in range(5)]
+    for h in handles:
+        assert len(h.result()) == 40
+    assert max(rows for rows, _, _ in seen) == 6
+    worst = max(seen, key=lambda s: s[1] / s[2])
+    assert all(real <= predicted for _, real, predicted in seen), f"rows, real, predicted: {worst}"

@@ -149,6 +149,7 @@ def test_the_kv_store_and_memory_are_the_engine_process_s(proc):
     assert engine.kv.drop("nothing") is False and engine.kv.expire() == 0
     assert runner.snapshot().rss_bytes == 1  # FakeRunner's figure, from the other side
     assert runner.available() == 1 << 40 and runner.predict(req()) == 1
+    assert runner.padding(req(), [req((1, 2))]) == (0, 0)  # the fake's figure: admission's padding crosses too
 
 
 def test_only_the_runner_s_calls_are_dispatched_and_a_refusal_leaves_the_process_up(proc):

@@ -67,6 +67,11 @@ class BaseRunner:
         seq: Seq | None = slot.state
         return 0 if seq is None else self.kv_bytes_per_token * (seq.filled + len(slot.generated))
 
+    def padding(self, request: GenerationRequest, running: list[GenerationRequest]) -> tuple[int, int]:
+        """(bytes, transient bytes) `request` adds beyond its `predict` when it joins `running`: a
+        padded batch's (runners/transformers.py); none here, each sequence holds its own tokens."""
+        return 0, 0
+
     def empty_cache(self) -> None:
         return None
 

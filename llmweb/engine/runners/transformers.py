@@ -100,6 +100,22 @@ class LocalRunner(BaseRunner):
         kv, activation = predict_bytes(self.kv_bytes_per_token, heads, len(request.prompt_ids), request.max_new_tokens)
         return kv + activation + BLOCK * self.kv_bytes_per_token  # a cache grows a block at a time (blockcache)
 
+    def padding(self, request: GenerationRequest, running: list[GenerationRequest]) -> tuple[int, int]:
+        """(bytes, transient bytes) `request` adds beyond its own prediction when it joins `running`:
+        the batch is left-padded, so every row is as long as the longest (`_Batch`); and the join
+        builds the merged batch while the old one is still alive, a copy for a moment."""
+        if not running:
+            return 0, 0
+        per = self.kv_bytes_per_token
+
+        def padded(requests: list[GenerationRequest]) -> int:  # tokens beyond each row's own
+            width = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+            return sum(width - len(r.prompt_ids) - r.max_new_tokens for r in requests)
+
+        width = max(len(r.prompt_ids) + r.max_new_tokens for r in running)
+        copy = len(running) * (width + BLOCK)  # the batch as it is before the join, at most
+        return (padded([*running, request]) - padded(running)) * per, copy * per
+
     def available(self) -> int:
         if is_cuda(self.device):
             free, _total = torch.cuda.mem_get_info(self.device)
