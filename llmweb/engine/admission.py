@@ -9,9 +9,10 @@ and the allocator's housekeeping when idle.
             `admission_wait_s`;
   give way  running out of device memory in a pass (the runner returns False, its frames
             already freed) makes one request give way, as does a backend's refusal of a prompt
-            (`GiveWay`): its cache is freed (after an OOM idle caches are evicted and the
-            allocator is emptied too), and it retries once with its smaller `fallback`
-            (`retry_plan`); without one, or on the retry, it fails;
+            (`GiveWay`): its cache is freed (after an OOM the allocator is emptied too, and idle
+            caches are evicted as far as its retry needs their room), and it retries once with
+            its smaller `fallback` (`retry_plan`), first in line and through `admit`; without
+            one, or on the retry, it fails;
   idle      on CUDA, the allocator cache is emptied once reserved − allocated passes
             `frag_release_bytes` (`release_fragmentation`, counted in `counters.idle_releases`).
 
@@ -119,12 +120,20 @@ class Admission:
             "try a shorter message or fewer documents."
         )
 
-    def recover(self) -> None:
-        """After an out-of-memory pass: evict the idle caches, collect, empty the allocator cache."""
-        freed = self.kv.clear()  # idle caches only: the running requests' caches are not in the store
+    def recover(self, retry_bytes: int, running: list[Slot]) -> None:
+        """After an out-of-memory pass: collect and empty the allocator cache; then evict idle
+        session caches, oldest first, only as far as the retry (`retry_bytes`) and the running
+        batch's growth still do not fit: other chats keep their prefixes when there is room."""
         gc.collect()
         self.runner.empty_cache()
-        log.warning("engine: OOM recovery freed %d bytes of KV caches and emptied the allocator cache", freed)
+        growth = sum(max(s.predicted - self.runner.held(s), 0) for s in running)
+        short = retry_bytes + growth - self.runner.available() if retry_bytes else 0
+        freed = 0
+        if short > 0:
+            freed = self.kv.evict(self.kv.budget_bytes - max(self.kv.total_bytes - short, 0))
+            gc.collect()
+            self.runner.empty_cache()
+        log.warning("engine: OOM recovery emptied the allocator cache and freed %d bytes of idle KV caches", freed)
 
     def release_fragmentation(self) -> int:
         """Empty the allocator cache once reserved − allocated passes `frag_release_bytes`.
