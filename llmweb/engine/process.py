@@ -15,7 +15,10 @@ The supervisor, in this class:
   give up     DEATHS_PER_MINUTE deaths within 60 s: no more restarts; requests fail with a
               message that says so
   recycle     after `recycle_after` requests, `recycle_s` seconds, or (CUDA) when a request's
-              snapshot shows reserved − allocated past `recycle_frag_bytes`: a new process loads
+              snapshot shows inactive split blocks (fragmentation `empty_cache` cannot give back;
+              reserved − allocated is mostly the allocator's ordinary cache) past
+              `recycle_frag_bytes`: the old one empties its allocator cache, and a new process
+              loads, sized as the first one was (not to the memory the old one still holds),
               while the old one serves (up to half as many requests again, or half the time
               again: then new requests wait for the new one); then new requests go to the new
               one, the old one drains what it holds and stops. No request fails. The chats'
@@ -58,7 +61,7 @@ STOPPED = "The model process stopped; your message was not lost: press retry."
 class Recycle:
     after: int = 0  # requests per engine process (LLMWEB_RECYCLE_AFTER); 0 = never
     seconds: float = 0.0  # an engine process's age (LLMWEB_RECYCLE_S); 0 = never
-    frag_bytes: int = 0  # CUDA: reserved − allocated after a request (LLMWEB_RECYCLE_FRAG_MB); 0 = never
+    frag_bytes: int = 0  # CUDA: inactive split bytes after a request (LLMWEB_RECYCLE_FRAG_MB); 0 = never
 
 
 class EngineProcess:
@@ -167,6 +170,7 @@ class Supervisor:
         self._status = status
         self.load_timeout_s = load_timeout_s
         self.ready_text = ""  # the status line while all is well (the runtime sets it)
+        self.first_info: dict = {}  # the first engine process's info ("ready"): later ones are sized as it was
         self.kv = ProcessKV(self)
         self._cond = threading.Condition()
         self._current: EngineProcess | None = None
@@ -195,6 +199,7 @@ class Supervisor:
         except BaseException:
             child.stop(timeout=1.0)
             raise
+        self.first_info = info
         self._current = child
         self._watch(child)
         return info
@@ -265,11 +270,14 @@ class Supervisor:
     def _bring_up(self, number: int, why: str, restart: bool) -> None:
         """Load a new engine process (after a death, or to recycle); then it serves new requests."""
         t0 = time.perf_counter()
-        child = None
+        child, old = None, self._current
         try:
+            if not restart and old is not None:
+                _empty_cache(old)  # what its allocator holds unused, the new one may use
             child = self._launch(number)
             self.launched += 1
-            child.load(lambda text: self._status(f"{why}: {text}"))
+            info = child.load(lambda text: self._status(f"{why}: {text}"))
+            self.first_info = self.first_info or info
         except BaseException:
             log.exception("engine process %d failed to start (%s)", number, why)
             if child is not None:
@@ -322,8 +330,9 @@ class Supervisor:
     def _retire(self, child: EngineProcess) -> None:
         """A drained engine process: hand its last kept caches over, then stop it (it holds no request)."""
         with self._cond:
-            if child in self._draining:
-                self._draining.remove(child)
+            if child not in self._draining:
+                return  # retired already (its last release and the switch may both get here)
+            self._draining.remove(child)
             current = self._current
         try:
             if current is not None and self.hand_over_caches:
@@ -395,7 +404,7 @@ class Supervisor:
 
     def _recycle_due(self, child: EngineProcess, snapshot: MemorySnapshot | None = None) -> None:
         r = self.recycle
-        frag = snapshot.fragmentation_bytes if snapshot is not None else None
+        frag = snapshot.cuda_inactive_split_bytes if snapshot is not None else None
         due = (
             (r.after > 0 and child.started >= r.after)
             or (r.seconds > 0 and time.monotonic() - child.born >= r.seconds)
@@ -432,6 +441,13 @@ class Supervisor:
             self._cond.notify_all()
         for child in children:
             child.stop()
+
+
+def _empty_cache(child: EngineProcess) -> None:
+    try:
+        child.call(("call", "empty_cache", ()))
+    except LlmwebError as e:
+        log.warning("engine process %d: empty_cache failed: %s", child.number, e)
 
 
 class ProcessRunner(Supervisor):

@@ -165,10 +165,15 @@ def test_fragmentation_past_the_limit_recycles_the_process(proc):
     from llmweb.records import MemorySnapshot
 
     engine, runner, launched, _ = proc(recycle=Recycle(frag_bytes=100 * 2**20))
-    calm = MemorySnapshot(cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=(1 << 30) + 50 * 2**20)
-    runner._recycle_due(launched[0], calm)
+    # reserved − allocated is mostly the allocator's cache of freed activations: no fragmentation
+    cached = MemorySnapshot(
+        cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=3 << 30, cuda_inactive_split_bytes=50 << 20
+    )
+    runner._recycle_due(launched[0], cached)
     assert not runner.loading and len(launched) == 1
-    split = MemorySnapshot(cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=(1 << 30) + 200 * 2**20)
+    split = MemorySnapshot(
+        cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=(1 << 30) + 250 * 2**20, cuda_inactive_split_bytes=200 << 20
+    )
     runner._recycle_due(launched[0], split)  # as after a request whose snapshot shows this
     wait_for(lambda: len(launched) == 2 and runner.pid == launched[1].pid, what="the replacement")
     wait_for(lambda: not launched[0].alive, what="the old process to stop")
@@ -274,3 +279,31 @@ def test_an_ordinary_error_leaves_the_process_serving(proc, tmp_path):
     with pytest.raises(LlmwebError, match="shape mismatch"):
         engine.submit(req(n=5)).result()
     assert engine.submit(req((3, 4), n=2)).result() == [3, 4] and launched[0].alive and len(launched) == 1
+
+
+def test_a_later_engine_process_is_sized_as_the_first_not_to_what_the_old_one_leaves(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from llmweb.runtime.worker import WorkerSpec, fit_memory
+    from tests.conftest import make_settings
+
+    settings = make_settings(tmp_path / "data", max_batch=8)
+
+    def loaded():  # an 8B llama's shape in bf16: 128 KiB of KV a token
+        return SimpleNamespace(
+            on_cpu=False, max_context=8192, kv_bytes_per_token=2**17, name="m", notes=[], kv_store_bytes=0, max_batch=0
+        )
+
+    free = [12 * 2**30]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free[0], 80 * 2**30))
+    first = loaded()
+    budget = fit_memory(WorkerSpec(settings), first)
+    info = {"max_context": first.max_context, "max_batch": first.max_batch, "kv_budget_bytes": budget}
+    free[0] = 3 * 2**30  # during a recycle the old process still holds its weights and caches
+    squeezed = loaded()
+    assert fit_memory(WorkerSpec(settings), squeezed) < budget and squeezed.max_batch < first.max_batch
+    later = loaded()
+    assert fit_memory(WorkerSpec(settings, sized=info), later) == budget
+    assert (later.max_context, later.max_batch) == (first.max_context, first.max_batch) and not later.notes
