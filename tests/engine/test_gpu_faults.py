@@ -167,3 +167,12 @@ def test_admission_s_prediction_covers_the_left_padded_batch_after_each_join(tin
     assert max(rows for rows, _, _ in seen) == 6
     worst = max(seen, key=lambda s: s[1] / s[2])
     assert all(real <= predicted for _, real, predicted in seen), f"rows, real, predicted: {worst}"
+
+
+def test_an_imported_cache_holds_what_the_exported_one_did(tiny):
+    engine, runner = tiny()
+    engine.submit(req(300, 8, session_id="s")).result()
+    entry = engine.kv.peek("s")
+    imported = runner.import_cache(runner.export_cache(entry.cache))  # a recycle's hand-over
+    assert imported.get_seq_length() == entry.cache.get_seq_length() == len(entry.ids)
+    assert cache_nbytes(imported) == cache_nbytes(entry.cache) == entry.nbytes, "the store's figure is the truth"

@@ -195,6 +195,7 @@ class LocalRunner(BaseRunner):
         cache = self._new_cache(self.model.config)
         for i in range(len(tensors) // 2):
             cache.update(tensors[f"k{i}"].to(self.device), tensors[f"v{i}"].to(self.device), i)
+        compact(cache)  # as it was kept (`_save`): the store's figure, not a block of room more
         return cache
 
     # ---- the passes
