@@ -176,3 +176,14 @@ def test_an_imported_cache_holds_what_the_exported_one_did(tiny):
     imported = runner.import_cache(runner.export_cache(entry.cache))  # a recycle's hand-over
     assert imported.get_seq_length() == entry.cache.get_seq_length() == len(entry.ids)
     assert cache_nbytes(imported) == cache_nbytes(entry.cache) == entry.nbytes, "the store's figure is the truth"
+
+
+def test_the_step_timing_waits_for_the_device_only_when_asked(tiny):
+    engine, runner = tiny()
+    syncs = []
+    runner._sync = lambda: syncs.append(1)
+    engine.submit(req(5, 4)).result()
+    assert syncs == [] and runner.timing.steps == 3, "serving never waits for the device to time a step"
+    runner.timing.exact = True  # bench decode: a CUDA pass is asynchronous, the split needs the waits
+    engine.submit(req(5, 4)).result()
+    assert len(syncs) == 4 * 3 and runner.timing.steps == 6

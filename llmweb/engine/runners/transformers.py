@@ -136,6 +136,10 @@ class LocalRunner(BaseRunner):
     def busy(self, work: Callable[[], None]) -> None:
         self._busy(work)
 
+    def _sync(self) -> None:
+        if is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
+
     # ---- the sequences
     def _mode(self):
         return torch.inference_mode()
