@@ -87,7 +87,7 @@ class Settings:
     zero_gpu: bool = False  # a ZeroGPU Space: read from SPACES_ZERO_GPU, which the platform sets (not an LLMWEB_ name)
     recycle_after: int = 0  # requests per engine process before a graceful replacement; 0 = never
     recycle_s: float = 0.0  # an engine process's age before a graceful replacement; 0 = never
-    recycle_frag_mb: int = 0  # CUDA: replace it once reserved - allocated passes this after a request; 0 = never
+    recycle_frag_mb: int = 0  # CUDA: replace it once inactive split bytes pass this after a request; 0 = never
     engine_stall_s: float = 300.0  # an engine process silent this long in one call is killed (and restarted)
     # session KV caches
     kv_reuse: bool = True

@@ -85,10 +85,10 @@ class Engine:
         self.pace = Pace()  # the throughput measured here, for the waiting room's estimates
         self._waiting = Lanes(limits, self._wait_s)  # interactive (fair between owners) and background requests
         self._running: list[Slot] = []  # the batch, oldest first (only the worker changes it, under the lock)
+        self._retries: list[tuple[Handle, GenerationRequest, str]] = []  # gave way: first in line, through admission
         self._memory = Admission(runner, kv, limits, self.counters)
         self._stopped = False
-        self._steps = 0  # steps a background prompt asked for a chunk (`_background_turn`)
-        self._background_free_at = 0.0  # when a background chunk may run again next to a visitor
+        self._background = BackgroundTurns()
         self._last_work = time.monotonic()  # when a request last came or the batch last emptied (`idle_s`)
         self._thread = threading.Thread(target=self._loop, name="llmweb-engine", daemon=True)
         self._thread.start()
@@ -138,7 +138,8 @@ class Engine:
         """Refuse new requests, cancel the queued ones and the running ones, and stop the worker."""
         with self._lock:
             self._stopped = True
-            pending = self._waiting.drain()
+            pending = self._waiting.drain() + [h for h, _, _ in self._retries]
+            self._retries.clear()
             running = [s.handle for s in self._running]
             self._lock.notify_all()
         for h in pending:
@@ -184,7 +185,7 @@ class Engine:
     def _wait_for_work(self) -> bool:
         """Block until a request waits (False once the engine is stopped); housekeeping while idle."""
         with self._lock:
-            while not self._stopped and not self._waiting:
+            while not self._stopped and not self._waiting and not self._retries:
                 if not self._lock.wait(timeout=1.0):
                     self._lock.release()
                     try:
@@ -221,26 +222,33 @@ class Engine:
             with self._lock:
                 if self._stopped:
                     return
-                handle = self._waiting.peek()
+                retry = self._retries[0] if self._retries else None  # a request that gave way goes first
+                handle = retry[0] if retry is not None else self._waiting.peek()
             if handle is None:
                 return
+            request, reason = (retry[1], retry[2]) if retry is not None else (handle.request, "oom")
+            if retry is not None and handle.cancelled and self._take(handle, retry):  # not in a queue to withdraw
+                handle._finish(None, Cancelled("Cancelled before it started."))
+                continue
             try:
-                predicted = self._memory.admit(handle, list(self._running))
+                predicted = self._memory.admit(handle, list(self._running), request)
             except AdmissionError as refused:
-                if self._take(handle):
+                if self._take(handle, retry):
                     handle._finish(None, refused)
                 continue
             if predicted is None:
                 return  # it waits for room
-            if not self._take(handle):
+            if not self._take(handle, retry):
                 continue  # cancelled meanwhile: it left the queue on its own
             if handle.cancelled:
                 handle._finish(None, Cancelled("Cancelled before it started."))
                 continue
-            self._begin(handle, handle.request, predicted, retried=False)
+            self._begin(handle, request, predicted, retried=retry is not None, reason=reason)
 
-    def _take(self, handle: Handle) -> bool:
+    def _take(self, handle: Handle, retry: tuple | None = None) -> bool:
         with self._lock:
+            if retry is not None:
+                return bool(self._retries) and self._retries.pop(0) is retry
             return self._waiting.take(handle)
 
     def _begin(
@@ -264,7 +272,8 @@ class Engine:
         # 1) prefill, chunked: a visitor's prompt before a background one's (a summary, a document
         # step): a turn that arrives during a long background prefill waits one chunk, not all of it
         joining = next((s for s in self._running if not s.ready and not s.request.background), None)
-        if joining is None and self._background_turn():
+        visitor = any(s.ready and s.finish is None and not s.request.background for s in self._running)
+        if joining is None and self._background.turn(visitor):
             joining = next((s for s in self._running if not s.ready), None)
         if joining is not None:
             before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
@@ -277,9 +286,8 @@ class Engine:
                 self._give_way(joining, e.reason, e.message)
             except BaseException as e:
                 self._fail([joining], e)
-            if joining.request.background:  # the visitors get (1/share - 1) times its time next
-                end = time.perf_counter()
-                self._background_free_at = end + (end - t0) * (1 / BACKGROUND_SHARE - 1)
+            if joining.request.background:
+                self._background.ran(t0)
         # 2) decode: one batched forward pass
         decoding = [s for s in self._running if s.ready and s.finish is None]
         if decoding:
@@ -293,18 +301,6 @@ class Engine:
                     self.pace.stepped(time.perf_counter() - t0)
             except BaseException as e:
                 self._fail(decoding, e)
-
-    def _background_turn(self) -> bool:
-        """May a background prompt take this step's chunk? Next to a visitor's decode, only after
-        BACKGROUND_EVERY steps and (1 / BACKGROUND_SHARE - 1) times the last chunk's time."""
-        self._steps += 1
-        visitor = any(s.ready and s.finish is None and not s.request.background for s in self._running)
-        if not visitor:
-            return True
-        if self._steps < BACKGROUND_EVERY or time.perf_counter() < self._background_free_at:
-            return False
-        self._steps = 0
-        return True
 
     def _postprocess(self) -> None:
         """Whoever finished, was cancelled or ran out of time leaves the batch at once."""
@@ -351,21 +347,47 @@ class Engine:
     def _give_way(self, victim: Slot, reason: str, refusal: str = "") -> None:
         """`victim` alone gives way, after an OOM in its pass (`reason` "oom") or the backend's refusal
         of its prompt (a `GiveWay` reason; its words in `refusal`): its cache is freed (after an OOM,
-        idle caches and the allocator too), then it retries once with its smaller `fallback` (its
-        streamed ids void: `Restarted`) or fails; the rest of the batch goes on as if nothing happened."""
+        the allocator's cache, and idle caches the retry needs the room of), then it retries once with
+        its smaller `fallback` (its streamed ids void: `Restarted`), first in line, or fails; the rest
+        of the batch goes on as if nothing happened."""
         self._remove(victim)
         self.runner.release(victim, keep=False)
+        smaller = retry_plan(victim, reason, refusal, self.limits.max_new_tokens)
         if reason == "oom":
             self.counters.ooms += 1
-            self._memory.recover()
-        smaller = retry_plan(victim, reason, refusal, self.limits.max_new_tokens)
+            retry = 0 if isinstance(smaller, LlmwebError) else self.runner.predict(smaller)
+            self._memory.recover(retry, list(self._running))
         if isinstance(smaller, LlmwebError):
             victim.handle._finish(None, smaller)
             return
         what, n, was = "OOM" if reason == "oom" else reason, len(smaller.prompt_ids), len(victim.request.prompt_ids)
         log.warning("engine: %s; retrying request %s with %d prompt tokens (was %d)", what, victim.handle.id, n, was)
         victim.handle._restart(reason)
-        self._begin(victim.handle, smaller, self.runner.predict(smaller), retried=True, reason=reason)
+        with self._lock:  # at the head of the line, through admission like any request (`_schedule`)
+            self._retries.append((victim.handle, smaller, reason))
+
+
+class BackgroundTurns:
+    """When a background prompt may take a step's prefill chunk next to a visitor's decode: only
+    after BACKGROUND_EVERY steps and (1 / BACKGROUND_SHARE - 1) times its last chunk's time."""
+
+    def __init__(self) -> None:
+        self.steps = 0  # steps a background prompt asked for a chunk
+        self.free_at = 0.0  # when a background chunk may run again next to a visitor
+
+    def turn(self, visitor: bool) -> bool:
+        self.steps += 1
+        if not visitor:
+            return True
+        if self.steps < BACKGROUND_EVERY or time.perf_counter() < self.free_at:
+            return False
+        self.steps = 0
+        return True
+
+    def ran(self, t0: float) -> None:
+        """A background chunk ran from `t0` until now: the visitors get (1/share - 1) times its time next."""
+        end = time.perf_counter()
+        self.free_at = end + (end - t0) * (1 / BACKGROUND_SHARE - 1)
 
 
 def idle_s(engine: Engine) -> float:
