@@ -232,7 +232,7 @@ def rehearse_plan(root: Path, kit: Path, limit_s: float = 480, progress=print) -
                 d.mkdir(parents=True)
             sent = copy_tree(root, tree)
             for path in call["carry"]:
-                shutil.copytree(root / path, tree / path)
+                shutil.copytree(root / path, tree / path, dirs_exist_ok=True)
                 sent += sum(f.stat().st_size for f in (tree / path).rglob("*") if f.is_file())
             env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLMWEB_DATA_DIR")}
             env.update(OUT=str(out), PY=sys.executable, SITE=str(site), TMPDIR=str(tmpdir), GPU_REHEARSE="1")
