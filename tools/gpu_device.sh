@@ -9,14 +9,18 @@
 #                                        CUDA.so, default 130,132; the cut model; the CPU's fp32 reference)
 #   tools/gpu_device.sh plan             print the device tool's run calls, in order
 #   tools/gpu_device.sh rehearse         run those calls on this CPU, each from a fresh copy of the
-#                                        tree and the kit, bench gpu with --rehearse
+#                                        tree and the kit, bench gpu with --rehearse; each $OUT is
+#                                        copied to data/reports/gpu-loan-rehearsal/NAME
 # On the device (the plan's commands):
 #   tools/gpu_device.sh preflight        ~20 s, installs nothing: versions, imports, allocator
 #   tools/gpu_device.sh parts P,Q SECS   install the kit's wheels into $SITE, run bench gpu's parts P,Q
 #                                        within SECS seconds
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python3}
+# the device's python3 holds its torch; here, the project's virtualenv where there is one
+if [ -z "${PY:-}" ]; then
+  case "${1:-}" in kit | plan | rehearse) [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3 ;; *) PY=python3 ;; esac
+fi
 SITE=${SITE:-/tmp/site}
 OUT=${OUT:-$PWD/data/reports/gpu-loan}
 pin() { sed -n "s/^$1==\([^ ]*\).*/\1/p" requirements.txt; }
@@ -36,7 +40,7 @@ plan)
   "$PY" -c 'import json; from llmweb.bench import gpu; [print(json.dumps(c)) for c in gpu.loan_commands()]'
   ;;
 rehearse)
-  "$PY" -m llmweb.bench.gpu_kit rehearse --kit .gpu
+  "$PY" -m llmweb.bench.gpu_kit rehearse --kit .gpu --out data/reports
   ;;
 preflight)
   mkdir -p "$OUT"
@@ -52,7 +56,7 @@ parts)
     --budget-s "${3:-400}" 2>&1 | tee "$OUT/gpu-log-${2%%,*}.txt"
   ;;
 *)
-  sed -n '2,20p' "$0"
+  sed -n '2,17p' "$0"
   exit 2
   ;;
 esac

@@ -48,12 +48,13 @@ ALLOC = {"expandable": "expandable_segments:True", "default": "expandable_segmen
 RANDOM_NOTE = "part capacity uses RANDOM weights: an 8B-shaped Llama built from its config, no download"
 GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
 # The loan: each command starts from a fresh copy of the tree and the kit (.gpu), and stays under
-# 8 minutes on the device; (name, what tools/gpu_device.sh runs: the parts and their budget in
-# seconds, timeout_s of the run call).
+# 8 minutes on the device. (name, what tools/gpu_device.sh runs: the parts and their budget in
+# seconds, timeout_s of the run call). Capacity comes first in its command: a budget that runs
+# short skips what follows, and capacity's rows matter most.
 LOAN_PLAN = [
-    ("preflight", "preflight", 120),
-    ("a", "parts header,model,oom 360", 420),
-    ("b", "parts fragmentation,capacity 420", 480),
+    ("preflight", "preflight", 90),
+    ("a", "parts header,model,oom 240", 300),
+    ("b", "parts capacity,fragmentation 360", 420),
 ]
 LLAMA_8B = dict(
     hidden_size=4096,
@@ -90,7 +91,7 @@ def plan(rehearse: bool, quick: bool = False) -> dict:
             "split": [1, 8, 64],  # batch sizes of the decode-step split, at 1k context
             "split_context": 1024,
             "cap_new_tokens": 16,
-            "estimate_s": {"header": 15, "model": 90, "oom": 90, "fragmentation": 70, "capacity": 240},
+            "estimate_s": {"header": 15, "model": 90, "oom": 90, "fragmentation": 60, "capacity": 240},
         }
     return {
         "device": "cpu",

@@ -216,10 +216,11 @@ def copy_tree(root: Path, target: Path) -> int:
     return total
 
 
-def rehearse_plan(root: Path, kit: Path, limit_s: float = 480, progress=print) -> list[dict]:
+def rehearse_plan(root: Path, kit: Path, limit_s: float = 480, progress=print, keep: Path | None = None) -> list[dict]:
     """Every command of the loan plan on this CPU, each in a fresh copy of the tree plus the kit
     (a fresh temp directory, site folder and $OUT, nothing kept between them), `bench gpu` with
-    --rehearse. Each result: rc, wall_s, the files $OUT held, and the plan's own limits checked."""
+    --rehearse. Each result: rc, wall_s, the files $OUT held, and the MiB the call sent. With
+    `keep`, each command's $OUT is copied to keep/<name> afterwards (for reading, never reused)."""
     import shutil
 
     from llmweb.bench import gpu
@@ -247,6 +248,9 @@ def rehearse_plan(root: Path, kit: Path, limit_s: float = 480, progress=print) -
                 rc, tail = 124, f"ran past {limit_s:.0f} s"
             wall = time.perf_counter() - t0
             files = sorted(p.name for p in out.rglob("*") if p.is_file())
+            if keep is not None:
+                shutil.rmtree(keep / call["name"], ignore_errors=True)
+                shutil.copytree(out, keep / call["name"])
             results.append(
                 {
                     **call,
@@ -378,7 +382,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({**sizes, "sent_per_call_mib": round(sent / MiB, 1)}, indent=1))
         return 0 if sent < CARRY_LIMIT else 1
     if args.what == "rehearse":
-        results = rehearse_plan(Path.cwd(), Path(args.kit))
+        results = rehearse_plan(Path.cwd(), Path(args.kit), keep=Path(args.out) / "gpu-loan-rehearsal")
         print(json.dumps([{k: v for k, v in r.items() if k != "tail"} for r in results], indent=1))
         return 0 if all(r["rc"] == 0 for r in results) else 1
     if args.what == "check":
