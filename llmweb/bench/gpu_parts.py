@@ -209,7 +209,7 @@ def model(p: dict, rows: list) -> None:
     settings = _settings(p)
     loaded = models.load_transformers(settings, p["device"], progress=lambda _m: None)
     rows.append(("4-bit load", loaded.quant, f"{loaded.load_s:.1f} s on {loaded.device}; {'; '.join(loaded.notes)}"))
-    rows.append(("weights", _mib(loaded.weights_bytes), f"get_memory_footprint; {loaded.name}"))
+    rows.append(("weights", _mib(loaded.weights_bytes), f"get_memory_footprint; {Path(loaded.name).name}"))
     if cuda:
         import torch
 
@@ -673,8 +673,9 @@ def _mixed(loaded, p: dict, gen, rows: list) -> None:
 
 
 def _split(loaded, p: dict, batch: int, gen, rows: list) -> None:
-    """Decode steps at `batch` rows: the forward timed with the device synchronised on both sides,
-    then the product's sampler on every row; syncs per step counted by torch's sync debug mode."""
+    """Decode steps at `batch` rows (after one untimed): the forward timed with the device
+    synchronised on both sides, then the product's sampler on every row; syncs per step counted
+    by torch's sync debug mode."""
     import warnings
 
     import torch
@@ -688,15 +689,15 @@ def _split(loaded, p: dict, batch: int, gen, rows: list) -> None:
     prompts = _random_prompts(p, gen, batch, ctx)
     model = loaded.model
     with torch.inference_mode():
-        out = model(torch.tensor(prompts, device=loaded.device), use_cache=True)
-        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        out = model(torch.tensor(prompts, device=loaded.device), use_cache=True, logits_to_keep=1)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)  # the cache it filled
         samplers = [TorchSampler(GenerationRequest(ids, steps), ids, loaded.device) for ids in prompts]
         forward = sample = 0.0
         syncs = 0
-        for _ in range(steps):
+        for step in range(steps + 1):  # the first is a warm-up, not counted
             sync()
             t0 = time.perf_counter()
-            out = model(nxt, past_key_values=past, use_cache=True)
+            out = model(nxt, cache=past, use_cache=True, logits_to_keep=1)
             sync()
             t1 = time.perf_counter()
             with warnings.catch_warnings(record=True) as seen:
@@ -708,10 +709,11 @@ def _split(loaded, p: dict, batch: int, gen, rows: list) -> None:
                     torch.cuda.set_sync_debug_mode("default")
             sync()
             t2 = time.perf_counter()
-            syncs += sum("synchroniz" in str(w.message) for w in seen)
             past, nxt = out.past_key_values, torch.tensor(picks, device=loaded.device).unsqueeze(1)
-            forward += t1 - t0
-            sample += t2 - t1
+            if step:
+                syncs += sum("synchroniz" in str(w.message) for w in seen)
+                forward += t1 - t0
+                sample += t2 - t1
     rows.append(
         (
             f"decode split, batch {batch}",
