@@ -84,9 +84,10 @@ class Settings:
     frag_release_mb: int = 256  # idle: empty_cache() when reserved-allocated passes this
     # the engine process (engine/process.py): the model runs in a child process, restarted when it dies
     engine_process: str = "auto"  # auto | 1 | 0; auto = on, except on ZeroGPU (its GPU is the web process's)
+    zero_gpu: bool = False  # a ZeroGPU Space: read from SPACES_ZERO_GPU, which the platform sets (not an LLMWEB_ name)
     recycle_after: int = 0  # requests per engine process before a graceful replacement; 0 = never
     recycle_s: float = 0.0  # an engine process's age before a graceful replacement; 0 = never
-    recycle_frag_mb: int = 0  # CUDA: replace it once reserved - allocated passes this after a request; 0 = never
+    recycle_frag_mb: int = 0  # CUDA: replace it once inactive split bytes pass this after a request; 0 = never
     engine_stall_s: float = 300.0  # an engine process silent this long in one call is killed (and restarted)
     # session KV caches
     kv_reuse: bool = True
@@ -107,9 +108,9 @@ class Settings:
     auth_file: Path | None = None  # users file with salted scrypt hashes (python -m llmweb user add ...)
     max_file_mb: int = 20
     ocr_max_pages: int = 50  # pages (or images) one document may have read by OCR; 0 = OCR off
-    ocr_max_s: float = 300.0  # OCR time one document may take, checked before each page
+    ocr_max_s: float = 300.0  # OCR time one upload event may take, all its files, checked inside a page too
     max_message_chars: int = 100_000
-    web_max_body_kb: int = 4096  # largest body of a request to the page's own routes (uploads: LLMWEB_USER_DOCS_MB)
+    web_max_body_kb: int = 2048  # largest body of a page event (its message and the turns shown; web/body_cap.py)
     # many visitors, one server
     single_user: str = "auto"  # auto | 1 | 0: one owner ("local") for every browser; auto = loopback, no login
     shared_uploads: str = "auto"  # auto | 1 | 0: 1 = every UI upload joins the shared library; auto, 0 = private
@@ -126,13 +127,15 @@ class Settings:
     secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
     trusted_proxies: str = ""  # addresses/CIDRs of proxies whose X-Forwarded-For / Forwarded names the client
     anon_per_address: int = 20  # new anonymous visitors one client address may start per hour
+    ipv6_prefix: int = 64  # an IPv6 client's address counts per network of this prefix (one line gets a /64)
+    upload_per_address_mb: int = 200  # what one client address may upload to the page within the upload cache's life
     # a remote engine (engine/remote.py): an OpenAI-compatible server generates; this process loads the tokenizer only
     engine_url: str = ""  # "" = the local model; else http(s)://host:port of vLLM, SGLang, llama.cpp, ...
     engine_model: str = ""  # the server's model name; "" = the first it lists
     engine_api_key: str = ""  # sent as a Bearer token
     engine_concurrency: int = 8  # requests in flight to the server at once; more wait in the fair queue
     engine_routing_header: str = "X-Session-Id"  # carries the hashed conversation id for a sticky router
-    # the OpenAI-compatible API (web/api.py)
+    # the OpenAI-compatible API (web/api/)
     api_keys: str = ""  # "alice:key1,bob:key2" or "key1,key2"; none: open on a loopback bind only
     api_max_body_kb: int = 2048  # largest request body accepted
 
@@ -177,7 +180,7 @@ class Settings:
         check(self.request_timeout_s > 0 and self.kv_ttl_s > 0, "time limits must be > 0")
         check(self.max_wait_s > 0, "LLMWEB_MAX_WAIT_S must be > 0 (seconds a request may be estimated to wait)")
         check(self.ocr_max_pages >= 0, "LLMWEB_OCR_MAX_PAGES must be >= 0 (0 = no OCR)")
-        check(self.ocr_max_s > 0, "LLMWEB_OCR_MAX_S must be > 0 (seconds of OCR per document)")
+        check(self.ocr_max_s > 0, "LLMWEB_OCR_MAX_S must be > 0 (seconds of OCR per upload)")
         check(
             not self.auth or all(":" in pair for pair in self.auth.split(",")),
             "LLMWEB_AUTH must look like user:password (several: user1:pw1,user2:pw2)",
@@ -197,7 +200,8 @@ class Settings:
             self.user_docs_mb >= 1 and self.queue_per_user >= 1,
             "LLMWEB_USER_DOCS_MB and LLMWEB_QUEUE_PER_USER must be >= 1",
         )
-        check(self.anon_per_address >= 1, "LLMWEB_ANON_PER_ADDRESS must be >= 1")
+        check(min(self.anon_per_address, self.upload_per_address_mb) >= 1, "LLMWEB_*_PER_ADDRESS* must be >= 1")
+        check(1 <= self.ipv6_prefix <= 128, "LLMWEB_IPV6_PREFIX must be between 1 and 128 (64: one line's network)")
         check(
             min(self.owner_max_chats, self.owner_max_stored_mb, self.owner_document_jobs) >= 1,
             "LLMWEB_OWNER_MAX_CHATS, LLMWEB_OWNER_MAX_STORED_MB and LLMWEB_OWNER_DOCUMENT_JOBS must be >= 1",
@@ -263,13 +267,13 @@ class Settings:
 
     @property
     def in_engine_process(self) -> bool:
-        """Does the local model run in an engine process of its own? Auto: yes, except where the
-        `spaces` package is (ZeroGPU attaches its GPU to the web process only)."""
-        if self.engine_process != "auto":
-            return self.engine_process == "1"
-        import importlib.util
-
-        return importlib.util.find_spec("spaces") is None
+        """Does the local model run in an engine process of its own? Yes (auto), except on ZeroGPU,
+        whatever LLMWEB_ENGINE_PROCESS says: its GPU calls are forks of the web process. Every Space
+        has the `spaces` package, a dedicated-GPU one too, so that is no sign of ZeroGPU;
+        SPACES_ZERO_GPU is (`spaces` reads it)."""
+        if self.zero_gpu:
+            return False
+        return self.engine_process in ("auto", "1")
 
     @property
     def copies_dir(self) -> Path:
@@ -292,8 +296,10 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> Settings:
         """Read every field from `LLMWEB_<FIELD>`; keyword overrides win (the CLI's flags)."""
         source = os.environ if env is None else env
-        values = {}
+        values: dict = {"zero_gpu": zero_gpu(source)}
         for f in dataclasses.fields(cls):
+            if f.name in PLATFORM_FIELDS:
+                continue
             raw = source.get(f"LLMWEB_{f.name.upper()}")
             if raw is None or raw == "":
                 continue
@@ -302,8 +308,16 @@ class Settings:
         return cls(**values)
 
 
+def zero_gpu(env: Mapping[str, str]) -> bool:
+    """Is this a ZeroGPU Space? SPACES_ZERO_GPU as the `spaces` package reads it (spaces/config.py)."""
+    return (env.get("SPACES_ZERO_GPU") or "").lower() in ("1", "t", "true")
+
+
+PLATFORM_FIELDS = {"zero_gpu"}  # settings the platform sets under its own names, not LLMWEB_*
+
+
 def env_names() -> list[str]:
-    return [f"LLMWEB_{f.name.upper()}" for f in dataclasses.fields(Settings)]
+    return [f"LLMWEB_{f.name.upper()}" for f in dataclasses.fields(Settings) if f.name not in PLATFORM_FIELDS]
 
 
 class _Checker:

@@ -103,7 +103,7 @@ class MemorySnapshot:
     peak_rss_bytes: int = 0  # during the request (sampled), 0 when not measured
     cuda_allocated_bytes: int | None = None
     cuda_reserved_bytes: int | None = None
-    cuda_peak_bytes: int | None = None  # since the last reset_peak (one request)
+    cuda_peak_bytes: int | None = None  # since the last reset_peak: a request that starts on an empty batch
     cuda_inactive_split_bytes: int | None = None
     cuda_alloc_retries: int | None = None
     cuda_ooms: int | None = None

@@ -44,7 +44,7 @@ def test_safe_defaults():
 
 def test_configuration_table_lists_every_setting():
     text = CONFIGURATION.read_text(encoding="utf-8")
-    documented = set(re.findall(r"^\| `(LLMWEB_[A-Z_]+)` \|", text, flags=re.M))
+    documented = set(re.findall(r"^\| `(LLMWEB_[A-Z0-9_]+)` \|", text, flags=re.M))
     assert documented == set(env_names())
 
 
@@ -61,9 +61,27 @@ def test_configuration_table_shows_the_code_defaults():
     """A default written as a plain literal (`256`, `auto`, `off`) is the field's default in
     Settings; the descriptive ones (*(a file)*, `$LLMWEB_DATA_DIR/models`) are prose."""
     text = CONFIGURATION.read_text(encoding="utf-8")
-    rows = re.findall(r"^\| `LLMWEB_([A-Z_]+)` \| `([^`$ ]+)` \|", text, flags=re.M)
+    rows = re.findall(r"^\| `LLMWEB_([A-Z0-9_]+)` \| `([^`$ ]+)` \|", text, flags=re.M)
     defaults = Settings()
     assert len(rows) > 40, "the table's literal defaults were not found"
     wrong = {f"LLMWEB_{name}": (doc, getattr(defaults, name.lower())) for name, doc in rows}
     wrong = {k: v for k, v in wrong.items() if _as_written(v[1]) != v[0]}
     assert not wrong, f"docs/configuration.md's default differs from config.py's: {wrong}"
+
+
+def test_the_automatic_engine_process_follows_zerogpu_not_the_spaces_package(monkeypatch):
+    """Every Gradio Space image has the `spaces` package, a GPU Space too: only ZeroGPU
+    (SPACES_ZERO_GPU, read as `spaces` reads it) keeps the model in the web process."""
+    import importlib.util
+    import types
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: types.SimpleNamespace() if name == "spaces" else real(name, *a)
+    )
+    assert Settings.from_env({}).in_engine_process, "a dedicated GPU (or CPU) Space keeps its engine process"
+    assert Settings.from_env({"SPACES_ZERO_GPU": "true"}).zero_gpu
+    assert not Settings.from_env({"SPACES_ZERO_GPU": "true"}).in_engine_process
+    assert not Settings.from_env({"SPACES_ZERO_GPU": "0"}).zero_gpu
+    assert not Settings.from_env({"SPACES_ZERO_GPU": "1", "LLMWEB_ENGINE_PROCESS": "1"}).in_engine_process, "no GPU"
+    assert not Settings.from_env({"LLMWEB_ENGINE_PROCESS": "0"}).in_engine_process

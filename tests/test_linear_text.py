@@ -11,6 +11,7 @@ kept here as the reference of what the test catches, and asserts that its ratio 
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -20,7 +21,8 @@ from llmweb.bench.hostile import CASES, MAX_RATIO, Target, measure, measure_stea
 from llmweb.chat import facts
 from llmweb.chat.passages import Excerpt, Passage
 from llmweb.records import Source
-from llmweb.web import api_wire, formatting
+from llmweb.web import formatting
+from llmweb.web.api import chat_wire, common
 
 # facts.py's old sentence regex: a line without an end mark, cut by a newline, made it
 # retry every suffix of the line (4,000 characters 0.32 s, 16,000 4.79 s, a 62,000-dash line ~80 s)
@@ -28,7 +30,7 @@ OLD_SENTENCE = re.compile(r"[^.!?。！？\n]+(?:[.!?。！？]+|$)")
 
 
 def _api_messages(text: str) -> object:
-    return api_wire.parse_messages([{"role": "user", "content": [{"type": "text", "text": text}]}], 10**8)
+    return chat_wire.parse_messages([{"role": "user", "content": [{"type": "text", "text": text}]}], 10**8)
 
 
 def _passage_html(text: str) -> str:
@@ -37,8 +39,8 @@ def _passage_html(text: str) -> str:
 
 
 API_TARGETS = (  # and the page's: web/ is a layer above bench too
-    Target("api_wire.parse_messages", _api_messages),
-    Target("api_wire.parse_json", api_wire.parse_json, lambda t: api_wire.json.dumps({"messages": t}).encode()),
+    Target("chat_wire.parse_messages", _api_messages),
+    Target("common.parse_json", common.parse_json, lambda t: json.dumps({"messages": t}).encode()),
     Target("formatting.passage_html", _passage_html),
 )
 PAIRS = list(hostile.pairs(extra=API_TARGETS))
@@ -78,6 +80,6 @@ def test_the_ratio_catches_quadratic_code():
 
 
 def test_api_refuses_json_nested_past_the_recursion_limit():
-    with pytest.raises(api_wire.ApiError) as err:
-        api_wire.parse_json(b"[" * 100_000)
+    with pytest.raises(common.ApiError) as err:
+        common.parse_json(b'{"a": ' + b"[" * 100_000)
     assert err.value.status == 400 and "nests JSON arrays or objects too deeply" in err.value.message

@@ -72,6 +72,16 @@ def test_space_front_matter_matches_requirements():
     assert f"gradio=={sdk}" in (REPO / "requirements.txt").read_text()
 
 
+def test_space_front_matter_names_a_python_the_code_runs_on():
+    """A Space without `python_version` gets the platform's default Python (3.10), and the code needs
+    3.11 (`typing.Self`, `datetime.UTC`): the front matter names one at least pyproject's minimum."""
+    from tests.test_space_build import space_python_version
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    required = re.search(r">=\s*(\d+)\.(\d+)", project["requires-python"])
+    assert space_python_version() >= (int(required.group(1)), int(required.group(2)))
+
+
 def test_dockerfile_is_non_root_with_healthcheck_volume_and_port():
     text = (REPO / "Dockerfile").read_text()
     assert re.search(r"^USER (?!root)\w+", text, re.M)

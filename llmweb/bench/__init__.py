@@ -34,8 +34,9 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
   recycle.py    `bench recycle`: the engine process replaced gracefully: 20 turns 4 at a time with
                 LLMWEB_RECYCLE_AFTER=5, and a chat's turn across a recycle, its caches handed over or dropped
   served.py     a real `python -m llmweb serve` on a scratch data dir, for busy and peer
-  gpu.py        `bench gpu [--rehearse]`: the CUDA path in one command (NF4 load, a real OOM and its
-                recovery, fragmentation, capacity of an 8B shape with random weights); parts in gpu_parts.py
+  gpu.py        `bench gpu [--rehearse]`: the CUDA path part by part (NF4 load, a real OOM and its
+                recovery, fragmentation, capacity of an 8B shape with random weights), each part's table
+                written as it goes; parts in gpu_parts.py, the loan kit and preflight in gpu_kit.py
   ocr.py        `bench ocr`: OCR engines side by side on pages rendered from known text (a scan, a photo
                 of a note): character error rate and seconds per page. No chat model.
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
@@ -140,8 +141,7 @@ def register(sub) -> None:
         default=0,
         help="busy, ttft: turns of an imported chat the measured chat starts with (ttft: none folded)",
     )
-    b.add_argument("--rehearse", action="store_true", help="gpu: the same steps on the CPU, tiny shapes, a memory cap")
-    b.add_argument("--quick", action="store_true", help="gpu: the smallest settings (the slow test's)")
+    _gpu_arguments(b)
     b.add_argument("--dpi", default="300,150", help="ocr: scan resolutions of the prose page, comma-separated")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=bench_command)
@@ -152,6 +152,15 @@ def register(sub) -> None:
     c.add_argument("--max-new-tokens", type=int, default=16, help="reply length per request")
     c.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     c.set_defaults(func=capacity_command)
+
+
+def _gpu_arguments(b) -> None:
+    b.add_argument("--rehearse", action="store_true", help="gpu: the same steps on the CPU, tiny shapes, a memory cap")
+    b.add_argument("--quick", action="store_true", help="gpu: the smallest settings (the slow test's)")
+    b.add_argument("--gpu-parts", default="", help="gpu: the parts to run, comma-separated (default: all)")
+    b.add_argument("--kit", default="", help="gpu: the loan kit's folder (tools/gpu_device.sh kit): model, reference")
+    b.add_argument("--out", default="", help="gpu: also write each part's table here, gpu-<part>.{json,md}, as it goes")
+    b.add_argument("--budget-s", type=float, default=0, help="gpu: skip the parts whose estimate no longer fits")
 
 
 def parse_ints(text: str) -> list[int]:
@@ -405,6 +414,8 @@ def _bench_recycle(args) -> int:
 
 def _bench_gpu(args) -> int:
     """Exit status 2 without CUDA (unless --rehearse); 1 when a part failed."""
+    from pathlib import Path
+
     import torch
 
     from llmweb.config import Settings
@@ -418,7 +429,16 @@ def _bench_gpu(args) -> int:
             "`bench gpu --rehearse` runs the same steps on the CPU."
         )
         return 2
-    result = gpu.run(args.rehearse, quick=args.quick, progress=_stderr)
+    parts = [x.strip() for x in args.gpu_parts.split(",") if x.strip()] or None
+    result = gpu.run(
+        args.rehearse,
+        quick=args.quick,
+        progress=_stderr,
+        parts=parts,
+        out=Path(args.out) if args.out else None,
+        kit=Path(args.kit) if args.kit else None,
+        budget_s=args.budget_s,
+    )
     md = gpu.markdown(result)
     paths = write_reports(result, md, Settings.from_env().data_dir, stem="gpu-rehearse" if args.rehearse else "gpu")
     _print(result, args.json, gpu.markdown)

@@ -120,6 +120,7 @@ def _engine(loaded, block_cache: bool, new_tokens: int, process_settings=None):
 
     make_cache = new_cache if block_cache else dynamic_cache
     runner = LocalRunner(loaded.model, loaded.device, kv, loaded.kv_bytes_per_token, make_cache=make_cache)
+    runner.timing.exact = True  # the split is the point here: wait for the device at each reading
     return Engine(runner, kv, limits), runner
 
 

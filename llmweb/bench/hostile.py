@@ -269,7 +269,7 @@ def _cited(text: str) -> tuple:
 
 def targets(chunking: bool = True) -> list[Target]:
     """Every text function on a path from a stranger's text (chat message, upload, import, the
-    model's own replies folded into summaries). The API's wire parsing (web/api_wire.py) is a peer
+    model's own replies folded into summaries). The API's wire parsing (web/api/) is a peer
     layer that bench may not import: tests/test_linear_text.py adds it to these."""
     from llmweb.chat import document_plan, facts, passages, summary
     from llmweb.chat.session import clean_message

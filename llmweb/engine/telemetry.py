@@ -244,6 +244,9 @@ class StepTiming:
     decode_s: float = 0.0  # in `decode`, all of it
     forward_s: float = 0.0  # the model's forward pass (then the RSS read: runner other)
     sample_s: float = 0.0  # sampling every row's next token
+    # wait for the device at each reading (bench decode sets it): a CUDA pass runs asynchronously, so
+    # without a sync forward_s is the kernel launches' time and sample_s absorbs the pass; off, no sync
+    exact: bool = False
 
     def add(self, t0: float, t1: float, t2: float, t3: float) -> None:
         """One step: it began at t0, its forward pass ran t1..t2, and sampling ended at t3."""

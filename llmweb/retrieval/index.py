@@ -35,11 +35,11 @@ from typing import Any, TypeVar
 from llmweb.config import Settings
 from llmweb.errors import InputError
 from llmweb.records import Chunk
-from llmweb.retrieval import storage
+from llmweb.retrieval import parsers, storage
 from llmweb.retrieval.chunking import chunk_document
 from llmweb.retrieval.embedder import Embedder
 from llmweb.retrieval.keywords import KeywordIndex, Term
-from llmweb.retrieval.parsers import SUPPORTED_SUFFIXES, Document, load_document, safe_name
+from llmweb.retrieval.parsers import SUPPORTED_SUFFIXES, Document, hash_bytes, read_file, safe_name
 from llmweb.retrieval.scans import OcrLimits
 from llmweb.retrieval.storage import MANIFEST, DocumentInfo, State, file_lock, namespace_dir, thread_lock_for
 
@@ -227,9 +227,16 @@ class Index:
         """Add uploaded files given as (temp path, the name the user gave). Nothing is copied."""
         return self.add_read(self.read_uploads(files, progress), progress)
 
-    def read_uploads(self, files: Sequence[tuple[str | os.PathLike, str]], progress: Progress | None = None) -> Read:
+    def read_uploads(
+        self,
+        files: Sequence[tuple[str | os.PathLike, str]],
+        progress: Progress | None = None,
+        admit: Admit | None = None,
+    ) -> Read:
         """Read and parse uploaded files (temp path, the name the user gave), each once: what a caller
-        may measure (a quota) before `add_read` chunks, embeds and commits the same documents."""
+        may measure (a quota) before `add_read` chunks, embeds and commits the same documents. Content
+        already indexed is not parsed again; `admit(name, bytes)` hears each other file before its
+        parse and may refuse the upload (InputError)."""
         entries: list[tuple[Path | None, str, str | None]] = []
         for path, given in files:
             try:
@@ -239,7 +246,7 @@ class Index:
                 continue
             entries.append((Path(path), name, None))
         reports: dict[int, IngestReport] = {}
-        docs = _load(entries, self.settings, progress, reports)
+        docs = _load(entries, self.settings, progress, reports, self._current(), admit)
         return Read([str(given) for _, given in files], docs, reports)
 
     def add_read(self, read: Read, progress: Progress | None = None) -> list[IngestReport]:
@@ -329,7 +336,8 @@ class Index:
     ) -> list[IngestReport]:
         """Read, chunk, embed and commit (path, display name, error) entries: one report each, in order."""
         reports: dict[int, IngestReport] = {}
-        self._add_docs(_load(entries, self.settings, progress, reports), reports, progress)
+        docs = _load(entries, self.settings, progress, reports, self._current())
+        self._add_docs(docs, reports, progress)
         return [reports[n] for n in range(len(entries))]
 
     def _add_docs(
@@ -477,16 +485,25 @@ def _add(base: State, pending: Sequence[_Pending], replace_same_name: bool) -> t
     return _apply(base, keep, remove), reports
 
 
+Admit = Callable[[str, int], None]  # (name, bytes) of a new file before it is parsed; InputError refuses the upload
+
+
 def _load(
     entries: list[tuple[Path | None, str, str | None]],
     settings: Settings,
     progress: Progress | None,
     reports: dict[int, IngestReport],
+    state: State | None = None,
+    admit: Admit | None = None,
 ) -> list[tuple[int, Document]]:
-    """Parse each entry: (its position, the document), or an "error" report at its position. Before
-    each page OCR reads, `progress` hears the page ("scan.pdf: reading page 3 of 12 (OCR)…")."""
+    """Parse each entry: (its position, the document), or a report at its position. Before a file
+    is parsed (OCR is the dear part), its bytes are checked: content already in `state` or earlier
+    in the batch is a "duplicate", and `admit` may refuse the whole upload (a quota). The entries'
+    OCR shares one clock (`OcrLimits.event`). Before each page OCR reads, `progress` hears the page
+    ("scan.pdf: reading page 3 of 12 (OCR)…")."""
     docs: list[tuple[int, Document]] = []
-    ocr = OcrLimits.of(settings)
+    seen: dict[str, str] = {}
+    ocr = OcrLimits.of(settings).event()
     for n, (path, name, error) in enumerate(entries):
         _tell(progress, n, len(entries), f"reading {name}")
         if error is not None or path is None:
@@ -494,9 +511,23 @@ def _load(
             continue
         pages = None if progress is None else (lambda what, n=n: _tell(progress, n, len(entries), what))
         try:
-            docs.append((n, load_document(path, name, max_mb=settings.max_file_mb, ocr=ocr, progress=pages)))
+            name, suffix, data = read_file(path, name, max_mb=settings.max_file_mb)
         except InputError as e:
             reports[n] = IngestReport(name, "error", message=str(e))
+            continue
+        doc_id = hash_bytes(data)
+        held = state.docs.get(doc_id) if state is not None else None
+        if held is not None or doc_id in seen:
+            reports[n] = _duplicate(name, held.source if held is not None else seen[doc_id], doc_id)
+            continue
+        if admit is not None:
+            admit(name, len(data))
+        try:
+            docs.append((n, parsers.parse_document(data, name, suffix=suffix, ocr=ocr, progress=pages)))
+        except InputError as e:
+            reports[n] = IngestReport(name, "error", message=str(e))
+            continue
+        seen[doc_id] = name
     _tell(progress, len(entries), len(entries), "read")
     return docs
 

@@ -60,7 +60,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -280,7 +280,7 @@ class Library:
             return self.shared.ingest_uploads(files, progress)
         with self._gate(namespace):  # one upload at a time per owner: the quota check stays true
             index = self._private(owner)
-            read = index.read_uploads(files, progress)  # parsed once: measured here, then added
+            read = index.read_uploads(files, progress, self._admit(index))  # parsed once, measured, added
             self._check_quota(index, read)
             return index.add_read(read, progress)
 
@@ -351,11 +351,32 @@ class Library:
             size = max(doc.size, len(doc.text))
             adding += max(size - (_quota_size(index, old) if old is not None else 0), 0)
         if adding and used + adding > limit:
-            raise InputError(
-                f"Not added: these files ({_mb(adding)}) would bring your documents to {_mb(used + adding)}, "
-                f"over the limit of {self.settings.user_docs_mb} MB per person (you use {_mb(used)}). "
-                "Remove some of your documents first."
-            )
+            raise self._over_quota(adding, used)
+
+    def _admit(self, index: Index) -> Callable[[str, int], None]:
+        """The quota before each new file is parsed: its bytes (a lower bound of what it will count,
+        `_quota_size`) beside the library's use refuse the upload before OCR or a parse is paid for."""
+        limit = self.settings.user_docs_mb * MB
+        docs = index.documents()
+        used = sum(_quota_size(index, d) for d in docs)
+        by_name = {d.source: d for d in docs if d.kind == "document"}
+        adding = 0
+
+        def admit(name: str, size: int) -> None:
+            nonlocal adding
+            old = by_name.pop(name, None)
+            adding += max(size - (_quota_size(index, old) if old is not None else 0), 0)
+            if adding and used + adding > limit:
+                raise self._over_quota(adding, used)
+
+        return admit
+
+    def _over_quota(self, adding: int, used: int) -> InputError:
+        return InputError(
+            f"Not added: these files ({_mb(adding)}) would bring your documents to {_mb(used + adding)}, "
+            f"over the limit of {self.settings.user_docs_mb} MB per person (you use {_mb(used)}). "
+            "Remove some of your documents first."
+        )
 
     @contextlib.contextmanager
     def _gate(self, namespace: str) -> Iterator[None]:

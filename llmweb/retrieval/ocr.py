@@ -5,9 +5,12 @@ Contract:
   the files inside the `rapidocr` package, named by path: nothing is ever downloaded (rapidocr
   downloads only when it is given no model path). `OcrUnavailable` when rapidocr or onnxruntime
   is not installed.
-- `OcrEngine.read(image) -> str` reads one PIL image: its lines top to bottom, words on one line
-  joined by spaces, a blank line where two lines are further apart than usual (a paragraph).
-  One read at a time per process (`lock`): onnxruntime already uses every core for one page.
+- `OcrEngine.read(image, deadline) -> str` reads one PIL image: its lines top to bottom, words on
+  one line joined by spaces, a blank line where two lines are further apart than usual (a
+  paragraph). It runs as pieces on the "ocr" background thread: the page's detection, then its
+  text lines REC_PIECE at a time; past `deadline` (time.monotonic) it stops between two pieces with
+  `OcrTimeout`. Two visitors' reads take turns piece by piece (onnxruntime already uses every core
+  for one piece), so no upload holds the engine for more than one piece (a second or so).
 - `layout(boxes, texts)` is that ordering as a pure function of the engine's boxes.
 
 Why this engine and these settings: `python -m llmweb bench ocr` (docs/documents.md has the table).
@@ -20,9 +23,11 @@ imported at module level by anything that runs without OCR: it loads onnxruntime
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +39,15 @@ MODELS = {  # rapidocr's config key -> the model file inside the rapidocr packag
     "Cls": "ch_ppocr_mobile_v2.0_cls_mobile.onnx",  # loaded by rapidocr even when unused
 }
 PARAGRAPH_STEP = 1.5  # lines this many usual line steps apart (or more) have a paragraph between them
+REC_PIECE = 24  # text lines recognised in one piece of work (4 of rapidocr's batches of 6)
 
 
 class OcrUnavailable(Exception):
     """The OCR packages are not installed."""
+
+
+class OcrTimeout(Exception):
+    """A read passed its deadline; it stopped between two pieces of work."""
 
 
 class OcrEngine:
@@ -56,18 +66,102 @@ class OcrEngine:
             assert path.is_file(), f"rapidocr's wheel ships {path}; without it rapidocr would download a model"
             params[f"{part}.model_path"] = str(path)
         self._ocr = RapidOCR(params=params)
-        self.lock = threading.Lock()
+        self._stop = _Stop()
+        for model in (self._ocr._load_det_model(), self._ocr._load_rec_model()):
+            model.session.session = _Stoppable(model.session.session, self._stop)
 
-    def read(self, image: Any) -> str:
-        """The text of a PIL image ("" when it holds none)."""
+    def read(self, image: Any, deadline: float | None = None) -> str:
+        """The text of a PIL image ("" when it holds none); OcrTimeout past `deadline`."""
         import numpy as np
 
-        pixels = np.asarray(image.convert("RGB"))[:, :, ::-1]  # OpenCV's BGR
-        with self.lock:  # on the background thread: another visitor's work to the engine's governor
-            result = in_background("ocr", self._ocr, np.ascontiguousarray(pixels))
-        if not result.txts:
-            return ""
-        return layout(result.boxes.tolist(), list(result.txts))
+        pixels = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])  # OpenCV's BGR
+        _check(deadline)
+        crops, boxes = in_background("ocr", self._detect, pixels, deadline)
+        # rapidocr recognises lines sorted by aspect, in batches: the same batches, a few per piece
+        order = sorted(range(len(crops)), key=lambda i: crops[i].shape[1] / crops[i].shape[0])
+        found: dict[int, str] = {}
+        for start in range(0, len(order), REC_PIECE):
+            _check(deadline)
+            piece = order[start : start + REC_PIECE]
+            found |= in_background("ocr", self._recognize, piece, [crops[i] for i in piece], deadline)
+        keep = sorted(found)
+        return layout([boxes[i] for i in keep], [found[i] for i in keep])
+
+    def _detect(self, pixels: Any, deadline: float | None) -> tuple[list[Any], list[Any]]:
+        """The page's text lines: (cropped images, boxes in the image's coordinates). rapidocr's own
+        steps (`RapidOCR.__call__` before recognition, rapidocr 3.10), on the background thread."""
+        from rapidocr.main import RapidOCRError
+        from rapidocr.utils.process_img import map_boxes_to_original
+
+        ocr = self._ocr
+        original = ocr.load_img(pixels)
+        img, record = ocr.preprocess_img(original)
+        try:
+            with self._stop.at(deadline):
+                crops, det = ocr.detect_and_crop(img, record)
+        except RapidOCRError:  # no text found
+            return [], []
+        boxes = map_boxes_to_original(det.boxes, record, *original.shape[:2])
+        return list(crops), boxes.tolist()
+
+    def _recognize(self, ids: list[int], crops: list[Any], deadline: float | None) -> dict[int, str]:
+        """The text of each line that rapidocr keeps (not blank, scored at least its text_score)."""
+        from rapidocr.ch_ppocr_rec import TextRecInput
+
+        with self._stop.at(deadline):
+            out = self._ocr._load_rec_model()(TextRecInput(img=crops, return_word_box=False))
+        return {
+            i: text
+            for i, text, score in zip(ids, out.txts or (), out.scores)
+            if text.strip() and score >= self._ocr.text_score
+        }
+
+
+class _Stop:
+    """The run options of the piece on the background thread: at its deadline a timer sets
+    onnxruntime's `terminate`, and the run in progress ends with an error (OcrTimeout here)."""
+
+    def __init__(self) -> None:
+        import onnxruntime
+
+        self.options = onnxruntime.RunOptions()
+        self._new = onnxruntime.RunOptions
+
+    @contextlib.contextmanager
+    def at(self, deadline: float | None) -> Iterator[None]:
+        self.options = options = self._new()
+        timer = None
+        if deadline is not None:
+            timer = threading.Timer(max(deadline - time.monotonic(), 0.0), setattr, (options, "terminate", True))
+            timer.daemon = True
+            timer.start()
+        try:
+            yield
+        except Exception:
+            if options.terminate:
+                raise OcrTimeout() from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+class _Stoppable:
+    """An onnxruntime session that runs with `_Stop`'s options (rapidocr passes none)."""
+
+    def __init__(self, session: Any, stop: _Stop) -> None:
+        self._session, self._stop = session, stop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    def run(self, names: Any, feed: Any, run_options: Any = None) -> Any:
+        return self._session.run(names, feed, self._stop.options)
+
+
+def _check(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise OcrTimeout()
 
 
 _engine: OcrEngine | None = None

@@ -133,6 +133,13 @@ def load_document(
 
     The size cap is checked on the file's size before anything is read.
     """
+    name, suffix, data = read_file(path, name, max_mb=max_mb)
+    return parse_document(data, name, suffix=suffix, ocr=ocr, progress=progress)
+
+
+def read_file(path: str | Path, name: str | None = None, *, max_mb: float | None = None) -> tuple[str, str, bytes]:
+    """One file's (display name, suffix, bytes), unparsed: `load_document`'s checks and read, for a
+    caller that looks at the bytes (a duplicate, a quota) before paying for the parse."""
     path = Path(path)
     name = display_name(name) if name is not None else safe_name(path.name)
     suffix = Path(name).suffix.lower() or path.suffix.lower()
@@ -148,10 +155,9 @@ def load_document(
     if max_mb is not None and size > max_mb * MB:
         raise InputError(f"{name} is {size / MB:.1f} MB; the limit is {max_mb:g} MB (LLMWEB_MAX_FILE_MB).")
     try:
-        data = path.read_bytes()
+        return name, suffix, path.read_bytes()
     except OSError as e:
         raise InputError(f"{name}: cannot read the file ({e.strerror or e}).") from None
-    return parse_document(data, name, suffix=suffix, ocr=ocr, progress=progress)
 
 
 def parse_document(

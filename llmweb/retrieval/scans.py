@@ -10,9 +10,13 @@ Contract:
   holds, as pypdf decodes them (no rasteriser), turned by the page's /Rotate.
 - Limits, checked before the work they bound: `OcrLimits.max_pages` pages to read per document
   (0 = OCR off) before the first is read; MAX_IMAGE_PIXELS per image from its header (or the
-  PDF's /Width and /Height) before it is decoded; MAX_IMAGES_PER_PAGE; `max_seconds` of OCR per
-  document, checked before each page. Past one: InputError, one sentence naming the file (and the
-  page), and the document is not added.
+  PDF's /Width and /Height) before it is decoded; an image file with a side under MIN_IMAGE_SIDE
+  is refused; MAX_IMAGES_PER_PAGE; `max_seconds` of OCR per upload event (`OcrLimits.event()`: one
+  `OcrTimer` shared by the event's files, started at its first page), checked before each page and
+  by the engine inside a page (it stops between pieces of work). Past one: InputError, one sentence
+  naming the file (and the page), and the document is not added.
+- Memory: `prepare` shrinks an image to MAX_OCR_SIDE (the engine's own bound) before it converts
+  or pads it, so the canvas the engine gets is at most MAX_OCR_SIDE on each side.
 - `progress(what)` hears "name: reading page 3 of 12 (OCR)…" before each page.
 
 The engine is retrieval/ocr.py's, imported when the first page is read. This module never writes
@@ -22,9 +26,10 @@ a file and holds no lock but the engine's (never the embedder's).
 from __future__ import annotations
 
 import io
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmweb.config import Settings
@@ -39,16 +44,41 @@ MAX_FORM_DEPTH = 8  # forms inside forms followed while looking for a page's ima
 MIN_IMAGE_SIDE = 16  # pixels: a smaller image (a rule, a bullet, a speck) holds no text to read
 MIN_OCR_SIDE = 32  # pixels: the engine needs this much on each side...
 MAX_OCR_ASPECT = 40  # ...and an aspect under this: a thin strip is padded with white to it
+MAX_OCR_SIDE = 2000  # pixels: the engine shrinks a longer side to this (rapidocr's max_side_len), so do we, first
 
 Progress = Callable[[str], None]
 
 
+class OcrTimer:
+    """The OCR seconds of one upload event, shared by its files: the clock starts at the first page
+    read, and `deadline` is when the event's OCR must end (the engine stops a page there)."""
+
+    def __init__(self, max_seconds: float, clock: Callable[[], float] | None = None) -> None:
+        self.max_seconds, self.clock = max_seconds, clock or time.monotonic
+        self.started: float | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self.started is None:
+                self.started = self.clock()
+
+    def spent(self) -> float:
+        return 0.0 if self.started is None else self.clock() - self.started
+
+    @property
+    def deadline(self) -> float:
+        assert self.started is not None, "the deadline of a timer not started"
+        return self.started + self.max_seconds
+
+
 @dataclass(frozen=True, slots=True)
 class OcrLimits:
-    """What OCR may spend on one document (the defaults are Settings')."""
+    """What OCR may spend: pages per document, seconds per upload event (the defaults are Settings')."""
 
     max_pages: int  # pages (or images) read by OCR; 0 turns OCR off (LLMWEB_OCR_MAX_PAGES)
-    max_seconds: float  # checked before each page (LLMWEB_OCR_MAX_S)
+    max_seconds: float  # of one upload event (or one document without `event()`) (LLMWEB_OCR_MAX_S)
+    timer: OcrTimer | None = field(default=None, compare=False)  # the event's, shared by its files
 
     def __post_init__(self) -> None:
         assert self.max_pages >= 0 and self.max_seconds > 0, self
@@ -57,6 +87,10 @@ class OcrLimits:
     def of(cls, settings: Settings) -> OcrLimits:
         return cls(settings.ocr_max_pages, settings.ocr_max_s)
 
+    def event(self) -> OcrLimits:
+        """These limits for one upload event: its files share one clock of `max_seconds`."""
+        return OcrLimits(self.max_pages, self.max_seconds, OcrTimer(self.max_seconds))
+
     @property
     def enabled(self) -> bool:
         return self.max_pages > 0
@@ -64,7 +98,8 @@ class OcrLimits:
 
 class OcrBudget:
     """One document's OCR: refuses more pages than the limit up front, and a page started after
-    `max_seconds`; tells `progress` which page is next."""
+    `max_seconds` of the event (the limits' timer, or the document's own); tells `progress` which
+    page is next; `deadline` is the engine's, and `stopped` the message when it is reached."""
 
     def __init__(
         self,
@@ -75,7 +110,6 @@ class OcrBudget:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.limits, self.name, self.progress = limits, name, progress
-        self.clock = clock or time.monotonic
         what = "images" if pages > 1 else "image"
         if not limits.enabled:
             raise InputError(f"{name}: reading text from {what} (OCR) is turned off here (LLMWEB_OCR_MAX_PAGES=0).")
@@ -84,20 +118,34 @@ class OcrBudget:
                 f"{name} has {pages:,} pages to read by OCR; the limit is {limits.max_pages:,} "
                 "(LLMWEB_OCR_MAX_PAGES). Split the file and upload the parts."
             )
-        self.started = self.clock()
+        self.timer = limits.timer or OcrTimer(limits.max_seconds, clock)
 
     def page(self, number: int | None, of: int) -> None:
         """Before reading page `number` of `of` (None: a single image)."""
-        spent = self.clock() - self.started
+        self.timer.start()
+        spent = self.timer.spent()
         where = "the image" if number is None else f"page {number} of {of}"
         if spent >= self.limits.max_seconds:
             raise InputError(
                 f"{self.name}: OCR stopped before {where}, after {spent:.0f} s; the limit is "
-                f"{self.limits.max_seconds:g} s a document (LLMWEB_OCR_MAX_S). Nothing was added: split "
-                "the file and upload the parts."
+                f"{self.limits.max_seconds:g} s of OCR an upload (LLMWEB_OCR_MAX_S). Nothing was added from "
+                "it: split the file and upload the parts."
             )
         if self.progress is not None:
             self.progress(f"{self.name}: reading {where} (OCR)…")
+
+    @property
+    def deadline(self) -> float:
+        return self.timer.deadline
+
+    def stopped(self, number: int | None) -> InputError:
+        """The message when the engine reached the deadline inside page `number`."""
+        where = "the image" if number is None else f"page {number}"
+        return InputError(
+            f"{self.name}: OCR stopped inside {where}, after {self.timer.spent():.0f} s; the limit is "
+            f"{self.limits.max_seconds:g} s of OCR an upload (LLMWEB_OCR_MAX_S). Nothing was added from it: "
+            "split the file and upload the parts."
+        )
 
 
 # --------------------------------------------------------------------------- image files
@@ -122,13 +170,14 @@ def read_image(
         try:
             image.seek(frame)
             check_pixels(image.size, name, number)
+            check_sides(image.size, name, number)
             image.load()
         except InputError:
             raise
         except Exception as e:  # Pillow raises OSError, SyntaxError, ValueError... on damaged files
             where = f" (page {number})" if number else ""
             raise InputError(f"{name} could not be read as an image{where} (damaged: {type(e).__name__}).") from None
-        texts.append(_read(image, name, number))
+        texts.append(_read(image, budget, number))
     if not any(t.strip() for t in texts):
         raise InputError(f"No text found in {name}: OCR read nothing in the {'pages' if frames > 1 else 'image'}.")
     return _join(texts, paged=frames > 1)
@@ -180,6 +229,18 @@ def check_pixels(size: tuple[int, int], name: str, page: int | None = None) -> N
         raise InputError(
             f"{name} holds an image of {width:,} x {height:,} pixels{where} ({width * height / 1e6:,.0f} million); "
             f"the limit is {MAX_IMAGE_PIXELS / 1e6:g} million. Scan at 300 dpi, or make the image smaller."
+        )
+
+
+def check_sides(size: tuple[int, int], name: str, page: int | None = None) -> None:
+    """Refuse an image file with a side under MIN_IMAGE_SIDE: a line of pixels holds no text, and
+    padding one to the engine's aspect would make a canvas of its width squared."""
+    width, height = (int(v) for v in size)
+    if min(width, height) < MIN_IMAGE_SIDE:
+        where = f" (page {page})" if page else ""
+        raise InputError(
+            f"{name} holds an image of {width:,} x {height:,} pixels{where}: too thin to hold text (the least "
+            f"is {MIN_IMAGE_SIDE} pixels a side)."
         )
 
 
@@ -306,7 +367,7 @@ def read_pdf_pages(
     out: dict[int, str] = {}
     for number in numbers:
         budget.page(number, pages)
-        texts = [_read(image, name, number) for image in images.images(number)]
+        texts = [_read(image, budget, number) for image in images.images(number)]
         out[number] = "\n\n".join(t for t in texts if t.strip())
     return out
 
@@ -322,16 +383,19 @@ def _declared_size(page: Any, path: list[str]) -> tuple[int, int]:
 # --------------------------------------------------------------------------- the engine
 
 
-def _read(image: Any, name: str, page: int | None) -> str:
-    """The engine's text of one image of `name` (on `page`)."""
+def _read(image: Any, budget: OcrBudget, page: int | None) -> str:
+    """The engine's text of one image of the budget's document (on `page`), stopped at its deadline."""
     from llmweb.retrieval import ocr
 
+    name = budget.name
     try:
         engine = ocr.engine()
     except ocr.OcrUnavailable as e:
         raise InputError(f"{name}: OCR is not installed on this server ({e}), so images cannot be read.") from None
     try:
-        return engine.read(prepare(image))
+        return engine.read(prepare(image), deadline=budget.deadline)
+    except ocr.OcrTimeout:
+        raise budget.stopped(page) from None
     except Exception as e:  # onnxruntime and OpenCV raise their own types on an image they cannot take
         where = f" on page {page}" if page else ""
         raise InputError(f"{name}: OCR could not read the image{where} ({type(e).__name__}).") from None
@@ -339,14 +403,19 @@ def _read(image: Any, name: str, page: int | None) -> str:
 
 def prepare(image: Any) -> Any:
     """An RGB image the engine reads as a person sees the original: the camera's EXIF orientation
-    applied, transparency over white paper, 16-bit and float greys stretched to 8 bits, and a
-    strip too thin for the engine padded with white."""
+    applied, 16-bit and float greys stretched to 8 bits, shrunk to MAX_OCR_SIDE (before anything
+    makes a canvas of it), transparency over white paper, and a strip too thin for the engine
+    padded with white: at most MAX_OCR_SIDE x MAX_OCR_SIDE pixels, whatever the input."""
     from PIL import Image, ImageOps
 
     image = ImageOps.exif_transpose(image)
     if image.mode in ("I", "I;16", "I;16B", "I;16L", "F"):
         image = _to_8_bit(image)
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+    clear = image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info)
+    if image.mode in ("1", "P", "PA"):  # resized with NEAREST in these modes: a thin stroke would vanish
+        image = image.convert("RGBA" if clear else "L")
+    image = _shrink(image)
+    if clear:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         image = Image.alpha_composite(white, rgba)
@@ -361,11 +430,27 @@ def prepare(image: Any) -> Any:
     return image
 
 
+def _shrink(image: Any) -> Any:
+    """`image` with its longer side at most MAX_OCR_SIDE (each side at least one pixel)."""
+    from PIL import Image
+
+    width, height = image.size
+    if max(width, height) <= MAX_OCR_SIDE:
+        return image
+    scale = MAX_OCR_SIDE / max(width, height)
+    size = (min(max(1, round(width * scale)), MAX_OCR_SIDE), min(max(1, round(height * scale)), MAX_OCR_SIDE))
+    return image.resize(size, Image.Resampling.BILINEAR, reducing_gap=2.0)
+
+
 def _to_8_bit(image: Any) -> Any:
     import numpy as np
     from PIL import Image
 
-    pixels = np.asarray(image, dtype=np.float32)
+    pixels = np.array(image, dtype=np.float32)  # one copy, scaled in place
     low, high = float(pixels.min()), float(pixels.max())
-    scaled = (pixels - low) * (255.0 / (high - low)) if high > low else np.zeros_like(pixels)
-    return Image.fromarray(scaled.astype(np.uint8), "L")
+    if high > low:
+        pixels -= low
+        pixels *= 255.0 / (high - low)
+    else:
+        pixels[:] = 0
+    return Image.fromarray(pixels.astype(np.uint8), "L")

@@ -15,6 +15,7 @@ chat is usable and re-raises a load failure as a user-facing error. The CLI's `r
   secret.py     the secret file that encrypts what browsers keep (`Runtime.secret`)
   retention.py  the purge of idle anonymous owners (`Runtime.purge_idle`)
   samples.py    the bundled user guide, seeded into the shared library once
+  zerogpu.py    ZeroGPU's start-up: `spaces` first, the GPU call, the engine over it
 
 The runtime sits between the chat and the edges: it may import chat/ and everything below it,
 never web/, cli/ or bench/ (they import it), and it turns no error into a message for a page.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from llmweb.chat.context import Budget
@@ -32,9 +34,9 @@ from llmweb.config import Settings
 from llmweb.engine import models
 from llmweb.engine.kvcache import KVStore
 from llmweb.errors import ConfigError, LlmwebError
+from llmweb.runtime import zerogpu
 from llmweb.runtime.engines import (
     cpu_mem_limit_bytes,
-    gpu_entry,
     kv_budget_bytes,
     local_limits,
     remote_parts,
@@ -77,7 +79,6 @@ __all__ = [
     "REMOTE_RETRY_S",
     "Runtime",
     "cpu_mem_limit_bytes",
-    "gpu_entry",
     "kv_budget_bytes",
     "read_or_create_secret",
     "tokenizer_dir",
@@ -108,6 +109,7 @@ class Runtime:
         self._switching = threading.Lock()  # one switch, unload or reload at a time
         self.unloaded = False  # the keep-alive unloaded the model: the next `wait_ready` loads it again
         self.residents = Residents(settings.max_loaded)  # the served model's record and the parked ones'
+        self._zero_call: Callable | None = None  # ZeroGPU: the decorated GPU call (runtime/zerogpu.py)
 
     @property
     def status(self) -> str:
@@ -120,12 +122,14 @@ class Runtime:
             self._retention.start(self._ready, self._closing)
         if self.settings.model_keep_alive_s > 0 and not self.settings.engine_url:
             keep_alive(self, self.settings.model_keep_alive_s, self._closing)
-        if background:
+        if self.settings.zero_gpu and not self.settings.engine_url and self._zero_call is None:
+            self._zero_call = zerogpu.prepare()  # before the model loads, on this thread (runtime/zerogpu.py)
+        if background and self._zero_call is None:
             self._thread = threading.Thread(target=self._load, name="llmweb-load", daemon=True)
             self._thread.start()
         else:
             self._load()
-            if self._error is not None:
+            if self._error is not None and not background:
                 raise self._error
         return self
 
@@ -149,10 +153,17 @@ class Runtime:
         from llmweb.engine.backends import make_engine
 
         s = self.settings
-        if self._preloaded is None and s.in_engine_process:
+        loaded = self._preloaded
+        if self._zero_call is not None:  # ZeroGPU: one GPU call per request; nothing sized here (no GPU)
+            loaded = loaded or models.load(zerogpu.load_settings(s), progress=self._status.progress)
+            engine, budget = zerogpu.zero_engine(s, loaded, self._zero_call)
+            self.loaded = loaded
+            self._wire(engine, budget, loaded.tokenizer, loaded.stop_ids)
+            self._status.ready_local(loaded, budget, time.perf_counter() - t0)
+            return
+        if loaded is None and s.in_engine_process:
             self._load_process(t0)
             return
-        loaded = self._preloaded
         if loaded is None:
             loaded = models.load(s, progress=self._status.progress)
             size_to_memory(s, loaded)  # a preloaded model (tests, benchmarks) was sized by its loader, if at all
@@ -162,7 +173,7 @@ class Runtime:
             models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
         kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
         limits = local_limits(s, budget, loaded)
-        engine = make_engine(loaded, kv, limits, context=budget.context_limit, gpu=gpu_entry)
+        engine = make_engine(loaded, kv, limits, context=budget.context_limit)
         self.loaded = loaded
         self._wire(engine, budget, loaded.tokenizer, loaded.stop_ids)
         self._status.ready_local(loaded, budget, time.perf_counter() - t0)

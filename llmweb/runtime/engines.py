@@ -1,5 +1,5 @@
-"""Engine parts from Settings: the KV and memory budgets, the local engine's limits, the ZeroGPU
-entry, and the whole remote engine (LLMWEB_ENGINE_URL: its tokenizer, budget, limits and runner).
+"""Engine parts from Settings: the KV and memory budgets, the local engine's limits, and the whole
+remote engine (LLMWEB_ENGINE_URL: its tokenizer, budget, limits and runner).
 
 These are pure set-up: they read settings and the loaded model and build objects; they must not
 start threads, keep state or touch the store (runtime/__init__.py's `Runtime` wires the parts).
@@ -22,27 +22,23 @@ if TYPE_CHECKING:
     from llmweb.engine.scheduler import Engine
 
 
-def gpu_entry(fn):
-    """`@spaces.GPU` where the `spaces` package is present (Hugging Face ZeroGPU); elsewhere `fn` itself."""
-    try:
-        import spaces
-    except ImportError:
-        return fn
-    return spaces.GPU(fn)
-
-
 def kv_budget_bytes(settings: Settings, loaded) -> int:
     """LLMWEB_KV_BUDGET_MB, or a quarter of free device memory after loading (CPU: 1/16 of RAM, <= 1 GiB),
-    or less where the model was sized to a tight memory (`size_to_memory`: a quarter of the room)."""
+    or less where the model was sized to a tight memory (`size_to_memory`: a quarter of the room).
+    Free device memory counts the blocks the allocator keeps cached from loading (`device_free_bytes`)."""
     if settings.kv_budget_mb > 0:
         return settings.kv_budget_mb * 2**20
     if getattr(loaded, "kv_store_bytes", 0):
         return loaded.kv_store_bytes
     if not loaded.on_cpu:
-        import torch
+        return max(int(models.device_free_bytes(getattr(loaded, "device", "cuda")) * 0.25), 64 * 2**20)
+    return host_kv_budget_bytes(settings)
 
-        free, _total = torch.cuda.mem_get_info()
-        return max(int(free * 0.25), 64 * 2**20)
+
+def host_kv_budget_bytes(settings: Settings) -> int:
+    """The idle chats' caches kept in this process's memory: LLMWEB_KV_BUDGET_MB, or 1/16 of RAM, <= 1 GiB."""
+    if settings.kv_budget_mb > 0:
+        return settings.kv_budget_mb * 2**20
     return min(psutil.virtual_memory().total // 16, 2**30)
 
 
@@ -66,10 +62,8 @@ def size_to_memory(settings: Settings, loaded) -> None:
     margin = s.mem_margin_mb * 2**20
     if loaded.on_cpu:  # the weights are resident once loaded (llama.cpp reads them all: 111 MiB for a 92 MiB file)
         room = cpu_mem_limit_bytes(s) - psutil.Process().memory_info().rss - margin
-    else:
-        import torch
-
-        room = int(torch.cuda.mem_get_info()[0]) - margin
+    else:  # what the allocator holds cached from loading is room too (`device_free_bytes`)
+        room = models.device_free_bytes(getattr(loaded, "device", "cuda")) - margin
     room -= ACTIVATION_FLOOR  # the compute buffers and activations beside the KV caches (engine/admission.py)
     sized = fit(wanted, slots, loaded.kv_bytes_per_token, room, name=loaded.name)
     if sized.note:  # tight: the idle chats' caches (kept as host bytes) get a quarter of the room, the pool the rest

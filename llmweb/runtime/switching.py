@@ -31,7 +31,7 @@ import psutil
 from llmweb.config import Settings
 from llmweb.engine import catalog
 from llmweb.engine.admission import ACTIVATION_FLOOR
-from llmweb.engine.models import EMBEDDED_NAME
+from llmweb.engine.models import EMBEDDED_NAME, gguf_on_transformers, transformers_converts
 from llmweb.engine.scheduler import idle_s
 from llmweb.engine.sizing import MIN_CONTEXT, DoesNotFit
 from llmweb.errors import InputError
@@ -56,7 +56,9 @@ def model_id(settings: Settings) -> str:
 
 
 def listed(runtime) -> list[catalog.ModelEntry]:
-    """The catalog's models, plus the configured one where it lives outside the models folder."""
+    """The catalog's models, plus the configured one where it lives outside the models folder; where
+    GGUF files run on transformers (a GPU, LLMWEB_BACKEND=transformers), not those of an architecture
+    transformers cannot read (models.transformers_converts)."""
     if runtime.settings.engine_url:
         return []
     entries = catalog.scan(runtime.settings)
@@ -65,7 +67,17 @@ def listed(runtime) -> list[catalog.ModelEntry]:
         entry = catalog.entry_at(path)
         if entry is not None:
             entries.append(entry)
+    if gguf_on_transformers(runtime.settings, _device(runtime)):
+        entries = [e for e in entries if e.kind != "gguf" or transformers_converts(e.architecture)]
     return entries
+
+
+def _device(runtime) -> str:
+    """The device models load on: the served model's, else the one asked for (cpu until one loads)."""
+    device = getattr(runtime.loaded, "device", None)
+    if isinstance(device, str) and device:
+        return device
+    return "cuda" if runtime.settings.device == "cuda" else "cpu"
 
 
 # ---- switching

@@ -36,9 +36,15 @@ log = logging.getLogger("llmweb.engine.worker")
 ARGV = [sys.executable, "-c", "import sys; from llmweb.runtime.worker import main; sys.exit(main(sys.argv))"]
 
 
+EXIT_DEVICE_LOST = 3  # the exit code after a sticky device error (engine/faults.py)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     settings: Settings
+    # the first engine process's figures (max_context, max_batch, kv_budget_bytes): a later one (a
+    # recycle's replacement, a restart) takes them rather than sizing to a GPU the old one still fills
+    sized: dict | None = None
 
 
 def engine_process_runner(settings: Settings, status: Callable[[str], None]):
@@ -46,10 +52,17 @@ def engine_process_runner(settings: Settings, status: Callable[[str], None]):
     this module with these settings; `status` gets the progress of loads and restarts."""
     from llmweb.engine.process import EngineProcess, ProcessRunner, Recycle
 
-    s, spec = settings, WorkerSpec(settings)
+    s = settings
     recycle = Recycle(s.recycle_after, s.recycle_s, s.recycle_frag_mb * 2**20)
     env = child_env()
-    return ProcessRunner(lambda n: EngineProcess(ARGV, spec, n, s.engine_stall_s, env), recycle=recycle, status=status)
+
+    def launch(number: int) -> EngineProcess:
+        first = runner.first_info
+        sized = {k: first[k] for k in SIZED if k in first} if first else None
+        return EngineProcess(ARGV, WorkerSpec(s, sized or None), number, s.engine_stall_s, env)
+
+    runner = ProcessRunner(launch, recycle=recycle, status=status)
+    return runner
 
 
 def child_env() -> dict[str, str]:
@@ -77,17 +90,35 @@ def build(spec: WorkerSpec, progress):
 
     s = spec.settings
     loaded = models.load(s, progress=progress)
-    size_to_memory(s, loaded)
+    kv_budget = fit_memory(spec, loaded)
     budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
     if s.warmup:
         progress(f"Warming up at {budget.context_limit - budget.max_new_tokens} prompt tokens…")
         models.warm_up(loaded, budget.context_limit - budget.max_new_tokens)
-    kv = KVStore(kv_budget_bytes(s, loaded), s.kv_ttl_s)
+    kv = KVStore(kv_budget, s.kv_ttl_s)
     runner = make_runner(loaded, kv, local_limits(s, budget, loaded), context=budget.context_limit)
     governor = getattr(runner, "governor", None)
     if governor is not None:  # the web process's streaming is this reply's own work, not another's
         governor.count_as_own(os.getppid())
-    return runner, kv, model_info(loaded)
+    return runner, kv, {**model_info(loaded), "kv_budget_bytes": kv_budget}
+
+
+SIZED = ("max_context", "max_batch", "kv_budget_bytes")
+
+
+def fit_memory(spec: WorkerSpec, loaded) -> int:
+    """The KV store's budget, with `loaded`'s context and batch fitted to memory: on the first
+    start, to the memory free now (`size_to_memory`); later, to the first process's figures
+    (`spec.sized`), because a recycle's replacement loads while the old process still holds its
+    weights and caches (`mem_get_info` is the whole device's), and would be sized to what is left
+    for its whole life. The same figures also keep the web process's budget and limits true."""
+    s, sized = spec.settings, spec.sized
+    if not sized:
+        size_to_memory(s, loaded)
+        return kv_budget_bytes(s, loaded)
+    loaded.max_context = min(loaded.max_context, sized["max_context"])
+    loaded.max_batch = sized["max_batch"]
+    return sized["kv_budget_bytes"]
 
 
 def main(argv: list[str], wrap: Callable[[Any, Any], Any] | None = None) -> int:
@@ -104,12 +135,17 @@ def main(argv: list[str], wrap: Callable[[Any, Any], Any] | None = None) -> int:
         conn.send(("failed", e if isinstance(e, LlmwebError) else LlmwebError(f"{type(e).__name__}: {e}")))
         return 1
     conn.send(("ready", info))
+    close = getattr(runner, "close", None)
     try:
-        serve(conn, wrap(runner, spec) if wrap is not None else runner, kv)
-    finally:
-        close = getattr(runner, "close", None)
+        lost = serve(conn, wrap(runner, spec) if wrap is not None else runner, kv)
+    except BaseException:
         if close is not None:
             close()
+        raise
+    if lost:  # a sticky device error: no clean-up (every device call would fail); the supervisor restarts us
+        os._exit(EXIT_DEVICE_LOST)
+    if close is not None:
+        close()
     return 0
 
 

@@ -13,11 +13,13 @@ committed turn and never half a turn.
     seconds a generation takes.
   - foreign_keys=ON: deleting a conversation cascades to its turns and facts.
 
-Threads: ONE connection (check_same_thread=False) serialised by a lock. Gradio calls us from
-many worker threads, but writes are a few per turn and reads are small, so a lock costs
-nothing measurable, while one connection per thread would bring SQLITE_BUSY retries between
-our own threads and connections left behind by threads Gradio retires. Other processes (the
-CLI while the server runs) are covered by WAL and a busy timeout.
+Threads: writes go through ONE connection (check_same_thread=False) serialised by a lock: a few
+per turn, each short. Reads never take that lock: each read borrows a read-only connection
+(`mode=ro`) from a small pool, so under WAL a long read (a search over 80k turns) runs beside the
+writer and beside other readers, and never makes another visitor's call wait. A pool rather than a
+connection per thread, because Gradio retires its worker threads: at most READERS_KEPT idle
+readers stay open, and `close` closes them all (a reader still in use closes when its read ends).
+Other processes (the CLI while the server runs) are covered by WAL and a busy timeout.
 
 It owns opening, migrating (through store/schema.py) and closing the file. It must not hold a
 query of its own: every public method that reads or writes conversations is a query group's.
@@ -37,6 +39,7 @@ from llmweb.store.models import OwnerCaps
 from llmweb.store.schema import migrate, read_version
 
 BUSY_TIMEOUT_S = 30.0  # wait this long for another process's write lock
+READERS_KEPT = 4  # idle read-only connections kept open for the next read
 
 
 class Connection:
@@ -46,7 +49,11 @@ class Connection:
         self.path = Path(path)
         self.caps = caps or OwnerCaps()  # what one owner may keep (store/owners.py; none: no cap)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the writer's
+        self._readers: list[sqlite3.Connection] = []  # idle read-only connections
+        self._readers_lock = threading.Lock()
+        self._closed = False
+        self._reader_uri = self.path.resolve().as_uri() + "?mode=ro"
         self._db = sqlite3.connect(
             self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
         )  # isolation_level=None: we issue BEGIN/COMMIT ourselves
@@ -61,6 +68,11 @@ class Connection:
             raise
 
     def close(self) -> None:
+        with self._readers_lock:
+            self._closed = True
+            idle, self._readers = self._readers, []
+        for db in idle:
+            db.close()
         with self._lock:
             self._db.close()
 
@@ -97,10 +109,34 @@ class Connection:
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
-        """A read transaction: several SELECTs see one snapshot."""
-        with self._lock:
-            self._db.execute("BEGIN")
+        """A read transaction on a read-only connection of its own: several SELECTs see one
+        snapshot, and no other call (read or write) waits for it."""
+        db = self._borrow()
+        try:
+            db.execute("BEGIN")
             try:
-                yield self._db
+                yield db
             finally:
-                self._db.execute("COMMIT")
+                if db.in_transaction:  # an interrupted statement may have ended it already
+                    db.execute("COMMIT")
+        finally:
+            self._give_back(db)
+
+    def _borrow(self) -> sqlite3.Connection:
+        with self._readers_lock:
+            if self._closed:
+                raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+            if self._readers:
+                return self._readers.pop()
+        db = sqlite3.connect(
+            self._reader_uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        db.execute("PRAGMA query_only=ON")
+        return db
+
+    def _give_back(self, db: sqlite3.Connection) -> None:
+        with self._readers_lock:
+            if not self._closed and not db.in_transaction and len(self._readers) < READERS_KEPT:
+                self._readers.append(db)
+                return
+        db.close()

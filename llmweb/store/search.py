@@ -3,16 +3,20 @@
 It reads the FTS5 index of every turn's text (migrations 3 and 8 in store/schema.py), kept in step
 by triggers, so no write method has to remember it. The query matches the owner's tag AND the
 words (`match_expression`), so FTS5 yields the owner's rows only: another owner's are never joined,
-ranked or cut into snippets. A search is bounded in length, in terms and in time (a progress
-handler stops it past SEARCH_TIME_S, with a clear message), since it runs under the store's lock.
-It must not write, and must not format the user's text into SQL: the query is a bound parameter.
+ranked or cut into snippets. A search runs on a read connection of its own (store/connection.py),
+beside other visitors' calls, and is bounded in length, in terms, in time (a progress handler stops
+it past SEARCH_TIME_S, with a clear message) and per owner (one at a time: another while it runs is
+refused, so one visitor's flood of searches costs the others no more than one). It must not
+write, and must not format the user's text into SQL: the query is a bound parameter.
 """
 
 from __future__ import annotations
 
 import re
 import sqlite3
+import threading
 import time
+from contextlib import contextmanager
 
 from llmweb.errors import InputError
 from llmweb.store.connection import Connection
@@ -21,8 +25,8 @@ from llmweb.store.models import HIT_END, HIT_START, SearchHit
 MAX_QUERY_CHARS = 500  # a search query may be this long
 MAX_QUERY_TERMS = 16  # words and "phrases" in one search
 MAX_PREFIX_TERMS = 4  # of them word* prefixes (each reads every indexed word it starts)
-SEARCH_TIME_S = 2.0  # a search running longer is stopped (it holds the store's lock)
-_PROGRESS_STEPS = 10_000  # SQLite VM steps between two looks at the clock
+SEARCH_TIME_S = 1.0  # a search running longer is stopped (it holds a reader and a core)
+_PROGRESS_STEPS = 1_000  # SQLite VM steps between two looks at the clock (~0.1 ms each)
 _clock = time.monotonic
 
 SEARCH_SQL = """SELECT t.conversation_id, c.title, t.idx, snippet(turns_fts, -1, ?, ?, '…', 12)
@@ -35,11 +39,16 @@ SEARCH_SQL = """SELECT t.conversation_id, c.title, t.idx, snippet(turns_fts, -1,
 
 
 class SearchQueries(Connection):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._searching: set[str] = set()  # owners with a search running
+        self._searching_lock = threading.Lock()
+
     def search(self, owner: str, query: str, limit: int = 20) -> list[SearchHit]:
         """The owner's turns whose text matches `query` (SQLite FTS5 syntax: words, "phrases",
         AND/OR/NOT, (groups), prefix*; see `fts_query`), best first. A query FTS5 cannot read
-        (an open quote, a dangling AND), one over the caps, or one that runs past SEARCH_TIME_S
-        is an `InputError`."""
+        (an open quote, a dangling AND), one over the caps, one that runs past SEARCH_TIME_S, or
+        one while the owner's previous search still runs is an `InputError`."""
         if not isinstance(query, str) or not query.strip():
             raise InputError("Type something to search for.")
         if len(query) > MAX_QUERY_CHARS:
@@ -54,7 +63,7 @@ class SearchQueries(Connection):
                 return True
             return False
 
-        with self._read() as db:
+        with self._one_search(owner), self._read() as db:
             db.set_progress_handler(too_long, _PROGRESS_STEPS)
             try:
                 rows = db.execute(SEARCH_SQL, (HIT_START, HIT_END, match, owner, max(1, int(limit)))).fetchall()
@@ -71,6 +80,18 @@ class SearchQueries(Connection):
             finally:
                 db.set_progress_handler(None, 0)
         return [SearchHit(*row) for row in rows]
+
+    @contextmanager
+    def _one_search(self, owner: str):
+        with self._searching_lock:
+            if owner in self._searching:
+                raise InputError("Your previous search is still running: wait a moment and search again.")
+            self._searching.add(owner)
+        try:
+            yield
+        finally:
+            with self._searching_lock:
+                self._searching.discard(owner)
 
 
 def owner_tag(owner: str) -> str:

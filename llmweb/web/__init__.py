@@ -5,8 +5,7 @@
   panels/       the page's event handlers, one module per panel (see panels/__init__.py)
   formatting.py what the page shows, as pure functions (Markdown, HTML, messages, plot tables)
   accounts.py   login accounts and the users file; throttle.py the login back-off
-  api_keys.py   the OpenAI-compatible API's keys
-  api.py        the OpenAI-compatible API's routes; api_wire.py its request parsing and JSON
+  api/          the OpenAI-compatible API, one module per endpoint family (see api/__init__.py)
   page_assets.py  Gradio's page file with a frontend bug fixed, served in front of Gradio's own
 
 Transport only: who is calling, reading bounded input, showing results, and turning domain

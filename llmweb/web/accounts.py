@@ -15,7 +15,7 @@ The contract:
   - The file is JSON only, written atomically (temp file in the same folder, fsync, os.replace) with
     mode 0o600 from the moment it exists.
 
-The login back-off is web/throttle.py's, API keys web/api_keys.py's (both read this file's users).
+The login back-off is web/throttle.py's, API keys web/api/keys.py's (both read this file's users).
 Stdlib only; this module knows nothing of Gradio. `gradio_auth` returns the plain callable that
 web/ui.py hands to `launch(auth=...)`. It says whether a password is good; it must not turn that into
 an owner (web/identity.py does) or keep anything but the users file.
@@ -54,7 +54,7 @@ MIN_PASSWORD_CHARS = 8  # for the users file; LLMWEB_AUTH passwords are the oper
 MAX_PASSWORD_CHARS = 1024
 MAX_FILE_BYTES = 16 * 1024 * 1024
 SCRYPT_MAXMEM = 256 * 1024 * 1024  # refuse cost parameters (from a hand-edited file) that need more
-_DIGEST = re.compile(r"[0-9a-f]{64}")  # an API key's SHA-256 (web/api_keys.py)
+_DIGEST = re.compile(r"[0-9a-f]{64}")  # an API key's SHA-256 (web/api/keys.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """What a visitor is told when something fails: a domain error's own sentence (`LlmwebError`), or
 "Something went wrong (ref N)." for anything else, whose type, message and traceback go to the log
 only, under that ref. The UI's toasts (web/panels/base.py `user_errors`) and the API's error
-responses (web/api.py) both word failures here, so no exception text, path or setting reaches a
+responses (web/api/errors.py) both word failures here, so no exception text, path or setting reaches a
 visitor. This module must not decide what is an error or retry anything.
 """
 

@@ -187,7 +187,8 @@ def stats_markdown(s: TurnStats | None, mem_limit_bytes: int = 0) -> str:
     if mem.on_cuda:
         lines.append(
             f"- GPU: allocated {mib(mem.cuda_allocated_bytes)}, reserved {mib(mem.cuda_reserved_bytes)}, "
-            f"peak {mib(mem.cuda_peak_bytes)}"
+            # the device's peak is reset when a request starts on an empty batch: in a batch it is the batch's
+            f"{'peak' if g.batch_size <= 1 else 'batch peak'} {mib(mem.cuda_peak_bytes)}"
         )
     lines.append(f"- RSS {mib(mem.rss_bytes)} (peak this turn {mib(mem.peak_rss_bytes)})")
     if g.kv_session_bytes or g.kv_store_bytes or g.reuse_reported:  # a remote engine's KV is the server's

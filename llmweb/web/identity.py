@@ -21,7 +21,7 @@ Every stored thing has an owner, a string, and every read names one. This module
 It must not store anything, decide what an owner may see (the store and library scope every read
 by the owner they are given), or import gradio: a Gradio request is read for its `username`, its
 headers (cookie, Authorization; web/trust.py for Origin and Host), and its app's login sessions.
-Passwords are web/accounts.py's, key hashes web/api_keys.py's; this module only asks whom a key belongs to.
+Passwords are web/accounts.py's, key hashes web/api/keys.py's; this module only asks whom a key belongs to.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from llmweb.config import Settings
 from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER
 from llmweb.web.accounts import accounts_for
-from llmweb.web.api_keys import ApiKeys
-from llmweb.web.api_wire import ApiError
+from llmweb.web.api.errors import ApiError
+from llmweb.web.api.keys import ApiKeys
 from llmweb.web.owner import bearer, is_local_api_key, owner_secrets, proves_owner
 from llmweb.web.trust import cross_site, headers_of, host_is_local, is_forwarded
 

@@ -43,7 +43,7 @@ def login_routes(settings: Settings) -> list:
         form = await request.form()
         username = str(form.get("username") or "")[:MAX_FORM_FIELD].strip()
         password = str(form.get("password") or "")[:MAX_FORM_FIELD]
-        address = origin_of(settings, request).address
+        address = origin_of(settings, request).group  # an IPv6 client's /64 backs off as one
         try:
             ok = await asyncio.to_thread(accounts.check, username, password, address)
         except LoginBackoff as e:

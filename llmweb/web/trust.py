@@ -10,6 +10,11 @@ believed. On a Hugging Face Space (`SYSTEM=spaces`, cli/main.py) the default is 
 the Space's ingress reaches the app from a private address and appends the visitor's address to
 X-Forwarded-For (Gradio's docs: on Spaces `request.client.host` is the proxy's, e.g. 10.16.x.x).
 
+Per-address limits (new anonymous visitors, the login back-off, uploads) count a client's GROUP, not
+its address: an IPv6 address's network of `LLMWEB_IPV6_PREFIX` bits (64: what one home line or one
+server gets, so a client cannot be 2^64 addresses), an IPv4-mapped IPv6 address its IPv4 address,
+and any other address itself.
+
 `Origin.local` (a loopback bind and peer, no forwarding header, a Host naming this machine) is only
 a hint for the page's notice ("open the link printed in the terminal"), never trust.
 `cross_site` and `host_is_local` refuse other sites' pages (CSRF) and DNS rebinding on `/v1`.
@@ -44,6 +49,7 @@ class Origin:
     local: bool
     forwarded: bool  # a forwarding header arrived (from a proxy, or from someone pretending)
     host_ok: bool  # the Host header names this machine (checked only on a loopback bind)
+    group: str = ""  # what the per-address limits count (`address_group`)
 
 
 def headers_of(request) -> dict[str, str]:
@@ -113,6 +119,17 @@ def client_address(settings: Settings, peer: str, headers: Mapping[str, str]) ->
     return str(_ip(chain[0]) or chain[0][:64]) if chain else peer
 
 
+def address_group(address: str, ipv6_prefix: int) -> str:
+    """The key per-address limits count `address` under: an IPv6 address's /`ipv6_prefix` network, an
+    IPv4-mapped IPv6 address's IPv4 address, anything else itself."""
+    ip = _ip(address)
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return address
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network((int(ip), ipv6_prefix), strict=False))
+
+
 def host_is_local(host: str | None, port: int | None = None) -> bool:
     """Does a `Host` header name this machine (localhost, 127.0.0.1, [::1]), with `port` if given?"""
     if not host:
@@ -134,7 +151,8 @@ def origin_of(settings: Settings, request, port: int | None = None) -> Origin:
     forwarded = is_forwarded(headers)
     host_ok = host_is_local(headers.get("host"), port)
     local = settings.on_loopback and is_loopback(peer) and not forwarded and host_ok
-    return Origin(client_address(settings, peer, headers), local, forwarded, host_ok)
+    address = client_address(settings, peer, headers)
+    return Origin(address, local, forwarded, host_ok, address_group(address, settings.ipv6_prefix))
 
 
 def cross_site(headers: Mapping[str, str]) -> bool:

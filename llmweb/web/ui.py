@@ -28,7 +28,7 @@ from llmweb.web.accounts import gradio_auth
 from llmweb.web.body_cap import BodyCap
 from llmweb.web.formatting import LATEX_DELIMITERS, NO_PLOT, stats_markdown
 from llmweb.web.panels.account import AccountHandlers
-from llmweb.web.panels.base import STREAMED, Panel, rest_shown, streamed
+from llmweb.web.panels.base import STREAMED, OwnerSlots, Panel, rest_shown, streamed
 from llmweb.web.panels.chat import ChatHandlers
 from llmweb.web.panels.chats import ChatListHandlers
 from llmweb.web.panels.documents import DocumentHandlers
@@ -118,7 +118,7 @@ def body_cap(settings):
     """The middleware that caps request bodies before Gradio's routes read them (web/body_cap.py)."""
     from starlette.middleware import Middleware
 
-    return Middleware(BodyCap, **BodyCap.options(settings))
+    return Middleware(BodyCap, **BodyCap.options(settings, upload_window_s=sum(GRADIO_CACHE_TTL)))
 
 
 def launch_kwargs(settings) -> dict:
@@ -441,6 +441,9 @@ class Handlers:
         self.endpoints = EndpointHandlers(runtime)
         self.status = StatusHandlers(runtime)
         self.models = ModelHandlers(runtime)
+        slots = OwnerSlots()  # one long event per owner across the panels: an upload, an import, a deletion
+        for panel in vars(self).values():
+            panel.slots = slots
 
 
 # ---- wiring
@@ -449,12 +452,15 @@ class Handlers:
 # to a concurrency group whose limit caps the threads it may hold, and the limits add up to less than
 # the pool: handlers that wait (a streaming turn, Stop waiting for the partial turn, a file being
 # indexed) cannot hold every thread, and the page's quick events always find one. Past its limit, an
-# event waits in Gradio's queue.
-CONCURRENCY = {"generate": 20, "stop": 4, "files": 2, "page": 8, "status": 2}
+# event waits in Gradio's queue. "files" (uploads, imports: long) and "account" (deleting one's data,
+# exports, the operator's fetch) are separate groups, and an owner runs one upload, import or deletion
+# at a time (panels/base.py's OwnerSlots refuses a second at once): one visitor holds one place at most.
+CONCURRENCY = {"generate": 20, "stop": 4, "files": 3, "account": 2, "page": 8, "status": 2}
 GRADIO_THREADS = 40  # gradio's launch(max_threads=...) default, which llmweb keeps
-# every 10 minutes, Gradio deletes the uploads and download copies it made over 30 minutes ago (the
-# handlers delete an upload as soon as it is read; this catches any left, e.g. an abandoned upload)
-GRADIO_CACHE_TTL = (600, 1800)
+# every 2 minutes, Gradio deletes the uploads and download copies it made over 10 minutes ago (the
+# handlers delete an upload as soon as it is read; this catches any left, e.g. an abandoned upload):
+# a file stays at most 12 minutes, the window of each address's upload budget (web/body_cap.py)
+GRADIO_CACHE_TTL = (120, 600)
 
 
 def group(name: str, **kw) -> dict:
@@ -462,7 +468,9 @@ def group(name: str, **kw) -> dict:
     return dict(api_visibility="private", concurrency_id=name, concurrency_limit=CONCURRENCY[name]) | kw
 
 
-PRIVATE, GENERATE, STOP, FILES, STATUS = (group(n) for n in ("page", "generate", "stop", "files", "status"))
+PRIVATE, GENERATE, STOP, FILES, ACCOUNT, STATUS = (
+    group(n) for n in ("page", "generate", "stop", "files", "account", "status")
+)
 
 
 def build_app(runtime) -> gr.Blocks:
@@ -481,7 +489,7 @@ def build_app(runtime) -> gr.Blocks:
         demo.load(h.account.visit, [ui.owner_state, ui.conv_state], [ui.owner_state] + shown, **PRIVATE).then(
             h.docs.documents, chat_id + me, library, **PRIVATE
         ).then(h.models.picker, me, [ui.model_dd], **PRIVATE).then(h.models.fetch_box, me, [ui.fetch_box], **PRIVATE)
-        ui.confirm_all_btn.click(h.account.delete_everything, me, shown + library + [ui.confirm_row], **FILES)
+        ui.confirm_all_btn.click(h.account.delete_everything, me, shown + library + [ui.confirm_row], **ACCOUNT)
         ui.files.upload(h.docs.upload, [ui.files] + chat_id + me, library + [ui.ingest_md, ui.files], **FILES)
         ui.remove_btn.click(h.docs.remove_document, [ui.remove_dd] + chat_id + me, library + [ui.ingest_md], **PRIVATE)
         ui.timer.tick(h.status.tick, None, [ui.status, ui.timer], show_progress="hidden", **STATUS)
@@ -535,7 +543,7 @@ def _wire_models(ui: Layout, h: Handlers, me: list, turns: tuple) -> None:
     picker say what is served, not what was before the turn."""
     wanted = [ui.fetch_repo, ui.fetch_file]
     ui.fetch_check.click(h.models.check_fetch, wanted + me, [ui.fetch_md], **PRIVATE)
-    ui.fetch_go.click(h.models.fetch, wanted + me, [ui.fetch_md, ui.model_dd], **FILES)
+    ui.fetch_go.click(h.models.fetch, wanted + me, [ui.fetch_md, ui.model_dd], **ACCOUNT)
     switched = [ui.status, ui.timer, ui.model_dd]
     ui.model_dd.input(h.models.switch, [ui.model_dd, ui.conv_state] + me, switched, **PRIVATE)
     for turn in turns:
@@ -556,8 +564,8 @@ def _wire_sidebar(ui: Layout, h: Handlers, shown: list, me: list) -> None:
     ui.rename_btn.click(**renamed, **PRIVATE)
     ui.title_box.submit(**renamed, **PRIVATE)
     ui.delete_btn.click(h.chats.delete_chat, [ui.conv_state] + me, shown, **PRIVATE)
-    ui.export_md.click(h.transfer.export_md, [ui.conv_state] + me, ui.export_md, **FILES)
-    ui.export_json.click(h.transfer.export_json, [ui.conv_state] + me, ui.export_json, **FILES)
+    ui.export_md.click(h.transfer.export_md, [ui.conv_state] + me, ui.export_md, **ACCOUNT)
+    ui.export_json.click(h.transfer.export_json, [ui.conv_state] + me, ui.export_json, **ACCOUNT)
     ui.import_btn.upload(h.transfer.import_chat, [ui.import_btn] + me, shown, **FILES)
     ui.delete_all_btn.click(lambda: gr.update(visible=True), None, ui.confirm_row, **PRIVATE)
     ui.cancel_all_btn.click(lambda: gr.update(visible=False), None, ui.confirm_row, **PRIVATE)

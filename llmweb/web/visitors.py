@@ -9,7 +9,8 @@ ones a client address may start.
   - A token is 192 random bits the browser cannot predict; one it makes up itself (or drops, to start
     over) would be a fresh identity with fresh per-owner quotas (conversations, stored bytes, uploads,
     imports, queue places). So at most `LLMWEB_ANON_PER_ADDRESS` anonymous owners are admitted per
-    client address per hour (`AddressQuota`, keyed by web/trust.py's resolved address, bounded LRU):
+    client address per hour (`AddressQuota`, keyed by web/trust.py's address group: an IPv6 client's
+    /64, LLMWEB_IPV6_PREFIX; bounded LRU):
     every per-owner cap then holds per address too, within that factor. A returning browser's token
     counts once; login accounts, the single user and API keys are not counted.
   - A gradio_client caller without login who starts a conversation (no id) starts a new owner
@@ -101,7 +102,7 @@ class Visitors:
         """(owner, the token the browser should keep). An event without a token of its own gets its
         page's (minted now if it is the page's first); `first` (the page load) mints one even where
         Gradio gave no session. InputError past the address's quota of new anonymous visitors."""
-        address = origin_of(self.settings, request).address
+        address = origin_of(self.settings, request).group
         if not is_owner_token(token) and needs_owner_token(self.settings, request):
             session = getattr(request, "session_hash", None)
             if isinstance(session, str) and session:
@@ -118,7 +119,7 @@ class Visitors:
         conversation owns itself): counted per address like a new browser, so leaving out the id
         does not buy a fresh quota. InputError past the address's quota."""
         if owner.startswith(API_CONVERSATION):
-            self._admit(origin_of(self.settings, request).address, owner)
+            self._admit(origin_of(self.settings, request).group, owner)
 
     def _admit(self, address: str, owner: str) -> None:
         if not self.quota.admit(address, owner):

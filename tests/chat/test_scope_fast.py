@@ -15,7 +15,8 @@ from llmweb.records import MAX_CHAT_DOCUMENTS
 from llmweb.retrieval.keywords import KeywordIndex
 from llmweb.store.db import Store
 from llmweb.store.models import ChatSettings
-from llmweb.web.api_wire import ApiError, parse_request
+from llmweb.web.api.chat_wire import parse_request
+from llmweb.web.api.errors import ApiError
 
 PAIR = ("d" * 16, "hours-2024.txt")
 

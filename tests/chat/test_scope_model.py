@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from llmweb.cli.main import replay
 from llmweb.records import LOCAL_OWNER
 from llmweb.runtime import Runtime
-from llmweb.web.api import api_routes
+from llmweb.web.api.routes import api_routes
 from llmweb.web.identity import login_owner
 from llmweb.web.ui import Handlers
 from tests.conftest import make_settings

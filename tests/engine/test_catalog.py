@@ -22,8 +22,8 @@ from llmweb.engine.sizing import MIN_CONTEXT, fit
 from llmweb.errors import ConfigError, InputError
 from llmweb.records import LOCAL_OWNER
 from llmweb.runtime.resident import Lease
-from llmweb.web import api_models
-from llmweb.web.api_wire import ApiError
+from llmweb.web.api import models as api_models
+from llmweb.web.api.errors import ApiError
 from llmweb.web.identity import Caller, login_owner, may_switch_models
 
 
@@ -187,7 +187,7 @@ def test_only_the_machines_owner_or_an_operator_may_switch_the_model(tmp_path):
 
 
 class Served:
-    """A runtime's model side, as api_models reads it (a scripted switch)."""
+    """A runtime's model side, as web/api/models.py reads it (a scripted switch)."""
 
     def __init__(self, settings: Settings):
         self.settings, self.model_id, self.ready, self.unloaded = settings, EMBEDDED_NAME, True, False
@@ -244,3 +244,37 @@ def test_models_list_prints_each_model_and_says_when_one_has_no_template(folder)
     cmd_list(Args(json=True), folder, out)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [(r["id"], r["chat_template"]) for r in rows] == [(EMBEDDED_NAME, True), ("bare", False)]
+
+
+def hostile_gguf(path: Path, strings: int, key: bytes = b"tokenizer.ggml.tokens") -> Path:
+    """A GGUF header of one key: an array of `strings` empty strings (8 bytes each)."""
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    path.write_bytes(header + struct.pack("<IIQ", 9, 8, strings) + b"\0" * (8 * strings))
+    return path
+
+
+def test_a_hostile_header_is_refused_or_read_in_a_bounded_time(tmp_path):
+    import time
+
+    started = time.perf_counter()
+    with pytest.raises(catalog.CatalogError, match="more than 1,000,000 strings"):
+        catalog.read_gguf_header(hostile_gguf(tmp_path / "many.gguf", catalog.MAX_HEADER_STRINGS + 1))
+    assert time.perf_counter() - started < 0.5, "refused by its count, before the walk"
+    started = time.perf_counter()
+    assert catalog.read_gguf_header(hostile_gguf(tmp_path / "some.gguf", 600_000)) == {}  # 4.6 MB of lengths
+    took = time.perf_counter() - started
+    assert took < 1.5, f"{took:.2f} s for 600,000 strings: skipped from a buffer, not a read each"
+    with pytest.raises(catalog.CatalogError, match="a metadata key of 70,000 bytes"):
+        catalog.read_gguf_header(hostile_gguf(tmp_path / "key.gguf", 1, key=b"k" * 70_000))
+
+
+def test_a_bad_file_is_read_and_logged_once_until_it_changes(folder, monkeypatch, caplog):
+    path = hostile_gguf(folder.models_folder / "bad.gguf", catalog.MAX_HEADER_STRINGS + 1)
+    reads: list[Path] = []
+    real = catalog.read_gguf_header
+    monkeypatch.setattr(catalog, "read_gguf_header", lambda p: reads.append(p) or real(p))
+    for _ in range(3):
+        assert [e.id for e in catalog.scan(folder)] == [EMBEDDED_NAME]
+    assert reads == [path] and caplog.text.count("bad.gguf is left out") == 1
+    write_gguf(path)  # replaced by a good file: read again, and listed
+    assert [e.id for e in catalog.scan(folder)] == [EMBEDDED_NAME, "bad"] and len(reads) == 2

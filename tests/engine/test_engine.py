@@ -161,7 +161,7 @@ def test_injected_oom_retries_smaller_and_worker_survives(runner, fmt):
         _llama_build_text(runner, "Paris" in out)
         assert "Paris" in out
         assert e.counters.ooms == 1
-        assert "other" not in e.kv.sessions(), "idle caches are evicted on OOM"
+        assert "other" in e.kv.sessions(), "an idle cache stays when the retry fits without its room"
         # and the next request is served normally
         h2 = e.submit(req(fmt, small_ids, n=10))
         assert "Paris" in fmt.decode(h2.result())

@@ -323,3 +323,63 @@ def test_a_release_that_fails_ends_its_request_with_a_message_and_the_worker_goe
         assert e.submit(req(n=4)).result(), "the next request got no reply"
     finally:
         e.close()
+
+
+class _TightAfterOom(FakeRunner):
+    """Its first decode step of two requests runs out of memory; after that less memory is free."""
+
+    def __init__(self):
+        super().__init__(token_delay_s=0.002)
+        self.after: list[int] = []  # batch sizes after the OOM
+
+    def decode(self, slots) -> bool:
+        if len(slots) == 2 and self.available_bytes > 150:
+            self.available_bytes = 150  # room for one request of 100, not for two
+            return False
+        if self.available_bytes == 150:
+            self.after.append(len(slots))
+        return super().decode(slots)
+
+
+def test_an_oom_retry_waits_for_admission_instead_of_starting_beside_the_batch():
+    runner = _TightAfterOom()
+    e, _ = fake_engine(runner, max_batch=4)
+    try:
+        runner.predict_bytes, runner.available_bytes = 100, 1000
+        runner.enqueue([1] * 12, [2] * 12, [3] * 4)  # the last one answers the retry
+        first = e.submit(req(n=12, owner="a"))
+        wait_for(lambda: len(first.generated) >= 1)
+        second = e.submit(req(n=12, owner="b", fallback=lambda: req(ids=(9,), n=4, owner="b")))
+        assert first.result() == [1] * 12 and second.result() == [3] * 4
+        assert e.counters.ooms == 1 and runner.after and max(runner.after) == 1, "the retry waited for room"
+    finally:
+        e.close()
+
+
+class _ShortAfterOom(FakeRunner):
+    """50 bytes free once a prefill ran out of memory."""
+
+    def prefill(self, slot) -> bool:
+        ok = super().prefill(slot)
+        if not ok:
+            self.available_bytes = 50
+        return ok
+
+
+@pytest.mark.parametrize(("retry_bytes", "kept"), [(40, ["idle-chat"]), (60, [])])
+def test_an_oom_evicts_idle_caches_only_when_the_retry_needs_their_room(retry_bytes, kept):
+    e, runner = fake_engine(_ShortAfterOom(), admission_wait_s=0.1)
+    try:
+        runner.predict_bytes = lambda r: 100 if len(r.prompt_ids) == 4 else retry_bytes
+        runner.available_bytes = 1000
+        e.kv.put("idle-chat", [1, 2, 3], object(), 1000)
+        runner.fail_next(oom=True).enqueue([42, 43])
+        h = e.submit(dataclasses.replace(req(ids=(1, 2, 3, 4)), fallback=lambda: req(ids=(3, 4))))
+        if kept:
+            assert h.result() == [42, 43], "the retry fits in the 50 bytes left"
+        else:
+            with pytest.raises(AdmissionError):
+                h.result()  # 60 does not fit in 50, even with the idle cache gone
+        assert e.counters.ooms == 1 and e.kv.sessions() == kept
+    finally:
+        e.close()

@@ -29,7 +29,7 @@ from llmweb.engine.models import embedded_gguf
 from llmweb.runtime import Runtime
 from llmweb.runtime.switching import keep_alive
 from llmweb.store.models import ChatSettings
-from llmweb.web.api import api_routes
+from llmweb.web.api.routes import api_routes
 from llmweb.web.owner import owner_headers
 from llmweb.web.ui import Handlers
 from tests.conftest import make_settings

@@ -149,6 +149,7 @@ def test_the_kv_store_and_memory_are_the_engine_process_s(proc):
     assert engine.kv.drop("nothing") is False and engine.kv.expire() == 0
     assert runner.snapshot().rss_bytes == 1  # FakeRunner's figure, from the other side
     assert runner.available() == 1 << 40 and runner.predict(req()) == 1
+    assert runner.padding(req(), [req((1, 2))]) == (0, 0)  # the fake's figure: admission's padding crosses too
 
 
 def test_only_the_runner_s_calls_are_dispatched_and_a_refusal_leaves_the_process_up(proc):
@@ -164,10 +165,15 @@ def test_fragmentation_past_the_limit_recycles_the_process(proc):
     from llmweb.records import MemorySnapshot
 
     engine, runner, launched, _ = proc(recycle=Recycle(frag_bytes=100 * 2**20))
-    calm = MemorySnapshot(cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=(1 << 30) + 50 * 2**20)
-    runner._recycle_due(launched[0], calm)
+    # reserved − allocated is mostly the allocator's cache of freed activations: no fragmentation
+    cached = MemorySnapshot(
+        cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=3 << 30, cuda_inactive_split_bytes=50 << 20
+    )
+    runner._recycle_due(launched[0], cached)
     assert not runner.loading and len(launched) == 1
-    split = MemorySnapshot(cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=(1 << 30) + 200 * 2**20)
+    split = MemorySnapshot(
+        cuda_allocated_bytes=1 << 30, cuda_reserved_bytes=(1 << 30) + 250 * 2**20, cuda_inactive_split_bytes=200 << 20
+    )
     runner._recycle_due(launched[0], split)  # as after a request whose snapshot shows this
     wait_for(lambda: len(launched) == 2 and runner.pid == launched[1].pid, what="the replacement")
     wait_for(lambda: not launched[0].alive, what="the old process to stop")
@@ -175,7 +181,7 @@ def test_fragmentation_past_the_limit_recycles_the_process(proc):
 
 
 def test_the_api_tells_a_client_to_retry_when_the_model_process_stopped():
-    from llmweb.web.api import api_error
+    from llmweb.web.api.errors import api_error
 
     e = api_error(EngineStopped("The model process stopped; your message was not lost: press retry."))
     assert e.status == 503 and e.headers.get("Retry-After") and "press retry" in str(e.body())
@@ -235,3 +241,69 @@ def test_the_engine_process_finds_llmweb_from_any_working_directory(tmp_path):
     assert installed or b"No module named 'llmweb'" in lost.stderr
     found = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True)
     assert found.returncode == 0, found.stderr.decode()[-300:]
+
+
+def test_a_hand_over_answered_with_an_error_leaves_no_process_behind_and_recycling_goes_on(proc):
+    engine, runner, launched, _ = proc(
+        {"keep_caches": True, "fail_import": True, "token_delay_s": 0.2, "default_len": 5}
+    )
+    assert engine.submit(req((1, 2), n=2, session_id="chat-a")).result() == [1, 2]
+    long = engine.submit(req(n=10, session_id="chat-b"))  # 0.8 s: it ends on the old process after the switch
+    wait_for(lambda: bool(launched[0].keys), what="the request to run on the first process")
+    assert runner.recycle_now(timeout=10.0), "the replacement serves although its hand-over failed"
+    assert long.result() == [1, 2, 3, 4, 5], "a reply that finished on the draining process is no failure"
+    wait_for(lambda: not launched[0].alive, what="the drained process to stop")
+    assert runner.hand_over_failures == 2, "at the switch, and again when the old one drained"
+    assert runner.recycle_now(timeout=10.0), "recycling goes on"
+    wait_for(lambda: [c.alive for c in launched] == [False, False, True], what="only the serving process")
+    assert runner.pid == launched[2].pid and engine.submit(req((3, 4), n=2)).result() == [3, 4]
+
+
+def test_a_sticky_device_error_fails_its_step_ends_the_process_and_a_new_one_answers(proc, tmp_path):
+    armed = tmp_path / "device-assert"
+    text = "CUDA error: device-side assert triggered"
+    engine, runner, launched, _ = proc({"raise_when": [str(armed), text], "default_len": 5})
+    armed.touch()
+    with pytest.raises(LlmwebError, match="device-side assert"):
+        engine.submit(req(n=5)).result()
+    wait_for(lambda: not launched[0].alive, what="the poisoned process to end")
+    assert launched[0].proc.returncode == 3
+    assert engine.submit(req((3, 4), n=2)).result() == [3, 4], "the supervisor restarted it"
+    assert len(launched) == 2 and runner.restarts == 1
+
+
+def test_an_ordinary_error_leaves_the_process_serving(proc, tmp_path):
+    armed = tmp_path / "bug"
+    engine, runner, launched, _ = proc({"raise_when": [str(armed), "shape mismatch"], "default_len": 5})
+    armed.touch()
+    with pytest.raises(LlmwebError, match="shape mismatch"):
+        engine.submit(req(n=5)).result()
+    assert engine.submit(req((3, 4), n=2)).result() == [3, 4] and launched[0].alive and len(launched) == 1
+
+
+def test_a_later_engine_process_is_sized_as_the_first_not_to_what_the_old_one_leaves(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from llmweb.runtime.worker import WorkerSpec, fit_memory
+    from tests.conftest import make_settings
+
+    settings = make_settings(tmp_path / "data", max_batch=8)
+
+    def loaded():  # an 8B llama's shape in bf16: 128 KiB of KV a token
+        return SimpleNamespace(
+            on_cpu=False, max_context=8192, kv_bytes_per_token=2**17, name="m", notes=[], kv_store_bytes=0, max_batch=0
+        )
+
+    free = [12 * 2**30]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free[0], 80 * 2**30))
+    first = loaded()
+    budget = fit_memory(WorkerSpec(settings), first)
+    info = {"max_context": first.max_context, "max_batch": first.max_batch, "kv_budget_bytes": budget}
+    free[0] = 3 * 2**30  # during a recycle the old process still holds its weights and caches
+    squeezed = loaded()
+    assert fit_memory(WorkerSpec(settings), squeezed) < budget and squeezed.max_batch < first.max_batch
+    later = loaded()
+    assert fit_memory(WorkerSpec(settings, sized=info), later) == budget
+    assert (later.max_context, later.max_batch) == (first.max_context, first.max_batch) and not later.notes

@@ -33,6 +33,7 @@ from llmweb.engine.request import EngineLimits, GenerationRequest, Restarted, To
 from llmweb.engine.runners import base as runner_base
 from llmweb.engine.runners import transformers as runner_mod
 from llmweb.engine.runners.transformers import local_engine
+from llmweb.errors import ConfigError
 from llmweb.records import LOCAL_OWNER as LOCAL
 from llmweb.records import MemorySnapshot
 from llmweb.runtime import Runtime
@@ -428,22 +429,25 @@ def test_stats_report_the_fragmentation_figures(fp32_model, fmt, monkeypatch):
 def test_offload_kwargs_cap_the_gpu_and_use_a_folder_in_the_data_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (20 * 2**30, 24 * 2**30))
     settings = make_settings(tmp_path / "data", offload=True, mem_margin_mb=512)
-    kw = models.load_kwargs(settings, "4bit", "cuda")
-    assert kw["device_map"] == "auto"
+    kw = models.load_kwargs(settings, "fp16", "cuda")
+    assert kw["device_map"] == "auto" and kw["dtype"] == torch.float16 and "quantization_config" not in kw
     assert kw["max_memory"][0] == 20 * 2**30 - 512 * MiB
     assert 0 < kw["max_memory"]["cpu"] <= psutil.virtual_memory().total
     assert Path(kw["offload_folder"]) == settings.data_dir / "offload" and Path(kw["offload_folder"]).is_dir()
-    qc = kw["quantization_config"]
-    assert qc.load_in_4bit and qc.llm_int8_enable_fp32_cpu_offload
-    # transformers accepts a 4-bit device map that puts some layers on the CPU and the disk
-    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
-    Bnb4BitHfQuantizer(qc).validate_environment(
-        device_map={"model.embed_tokens": 0, "model.layers": "cpu", "lm_head": "disk"}
-    )
-    # the float fallback offloads too, rather than loading the whole model onto the GPU
-    kw16 = models.load_kwargs(settings, "fp16", "cuda")
-    assert kw16["device_map"] == "auto" and kw16["dtype"] == torch.float16 and "offload_folder" in kw16
+
+def test_offload_with_4bit_or_8bit_weights_is_refused_with_the_setting_to_change(tmp_path, monkeypatch):
+    """transformers 5.24 quantises every linear before it turns device_map="auto" into a dict, so the
+    layers bound for the CPU or disk would be 4-bit too (bitsandbytes reads `keys_on_cpu` from a dict
+    only): refused, rather than a load that was never run."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (20 * 2**30, 24 * 2**30))
+    settings = make_settings(tmp_path / "data", offload=True)
+    for quant in ("4bit", "8bit"):
+        with pytest.raises(
+            ConfigError, match="LLMWEB_OFFLOAD=1 is not supported with 4-bit or 8-bit.*LLMWEB_QUANT=fp16"
+        ):
+            models.load_kwargs(settings, quant, "cuda")
+    assert not (tmp_path / "data" / "offload").exists()
 
 
 def test_offload_is_for_cuda_only_and_off_by_default(tmp_path, monkeypatch):

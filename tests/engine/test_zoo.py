@@ -22,6 +22,7 @@ import random
 import pytest
 
 from llmweb.engine import models
+from llmweb.errors import ConfigError
 from llmweb.records import LOCAL_OWNER
 from llmweb.runtime import Runtime
 from tests.conftest import MODEL_CACHE, make_settings
@@ -194,6 +195,41 @@ def test_llama_cpp_tokenises_the_zoo_as_transformers_does(name, zoo_models, tmp_
         assert (ours.chat_template, ours.bos_token, ours.eos_token) == (hf.chat_template, hf.bos_token, hf.eos_token)
     finally:
         gguf.close()
+
+
+@pytest.mark.parametrize("name", list(zoo.FAMILIES))
+def test_a_gguf_file_on_transformers_is_converted_once_to_the_weights_of_its_folder(name, zoo_models, tmp_path):
+    """A user's GGUF file where models run on transformers (a GPU; here LLMWEB_BACKEND=transformers):
+    converted once to a safetensors copy (engine/models.py `transformers_source`) whose weights are
+    its Hugging Face folder's (the converter wrote them in f16: compared at f16's precision), with a
+    tokenizer that encodes as the folder's; or refused where transformers would leave weights random."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    built = zoo_models[name]
+    settings = make_settings(tmp_path, model=str(built.gguf), backend="transformers", quant="fp32", device="cpu")
+    settings = settings.replace(cache_dir=tmp_path / "copies")
+    if name == "qwen3":  # transformers 5.24 maps no head_dim out of a GGUF: Qwen3's default (128), not the zoo's 16
+        with pytest.raises(ConfigError, match=r"qwen3\.gguf: transformers could not convert it \(RuntimeError"):
+            models.load(settings, progress=lambda _: None)
+        assert not list((tmp_path / "copies").glob("qwen3.*")), "no copy with random weights in it"
+        return
+    loaded = models.load(settings, progress=lambda _: None)
+    assert loaded.backend == "transformers" and loaded.name == name
+    (copy,) = (tmp_path / "copies").glob(f"{name}.safetensors-*")
+    assert models.transformers_source(settings) == copy, "made once, then reused"
+    hf = AutoModelForCausalLM.from_pretrained(built.hf_dir, dtype=torch.float32).state_dict()
+    ours = loaded.model.state_dict()
+    assert set(hf) <= set(ours), set(hf) - set(ours)
+    for key, value in hf.items():
+        torch.testing.assert_close(
+            ours[key], value.half().float(), rtol=1e-3, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+        )
+    ids = _hf_tokenizer(built).encode("Hello world, how are you?")
+    assert loaded.tokenizer.encode("Hello world, how are you?") == ids
+    assert models.load_tokenizer(settings, "transformers").encode("Hello world, how are you?") == ids, (
+        "the web process's"
+    )
 
 
 def test_a_sliding_window_cache_is_reused_only_as_far_back_as_its_window_reaches(zoo_models):

@@ -43,6 +43,7 @@ def launcher(argv: list[str], spec: Any, launched: list[EngineProcess], stall_s:
 class FaultySpec:
     settings: Settings
     fault: str = ""
+    sized: dict | None = None  # as runtime/worker.py's WorkerSpec: sized to the memory free at its start
 
 
 def wrap(runner, spec: FaultySpec):

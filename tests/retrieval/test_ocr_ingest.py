@@ -82,7 +82,7 @@ def test_an_upload_through_the_page_is_read_by_ocr_with_progress_outside_the_emb
     read = ocr.OcrEngine.read
     lock_free: list[bool] = []
 
-    def read_while_another_thread_takes_the_embedders_lock(self, image: Image.Image) -> str:
+    def read_while_another_thread_takes_the_embedders_lock(self, image: Image.Image, deadline=None) -> str:
         got: list[bool] = []
 
         def take() -> None:
@@ -94,7 +94,7 @@ def test_an_upload_through_the_page_is_read_by_ocr_with_progress_outside_the_emb
         other.start()
         other.join()
         lock_free.append(bool(got))
-        return read(self, image)
+        return read(self, image, deadline)
 
     monkeypatch.setattr(ocr.OcrEngine, "read", read_while_another_thread_takes_the_embedders_lock)
     heard: list[str] = []

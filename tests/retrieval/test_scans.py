@@ -36,7 +36,7 @@ class FakeEngine:
         self.sizes: list[tuple[int, int]] = []
         self.delay = delay
 
-    def read(self, image) -> str:
+    def read(self, image, deadline=None) -> str:
         assert image.mode == "RGB", "the engine gets what `prepare` made"
         self.sizes.append(image.size)
         time.sleep(self.delay)
@@ -174,7 +174,8 @@ def test_prepare_gives_rgb_over_white_turned_by_exif_and_pads_a_thin_strip():
     exif[0x0112] = 6  # the camera was held sideways: shown turned 90 degrees
     turned = Image.open(io.BytesIO(png(wide, "JPEG", exif=exif)))
     assert scans.prepare(turned).size == (300, 400)
-    assert scans.prepare(Image.new("L", (4000, 20), 255)).size == (4000, 100), "padded to an aspect of 40"
+    assert scans.prepare(Image.new("L", (1600, 20), 255)).size == (1600, 40), "padded to an aspect of 40"
+    assert scans.prepare(Image.new("L", (4000, 20), 255)).size == (2000, 50), "shrunk to 2,000 first, then padded"
     deep = Image.fromarray(np.array([[1000, 3000]], dtype=np.uint16)).resize((64, 64))
     assert scans.prepare(deep).getextrema()[0] == (0, 255), "16-bit greys stretched to the 8-bit range"
 

@@ -210,6 +210,37 @@ def test_a_load_that_does_not_fit_lets_a_parked_model_go_and_loads_again(tmp_pat
         rt.close()
 
 
+def test_a_4bit_load_that_runs_out_of_gpu_memory_lets_a_parked_model_go(tmp_path, folder, fake_loads, monkeypatch):
+    """The weights' load itself runs out of memory (from_pretrained raising torch's OutOfMemoryError
+    while two models are parked): DoesNotFit, so a parked model goes, not a float retry."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    import transformers
+
+    from llmweb.engine import models
+
+    def from_pretrained(source, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: SimpleNamespace())
+
+    def gpu_full(rt) -> bool:
+        if rt.model_id == "c" and len(rt.residents.parked()) > 1:
+            models.load_transformers(rt.settings.replace(model=str(tmp_path), quant="4bit"), "cpu")
+        return False
+
+    rt = runtime(tmp_path, folder, max_loaded=3)
+    fake_loads.fail.append(gpu_full)
+    try:
+        switch(rt, "b")
+        switch(rt, "c")
+        assert rt.loaded_ids() == ["c", "b"] and fake_loads.loads == ["a", "b", "c"], rt.status
+        assert "Unloaded a to make room for c." in rt.status, rt.status
+    finally:
+        rt.close()
+
+
 def test_the_keep_alive_closes_a_parked_model_on_its_own_clock(tmp_path, folder, fake_loads):
     rt = runtime(tmp_path, folder, max_loaded=2, model_keep_alive_s=0.6)
     try:

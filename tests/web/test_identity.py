@@ -9,7 +9,7 @@ import pytest
 from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER
 from llmweb.web import identity
-from llmweb.web.api_wire import ApiError
+from llmweb.web.api.errors import ApiError
 from llmweb.web.owner import owner_secrets
 from tests.conftest import make_settings
 

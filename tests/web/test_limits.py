@@ -6,7 +6,9 @@ is bounded; export files and Gradio's upload copies do not stay; streamed text i
 from __future__ import annotations
 
 import os
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,6 +32,7 @@ def test_every_event_has_a_bounded_group_and_the_groups_leave_threads_free(runti
     group = {fn.name: fn.concurrency_id for fn in fns}
     assert group["respond"] == group["regenerate"] == group["api_chat"] == "generate"
     assert group["after_stop"] == "stop" and group["upload"] == group["import_chat"] == "files"
+    assert group["delete_everything"] == group["export_json"] == "account", "never behind an upload"
     assert CONCURRENCY["stop"] < GRADIO_THREADS // 4
     assert demo.delete_cache == GRADIO_CACHE_TTL
 
@@ -161,3 +164,54 @@ def test_exports_are_private_to_this_process_and_owner(runtime, gradio_cache):  
     for p, mode in ((root, 0o700), (path.parent, 0o700), (path, 0o600)):
         assert stat.S_IMODE(p.stat().st_mode) == mode, (p, oct(p.stat().st_mode))
     h.account.delete_everything(A_TOKEN, NOBODY)
+
+
+def test_one_visitors_long_upload_holds_one_place_and_never_anothers_actions(runtime, gradio_cache):  # noqa: F811
+    """Visitor A's upload is being read (held here): A's second upload, import and "Delete all my
+    data" are refused at once (one place of a group at most, never a thread waiting behind it), while
+    visitor B uploads and deletes their data without waiting."""
+    from tests.web.test_ui import B_TOKEN
+
+    reading, release = threading.Event(), threading.Event()
+    owners: list[str] = []
+
+    def ingest(owner, files, progress=None):
+        owners.append(owner)
+        if len(owners) == 1:
+            reading.set()
+            assert release.wait(10), "the test never released the first upload"
+        return []
+
+    runtime.library = SimpleNamespace(ingest_uploads=ingest, documents=lambda *a: [], scope=lambda *a: frozenset())
+    h = Handlers(runtime)
+
+    def upload(token: str, name: str):
+        path = gradio_cache / f"{name}-{token[:6]}" / name
+        path.parent.mkdir()
+        path.write_text("hello")
+        return h.docs.upload([str(path)], "", token, NOBODY, progress=lambda *a, **k: None)
+
+    export = gradio_cache / "chat.json"
+    export.write_text("{}")
+    first = threading.Thread(target=upload, args=(A_TOKEN, "one.txt"))
+    first.start()
+    try:
+        assert reading.wait(10)
+        for action in (
+            lambda: upload(A_TOKEN, "two.txt"),
+            lambda: h.transfer.import_chat(str(export), A_TOKEN, NOBODY),
+            lambda: h.account.delete_everything(A_TOKEN, NOBODY),
+        ):
+            started = time.monotonic()
+            with pytest.raises(Exception, match="Your upload is still running"):
+                action()
+            assert time.monotonic() - started < 1.0, "refused at once, not queued behind the upload"
+        started = time.monotonic()
+        upload(B_TOKEN, "theirs.txt")
+        h.account.delete_everything(B_TOKEN, NOBODY)
+        assert time.monotonic() - started < 2.0, "another visitor never waits for A's upload"
+    finally:
+        release.set()
+        first.join(10)
+    assert len(owners) == 2, "A's second upload never reached the library"
+    upload(A_TOKEN, "three.txt")  # A's slot is free again

@@ -15,7 +15,7 @@ from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER
 from llmweb.web import identity, owner, trust
 from tests.conftest import make_settings
-from tests.web.test_api_fast import body, rig, say
+from tests.web.api.conftest import body, rig, say
 
 TOKEN = identity.new_owner_token()
 

@@ -83,6 +83,10 @@ def test_stats_markdown_reads_the_typed_record():
     batched = turn_stats()
     batched.gen.batch_size = 4
     assert "in a batch of up to 4 requests" in stats_markdown(batched)
+    assert "peak 11 MiB" in stats_markdown(turn_stats(cuda=True)), "alone: the request's own peak"
+    on_gpu_batched = turn_stats(cuda=True)
+    on_gpu_batched.gen.batch_size = 4
+    assert "batch peak 11 MiB" in stats_markdown(on_gpu_batched), "in a batch, the peak is the batch's"
     named = turn_stats(3, model="qwen3-8b")
     assert "**Turn 3** · eos · qwen3-8b" in stats_markdown(named), "the turn names the model that answered"
     assert TurnStats.from_dict(named.to_dict()).model == "qwen3-8b" and "model" not in turn_stats(3).to_dict()
@@ -94,7 +98,7 @@ def test_a_remote_engine_that_does_not_report_its_cache_shows_no_invented_reuse_
     g.reuse_reported, g.reused_tokens, g.kv_session_bytes, g.kv_store_bytes = False, 0, 0, 0
     text = stats_markdown(remote)
     assert "did not report" in text and "reused 0" not in text and "KV cache:" not in text
-    from llmweb.web.api_wire import Usage
+    from llmweb.web.api.common import Usage
 
     assert "prompt_tokens_details" not in Usage(100, 7, None).to_dict()
     assert Usage(100, 7, 40).to_dict()["prompt_tokens_details"] == {"cached_tokens": 40}

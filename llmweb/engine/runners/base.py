@@ -3,7 +3,8 @@ its sampler), taking a session's saved cache and the `reusable` check, the end o
 first token), a decode step's timing and recording, keeping the cache for the session's next turn,
 and the release stats. The out-of-memory contract lives here too: a pass that runs out of memory
 returns False (the back end's exception is caught and dropped, so the failed pass's frames and
-their memory are freed before the engine retries), never raises, and leaves every cache as it was.
+their memory are freed before the engine retries), never raises, and leaves every cache as it was;
+a device's other failures to get memory count as out of memory too (engine/faults.py).
 
 A back end (llama_cpp.py, transformers.py) supplies only the native parts: how a sequence is
 opened and closed, how a saved cache is restored and saved, one model pass, one row of logits.
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmweb.engine import faults
 from llmweb.engine.kvcache import SHARED_MIN_TOKENS, KVStore, reusable
 from llmweb.engine.request import GenerationRequest, Slot
 from llmweb.engine.runners.loopguard import Pieces
@@ -67,6 +69,11 @@ class BaseRunner:
     def held(self, slot: Slot) -> int:
         seq: Seq | None = slot.state
         return 0 if seq is None else self.kv_bytes_per_token * (seq.filled + len(slot.generated))
+
+    def padding(self, request: GenerationRequest, running: list[GenerationRequest]) -> tuple[int, int]:
+        """(bytes, transient bytes) `request` adds beyond its `predict` when it joins `running`: a
+        padded batch's (runners/transformers.py); none here, each sequence holds its own tokens."""
+        return 0, 0
 
     def empty_cache(self) -> None:
         return None
@@ -117,37 +124,47 @@ class BaseRunner:
                     seq.last = self._pick(slot, *row)
                     slot.ready = True
                     slot.record(seq.last)
-        except self.out_of_memory as e:
+        except Exception as e:
+            if not faults.out_of_memory(e, self.out_of_memory):
+                raise
             log.warning("%s: request %s ran out of memory in prefill: %s", self.name, slot.handle.id, _first_line(e))
             return False
         return True
 
     def decode(self, slots: list[Slot]) -> bool:
-        t0 = time.perf_counter()
+        t0 = self._clock()
         undo = None
         try:
             with self._mode():
                 undo = self._feed(slots)
-                t1 = time.perf_counter()
+                t1 = self._clock()
                 ran = self._step(slots)
                 if ran is None:
                     return False
                 rows, logits = ran
                 rss = rss_bytes()
-                t2 = time.perf_counter()
+                t2 = self._clock()
                 for i, slot in enumerate(rows):
                     seq: Seq = slot.state
                     seq.pos += 1
                     seq.last = self._pick(slot, logits, i)
                     seq.rss.peak = max(seq.rss.peak, rss)
                     slot.record(seq.last)
-        except self.out_of_memory as e:
+        except Exception as e:
+            if not faults.out_of_memory(e, self.out_of_memory):
+                raise
             log.warning("%s: a batch of %d ran out of memory in decode: %s", self.name, len(slots), _first_line(e))
             if undo is not None:
                 undo()
             return False
-        self.timing.add(t0, t1, t2, time.perf_counter())
+        self.timing.add(t0, t1, t2, self._clock())
         return True
+
+    def _clock(self) -> float:
+        """Now, for the step's timing; after the device's queued work where the timing is `exact`."""
+        if self.timing.exact:
+            self._sync()
+        return time.perf_counter()
 
     def release(self, slot: Slot, keep: bool) -> None:
         seq: Seq | None = slot.state
@@ -158,6 +175,11 @@ class BaseRunner:
             cache = self._detach(slot, seq)
             if keep and slot.request.session_id:
                 self._keep(slot, seq, cache)
+        except Exception as e:  # out of memory while it leaves: its cache goes, its reply stands
+            if not faults.out_of_memory(e, self.out_of_memory):
+                raise
+            log.warning("%s: request %s ran out of memory leaving; its cache is dropped", self.name, slot.handle.id)
+            self._drop(slot, seq)
         finally:
             self._close_seq(seq)
         slot.stats.kv_store_bytes = self.kv.total_bytes
@@ -222,6 +244,14 @@ class BaseRunner:
 
     def _detach(self, slot: Slot, seq: Seq) -> Any:
         """The sequence's cache, out of the batch (None where it stays in the context until saved)."""
+        return None
+
+    def _sync(self) -> None:
+        """Wait for the device's queued work (an asynchronous device's runner supplies it)."""
+        return None
+
+    def _drop(self, slot: Slot, seq: Seq) -> None:
+        """The sequence's cache, discarded without allocating (after `_detach` or `_save` ran out of memory)."""
         return None
 
     def _held_tokens(self, seq: Seq, cache: Any) -> int:

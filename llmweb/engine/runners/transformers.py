@@ -19,7 +19,6 @@ decides WHAT runs and when; this runner runs it on the model, one step at a time
     release(slot, keep)               the slot leaves: its row is cut out of the batch (pads
                                       dropped) and, with `keep`, stored as its session's cache
                                       (prompt + generated[:-1])
-    busy(work)                        runs the engine's busy period inside the GPU entry point
     empty_cache(), snapshot()         allocator housekeeping (CUDA; no-ops elsewhere)
 
 `torch.OutOfMemoryError` is caught here and turned into False, and on purpose by returning, not
@@ -53,6 +52,7 @@ from llmweb.engine.runners.base import BaseRunner, Seq
 from llmweb.engine.runners.sampling import TorchSampler
 from llmweb.engine.scheduler import Engine
 from llmweb.engine.telemetry import is_cuda, memory_snapshot, reset_peak, rss_bytes
+from llmweb.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,6 @@ class LocalRunner(BaseRunner):
         *,
         mem_limit_bytes: int = 0,
         mem_margin_bytes: int = 512 * 2**20,
-        gpu: Callable | None = None,
         make_cache: Callable[[object], DynamicCache] = new_cache,
     ):
         super().__init__(kv, kv_bytes_per_token, mem_limit_bytes)
@@ -88,14 +87,30 @@ class LocalRunner(BaseRunner):
         # DynamicCache (torch.cat per step) for `bench decode`'s before/after
         self._new_cache = make_cache
         self._batch = _Batch(model.config, self._new_cache)
-        # e.g. @spaces.GPU on ZeroGPU Spaces: the GPU entry point is one busy period of the engine
-        self._busy: Callable[[Callable[[], None]], None] = gpu(_call) if gpu is not None else _call
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.vocab = getattr(embeddings, "num_embeddings", 0)  # ids at or past it: a device-side assert on CUDA
 
     # ---- memory
     def predict(self, request: GenerationRequest) -> int:
         heads = getattr(getattr(self.model, "config", None), "num_attention_heads", 0) or 0
         kv, activation = predict_bytes(self.kv_bytes_per_token, heads, len(request.prompt_ids), request.max_new_tokens)
         return kv + activation + BLOCK * self.kv_bytes_per_token  # a cache grows a block at a time (blockcache)
+
+    def padding(self, request: GenerationRequest, running: list[GenerationRequest]) -> tuple[int, int]:
+        """(bytes, transient bytes) `request` adds beyond its own prediction when it joins `running`:
+        the batch is left-padded, so every row is as long as the longest (`_Batch`); and the join
+        builds the merged batch while the old one is still alive, a copy for a moment."""
+        if not running:
+            return 0, 0
+        per = self.kv_bytes_per_token
+
+        def padded(requests: list[GenerationRequest]) -> int:  # tokens beyond each row's own
+            width = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+            return sum(width - len(r.prompt_ids) - r.max_new_tokens for r in requests)
+
+        width = max(len(r.prompt_ids) + r.max_new_tokens for r in running)
+        copy = len(running) * (width + BLOCK)  # the batch as it is before the join, at most
+        return (padded([*running, request]) - padded(running)) * per, copy * per
 
     def available(self) -> int:
         if is_cuda(self.device):
@@ -114,8 +129,9 @@ class LocalRunner(BaseRunner):
     def snapshot(self):
         return memory_snapshot(self.device)
 
-    def busy(self, work: Callable[[], None]) -> None:
-        self._busy(work)
+    def _sync(self) -> None:
+        if is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
 
     # ---- the sequences
     def _mode(self):
@@ -125,6 +141,9 @@ class LocalRunner(BaseRunner):
         return admission.PREFILL_CHUNK
 
     def _open(self, request: GenerationRequest, prompt: list[int]) -> Seq:
+        if self.vocab and not 0 <= min(prompt) <= max(prompt) < self.vocab:
+            bad = next(i for i in prompt if not 0 <= i < self.vocab)
+            raise InputError(f"The prompt holds token id {bad}, outside this model's {self.vocab} embeddings.")
         if not self._batch.slots:
             reset_peak(self.device)  # the CUDA peak is the batch's, from its first request
         sampler = TorchSampler(request, prompt, self.device, self.pieces)
@@ -143,6 +162,10 @@ class LocalRunner(BaseRunner):
     def _detach(self, slot: Slot, seq: Seq):
         assert isinstance(seq, _Seq)
         return self._batch.leave(slot) if slot in self._batch.slots else seq.cache
+
+    def _drop(self, slot: Slot, seq: Seq) -> None:
+        if slot in self._batch.slots:
+            self._batch.drop(slot)
 
     def _held_tokens(self, seq: Seq, cache) -> int:
         return cache.get_seq_length() if cache is not None else 0
@@ -169,6 +192,7 @@ class LocalRunner(BaseRunner):
         cache = self._new_cache(self.model.config)
         for i in range(len(tensors) // 2):
             cache.update(tensors[f"k{i}"].to(self.device), tensors[f"v{i}"].to(self.device), i)
+        compact(cache)  # as it was kept (`_save`): the store's figure, not a block of room more
         return cache
 
     # ---- the passes
@@ -261,15 +285,35 @@ class _Batch:
         keep = [j for j in range(len(self.slots)) if j != i]
         trim = min(self.pads[j] for j in keep)
         index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
-        for source, target in zip(self.cache.layers, own.layers, strict=True):
-            target.lazy_initialization(source.keys, source.values)
-            target.keys = source.keys[i : i + 1, :, pad:, :].clone()
-            target.values = source.values[i : i + 1, :, pad:, :].clone()
-            source.keys = source.keys.index_select(0, index)[:, :, trim:, :]
-            source.values = source.values.index_select(0, index)[:, :, trim:, :]
+        built = []  # all or nothing, as `join`: every new tensor first (an OOM here changes nothing), then assign
+        for source in self.cache.layers:
+            mine = tuple(t[i : i + 1, :, pad:, :].clone() for t in (source.keys, source.values))
+            rest = tuple(t.index_select(0, index)[:, :, trim:, :] for t in (source.keys, source.values))
+            built.append((mine, rest))
+        for source, target, (mine, rest) in zip(self.cache.layers, own.layers, built, strict=True):
+            target.lazy_initialization(*mine)
+            target.keys, target.values = mine
+            source.keys, source.values = rest
         self.slots = [self.slots[j] for j in keep]
         self.pads = [self.pads[j] - trim for j in keep]
         return own
+
+    def drop(self, slot: Slot) -> None:
+        """Take the slot's row out in place, allocating nothing (when `leave` ran out of memory): the
+        rows after it move up one; the buffers keep their size until they next grow."""
+        i = self.slots.index(slot)
+        assert self.cache is not None, "a row of the batch has a cache"
+        if len(self.slots) > 1:
+            with torch.inference_mode():
+                for layer in self.cache.layers:
+                    keys, values = layer.keys, layer.values
+                    for j in range(i, len(self.slots) - 1):
+                        keys[j].copy_(keys[j + 1])
+                        values[j].copy_(values[j + 1])
+                    layer.keys, layer.values = keys[:-1], values[:-1]
+        del self.slots[i], self.pads[i]
+        if not self.slots:
+            self.cache = None
 
     def crop(self, length: int) -> None:
         """Back to `length` columns (after a failed pass grew some layers)."""
@@ -309,17 +353,12 @@ def _trim_left(cache: DynamicCache, n: int) -> None:
         layer.keys, layer.values = layer.keys[:, :, n:, :].clone(), layer.values[:, :, n:, :].clone()
 
 
-def _call(work: Callable[[], None]) -> None:
-    work()
-
-
 def local_engine(
     model,
     device: str,
     kv: KVStore,
     limits: EngineLimits,
     kv_bytes_per_token: int,
-    gpu: Callable | None = None,
 ) -> Engine:
     """An engine over a loaded transformers model (this module imports torch)."""
     runner = LocalRunner(
@@ -329,6 +368,5 @@ def local_engine(
         kv_bytes_per_token,
         mem_limit_bytes=limits.mem_limit_bytes,
         mem_margin_bytes=limits.mem_margin_bytes,
-        gpu=gpu,
     )
     return Engine(runner, kv, limits)

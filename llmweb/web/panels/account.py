@@ -43,7 +43,8 @@ class AccountHandlers(PanelHandlers):
     def delete_everything(self, token, request: gr.Request) -> tuple:
         """ "Delete all my data", confirmed: every chat, fact, recall index and private document."""
         owner = self.owner(token, request)
-        n = self._chat().delete_owner(owner)
-        delete_exports(owner)
+        with self.slots.take(owner, "deletion"):  # never waits behind the owner's own upload or import
+            n = self._chat().delete_owner(owner)
+            delete_exports(owner)
         gr.Info(f"Deleted {n} chats and your uploaded documents.")
         return (*self._open(owner, ""), *self.documents.documents("", token, request), gr.update(visible=False))

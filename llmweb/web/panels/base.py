@@ -1,17 +1,23 @@
 """What every panel's handlers share: who is asking, and how one conversation is shown.
 
 `PanelHandlers` holds the runtime and fills a `Panel` (every component that shows a conversation)
-from the store; `user_errors` turns a failure into a `gr.Error` toast (the domain error's sentence,
-or a ref to the log), the one place in llmweb where that happens. This module must not build
+from the store; `OwnerSlots` lets each owner run one long owner-only event at a time (an upload, an
+import, "Delete all my data"), refusing a second at once, so no visitor holds more than one place of
+a concurrency group nor makes another owner's action wait; `user_errors` turns a failure into a
+`gr.Error` toast (the domain error's sentence, or a ref to the log), the one place in llmweb where
+that happens. This module must not build
 components (web/ui.py does), format text (web/formatting.py does) or work out an owner itself
 (web/identity.py does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import threading
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import gradio as gr
@@ -135,6 +141,29 @@ def rest_shown(rest) -> tuple:
     return (*rest, None)
 
 
+class OwnerSlots:
+    """One long event per owner at a time (an upload, an import, deleting their data): a second is
+    refused at once with a sentence, never queued, so it holds no thread and no group place."""
+
+    def __init__(self) -> None:
+        self._busy: dict[str, str] = {}  # owner -> what is running
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def take(self, owner: str, what: str) -> Iterator[None]:
+        with self._lock:
+            running = self._busy.get(owner)
+            if running is None:
+                self._busy[owner] = what
+        if running is not None:
+            raise InputError(f"Your {running} is still running: try again when it has finished.")
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._busy[owner]
+
+
 class PanelHandlers:
     """The base of every panel's handlers, over a `Runtime`. Every handler takes the browser's owner
     token and the request last, and every store and library call gets the caller's owner."""
@@ -144,6 +173,7 @@ class PanelHandlers:
         self.store = runtime.store
         self.settings = runtime.settings
         self.visitors = visitors_for(runtime.settings)  # one per server: the page tokens and per-address counts
+        self.slots = OwnerSlots()  # web/ui.py's Handlers gives every panel one, shared
 
     def owner(self, token: str, request: gr.Request | None) -> str:
         """The caller's owner (web/identity.py): the single user, the login account, or the browser's

@@ -45,7 +45,8 @@ class DocumentHandlers(PanelHandlers):
             progress((done, max(total, 1)), desc=what)
 
         try:
-            reports = self.runtime.library.ingest_uploads(owner, [(p, Path(p).name) for p in paths], progress=tell)
+            with self.slots.take(owner, "upload"):
+                reports = self.runtime.library.ingest_uploads(owner, [(p, Path(p).name) for p in paths], progress=tell)
         finally:
             for p in paths:  # indexed (or refused): Gradio's upload copy is not kept
                 forget_upload(p)

@@ -130,7 +130,8 @@ class TransferHandlers(PanelHandlers):
             raise InputError("That file is not text (UTF-8): it is not an llmweb .json export.") from None
         finally:
             forget_upload(path)  # read (or refused): Gradio's upload copy is not kept
-        conv_id = self._chat().import_json(owner, text)
+        with self.slots.take(owner, "import"):
+            conv_id = self._chat().import_json(owner, text)
         conv = self.store.get(owner, conv_id)
         # not warmed: an import is a stranger's cheapest way to ask for a long prefill
         return self.panel(owner, conv, f"Imported “{conv.title}” ({len(conv.turns)} turns).")

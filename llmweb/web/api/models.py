@@ -1,27 +1,63 @@
-"""The API's models: `/v1/models` lists every model the server can serve, with its context length
-and whether it is loaded; a request's `model` names one. A loaded one (the served model, or one
-kept loaded beside it: LLMWEB_MAX_LOADED) answers the request itself, for any caller, since
-nothing loads and the served model stays; another is switched to when the caller may switch models
-(web/identity.py's `may_switch_models`: the machine's owner of a single-user install, or an
-operator), else the request is refused with 409 and the models loaded.
+"""`GET /v1/models` and `GET /v1/models/{id}`, and a request's `model`. `/v1/models` lists every
+model the server can serve, with its context length and whether it is loaded; a request's `model`
+names one. A loaded one (the served model, or one kept loaded beside it: LLMWEB_MAX_LOADED) answers
+the request itself, for any caller, since nothing loads and the served model stays; another is
+switched to when the caller may switch models (web/identity.py's `may_switch_models`: the machine's
+owner of a single-user install, or an operator), else the request is refused with 409 and the
+models loaded.
 
 "llmweb" always names whichever model is served. A response's `model` is the id of the model that
 answered: the one the request's lease holds (`Runtime.hold`). Nothing here loads anything itself:
 `Runtime.switch` and `Runtime.hold` do, on a worker thread (the caller awaits it), with the load's
-progress in the page's status line.
+progress in the page's status line. Must not work out who may switch (web/identity.py does).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from llmweb.chat.context import Budget
 from llmweb.errors import LlmwebError
 from llmweb.runtime.resident import Lease
-from llmweb.web.api_wire import MODEL_ID, ApiError
-from llmweb.web.identity import Caller, may_switch_models
+from llmweb.web.api.errors import ApiError, error_response
+from llmweb.web.identity import ApiCallers, Caller, may_switch_models
 
+MODEL_ID = "llmweb"  # the one model /v1/models lists; the loaded model's own name is accepted too
 LOAD_WAIT_S = 600.0  # the most a request waits for its model to load
+
+
+class Models:
+    """The routes of `GET /v1/models` and `GET /v1/models/{id}`."""
+
+    def __init__(self, runtime, callers: ApiCallers):
+        self.runtime = runtime
+        self.callers = callers
+        self.created = int(time.time())
+
+    async def listing(self, request: Request) -> Response:
+        try:
+            self.callers.caller(request)
+        except ApiError as e:
+            return error_response(e)
+        # the listing reads the models folder's GGUF headers (cached by size and mtime): off the event loop
+        data = await run_in_threadpool(objects, self.runtime, self.created)
+        return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request, model_id: str) -> Response:
+        try:
+            self.callers.caller(request)
+            if model_id not in await run_in_threadpool(names, self.runtime):
+                message = f"The model {model_id[:100]!r} does not exist here."
+                raise ApiError(404, message, type="not_found_error", code="model_not_found")
+        except ApiError as e:
+            return error_response(e)
+        found = [m for m in await run_in_threadpool(objects, self.runtime, self.created) if m["id"] == model_id]
+        return JSONResponse(found[0] if found else model_object(model_id, self.created))
 
 
 def names(runtime) -> list[str]:
@@ -125,3 +161,7 @@ def _object(model_id: str, created: int, *, context: int | None, loaded: bool, *
     obj: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "llmweb"}
     obj |= {"context_length": context, "max_model_len": context, "loaded": loaded}
     return obj | {k: v for k, v in more.items() if v not in (None, "")}
+
+
+def model_object(model: str, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "llmweb"}

@@ -1,4 +1,4 @@
-"""API keys for the OpenAI-compatible API (web/api.py): whose a bearer key is.
+"""API keys for the OpenAI-compatible API (web/api/): whose a bearer key is.
 
 Two sources: `LLMWEB_API_KEYS` ("alice:key1,bob:key2", or keys of no user), and keys a user holds in
 the users file (`python -m llmweb user key NAME` prints a new one once and keeps only its SHA-256

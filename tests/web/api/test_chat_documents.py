@@ -1,5 +1,5 @@
 """The API's whole-document option: `x_llmweb: {"whole_document": true}` parsed and
-checked field by field (web/api_wire.py); the figures come back in the response's `x_llmweb.document`
+checked field by field (web/api/chat_wire.py); the figures come back in the response's `x_llmweb.document`
 (the real-model test is tests/chat/test_document_model.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from llmweb.web.api_wire import ApiError, parse_request
+from llmweb.web.api.chat_wire import parse_request
+from llmweb.web.api.errors import ApiError
 
 
 def body(**kw) -> dict:
@@ -36,14 +37,14 @@ def test_a_bad_x_llmweb_is_a_400_naming_the_field(ours, param):
     assert e.value.status == 400 and e.value.param == param
 
 
-# ---- through the routes, over the real engine with a scripted runner (tests/web/test_api_fast.py's rig)
+# ---- through the routes, over the real engine with a scripted runner (tests/web/api/conftest.py's rig)
 
 
 @pytest.fixture
 def served(tmp_path):
     from llmweb.records import LOCAL_OWNER
     from tests.chat.test_document_task import FakeLibrary, doc_chunks
-    from tests.web.test_api_fast import rig
+    from tests.web.api.conftest import rig
 
     library = FakeLibrary()
     library.add(LOCAL_OWNER, "book.txt", doc_chunks("book.txt", 12))

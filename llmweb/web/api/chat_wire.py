@@ -1,34 +1,30 @@
-"""The OpenAI chat-completions wire format: read a request, write responses, chunks and errors.
+"""The chat-completions wire format: read a request (`parse_request`), write the response
+(`Completion.response`) or its chunks for server-sent events (`Completion.chunk`).
 
-Pure: no I/O, no model, no web framework. web/api.py reads the body and the headers, hands them to
-`parse_request`, and turns what the chat path yields into `completion(...)` (one JSON object) or
-`chunk(...)` lines for server-sent events. Every refusal is an `ApiError` carrying its HTTP
-status and an OpenAI-style error object, so a client SDK raises the right exception with our
-sentence in it. Unsupported features (n > 1, tools, logprobs, images, ...) are refused by name,
-never ignored; an unknown field is refused like OpenAI does ("Unrecognized request argument").
-
-The two llmweb extensions ride along as plain fields: in a request `conversation_id` (stateful
-mode; "new" starts a conversation) and `use_docs`; in a response the `x_llmweb` object.
-`StopScanner` implements `stop` on decoded text: it finds the first stop string and holds back
-a tail that could still become one, so a streamed delta never shows part of a stop string.
+Pure: no I/O, no model, no web framework; web/api/chat.py reads the body and runs the turn. Every
+refusal is an `ApiError` (web/api/errors.py). Unsupported features (n > 1, tools, logprobs, images,
+...) are refused by name, never ignored; an unknown field is refused like OpenAI does
+("Unrecognized request argument"). llmweb's extensions ride along as plain fields: in a request
+`conversation_id` (stateful mode; "new" starts a conversation), `use_docs` and `x_llmweb`; in a
+response the `x_llmweb` object. `StopScanner` implements `stop` on decoded text: it finds the first
+stop string and holds back a tail that could still become one, so a streamed delta never shows part
+of a stop string. Must not know how the turn runs or who is calling.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmweb.chat.passages import Excerpt, Passage
 from llmweb.chat.session import clean_message
 from llmweb.chat.turn import held_back
 from llmweb.errors import InputError
-from llmweb.records import MAX_CHAT_DOCUMENTS, Source
+from llmweb.records import MAX_CHAT_DOCUMENTS
+from llmweb.web.api.common import Usage, number, optional, same, unsupported
+from llmweb.web.api.errors import ApiError, bad
 
-MODEL_ID = "llmweb"  # the one model /v1/models lists; the loaded model's own name is accepted too
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 200
 MAX_USER_CHARS = 256
@@ -86,31 +82,6 @@ MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
-class ApiError(Exception):
-    """A refusal for the client: HTTP status, OpenAI error type and code, the parameter at fault."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
 @dataclass(frozen=True, slots=True)
 class Message:
     role: str  # system | user | assistant ("developer" is read as "system")
@@ -142,21 +113,6 @@ class ChatRequest:
         return self.conversation_id is not None
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise bad("The request body is not UTF-8 text.", code="invalid_json") from None
-    except json.JSONDecodeError as e:
-        where = f"{e.msg} at line {e.lineno} column {e.colno}"
-        raise bad(f"The request body is not valid JSON: {where}.", code="invalid_json") from None
-    except RecursionError:  # "[[[[..." deeper than the interpreter's recursion limit
-        raise bad("The request body nests JSON arrays or objects too deeply.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad("The request body must be a JSON object.", code="invalid_json")
-    return body
-
-
 def parse_request(
     body: dict[str, Any], models: Sequence[str], max_message_chars: int, headers: Mapping[str, str] | None = None
 ) -> ChatRequest:
@@ -166,8 +122,8 @@ def parse_request(
         if name not in KNOWN_FIELDS:
             raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
     for name, neutral in NEUTRAL.items():
-        if name in body and not any(_same(body[name], v) for v in neutral):
-            raise bad(_unsupported(name), name, "unsupported_parameter")
+        if name in body and not any(same(body[name], v) for v in neutral):
+            raise bad(unsupported(name), name, "unsupported_parameter")
 
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -181,8 +137,8 @@ def parse_request(
             param="model",
         )
 
-    stream = _optional(body, "stream", bool) or False
-    options = _optional(body, "stream_options", dict)
+    stream = optional(body, "stream", bool) or False
+    options = optional(body, "stream_options", dict)
     if options is not None and not stream:
         raise bad("stream_options is only allowed when stream is true.", "stream_options")
     include_usage = False
@@ -190,19 +146,19 @@ def parse_request(
         extra = set(options) - {"include_usage"}
         if extra:
             raise bad(f"Unrecognized stream_options field: {sorted(extra)[0]}", "stream_options", "unknown_parameter")
-        include_usage = _optional(options, "include_usage", bool, "stream_options.include_usage") or False
+        include_usage = optional(options, "include_usage", bool, "stream_options.include_usage") or False
 
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
+    temperature = number(body, "temperature", 0.0, 2.0)
+    top_p = number(body, "top_p", 0.0, 1.0, low_open=True)
     max_tokens = _max_tokens(body)
-    seed = _optional(body, "seed", int)
+    seed = optional(body, "seed", int)
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise bad("seed must fit in 64 bits.", "seed")
-    user = _optional(body, "user", str)
+    user = optional(body, "user", str)
     if user is not None and len(user) > MAX_USER_CHARS:
         raise bad(f"user must be at most {MAX_USER_CHARS} characters.", "user")
 
-    conversation_id = _optional(body, "conversation_id", str)
+    conversation_id = optional(body, "conversation_id", str)
     if conversation_id is None:
         conversation_id = headers.get("x-llmweb-conversation-id") or None
     if conversation_id is not None and not conversation_id.strip():
@@ -239,7 +195,7 @@ def parse_request(
 
 def _use_docs(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool | None:
     """`use_docs`, else the X-Llmweb-Use-Docs header; None: neither (the default of the request's kind)."""
-    use_docs = _optional(body, "use_docs", bool)
+    use_docs = optional(body, "use_docs", bool)
     if use_docs is None and "x-llmweb-use-docs" in headers:
         flag = headers["x-llmweb-use-docs"].strip().lower()
         if flag not in ("1", "0", "true", "false"):
@@ -254,16 +210,16 @@ MAX_DOCUMENT_NAME_CHARS = 1024
 
 def _ours(body: Mapping[str, Any]) -> dict[str, bool | None]:
     """llmweb's own flags, `x_llmweb`: {"whole_document": bool, "loop_guard": bool}; None where not sent."""
-    ours = _optional(body, "x_llmweb", dict) or {}
+    ours = optional(body, "x_llmweb", dict) or {}
     for key in ours:
         if key not in (*OURS, "documents"):
             raise bad(f"Unrecognized x_llmweb field: {str(key)[:100]}", "x_llmweb", "unknown_parameter")
-    return {name: _optional(ours, name, bool, f"x_llmweb.{name}") for name in OURS}
+    return {name: optional(ours, name, bool, f"x_llmweb.{name}") for name in OURS}
 
 
 def _documents(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     """`x_llmweb.documents`: the names or ids of the documents this request reads ([]: none), or None."""
-    names = (_optional(body, "x_llmweb", dict) or {}).get("documents")
+    names = (optional(body, "x_llmweb", dict) or {}).get("documents")
     if names is None:
         return None
     where = "x_llmweb.documents"
@@ -290,8 +246,8 @@ def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:
             raise bad(f"{where}.role is {shown}; it must be one of {', '.join(ROLES)}.", f"{where}.role")
         for name in m:
             if name in MESSAGE_NEUTRAL:
-                if not any(_same(m[name], v) for v in MESSAGE_NEUTRAL[name]):
-                    raise bad(f"{where}.{name}: {_unsupported(name)}", f"{where}.{name}", "unsupported_parameter")
+                if not any(same(m[name], v) for v in MESSAGE_NEUTRAL[name]):
+                    raise bad(f"{where}.{name}: {unsupported(name)}", f"{where}.{name}", "unsupported_parameter")
             elif name not in MESSAGE_FIELDS:
                 raise bad(f"Unrecognized field {where}.{name}.", f"{where}.{name}", "unknown_parameter")
         try:
@@ -327,50 +283,8 @@ def _content(content: Any, where: str) -> str:
     raise bad(f"{where}.content must be a string or an array of text parts.", f"{where}.content")
 
 
-def _unsupported(name: str) -> str:
-    why = {
-        "n": "n > 1 is not supported: one choice per request.",
-        "tools": "tools are not supported by this server.",
-        "functions": "functions are not supported by this server.",
-        "logprobs": "logprobs are not supported by this server.",
-        "top_logprobs": "logprobs are not supported by this server.",
-        "response_format": 'only response_format {"type": "text"} is supported.',
-        "modalities": 'only modalities ["text"] is supported.',
-        "tool_calls": "tool calls are not supported by this server.",
-    }
-    return why.get(name, f"{name} is not supported by this server.")
-
-
-def _same(value: Any, neutral: Any) -> bool:
-    """Equal, and of the same JSON kind (True is not 1 here)."""
-    return type(value) is type(neutral) and value == neutral or (neutral is None and value is None)
-
-
-def _optional(d: Mapping[str, Any], name: str, kind: type, param: str | None = None) -> Any:
-    value = d.get(name)
-    if value is None:
-        return None
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise bad(f"{param or name} must be an integer.", param or name, "invalid_type")
-    if not isinstance(value, kind):
-        noun = {bool: "a boolean", str: "a string", dict: "an object"}.get(kind, kind.__name__)
-        raise bad(f"{param or name} must be {noun}.", param or name, "invalid_type")
-    return value
-
-
-def _number(body: Mapping[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad(f"{name} must be a number.", name, "invalid_type")
-    if value > high or value < low or (low_open and value == low):
-        raise bad(f"{name} must be {'>' if low_open else '>='} {low:g} and <= {high:g}, not {value}.", name)
-    return float(value)
-
-
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
-    a, b = _optional(body, "max_tokens", int), _optional(body, "max_completion_tokens", int)
+    a, b = optional(body, "max_tokens", int), optional(body, "max_completion_tokens", int)
     if a is not None and b is not None and a != b:
         raise bad("max_tokens and max_completion_tokens differ; send one of them.", "max_tokens")
     value = a if a is not None else b
@@ -411,23 +325,6 @@ class StopScanner:
 
 
 # ---- responses
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int | None = 0  # prompt tokens served from the conversation's KV cache; None: not reported
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-        if self.cached_tokens is not None:  # a remote engine that did not say: no invented figure
-            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
-        return out
 
 
 @dataclass
@@ -486,72 +383,8 @@ class Completion:
         }
 
 
-def sse(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event: `data: <json>` and a blank line."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
-
-
 def finish_reason(engine_reason: str, stopped: bool) -> str:
     """OpenAI's finish_reason from the engine's (eos | length | cancelled | timeout)."""
     if stopped:
         return "stop"
     return "length" if engine_reason == "length" else "stop"
-
-
-def models_list(models: Sequence[str], created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_object(m, created) for m in models]}
-
-
-def model_object(model: str, created: int) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": created, "owned_by": "llmweb"}
-
-
-# ---- a cited source's passage: GET /v1/x_llmweb/passage (llmweb's own, not OpenAI's)
-
-PASSAGE_PARAMS = ("doc_id", "start", "end", "kind", "snippet", "conversation_id")
-MAX_OFFSET = 10**12
-
-
-@dataclass(frozen=True, slots=True)
-class PassageQuery:
-    source: Source  # the place, as `x_llmweb.sources[i]` gives it
-    conversation_id: str = ""  # whose chat (and, for a key of no user, whose library) to look in
-
-
-def parse_passage_query(params: Mapping[str, str]) -> PassageQuery:
-    """`doc_id`, `start`, `end` (and `kind`, `snippet`, `conversation_id`) of a source, as
-    `x_llmweb.sources[i]` and the response's conversation id give them; 400 for anything else."""
-    for name in params:
-        if name not in PASSAGE_PARAMS:
-            raise bad(f"Unknown parameter {name[:40]!r}; this endpoint takes {', '.join(PASSAGE_PARAMS)}.", name)
-    doc_id, kind = params.get("doc_id", ""), params.get("kind", "document")
-    if not doc_id or len(doc_id) > 100:
-        raise bad("doc_id: the source's doc_id, as x_llmweb.sources gives it.", "doc_id")
-    if kind not in ("document", "recall"):
-        raise bad("kind: document or recall.", "kind")
-    place = []
-    for name in ("start", "end"):
-        value = params.get(name, "0")
-        if not value.isdigit() or len(value) > 13 or int(value) > MAX_OFFSET:
-            raise bad(f"{name}: a character offset (a whole number), as x_llmweb.sources gives it.", name)
-        place.append(int(value))
-    snippet = params.get("snippet", "")[: Source.SNIPPET_CHARS + 1]
-    source = Source(1, "", kind=kind, snippet=snippet, doc_id=doc_id, start=place[0], end=place[1])
-    return PassageQuery(source, params.get("conversation_id", "")[:100])
-
-
-def passage_object(p: Passage) -> dict[str, Any]:
-    """A passage as the API returns it: the cited text, and the document's text just before and after."""
-    s = p.source
-    return {
-        "object": "x_llmweb.passage",
-        **{"doc_id": s.doc_id, "start": s.start, "end": s.end, "kind": s.kind},
-        **_excerpt(p.cited),
-        "before": _excerpt(p.before) if p.before else None,
-        "after": _excerpt(p.after) if p.after else None,
-    }
-
-
-def _excerpt(e: Excerpt) -> dict[str, Any]:
-    return {"text": e.text, "page": e.page, "heading": e.heading, "cut": e.cut}

@@ -1,0 +1,296 @@
+"""`POST /v1/chat/completions`: read the body, parse it (web/api/chat_wire.py), run the turn, write
+the reply as one JSON object or as server-sent events.
+
+The turn itself is the chat path's: stateful requests run `Chat.send` (history, summary, facts,
+recall, retrieval, the store: the conversation shows in its owner's list), stateless ones
+`StatelessChat.send` (chat/stateless.py: the client's messages fitted into the budget). Both go
+through the one engine queue, so a full queue is a 429 here as it is a "busy" message in the UI.
+A client that disconnects cancels its engine request (web/api/common.py's `Pump`), and a stateful
+turn keeps the partial reply, marked as stopped, as the UI's Stop button does.
+
+Sampling (temperature, top_p, max_tokens) and `stop` strings go to the turn with the request
+(chat/turn.py: `Sampling`; the turn cancels its engine request at the first stop string), and a
+`Cancel` lets a client that leaves stop it from the event loop; the reply shown is cut before
+the stop string here (StopScanner).
+
+Owns: a request's turn and its response. Must not work out an owner itself (web/identity.py's
+`ApiCallers` says who is calling and for which owner they act) or load a model (web/api/models.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from llmweb.chat.session import Delta, Finished, Progress, Queued
+from llmweb.chat.stateless import Fitted, StatelessChat
+from llmweb.chat.turn import Cancel, Sampling
+from llmweb.store.models import new_id
+from llmweb.web.api import models
+from llmweb.web.api.chat_wire import (
+    NEW_CONVERSATION,
+    ChatRequest,
+    Completion,
+    StopScanner,
+    finish_reason,
+    parse_request,
+)
+from llmweb.web.api.common import EventStream, Pump, Usage, disconnected, parse_body, read_body, require_json, sse
+from llmweb.web.api.errors import ApiError, api_error, bad, error_response
+from llmweb.web.identity import ApiCallers, Caller
+
+
+class ChatCompletions:
+    """The route of `POST /v1/chat/completions`, and the stateless chats it keeps per loaded model."""
+
+    def __init__(self, runtime, callers: ApiCallers):
+        self.runtime = runtime
+        self.settings = runtime.settings
+        self.callers = callers
+        self._stateless: weakref.WeakKeyDictionary[Any, StatelessChat] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    async def post(self, request: Request) -> Response:
+        lease = None
+        try:
+            caller = self.callers.caller(request)
+            require_json(request)
+            body = await parse_body(await read_body(request, self.settings.api_max_body_kb * 1024))
+            known = await run_in_threadpool(models.names, self.runtime)  # reads the models folder
+            req = parse_request(body, known, self.settings.max_message_chars, request.headers)
+            # the model that answers, held until the turn's events end (the pump's thread runs them)
+            lease = await run_in_threadpool(models.ensure, self.runtime, caller, req.model)
+            turn = self.start(caller, req, lease.chat)
+            pump = Pump(lease.around(turn.events), turn.cancel)
+            try:
+                early = await pump.until_started()
+            except BaseException:
+                pump.close()
+                raise
+        except Exception as e:
+            if lease is not None:
+                lease.release()  # again from the pump's thread is a no-op
+            return error_response(e if isinstance(e, ApiError) else api_error(e))
+        fitted = next((e for e in early if isinstance(e, Fitted)), None)
+        reply = _Reply(req, turn, fitted, Completion(lease.model_id, "chatcmpl-" + secrets.token_hex(12)))
+        if req.stream:
+            return EventStream(reply.stream(pump), on_close=pump.close, headers=reply.headers(None))
+        return await reply.whole(pump, request)
+
+    # ---- the turn
+    def start(self, caller: Caller, req: ChatRequest, chat) -> _Turn:
+        """Start the chat turn for `req` on `chat` (nothing runs until its events are read)."""
+        cap = chat.budget.max_new_tokens
+        max_tokens = chat.budget.capped(req.max_tokens).max_new_tokens
+        sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens, req.loop_guard), Cancel()
+        notes = []
+        if req.max_tokens is not None and req.max_tokens > cap:
+            notes.append(f"max_tokens was capped at {cap} (the reply budget, LLMWEB_MAX_NEW_TOKENS).")
+        if req.stateful:
+            new = req.conversation_id == NEW_CONVERSATION
+            conv_id = new_id() if new else str(req.conversation_id)
+            owner = caller.of_conversation(conv_id)
+            if not new and not chat.store.exists(owner, conv_id):
+                raise ApiError(
+                    404,
+                    'There is no conversation with this id for your key. Start one with conversation_id "new".',
+                    type="not_found_error",
+                    code="conversation_not_found",
+                    param="conversation_id",
+                )
+            use_docs = True if req.use_docs is None else req.use_docs
+            whole = {"whole_document": True} if req.whole_document else {}
+            events = chat.send(
+                owner,
+                conv_id,
+                req.messages[0].text,
+                new=new,
+                use_docs=use_docs,
+                seed=req.seed,
+                sampling=sampling,
+                stop=req.stop,
+                cancel=cancel,
+                documents=req.documents,
+                **whole,
+            )
+            return _Turn(events, cancel, "stateful", conv_id, max_tokens, notes)
+        owner = caller.stateless_owner
+        if req.whole_document:  # the last user message, over one of the caller's documents
+            text = next((m.text for m in reversed(req.messages) if m.role == "user"), "")
+            only = None
+            if req.documents is not None and chat.library is not None:
+                only = frozenset(i for i, _ in chat.library.resolve(owner, req.documents))
+            intent = chat.documents.detect(owner, text, force=True, only=only)
+            if intent is None:
+                raise bad("x_llmweb.whole_document: name one of your documents in the message.", "x_llmweb")
+            events = chat.documents.stream(owner, intent, cancel)
+            return _Turn(events, cancel, "stateless", None, max_tokens, notes)
+        events = self.stateless(chat).send(
+            owner,
+            [(m.role, m.text) for m in req.messages],
+            use_docs=bool(req.use_docs),
+            seed=req.seed,
+            sampling=sampling,
+            stop=req.stop,
+            cancel=cancel,
+            documents=req.documents,
+        )
+        return _Turn(events, cancel, "stateless", None, max_tokens, notes)
+
+    def stateless(self, chat) -> StatelessChat:
+        """The stateless path over `chat`'s engine: one per loaded model's chat (its summaries are that
+        model's), gone with the chat."""
+        with self._lock:
+            found = self._stateless.get(chat)
+            if found is None:
+                found = self._stateless[chat] = StatelessChat(
+                    self.settings, chat.engine, chat.fmt, chat.budget, chat.folds.summariser.write, chat.library
+                )
+                found.runner.model = chat.runner.model  # its turns' stats name the model, as the chat's do
+            return found
+
+
+@dataclass
+class _Turn:
+    events: Iterator
+    cancel: Cancel  # the turn's engine request, stopped when the client leaves
+    mode: str  # stateful | stateless
+    conv_id: str | None
+    max_tokens: int
+    notes: list[str]
+
+
+class _Reply:
+    """One response being written: the request, its turn, the reply text as stop strings allow it."""
+
+    def __init__(self, req: ChatRequest, turn: _Turn, fitted: Fitted | None, completion: Completion):
+        self.req, self.turn, self.fitted, self.c = req, turn, fitted, completion
+        self.scanner = StopScanner(req.stop)
+        self.cut = ""  # the reply up to the stop string, once one appeared
+
+    def headers(self, finished: Finished | None) -> dict[str, str]:
+        h = {"X-Llmweb-Mode": self.turn.mode}
+        if self.turn.conv_id:
+            h["X-Llmweb-Conversation-Id"] = self.turn.conv_id
+        report = self.report(finished)
+        for name in ("summarized_messages", "left_out_messages", "summary_cached"):
+            if name in report:
+                h["X-Llmweb-" + name.replace("_", "-").title()] = str(report[name]).lower()
+        return h
+
+    def report(self, finished: Finished | None) -> dict[str, Any]:
+        """What was summarised and left out: known before generation in stateless mode, after it in stateful."""
+        if self.fitted is not None:
+            return self.fitted.fit.report()
+        if finished is None:
+            return {}
+        st = finished.stats
+        return {
+            "summarized_messages": 2 * st.summarized_turns,
+            "left_out_messages": 2 * st.dropped_turns,
+            "summary_tokens": st.summary_tokens,
+        }
+
+    def extension(self, f: Finished) -> dict[str, Any]:
+        st = f.stats
+        return {
+            "mode": self.turn.mode,
+            "conversation_id": self.turn.conv_id,
+            "sections": dict(st.sections),
+            "context_limit": st.context_limit,
+            "max_tokens": self.turn.max_tokens,
+            **self.report(f),
+            "sources": [s.to_dict() for s in f.sources],
+            "notes": self.turn.notes + list(f.notes),
+            "stop": self.scanner.stopped,
+            "stats": st.to_dict(),
+            **({"document": f.document.to_dict()} if f.document is not None else {}),
+        }
+
+    def on_delta(self, text: str) -> str:
+        """What of the reply so far may be shown (the turn cancels its request at a stop string)."""
+        shown, stopped = self.scanner.scan(text.lstrip())
+        if stopped and not self.cut:
+            self.cut = shown
+        return self.cut if self.scanner.stopped else shown
+
+    def content(self, f: Finished) -> str:
+        text = self.cut if self.scanner.stopped else f.reply
+        return self.scanner.scan(text, final=True)[0].strip()
+
+    def usage(self, f: Finished) -> Usage:
+        g = f.stats.gen
+        return Usage(g.prompt_tokens, g.generated_tokens, g.reused_tokens if g.reuse_reported else None)
+
+    def finish_reason(self, f: Finished) -> str:
+        return finish_reason(f.stats.gen.finish_reason, self.scanner.stopped)
+
+    async def whole(self, pump: Pump, request: Request) -> Response:
+        """A response without streaming; a client that leaves first cancels the request."""
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            while True:
+                step = asyncio.ensure_future(pump.next())
+                await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    pump.close()
+                    return Response(status_code=499)  # nobody reads it
+                try:
+                    event = step.result()
+                except Exception as e:
+                    return error_response(api_error(e))
+                if event is None:
+                    return error_response(ApiError(500, "The chat turn ended without a reply.", type="server_error"))
+                if isinstance(event, Delta):
+                    self.on_delta(event.text)
+                elif isinstance(event, Finished):
+                    content, reason = self.content(event), self.finish_reason(event)
+                    body = self.c.response(content, reason, self.usage(event), self.extension(event))
+                    return JSONResponse(body, headers=self.headers(event))
+        finally:
+            gone.cancel()
+
+    async def stream(self, pump: Pump) -> AsyncIterator[bytes]:
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+        usage = self.req.include_usage
+        yield sse(self.c.chunk({"role": "assistant", "content": ""}, include_usage=usage))
+        sent = ""
+        while True:
+            try:
+                event = await pump.next()
+            except Exception as e:  # after the headers: an error event, as OpenAI streams do
+                yield sse(api_error(e).body())
+                return
+            if event is None:
+                yield sse(ApiError(500, "The chat turn ended without a reply.", type="server_error").body())
+                return
+            if isinstance(event, Queued):
+                # keeps proxies open; notices a client gone
+                yield f": waiting, number {event.position}, about {event.wait_s:.0f} s\n\n".encode()
+            elif isinstance(event, Progress):  # a whole-document task: a comment line per step
+                yield f": {event.done} of {event.total} sections, {event.text}\n\n".encode()
+            elif isinstance(event, Delta):
+                shown = self.on_delta(event.text)
+                if len(shown) > len(sent) and shown.startswith(sent):
+                    yield sse(self.c.chunk({"content": shown[len(sent) :]}, include_usage=usage))
+                    sent = shown
+            elif isinstance(event, Finished):
+                final = self.content(event)
+                if len(final) > len(sent) and final.startswith(sent):
+                    yield sse(self.c.chunk({"content": final[len(sent) :]}, include_usage=usage))
+                reason = self.finish_reason(event)
+                yield sse(self.c.chunk({}, reason, include_usage=usage, extension=self.extension(event)))
+                if usage:
+                    yield sse(self.c.chunk(None, usage=self.usage(event), include_usage=True))
+                yield sse("[DONE]")
+                return
