@@ -186,16 +186,13 @@ class Settings:
             "LLMWEB_AUTH must look like user:password (several: user1:pw1,user2:pw2)",
         )
         check(
-            self.engine_process in ("auto", "1", "0"),
-            f"LLMWEB_ENGINE_PROCESS must be auto, 1 or 0, not {self.engine_process!r}",
-        )
-        check(
             self.recycle_after >= 0 and self.recycle_s >= 0 and self.recycle_frag_mb >= 0,
             "LLMWEB_RECYCLE_AFTER, LLMWEB_RECYCLE_S and LLMWEB_RECYCLE_FRAG_MB must be >= 0 (0 = never)",
         )
         check(self.engine_stall_s > 0, "LLMWEB_ENGINE_STALL_S must be > 0")
-        for name in ("single_user", "shared_uploads"):
-            check(getattr(self, name) in ("auto", "1", "0"), f"LLMWEB_{name.upper()} must be auto, 1 or 0")
+        for name in ("single_user", "shared_uploads", "engine_process"):
+            value = getattr(self, name)
+            check(value in ("auto", "1", "0"), f"LLMWEB_{name.upper()} must be auto, 1 or 0, not {value!r}")
         check(
             self.user_docs_mb >= 1 and self.queue_per_user >= 1,
             "LLMWEB_USER_DOCS_MB and LLMWEB_QUEUE_PER_USER must be >= 1",

@@ -89,14 +89,8 @@ class Engine:
 
     # ---- callers
     def submit(self, request: GenerationRequest) -> Handle:
-        if request.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if len(request.prompt_ids) == 0:
-            raise ValueError("empty prompt")
-        assert request.background or not request.optional, "optional work is background work"
-        if not request.background:  # the cap is for replies; a summary has its own (LLMWEB_SUMMARY_TOKENS)
-            request = capped(request, self.limits.max_new_tokens)
-        handle = Handle(request, self)
+        handle = Handle(checked(request, self.limits), self)
+        request = handle.request
         with self._lock:
             if self._stopped:
                 raise BusyError("The engine is shutting down.")
@@ -212,12 +206,8 @@ class Engine:
             self._postprocess()
 
     def _schedule(self) -> None:
-        """Admit waiting requests into the batch while there is room: `max_batch` and memory.
-
-        Interactive requests first (fair between owners), background jobs only when none waits.
-        A request that does not fit next to the running batch keeps its place at the head of the
-        line until the batch shrinks (nobody behind it jumps ahead).
-        """
+        """Admit waiting requests while `max_batch` and memory allow: a retry first, then visitors (fair
+        between owners), then background jobs; the head waits for room, and nobody behind it jumps ahead."""
         while True:
             with self._lock:
                 if self._stopped:
@@ -279,9 +269,8 @@ class Engine:
         # most a share of the time (`_joining`)
         joining, beside = self._turns.pick(self._running)
         if joining is not None:
-            if not joining.request.background:
-                with self._lock:
-                    joining.small_chunks = self.shares.small_chunks(joining, self._running)
+            with self._lock:  # beside another owner's request, or a heavy visitor's: small chunks (share.py)
+                joining.small_chunks = self.shares.small_chunks(joining, self._running)
             before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
             try:
                 if not self.runner.prefill(joining):
@@ -373,6 +362,17 @@ class Engine:
         victim.handle._restart(reason)
         with self._lock:  # at the head of the line, through admission like any request (`_schedule`)
             self._retries.append((victim.handle, smaller, reason))
+
+
+def checked(request: GenerationRequest, limits: EngineLimits) -> GenerationRequest:
+    """`request` as the engine takes it (ValueError for one it cannot run), a reply's length capped."""
+    if request.max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    if len(request.prompt_ids) == 0:
+        raise ValueError("empty prompt")
+    assert request.background or not request.optional, "optional work is background work"
+    # the cap is for replies; a summary has its own (LLMWEB_SUMMARY_TOKENS)
+    return request if request.background else capped(request, limits.max_new_tokens)
 
 
 def idle_s(engine: Engine) -> float:

@@ -94,6 +94,8 @@ class Shares:
         step): the owner of a single-user install, or a visitor who sent little, alone or beside
         only their own requests, keeps the runner's own size (a chunk protects nobody there)."""
         owner = slot.request.owner
+        if slot.request.background:  # background prompts have small chunks of their own (the runner's)
+            return False
         if any(s.request.owner != owner for s in running):
             return True
         return owner not in EXEMPT and self.prefilled.used(owner) >= HEAVY_TOKENS
