@@ -153,6 +153,8 @@ def test_the_single_users_parallel_requests_queue_and_a_shared_servers_cap_holds
             else:
                 assert resp.status_code == 429 and resp.headers["retry-after"].isdigit()
                 assert "you already have 2 requests waiting" in resp.json()["error"]["message"]
+                streamed = r.client.post("/v1/chat/completions", json=body(stream=True))
+                assert streamed.status_code == 429 and streamed.headers["retry-after"].isdigit()
         finally:
             for h in [first, *waiting]:
                 h.cancel()
