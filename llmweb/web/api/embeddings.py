@@ -7,7 +7,7 @@ not for a whole request. Each owner may have LLMWEB_QUEUE_PER_USER + 1 requests 
 single user of a single-user install: 4 x LLMWEB_QUEUE_SIZE, as in the engine's queue), and the
 server 4 x LLMWEB_QUEUE_SIZE in all; past either, a 429 with Retry-After. `usage.prompt_tokens`
 counts the word pieces the model read (at most its window per text); `x_llmweb.truncated` lists
-the inputs it read only the start of.
+the inputs it read only the start of. A client that leaves stops its work after the batch in hand.
 
 Owns: the route, the limits on requests in flight, the embedder's names. Must not parse fields
 (embeddings_wire.py), store anything, or work out an owner (web/identity.py's `ApiCallers` does).
@@ -25,9 +25,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from llmweb.config import Settings
+from llmweb.errors import Cancelled
 from llmweb.retrieval.embedder import MAX_CHARS_PER_TOKEN
 from llmweb.runtime.engines import uncapped_owner
-from llmweb.web.api.common import parse_json, read_body, require_json
+from llmweb.web.api.common import disconnected, parse_json, read_body, require_json
 from llmweb.web.api.embeddings_wire import EMBEDDING_ALIAS, EmbeddingsRequest, embeddings_response, parse_embeddings
 from llmweb.web.api.errors import RETRY_AFTER_S, ApiError, api_error, bad, error_response
 from llmweb.web.identity import ApiCallers
@@ -104,20 +105,37 @@ class Embeddings:
             require_json(request)
             body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
             req = parse_embeddings(body, self.names)
-            owner = caller.stateless_owner
+            owner, gone = caller.stateless_owner, threading.Event()
             self.in_flight.enter(owner)
             try:
-                loop = asyncio.get_running_loop()
-                return JSONResponse(await loop.run_in_executor(self.pool(), self.embed, req))
-            finally:
+                future = self.pool().submit(self.embed, req, gone)
+            except BaseException:
                 self.in_flight.leave(owner)
+                raise
+            future.add_done_callback(lambda _f: self.in_flight.leave(owner))  # in flight until the work stops
+            work, leaving = asyncio.wrap_future(future), asyncio.ensure_future(disconnected(request))
+            both: set[asyncio.Future[Any]] = {work, leaving}
+            try:
+                await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                leaving.cancel()
+            if not work.done():
+                gone.set()  # the client left: the work stops after the batch in hand
+                return Response(status_code=499)  # nobody reads it
+            return JSONResponse(work.result())
         except ApiError as e:
             return error_response(e)
         except Exception as e:
             return error_response(api_error(e))
 
-    def embed(self, req: EmbeddingsRequest) -> dict[str, Any]:
-        """The response for `req` (on a worker thread: it may load the embedder, then embeds)."""
+    def embed(self, req: EmbeddingsRequest, gone: threading.Event) -> dict[str, Any]:
+        """The response for `req` (on a worker thread: it may load the embedder, then embeds);
+        Cancelled after the batch in hand once `gone` is set (the client left)."""
+
+        def stop_if_gone(_done: int, _total: int) -> None:
+            if gone.is_set():
+                raise Cancelled("The client left before its embeddings were ready.")
+
         embedder = self.runtime.library.embedder
         dim, window = embedder.dim, embedder.window
         if req.dimensions is not None and req.dimensions != dim:
@@ -128,6 +146,6 @@ class Embeddings:
             for i, (n, t) in enumerate(zip(counts, req.texts, strict=True))
             if n > window or len(t) > MAX_CHARS_PER_TOKEN * window
         ]
-        vectors = embedder.embed(list(req.texts))
+        vectors = embedder.embed(list(req.texts), progress=stop_if_gone)
         used = sum(min(n, window) for n in counts)
         return embeddings_response(vectors, req.encoding, self.names[0], used, window, cut)

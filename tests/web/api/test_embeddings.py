@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from llmweb.web.api.embeddings_wire import EMBEDDING_ALIAS, MAX_INPUT_CHARS, MAX_INPUTS
+from llmweb.errors import Cancelled
+from llmweb.web.api.embeddings_wire import EMBEDDING_ALIAS, MAX_INPUT_CHARS, MAX_INPUTS, parse_embeddings
 from tests.web.api.conftest import rig
 
 WINDOW, DIM = 8, 4
@@ -25,11 +26,13 @@ class FakeEmbedder:
         self.window, self.dim = WINDOW, DIM
         self.gate: threading.Event | None = None  # set by a test: embed waits for it
         self.started = threading.Semaphore(0)
+        self.batches = 0
 
     def token_counts(self, texts):
         return [len(t.split()) + 2 for t in texts]
 
-    def embed(self, texts):
+    def embed(self, texts, progress=None):
+        """Batches of one text, `progress` after each, as Embedder.embed calls it."""
         self.started.release()
         if self.gate is not None:
             assert self.gate.wait(10)
@@ -38,6 +41,9 @@ class FakeEmbedder:
             lengths = [len(w) for w in t.split()][:DIM]
             out[i, : len(lengths)] = lengths
             out[i] /= np.linalg.norm(out[i]) or 1.0
+            self.batches += 1
+            if progress is not None:
+                progress(i + 1, len(texts))
         return out
 
 
@@ -193,3 +199,13 @@ def test_the_single_users_parallel_requests_are_all_answered(emb):
         assert [x.status_code for x in results] == [200] * 6
     finally:
         emb.embedder.gate.set()
+
+
+def test_the_work_of_a_client_that_left_stops_after_the_batch_in_hand(emb):
+    gone = threading.Event()
+    gone.set()
+    req = parse_embeddings({"model": EMBEDDING_ALIAS, "input": ["a", "b", "c"]}, emb.embeddings.names)
+    with pytest.raises(Cancelled):
+        emb.embeddings.embed(req, gone)
+    assert emb.embedder.batches == 1
+    assert len(emb.embeddings.embed(req, threading.Event())["data"]) == 3
