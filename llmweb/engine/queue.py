@@ -2,7 +2,8 @@
 
 Strangers share one server, so the interactive queue is fair between owners
 (`GenerationRequest.owner`; "" is one owner too): each owner may have `queue_per_user` requests
-waiting (running ones do not count), and the owners take turns, round-robin (`FairQueue`: the
+waiting (running ones do not count; a single-user install's own owner, `uncapped_owner`, 4 x
+`queue_size`: its parallel calls queue), and the owners take turns, round-robin (`FairQueue`: the
 owner served least recently goes next; one owner's requests first-in first-out).
 `handle.position` counts what is really ahead in that order, so it can grow when a new owner
 arrives. The interactive lane has no count bound: a request is refused when its estimated wait
@@ -149,7 +150,8 @@ class Lanes:
             self.background.append(handle)
             return 0.0
         mine = self.interactive.waiting(request.owner)
-        if mine >= self.limits.queue_per_user:
+        uncapped = bool(request.owner) and request.owner == self.limits.uncapped_owner
+        if mine >= (self.limits.queue_size * 4 if uncapped else self.limits.queue_per_user):
             raise BusyError(
                 f"The model is busy: you already have {mine} request{'s' if mine != 1 else ''} "
                 "waiting; wait for them to finish or stop one."

@@ -281,6 +281,9 @@ class Runner(Protocol):
 class EngineLimits:
     queue_size: int = 8  # background jobs (summaries) waiting: 4 x this; interactive ones are bounded by the wait
     queue_per_user: int = 2  # interactive requests waiting per owner; more from that owner get BusyError
+    # a single-user install's one owner: its own parallel requests (an agent fans out its calls) wait,
+    # up to 4 x queue_size, bounded by max_wait_s as everyone's are; "" = every owner is capped
+    uncapped_owner: str = ""
     max_wait_s: float = 120.0  # a request whose estimated wait is longer is refused (engine/waitroom.py)
     max_new_tokens: int = 256
     request_timeout_s: float = 120.0

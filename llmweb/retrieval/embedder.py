@@ -116,6 +116,19 @@ class Embedder:
         return int(model.max_seq_length) - specials
 
     @property
+    def window(self) -> int:
+        """Word pieces the model reads of a text, special tokens included (max_seq_length)."""
+        return int(self.model.max_seq_length)
+
+    def token_counts(self, texts: Sequence[str]) -> list[int]:
+        """Word pieces of each text, special tokens included, cut as `embed` cuts it (so the count
+        is bounded: linear in the text up to the cut), on a borrowed tokenizer, not the lock."""
+        cut = MAX_CHARS_PER_TOKEN * self.window
+        with self.borrowed_tokenizer() as tokenizer:
+            ids = tokenizer([t[:cut] for t in texts], add_special_tokens=True)["input_ids"]
+        return [len(i) for i in ids]
+
+    @property
     def dim(self) -> int:
         return int(self.model.get_embedding_dimension())
 

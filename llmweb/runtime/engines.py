@@ -16,6 +16,7 @@ import psutil
 from llmweb.chat.context import Budget
 from llmweb.config import Settings
 from llmweb.engine import models
+from llmweb.records import LOCAL_OWNER
 
 if TYPE_CHECKING:
     from llmweb.engine.request import EngineLimits
@@ -75,6 +76,13 @@ def size_to_memory(settings: Settings, loaded) -> None:
         loaded.notes.append(sized.note)
 
 
+def uncapped_owner(s: Settings) -> str:
+    """The owner whose own parallel requests queue past LLMWEB_QUEUE_PER_USER: the one person of a
+    single-user install (`Settings.is_single_user`: loopback, no login; or LLMWEB_SINGLE_USER=1),
+    so an agent that fans out its calls is not refused by its own install. Elsewhere none."""
+    return LOCAL_OWNER if s.is_single_user else ""
+
+
 def _queue_limits(s: Settings, budget: Budget) -> dict[str, Any]:
     """The limits every engine has, local or remote: its queue, the reply cap, time limits, KV reuse."""
     return dict(
@@ -84,6 +92,7 @@ def _queue_limits(s: Settings, budget: Budget) -> dict[str, Any]:
         admission_wait_s=s.admission_wait_s,
         kv_reuse=s.kv_reuse,
         queue_per_user=s.queue_per_user,
+        uncapped_owner=uncapped_owner(s),
         max_wait_s=s.max_wait_s,
         running_per_user=s.running_per_user,
         prompt_tokens_per_min=s.prompt_tokens_per_min or 4 * budget.context_limit,

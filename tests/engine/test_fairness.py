@@ -158,6 +158,24 @@ def test_a_flood_from_one_owner_is_capped_and_another_owner_goes_first(engine):
     assert served(runner) == [1, 200, 102, 103], "B's one request is served before A's second and third"
 
 
+def test_the_single_users_own_requests_queue_past_the_per_owner_cap_and_others_stay_capped():
+    e, runner = fake_engine(FakeRunner(token_delay_s=0.01), queue_size=2, uncapped_owner="local")
+    try:
+        first = busy_with(e, runner, "local")
+        mine = [e.submit(req((100 + i,), owner="local")) for i in range(2, 10)]  # 8 = 4 x queue_size
+        with pytest.raises(BusyError, match="you already have 8 requests waiting"):
+            e.submit(req((110,), owner="local"))
+        b = [e.submit(req((200 + i,), owner="B")) for i in range(2)]
+        with pytest.raises(BusyError, match="you already have 2 requests waiting"):
+            e.submit(req((202,), owner="B"))
+        first.cancel()
+        for h in [*mine, *b]:
+            h.result()
+        assert served(runner)[:4] == [1, 200, 102, 201], "the single user's queue does not starve another owner"
+    finally:
+        e.close()
+
+
 def test_positions_under_round_robin_follow_the_real_turns_also_after_a_cancel(engine):
     e, runner = engine
     first = busy_with(e, runner, "A")

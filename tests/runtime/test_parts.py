@@ -129,3 +129,14 @@ def test_the_sample_guide_is_seeded_once(tmp_path):
     seed_sample(settings, library, said.append)
     assert len(ingested) == 1 and said == ["Indexing the sample user guide…"]
     assert (tmp_path / "index" / SAMPLE_MARKER).is_file()
+
+
+def test_only_a_single_user_installs_owner_is_exempt_from_the_per_owner_queue_cap(tmp_path):
+    from llmweb.records import LOCAL_OWNER
+    from llmweb.runtime.engines import uncapped_owner
+
+    assert uncapped_owner(make_settings(tmp_path)) == LOCAL_OWNER, "loopback, no login: one person's install"
+    assert uncapped_owner(make_settings(tmp_path, single_user="1", host="0.0.0.0")) == LOCAL_OWNER
+    assert uncapped_owner(make_settings(tmp_path, host="0.0.0.0")) == "", "others reach it: every cap holds"
+    assert uncapped_owner(make_settings(tmp_path, auth="alice:secret-pass-1")) == "", "login: accounts are apart"
+    assert uncapped_owner(make_settings(tmp_path, single_user="0")) == ""

@@ -4,6 +4,8 @@
   chat.py       POST /v1/chat/completions: the turn (stateful or stateless) and its response
   chat_wire.py  chat completions' wire format as pure functions: request checks, responses, chunks, stop strings
   models.py     GET /v1/models and a request's `model`: the listing, and a switch for those who may
+  embeddings.py POST /v1/embeddings: the server's embedder, per-owner limits on requests in flight
+  embeddings_wire.py  the embeddings request's checks and response, as pure functions
   passages.py   GET /v1/x_llmweb/passage: a cited source's passage, by the place its citation gives
   common.py     what the families share: the body within its limit, JSON, field checks, Usage, the stream
   errors.py     ApiError, a domain error as an HTTP status, the error response

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from llmweb.chat.context import Budget
 from llmweb.chat.session import Chat
 from llmweb.records import Chunk
+from llmweb.runtime.engines import uncapped_owner
 from llmweb.runtime.resident import Lease
 from llmweb.store.db import Store
 from llmweb.web.api.routes import api_routes
@@ -41,6 +42,7 @@ LOCAL_URL, LOCAL_PEER = "http://127.0.0.1:7860", ("127.0.0.1", 50000)  # as a pr
 def rig(tmp_path, *, library=None, **kw):
     limits = {k: kw.pop(k) for k in ("queue_size", "queue_per_user", "max_batch") if k in kw}
     s = make_settings(tmp_path, recall=False, **kw)
+    limits["uncapped_owner"] = uncapped_owner(s)  # as the runtime builds the engine's limits
     engine, runner = fake_engine(FakeRunner(), max_new_tokens=BUDGET.max_new_tokens, **limits)
     fmt = FakeFormat()
     store = Store(tmp_path / "api.sqlite3")

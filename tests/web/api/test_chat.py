@@ -12,6 +12,7 @@ import pytest
 
 from llmweb.engine.request import GenerationRequest
 from llmweb.records import LOCAL_OWNER
+from llmweb.web.identity import OPEN_STATELESS_OWNER
 from tests.web.api.conftest import BUDGET, FakeLibrary, body, events, rig, say
 
 
@@ -116,9 +117,9 @@ def test_malformed_and_oversized_bodies_get_a_4xx_error_object(tmp_path, raw, st
 
 
 def test_a_full_queue_is_a_429_with_retry_after(tmp_path):
-    r = rig(tmp_path, queue_size=1, queue_per_user=1)
+    r = rig(tmp_path, queue_size=1, queue_per_user=1, single_user="0")  # shared: the per-owner cap holds
     r.runner.token_delay_s = 0.05
-    long = GenerationRequest(prompt_ids=[1, 2, 3], max_new_tokens=20, owner=LOCAL_OWNER)
+    long = GenerationRequest(prompt_ids=[1, 2, 3], max_new_tokens=20, owner=OPEN_STATELESS_OWNER)
     r.runner.enqueue(list(range(100, 120)))
     running = r.engine.submit(long)
     assert r.runner.running.wait(5)
@@ -131,6 +132,33 @@ def test_a_full_queue_is_a_429_with_retry_after(tmp_path):
         running.cancel()
         waiting.cancel()
         r.engine.close()
+
+
+def test_the_single_users_parallel_requests_queue_and_a_shared_servers_cap_holds(tmp_path):
+    """Four requests at once with the install's own key: on a single-user install all four are
+    answered (one runs, three wait); on a shared server the fourth gets a 429 with Retry-After."""
+    for single_user, owner in (("auto", LOCAL_OWNER), ("0", OPEN_STATELESS_OWNER)):
+        r = rig(tmp_path / single_user, single_user=single_user)  # queue_per_user 2, max_batch 1
+        r.runner.token_delay_s = 0.02
+        r.runner.enqueue(list(range(100, 110)))
+        first = r.engine.submit(GenerationRequest(prompt_ids=[1, 2, 3], max_new_tokens=10, owner=owner))
+        assert r.runner.running.wait(5)
+        waiting = [r.engine.submit(GenerationRequest(prompt_ids=[1, 2], max_new_tokens=10, owner=owner))]
+        waiting.append(r.engine.submit(GenerationRequest(prompt_ids=[1, 2], max_new_tokens=10, owner=owner)))
+        try:
+            say(r, "Paris")
+            resp = r.client.post("/v1/chat/completions", json=body())
+            if single_user == "auto":
+                assert resp.status_code == 200, resp.text
+            else:
+                assert resp.status_code == 429 and resp.headers["retry-after"].isdigit()
+                assert "you already have 2 requests waiting" in resp.json()["error"]["message"]
+                streamed = r.client.post("/v1/chat/completions", json=body(stream=True))
+                assert streamed.status_code == 429 and streamed.headers["retry-after"].isdigit()
+        finally:
+            for h in [first, *waiting]:
+                h.cancel()
+            r.engine.close()
 
 
 def test_an_api_request_joins_the_batch_of_a_running_ui_request(tmp_path):

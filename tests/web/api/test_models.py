@@ -11,7 +11,8 @@ def test_models_lists_llmweb(api):
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["llmweb"]
     assert api.client.get("/v1/models/llmweb").json()["id"] == "llmweb"
     assert api.client.get("/v1/models/gpt-4").status_code == 404
-    assert api.client.get("/v1/embeddings").json()["error"]["code"] == "unknown_url"
+    assert api.client.get("/v1/audio/speech").json()["error"]["code"] == "unknown_url"
+    assert api.client.get("/v1/embeddings").json()["error"]["code"] == "method_not_allowed"
     assert api.client.get("/v1/chat/completions").status_code == 405
 
 

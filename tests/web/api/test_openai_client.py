@@ -233,3 +233,28 @@ def test_a_flood_gets_429_with_retry_after(served):
     refused = [r for r in results if r != "ok"]
     assert len(results) == 6 and "ok" in results and refused
     assert all(e.status_code == 429 and e.response.headers["retry-after"].isdigit() for e in refused)
+
+
+def test_the_sdks_default_embeddings_create_equals_the_embedders_own_vectors(served):
+    """`client.embeddings.create` as callers write it (the SDK asks for base64 and decodes it): a
+    string and a list, each vector the embedder's own (the library's); bob's key works the same."""
+    runtime, base = served
+    import numpy as np
+
+    texts = ["The capital of France is Paris.", "Cats sleep most of the day.", "x" * 5000]
+    own = runtime.library.embedder.embed(texts)
+    raw = client(base).embeddings.with_raw_response.create(model="llmweb-embedding", input=texts[0])
+    assert isinstance(raw.http_response.json()["data"][0]["embedding"], str), "the SDK asked for base64"
+    one = raw.parse()
+    assert one.model == "all-MiniLM-L6-v2" and one.usage.prompt_tokens == one.usage.total_tokens > 2
+    many = client(base, BOB).embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+    for got, want in zip([one.data[0], *many.data[:1]], [own[0], own[0]], strict=True):
+        v = np.asarray(got.embedding, dtype=np.float32)
+        assert v.shape == want.shape and float(v @ want) / float(np.linalg.norm(v)) > 0.999
+    vectors = np.asarray([d.embedding for d in many.data], dtype=np.float32)
+    assert [d.index for d in many.data] == [0, 1, 2] and np.allclose(vectors, own, atol=1e-5)
+    assert many.model_extra["x_llmweb"]["truncated"] == [2], "the long text: the model read its window"
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        client(base).embeddings.create(model="text-embedding-3-small", input="hi")
+    with pytest.raises(openai.BadRequestError, match="dimensions must be 384"):
+        client(base).embeddings.create(model="llmweb-embedding", input="hi", dimensions=256)
