@@ -191,8 +191,9 @@ class Runtime:
         except BaseException:
             runner.close()
             raise
-        info.pop("pid", None)
-        loaded = models.LoadedModel(model=None, tokenizer=tokenizer, **info)
+        # the process's info, less what only the supervisor keeps (its pid; the sizing later processes reuse)
+        fields = {k: v for k, v in info.items() if k not in ("pid", "kv_budget_bytes")}
+        loaded = models.LoadedModel(model=None, tokenizer=tokenizer, **fields)
         budget = Budget.from_settings(s, loaded.max_context, loaded.on_cpu)
         engine = Engine(runner, runner.kv, local_limits(s, budget, loaded))
         self.loaded = loaded
