@@ -62,7 +62,7 @@ from typing import Any
 import psutil
 
 from llmweb.engine.kvcache import KVStore
-from llmweb.engine.request import EngineLimits, GenerationRequest, GiveWay, Slot
+from llmweb.engine.request import EngineLimits, GenerationRequest, GiveWay, Slot, Unmetered
 from llmweb.engine.scheduler import Engine
 from llmweb.engine.server import RETRY_STATUS, Capabilities, HTTPStatus, RemoteConfig, RemoteError, Server, SlotTable
 from llmweb.errors import LlmwebError
@@ -90,7 +90,7 @@ class _Call:
     thread: threading.Thread | None = None
 
 
-class RemoteRunner:
+class RemoteRunner(Unmetered):
     """A `Runner` whose model is on an OpenAI-compatible server (see the module docstring)."""
 
     device = "remote"
@@ -109,22 +109,7 @@ class RemoteRunner:
         self.counters = {"retries": 0, "disconnects": 0}
         self._table: SlotTable | None = None
 
-    # ---- memory: the server's business
-    def predict(self, request: GenerationRequest) -> int:
-        return 0
-
-    def held(self, slot: Slot) -> int:
-        return 0
-
-    def available(self) -> int:
-        return 1 << 62
-
-    def busy(self, work: Callable[[], None]) -> None:
-        work()
-
-    def empty_cache(self) -> None:
-        pass
-
+    # ---- memory: the server's business (`Unmetered`)
     def snapshot(self) -> MemorySnapshot:
         return MemorySnapshot(rss_bytes=psutil.Process().memory_info().rss)  # this process only: no VRAM figures
 

@@ -277,6 +277,26 @@ class Runner(Protocol):
     def snapshot(self) -> MemorySnapshot: ...
 
 
+class Unmetered:
+    """The memory half of a `Runner` whose memory is elsewhere (a remote server, a ZeroGPU call):
+    nothing to predict, hold or release here, and a busy period that is just the work."""
+
+    def predict(self, request: GenerationRequest) -> int:
+        return 0
+
+    def held(self, slot: Slot) -> int:
+        return 0
+
+    def available(self) -> int:
+        return 1 << 62
+
+    def busy(self, work: Callable[[], None]) -> None:
+        work()
+
+    def empty_cache(self) -> None:
+        return None
+
+
 @dataclass
 class EngineLimits:
     queue_size: int = 8  # background jobs (summaries) waiting: 4 x this; interactive ones are bounded by the wait

@@ -35,7 +35,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from llmweb.engine.kvcache import Entry, KVStore, reusable
-from llmweb.engine.request import EngineLimits, GenerationRequest, Handle, Slot
+from llmweb.engine.request import EngineLimits, GenerationRequest, Handle, Slot, Unmetered
 from llmweb.engine.runners.loopguard import Pieces
 from llmweb.engine.telemetry import memory_snapshot
 from llmweb.errors import LlmwebError
@@ -181,7 +181,7 @@ class _Call:
     last: Step | None = None
 
 
-class ZeroRunner:
+class ZeroRunner(Unmetered):
     """The host's half (engine/request.py `Runner`): one GPU call per request, caches as host bytes.
 
     GPU memory is the call's: admission here only queues (the host holds bytes, counted by `kv`)."""
@@ -194,24 +194,9 @@ class ZeroRunner:
         self.model = model
         self.kv = kv
 
-    # ---- memory: none of it is here
-    def predict(self, request: GenerationRequest) -> int:
-        return 0
-
-    def held(self, slot: Slot) -> int:
-        return 0
-
-    def available(self) -> int:
-        return 1 << 62
-
-    def empty_cache(self) -> None:
-        return None
-
+    # ---- memory: none of it is here (`Unmetered`), but the host's bytes
     def snapshot(self):
         return memory_snapshot("cpu")
-
-    def busy(self, work: Callable[[], None]) -> None:
-        work()
 
     # ---- a request: one call
     def start(self, slot: Slot) -> None:
