@@ -114,7 +114,7 @@ def test_a_200_message_history_that_cannot_fit_is_answered_inside_the_budget(ser
     limit = runtime.budget.context_limit
     assert r.usage.prompt_tokens + 24 <= limit, "inside the budget"
     x = r.x_llmweb
-    assert 100 <= x["summarized_messages"] < 200 and x["left_out_messages"] == 0
+    assert 100 <= x["summarized_messages"] < 200 and x["left_out_messages"] == 0, x.get("summary_error", x)
     assert x["sections"]["summary"] > 0 and x["summary_folds"] >= 1 and not x["summary_cached"]
     assert raw.headers["x-llmweb-summarized-messages"] == str(x["summarized_messages"])
     assert raw.headers["x-llmweb-left-out-messages"] == "0"
