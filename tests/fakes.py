@@ -178,6 +178,11 @@ class FakeRunner:
         token = next(slot.state, None)
         if token is None or token == self.stop_id:
             slot.finish = "eos"
+        elif slot.request.logprobs is not None:  # made-up figures: the sampled id first, then id + 1, ...
+            from llmweb.engine.request import TokenLogprob
+
+            top = tuple((token + k, -0.5 - k) for k in range(slot.request.logprobs))
+            slot.record(token, TokenLogprob(token, -0.5, top))
         else:
             slot.record(token)
 

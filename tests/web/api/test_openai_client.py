@@ -190,7 +190,7 @@ def test_each_bad_request_gets_its_4xx(served):
     cases = [
         (openai.BadRequestError, dict(n=2), "n > 1"),
         (openai.BadRequestError, dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (openai.BadRequestError, dict(logprobs=True), "logprobs"),
+        (openai.BadRequestError, dict(logprobs=True, top_logprobs=21), "top_logprobs"),
         (openai.BadRequestError, dict(messages=[{"role": "robot", "content": "hi"}]), "role"),
         (openai.BadRequestError, dict(messages=ask("  ")), "empty"),
         (openai.NotFoundError, dict(model="gpt-5"), "does not exist"),
