@@ -46,6 +46,9 @@ class FakeFormat:
     def count(self, text: str) -> int:
         return len(text.split())
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self._words(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(self.words[i] for i in ids if i in self.words)
 

@@ -236,6 +236,12 @@ class TemplateFormat:
     def count(self, text: str) -> int:
         return len(self._encode_text(text))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt's ids (web/api/completions.py): as the tokenizer reads it, its special tokens'
+        spellings as those tokens and its own start token where it adds one; the caller's own prompt,
+        stored nowhere."""
+        return list(self.tokenizer(text)["input_ids"])
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 

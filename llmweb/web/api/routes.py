@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from llmweb.web.api.chat import ChatCompletions
+from llmweb.web.api.completions import Completions
 from llmweb.web.api.embeddings import Embeddings
 from llmweb.web.api.errors import ApiError, error_response
 from llmweb.web.api.models import Models
@@ -23,9 +24,16 @@ from llmweb.web.identity import ApiCallers
 from llmweb.web.login import login_routes
 
 ENDPOINTS = (
-    "GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/embeddings, GET /v1/x_llmweb/passage"
+    "GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, "
+    "GET /v1/x_llmweb/passage"
 )
-KNOWN = {"models": "GET", "chat/completions": "POST", "embeddings": "POST", "x_llmweb/passage": "GET"}
+KNOWN = {
+    "models": "GET",
+    "chat/completions": "POST",
+    "completions": "POST",
+    "embeddings": "POST",
+    "x_llmweb/passage": "GET",
+}
 
 
 def api_routes(runtime) -> list:
@@ -37,6 +45,8 @@ def api_routes(runtime) -> list:
     router.add_api_route("/v1/models", models.listing, methods=["GET"], include_in_schema=False)
     router.add_api_route("/v1/models/{model_id:path}", models.model, methods=["GET"], include_in_schema=False)
     router.add_api_route("/v1/chat/completions", chat.post, methods=["POST"], include_in_schema=False)
+    completions = Completions(runtime, callers)
+    router.add_api_route("/v1/completions", completions.post, methods=["POST"], include_in_schema=False)
     embeddings = Embeddings(runtime, callers)
     router.add_api_route("/v1/embeddings", embeddings.post, methods=["POST"], include_in_schema=False)
     router.add_api_route("/v1/x_llmweb/passage", passages.passage, methods=["GET"], include_in_schema=False)
