@@ -79,3 +79,27 @@ def test_each_runner_gives_the_raw_models_logprobs_only_when_asked(runner, fmt):
         assert plain.result() == generated and plain.logprobs == [], "not asked: none computed"
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_logprobs_cross_the_engine_processs_wire_as_computed_in_this_process(llama_model, fmt, tmp_path):
+    from tests.engine.test_process import Boundary
+    from tests.fakes import RunnerKind
+
+    kind = RunnerKind("llama.cpp", llama_model, MemoryError)
+    ids = prompt(fmt, ("user", "What is the capital of France?"))
+    here = kind.engine()
+    try:
+        want = here.submit(req(fmt, ids, n=10, logprobs=2))
+        want.result()
+    finally:
+        here.close()
+    b = Boundary(kind, tmp_path)
+    try:
+        got = b.engine.submit(req(fmt, ids, n=10, logprobs=2))
+        assert got.result() == want.generated
+        assert [lp.id for lp in got.logprobs] == got.generated
+        for a, w in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.logprob == pytest.approx(w.logprob, abs=1e-4) and [i for i, _ in a.top] == [i for i, _ in w.top]
+    finally:
+        b.close()
