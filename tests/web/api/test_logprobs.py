@@ -69,3 +69,9 @@ def test_an_engine_without_logprobs_refuses_them_by_name(api):
     r = api.client.post("/v1/chat/completions", json=body(logprobs=True))
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     assert "remote" in r.json()["error"]["message"]
+
+
+def test_a_stateful_turn_has_its_logprobs_too(api):
+    say(api, "Hello there")
+    d = api.client.post("/v1/chat/completions", json=body(conversation_id="new", logprobs=True)).json()
+    assert [t["token"] for t in d["choices"][0]["logprobs"]["content"]] == ["Hello", "there"]

@@ -173,3 +173,12 @@ def test_ollama_errors_are_its_error_object_with_the_v1_status(api):
     assert r.status_code == 400 and "stateless" in r.json()["error"]
     r = api.client.get("/api/tags", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and "error" in r.json()
+
+
+def test_a_prompt_past_the_context_is_a_400_never_a_hang(api):
+    long = " ".join(f"w{i}" for i in range(300))
+    r = api.client.post("/api/generate", json={"model": "llmweb", "prompt": long, "raw": True})
+    assert r.status_code == 400 and "context" in r.json()["error"]
+    r = api.client.post("/api/chat", json={"model": "llmweb", "messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400 and r.json()["error"]
+    assert api.runner.requests == [], "nothing reached the engine"
