@@ -150,7 +150,6 @@ class Ollama:
         try:
             caller = self.callers.caller(request)
             body = await self._body(request)
-            context = self._context()
             if generate:
                 wire.check_generate(body)
                 if body.get("raw"):
@@ -158,9 +157,9 @@ class Ollama:
                 if not body.get("prompt"):  # Ollama's way to load a model: nothing to say
                     wire.model_name(body)
                     return JSONResponse(_loaded(wire.model_name(body)))
-                openai_body = wire.generate_body(body, context)
+                openai_body = wire.generate_body(body)
             else:
-                openai_body = wire.chat_body(body, context)
+                openai_body = wire.chat_body(body)
             known = await run_in_threadpool(models.names, self.runtime)
             req = parse_request(openai_body, known, self.settings.max_message_chars)
             lease = await run_in_threadpool(models.ensure, self.runtime, caller, req.model)
@@ -182,13 +181,9 @@ class Ollama:
             return Lines(writer.chat_stream(reply, pump), on_close=pump.close, headers={})
         return await writer.chat_whole(reply, pump)
 
-    def _context(self) -> int:
-        budget = getattr(self.runtime, "budget", None)
-        return budget.context_limit if budget is not None else 0
-
     async def _raw(self, request: Request, caller, body: dict[str, Any]) -> Response:
         """`/api/generate` with "raw": true: the prompt as written, as /v1/completions runs it."""
-        opts = wire.options(body.get("options"), self._context())
+        opts = wire.options(body.get("options"))
         stream = body.get("stream", True)
         if not isinstance(stream, bool):
             raise bad("stream must be a boolean.", "stream", "invalid_type")

@@ -99,7 +99,7 @@ def _neutral(body: Mapping[str, Any], name: str, neutral: tuple[Any, ...], why: 
         raise bad(f"{name}: {why}", name, "unsupported_parameter")
 
 
-def options(raw: Any, context_limit: int) -> dict[str, Any]:
+def options(raw: Any) -> dict[str, Any]:
     """Ollama's `options` as chat-completions fields (see the module docstring)."""
     if raw is None:
         return {}
@@ -113,7 +113,7 @@ def options(raw: Any, context_limit: int) -> dict[str, Any]:
         if name == "num_ctx":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(f"{where} must be a positive integer.", where, "invalid_type")
-            continue  # clamped: the loaded model's context is the server's (context_limit)
+            continue  # clamped: the loaded model's context is the server's (LLMWEB_CONTEXT_LIMIT)
         if name == "stop":
             stops = [value] if isinstance(value, str) else value
             if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -146,7 +146,7 @@ def response_format(fmt: Any) -> dict[str, Any] | None:
     raise bad('format must be "json" or a JSON schema object.', "format", "invalid_type")
 
 
-def _common(body: Mapping[str, Any], context_limit: int) -> dict[str, Any]:
+def _common(body: Mapping[str, Any]) -> dict[str, Any]:
     """The fields /api/chat and /api/generate share, as chat-completions fields."""
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
@@ -155,7 +155,7 @@ def _common(body: Mapping[str, Any], context_limit: int) -> dict[str, Any]:
     if keep_alive is not None and (isinstance(keep_alive, bool) or not isinstance(keep_alive, str | int | float)):
         raise bad("keep_alive must be a duration (a string such as '5m', or seconds).", "keep_alive", "invalid_type")
     _neutral(body, "think", (False,), "thinking is not supported by this server's model.")
-    out: dict[str, Any] = {"model": model_name(body), "stream": stream, **options(body.get("options"), context_limit)}
+    out: dict[str, Any] = {"model": model_name(body), "stream": stream, **options(body.get("options"))}
     if stream:
         out["stream_options"] = {"include_usage": True}
     rf = response_format(body.get("format"))
@@ -164,10 +164,10 @@ def _common(body: Mapping[str, Any], context_limit: int) -> dict[str, Any]:
     return out
 
 
-def chat_body(body: Mapping[str, Any], context_limit: int) -> dict[str, Any]:
+def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """An `/api/chat` body as a chat-completions body (web/api/chat_wire.py parses it next)."""
     _unknown(body, CHAT_FIELDS)
-    out = _common(body, context_limit)
+    out = _common(body)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty list of {role, content}.", "messages")
@@ -227,11 +227,11 @@ def messages(raw: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def generate_body(body: Mapping[str, Any], context_limit: int) -> dict[str, Any]:
+def generate_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """An `/api/generate` body (not raw) as a chat-completions body: `system` and `prompt` as messages."""
     _unknown(body, GENERATE_FIELDS)
     check_generate(body)
-    out = _common(body, context_limit)
+    out = _common(body)
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         raise bad("system must be a string.", "system", "invalid_type")

@@ -47,7 +47,7 @@ def test_a_chat_body_becomes_the_openai_body_the_chat_path_parses():
         "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}],
         "keep_alive": "5m",
     }
-    out = wire.chat_body(body, 2048)
+    out = wire.chat_body(body)
     assert out["model"] == "llmweb" and out["stream"] is True and out["stream_options"] == {"include_usage": True}
     assert (out["temperature"], out["top_p"], out["max_tokens"], out["stop"], out["seed"]) == (0.2, 0.5, 7, ["\n\n"], 3)
     assert "top_k" not in out and "num_ctx" not in out, "ignored and clamped options do not reach the chat path"
@@ -60,10 +60,8 @@ def test_a_chat_body_becomes_the_openai_body_the_chat_path_parses():
     assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'} and call["type"] == "function"
     assert out["messages"][2]["content"] is None
     assert out["messages"][3] == {"role": "tool", "content": "18 C", "tool_call_id": call["id"]}
-    assert wire.chat_body({**body, "format": "json", "stream": False}, 2048)["response_format"] == {
-        "type": "json_object"
-    }
-    assert "stream_options" not in wire.chat_body({**body, "stream": False}, 2048)
+    assert wire.chat_body({**body, "format": "json", "stream": False})["response_format"] == {"type": "json_object"}
+    assert "stream_options" not in wire.chat_body({**body, "stream": False})
 
 
 def test_tool_calls_in_a_reply_become_ollamas_with_arguments_as_objects():
@@ -98,7 +96,7 @@ def test_tool_calls_in_a_reply_become_ollamas_with_arguments_as_objects():
 def test_bad_ollama_fields_are_refused_by_name(change, param):
     body = {"model": "llmweb", "messages": [{"role": "user", "content": "hi"}], **change}
     with pytest.raises(ApiError) as e:
-        wire.chat_body(body, 2048)
+        wire.chat_body(body)
     assert e.value.status == 400 and e.value.param == param
 
 
