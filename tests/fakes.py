@@ -46,6 +46,9 @@ class FakeFormat:
     def count(self, text: str) -> int:
         return len(text.split())
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self._words(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(self.words[i] for i in ids if i in self.words)
 
@@ -178,6 +181,11 @@ class FakeRunner:
         token = next(slot.state, None)
         if token is None or token == self.stop_id:
             slot.finish = "eos"
+        elif slot.request.logprobs is not None:  # made-up figures: the sampled id first, then id + 1, ...
+            from llmweb.engine.request import TokenLogprob
+
+            top = tuple((token + k, -0.5 - k) for k in range(slot.request.logprobs))
+            slot.record(token, TokenLogprob(token, -0.5, top))
         else:
             slot.record(token)
 

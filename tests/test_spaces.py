@@ -246,3 +246,27 @@ def test_a_zerogpu_space_answers_three_visitors_and_a_second_turn_reuses_the_hos
         assert stats["reused_tokens"] > 0 and stats["prefilled_tokens"] < stats["prompt_tokens"], stats
     assert len(spaces.durations) == 6, "one GPU call per reply"
     assert all(r is not None for r in spaces.requests), "each call made with its visitor's request (X-IP-Token)"
+
+
+def test_a_gpu_call_brings_each_ids_logprob_back_as_a_local_engine_computes_it(spaces, tiny):
+    """Log-probabilities cross the call's pickle as plain data beside the ids, as the local runner's."""
+    from llmweb.engine.runners.zerogpu import gpu_call
+
+    prompt = [5, 9, 12, 7, 3, 22, 41, 8]
+    kv = KVStore(2**24, 60)
+    zero, local = _zero_engine(tiny, gpu_call(spaces), kv), _local_engine(tiny)
+    try:
+        got, want = (e.submit(GenerationRequest(prompt, 6, owner="a", logprobs=2)) for e in (zero, local))
+        ids = got.result()
+        assert ids == want.result() and len(got.logprobs) == len(ids)
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert (
+                a.id == b.id
+                and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+                and [i for i, _ in a.top] == [i for i, _ in b.top]
+            )
+        plain = zero.submit(GenerationRequest(prompt, 6, owner="a"))
+        assert plain.result() == ids and plain.logprobs == []
+    finally:
+        zero.close()
+        local.close()

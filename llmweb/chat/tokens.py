@@ -236,6 +236,12 @@ class TemplateFormat:
     def count(self, text: str) -> int:
         return len(self._encode_text(text))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt's ids (web/api/completions.py): as the tokenizer reads it, its special tokens'
+        spellings as those tokens and its own start token where it adds one; the caller's own prompt,
+        stored nowhere."""
+        return list(self.tokenizer(text)["input_ids"])
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
@@ -295,3 +301,43 @@ def render_prompt(fmt: ChatFormat, system: str, messages: Sequence[tuple[str, st
     for role, text in messages:
         ids += fmt.message_ids(role, text)
     return ids + fmt.generation_prompt_ids()
+
+
+# ---- one id's bytes, for log-probabilities (the API's `token` and `bytes`)
+
+_HEX_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character a byte-level BPE writes for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+def token_bytes(fmt: ChatFormat, token: int) -> bytes:
+    """The bytes one id stands for, even where they are part of a character: a byte-level BPE piece
+    through its alphabet, a SentencePiece byte piece (<0xE2>) as its byte, else the id decoded alone."""
+    tokenizer = getattr(fmt, "tokenizer", None)
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    piece = convert(int(token)) if convert is not None else None
+    if isinstance(piece, str) and piece:
+        if match := _HEX_PIECE.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        table = _byte_level_decoder()
+        if _byte_level(tokenizer) and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+    return fmt.decode([token]).encode()
+
+
+@lru_cache(maxsize=8)
+def _byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's pieces are written in the byte-level alphabet (GPT-2, Llama 3, Qwen, SmolLM)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return "ByteLevel" in repr(decoder)

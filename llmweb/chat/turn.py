@@ -21,7 +21,7 @@ from llmweb.chat import context
 from llmweb.chat.document_plan import DocumentStats
 from llmweb.chat.tokens import ChatFormat
 from llmweb.config import Settings
-from llmweb.engine.request import GenerationRequest, Handle, Tokens, Waiting
+from llmweb.engine.request import GenerationRequest, Handle, TokenLogprob, Tokens, Waiting
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import ConfigError, EngineStopped, InputError
 from llmweb.records import ENGINE_STOPPED, Chunk, GenerationStats, Source, Turn, TurnStats
@@ -43,6 +43,7 @@ class Queued:
 @dataclass(frozen=True)
 class Delta:
     text: str  # the whole reply so far
+    logprobs: tuple[TokenLogprob, ...] = ()  # the new ids' since the last Delta, when the request asked
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Finished:
     prompt: tuple[tuple[str, str], ...] = ()  # the planned messages (role, text), system first
     conv_id: str = ""  # the conversation the turn was stored in
     document: DocumentStats | None = None  # a whole-document task's figures (chat/document_task.py)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per generated id, when the request asked (`Sampling.logprobs`)
 
     def prompt_text(self) -> str:
         return "\n\n".join(f"### {role}\n{text}" for role, text in self.prompt)
@@ -87,6 +89,7 @@ class Sampling:
     top_p: float | None = None
     max_tokens: int | None = None  # the reply's cap, within the budget's
     loop_guard: bool | None = None  # x_llmweb.loop_guard
+    logprobs: int | None = None  # None: none; k: each id's log-probability and the k most likely (engine/request.py)
 
 
 class Cancel:
@@ -266,6 +269,7 @@ class TurnRunner:
             timeout_s=s.request_timeout_s,
             fallback=smaller if job.partial is None else None,
             owner=job.owner,
+            logprobs=sampling.logprobs,
         )
         return request
 
@@ -287,6 +291,7 @@ class TurnRunner:
             cancel.attach(handle)
         yield Started(job.conv_id)
         finished = False
+        given = 0  # the log-probabilities handed out with a Delta so far
         try:
             for event in handle.events():
                 if isinstance(event, Waiting):
@@ -295,7 +300,9 @@ class TurnRunner:
                     text, ended = self._reply(job, handle, final=False)
                     if ended or (stop and any(s in text.lstrip() for s in stop)):
                         handle.cancel()  # the reply ends before the stop string (the caller cuts its own)
-                    yield Delta(text)
+                    logprobs = tuple(handle.logprobs[given:]) if event.logprobs else ()  # those of the text
+                    given += len(logprobs)
+                    yield Delta(text, logprobs)
             finished = True
         finally:
             if not finished:  # closed early (stop, disconnect) or failed (time limit, OOM)
@@ -311,7 +318,13 @@ class TurnRunner:
         if job.plan.left_out:
             notes.append(job.plan.left_out.capitalize() + ".")
         return Finished(
-            reply.strip(), stats, plan_sources(job.plan), notes + list(job.notes), job.plan.messages, job.conv_id
+            reply.strip(),
+            stats,
+            plan_sources(job.plan),
+            notes + list(job.notes),
+            job.plan.messages,
+            job.conv_id,
+            logprobs=tuple(handle.logprobs),
         )
 
     def _reply(self, job: Job, handle: Handle, final: bool = True) -> tuple[str, bool]:

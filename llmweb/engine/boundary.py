@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from llmweb.engine import faults
-from llmweb.engine.request import GenerationRequest, Slot
+from llmweb.engine.request import GenerationRequest, Slot, TokenLogprob
 from llmweb.errors import LlmwebError
 from llmweb.records import GenerationStats
 
@@ -69,12 +69,13 @@ class SlotDelta:
     error: LlmwebError | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     held: int = 0
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per sampled id, when asked
 
     def apply(self, slot: Slot) -> None:
         """Replay this on the web process's slot: the same ids through `Slot.record`, so it
         streams them and finishes as the mirror did."""
-        for token in self.sampled:
-            slot.record(token)
+        for i, token in enumerate(self.sampled):
+            slot.record(token, self.logprobs[i] if i < len(self.logprobs) else None)
         slot.ready = slot.ready or self.ready
         if slot.finish is None and self.finish is not None:
             slot.finish = self.finish
@@ -92,17 +93,20 @@ class _Sink:
     def __init__(self, key: int):
         self.id = key
 
-    def _emit(self, ids: list[int]) -> None:
+    def _emit(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         return None
 
 
 @dataclass(eq=False)
 class _Mirror(Slot):
     sampled: list[int] = field(default_factory=list)  # since the last delta
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # beside `sampled`, when asked
 
-    def record(self, token: int) -> None:
+    def record(self, token: int, logprob: TokenLogprob | None = None) -> None:
         self.sampled.append(token)
-        super().record(token)
+        if self.request.logprobs is not None:
+            self.logprobs.append(logprob)
+        super().record(token, logprob)
 
 
 def strip(request: GenerationRequest) -> GenerationRequest:
@@ -119,6 +123,7 @@ def serve(conn: Connection, runner, kv) -> bool:
     def delta(s: _Mirror) -> SlotDelta:
         d = SlotDelta(list(s.sampled), s.ready, s.finish, s.error, {n: getattr(s.stats, n) for n in RUNNER_STATS})
         d.held = runner.held(s) if s.state is not None else 0
+        d.logprobs, s.logprobs = s.logprobs, []
         s.sampled.clear()
         return d
 

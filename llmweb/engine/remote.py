@@ -94,6 +94,7 @@ class RemoteRunner(Unmetered):
     """A `Runner` whose model is on an OpenAI-compatible server (see the module docstring)."""
 
     device = "remote"
+    logprobs = False  # the reply's text is tokenised again here: a server's log-probabilities are not our ids'
 
     def __init__(
         self,

@@ -48,6 +48,24 @@ class GenerationRequest:
     optional: bool = False  # background work that may be dropped (a warm-up): refused when busy, pre-empted
     timeout_s: float | None = None  # from the start of processing
     fallback: Callable[[], GenerationRequest | None] | None = None  # smaller request for the OOM retry
+    # None: no log-probabilities (nothing computed); k (0..MAX_TOP_LOGPROBS): each sampled id's
+    # log-probability under the model's raw distribution, and the k most likely ids' (`TokenLogprob`)
+    logprobs: int | None = None
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled id's log-probability under the model's raw distribution (log-softmax of the logits,
+    before the repetition penalty, the loop guard's ban, temperature and top-p, as llama-server and
+    vLLM report them), and the `top` most likely ids with theirs, most likely first. Plain data: it
+    crosses the engine process's wire and a ZeroGPU call's pickle."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def capped(request: GenerationRequest, cap: int) -> GenerationRequest:
@@ -66,6 +84,7 @@ class Waiting:
 @dataclass(frozen=True)
 class Tokens:
     ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per id, when the request asked (`logprobs`)
 
 
 @dataclass(frozen=True)
@@ -114,6 +133,7 @@ class Handle:
         self.stats: GenerationStats | None = None
         self.error: LlmwebError | None = None
         self.generated: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # one per generated id, when the request asked
         # the submitter's context (a Gradio handler's carries its request): a ZeroGPU call for this
         # request is made in it (engine/runners/zerogpu.py)
         self.context = contextvars.copy_context()
@@ -162,12 +182,15 @@ class Handle:
         return list(self.generated)
 
     # worker side
-    def _emit(self, ids: list[int]) -> None:
+    def _emit(self, ids: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         self.generated.extend(ids)
-        self._events.put(Tokens(ids))
+        if logprobs:
+            self.logprobs.extend(logprobs)
+        self._events.put(Tokens(ids, logprobs))
 
     def _restart(self, reason: str) -> None:
         self.generated = []  # a new list: a reader never sees the old ids and new ones mixed
+        self.logprobs = []
         self._events.put(Restarted(reason))
 
     def _finish(self, stats: GenerationStats | None, error: LlmwebError | None = None) -> None:
@@ -201,8 +224,9 @@ class Slot:
     t_last: float | None = None
     state: Any = None  # the runner's: caches, sampler
 
-    def record(self, token: int) -> None:
-        """The runner sampled `token` for this request: stream it, or finish on a stop id / the cap."""
+    def record(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """The runner sampled `token` for this request (with its `logprob` when the request asked):
+        stream it, or finish on a stop id / the cap."""
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
@@ -212,7 +236,7 @@ class Slot:
             return
         self.t_last = now
         self.generated.append(token)
-        self.handle._emit([token])
+        self.handle._emit([token], [logprob] if logprob is not None else None)
         if len(self.generated) >= self.request.max_new_tokens:
             self.finish = "length"
 

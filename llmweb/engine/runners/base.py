@@ -23,7 +23,8 @@ from typing import Any
 
 from llmweb.engine import faults
 from llmweb.engine.kvcache import SHARED_MIN_TOKENS, KVStore, reusable
-from llmweb.engine.request import GenerationRequest, Slot
+from llmweb.engine.request import GenerationRequest, Slot, TokenLogprob
+from llmweb.engine.runners.logprobs import log_softmax, token_logprob
 from llmweb.engine.runners.loopguard import Pieces
 from llmweb.engine.runners.sampling import Sampler
 from llmweb.engine.telemetry import RssPeak, StepTiming, memory_snapshot, rss_bytes
@@ -121,9 +122,9 @@ class BaseRunner:
                 seq.filled = seq.pos = end
                 slot.stats.prefilled_tokens = end - seq.reused  # so far: a cancel between chunks reports it
                 if last:
-                    seq.last = self._pick(slot, *row)
+                    seq.last, logprob = self._pick(slot, *row)
                     slot.ready = True
-                    slot.record(seq.last)
+                    slot.record(seq.last, logprob)
         except Exception as e:
             if not faults.out_of_memory(e, self.out_of_memory):
                 raise
@@ -147,9 +148,9 @@ class BaseRunner:
                 for i, slot in enumerate(rows):
                     seq: Seq = slot.state
                     seq.pos += 1
-                    seq.last = self._pick(slot, logits, i)
+                    seq.last, logprob = self._pick(slot, logits, i)
                     seq.rss.peak = max(seq.rss.peak, rss)
-                    slot.record(seq.last)
+                    slot.record(seq.last, logprob)
         except Exception as e:
             if not faults.out_of_memory(e, self.out_of_memory):
                 raise
@@ -201,16 +202,19 @@ class BaseRunner:
         request = slot.request
         self.kv.put(request.session_id or "", held_ids, data, size, owner=request.owner, background=request.background)
 
-    def _pick(self, slot: Slot, logits: Any, i: int) -> int:
-        """The next id of `slot` from row `i` of the pass's logits."""
+    def _pick(self, slot: Slot, logits: Any, i: int) -> tuple[int, TokenLogprob | None]:
+        """The next id of `slot` from row `i` of the pass's logits, and its log-probability when the
+        request asks (runners/logprobs.py: from the raw row, before the sampler's changes)."""
         row = self._row(logits, i)
         if self.tap is not None:
             self.tap(slot, row)
+        top = slot.request.logprobs
+        logp = None if top is None else log_softmax(row)
         sampler = slot.state.sampler
         nxt = sampler(row)
         if sampler.guard is not None and sampler.guard.cuts:
             slot.stats.loop_cuts, slot.stats.loop_stopped = sampler.guard.cuts, sampler.guard.gave_up
-        return nxt
+        return nxt, (None if top is None else token_logprob(logp, nxt, top))
 
     # ---- what a back end supplies
     def _mode(self) -> contextlib.AbstractContextManager:

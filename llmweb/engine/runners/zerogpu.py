@@ -35,7 +35,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from llmweb.engine.kvcache import Entry, KVStore, reusable
-from llmweb.engine.request import EngineLimits, GenerationRequest, Handle, Slot, Unmetered
+from llmweb.engine.request import EngineLimits, GenerationRequest, Handle, Slot, TokenLogprob, Unmetered
 from llmweb.engine.runners.loopguard import Pieces
 from llmweb.engine.telemetry import memory_snapshot
 from llmweb.errors import LlmwebError
@@ -66,6 +66,7 @@ class Job:
     keep: bool  # return the new cache (the request has a session)
     cache: tuple[tuple[int, ...], bytes] | None  # the session's cache: the ids it holds, its bytes
     timeout_s: float
+    logprobs: int | None = None  # the request's (engine/request.py `GenerationRequest.logprobs`)
 
     def request(self) -> GenerationRequest:
         return GenerationRequest(
@@ -78,6 +79,7 @@ class Job:
             seed=self.seed,
             stop_ids=frozenset(self.stop_ids),
             session_id=SESSION if self.keep else None,
+            logprobs=self.logprobs,
         )
 
 
@@ -86,6 +88,7 @@ class Step:
     """What the GPU call yields: an id it sampled, or the prompt's progress, or (last) its cache."""
 
     ids: tuple[int, ...] = ()  # sampled this step, a stop id included: the host's slot records them
+    logprobs: tuple[TokenLogprob, ...] = ()  # beside `ids`, when the request asked
     prefilled: int = 0  # prompt tokens computed so far (a step per prefill chunk)
     oom: bool = False  # the GPU ran out of memory in this step; the call ends
     kept: tuple[tuple[int, ...], bytes] | None = None  # last: the session's new cache (its ids, its bytes)
@@ -138,18 +141,27 @@ def generate(job: Job) -> Iterator[Step]:
         if not runner.prefill(slot):
             yield Step(oom=True)
             return
-        yield Step(ids=(slot.state.last,) if slot.ready else (), prefilled=slot.stats.prefilled_tokens)
+        yield Step(
+            ids=(slot.state.last,) if slot.ready else (), prefilled=slot.stats.prefilled_tokens, logprobs=_last(slot)
+        )
     # 2) decode until a stop id or the length cap (the host's slot ends at the same id)
     while slot.finish is None:
         if not runner.decode([slot]):
             yield Step(oom=True)
             return
-        yield Step(ids=(slot.state.last,))
+        yield Step(ids=(slot.state.last,), logprobs=_last(slot))
     # 3) the session's cache back to the host, as bytes
     runner.release(slot, keep=True)
     entry = kv.take(SESSION)
     kept = (tuple(entry.ids), runner.export_cache(entry.cache)) if entry is not None else None
     yield Step(kept=kept, stats=slot.stats)  # its `mem`: the GPU's, as the runner took it on release
+
+
+def _last(slot: Slot) -> tuple[TokenLogprob, ...]:
+    """The log-probability of the id just sampled, when the request asked (a stop id's is not kept)."""
+    if slot.request.logprobs is None or not slot.ready or slot.finish == "eos" or not slot.handle.logprobs:
+        return ()
+    return (slot.handle.logprobs[-1],)
 
 
 class _Alone:
@@ -216,6 +228,7 @@ class ZeroRunner(Unmetered):
             keep=r.session_id is not None,
             cache=(tuple(entry.ids), entry.cache) if entry is not None and reused else None,
             timeout_s=slot.timeout,
+            logprobs=r.logprobs,
         )
         slot.stats.reused_tokens = reused
         slot.state = _Call(slot.handle.context.run(self.call, job), before=entry)
@@ -269,6 +282,6 @@ class ZeroRunner(Unmetered):
         return slot.handle.context.run(next, call.steps, None)
 
     def _record(self, slot: Slot, step: Step) -> None:
-        for i in step.ids:
+        for n, i in enumerate(step.ids):
             if slot.finish is None:
-                slot.record(i)
+                slot.record(i, step.logprobs[n] if n < len(step.logprobs) else None)

@@ -23,7 +23,7 @@ import asyncio
 import secrets
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from llmweb.chat.session import Delta, Finished, Progress, Queued
 from llmweb.chat.stateless import Fitted, StatelessChat
 from llmweb.chat.turn import Cancel, Sampling
+from llmweb.engine.request import TokenLogprob
 from llmweb.store.models import new_id
 from llmweb.web.api import models
 from llmweb.web.api.chat_wire import (
@@ -44,7 +45,20 @@ from llmweb.web.api.chat_wire import (
     finish_reason,
     parse_request,
 )
-from llmweb.web.api.common import EventStream, Pump, Usage, disconnected, parse_body, read_body, require_json, sse
+from llmweb.web.api.common import (
+    EventStream,
+    Pump,
+    Usage,
+    disconnected,
+    logprob_entries,
+    logprobs_supported,
+    logprobs_unsupported,
+    parse_body,
+    read_body,
+    require_json,
+    sse,
+    within,
+)
 from llmweb.web.api.errors import ApiError, api_error, bad, error_response
 from llmweb.web.identity import ApiCallers, Caller
 
@@ -81,7 +95,9 @@ class ChatCompletions:
                 lease.release()  # again from the pump's thread is a no-op
             return error_response(e if isinstance(e, ApiError) else api_error(e))
         fitted = next((e for e in early if isinstance(e, Fitted)), None)
-        reply = _Reply(req, turn, fitted, Completion(lease.model_id, "chatcmpl-" + secrets.token_hex(12)))
+        reply = _Reply(
+            req, turn, fitted, Completion(lease.model_id, "chatcmpl-" + secrets.token_hex(12)), lease.chat.fmt
+        )
         if req.stream:
             return EventStream(reply.stream(pump), on_close=pump.close, headers=reply.headers(None))
         return await reply.whole(pump, request)
@@ -91,7 +107,11 @@ class ChatCompletions:
         """Start the chat turn for `req` on `chat` (nothing runs until its events are read)."""
         cap = chat.budget.max_new_tokens
         max_tokens = chat.budget.capped(req.max_tokens).max_new_tokens
-        sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens, req.loop_guard), Cancel()
+        sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens, req.loop_guard, req.logprobs), Cancel()
+        if req.logprobs is not None and req.whole_document:
+            raise bad("logprobs are not available with x_llmweb.whole_document.", "logprobs")
+        if req.logprobs is not None and not logprobs_supported(chat.engine):
+            raise logprobs_unsupported()
         notes = []
         if req.max_tokens is not None and req.max_tokens > cap:
             notes.append(f"max_tokens was capped at {cap} (the reply budget, LLMWEB_MAX_NEW_TOKENS).")
@@ -172,10 +192,25 @@ class _Turn:
 class _Reply:
     """One response being written: the request, its turn, the reply text as stop strings allow it."""
 
-    def __init__(self, req: ChatRequest, turn: _Turn, fitted: Fitted | None, completion: Completion):
+    def __init__(self, req: ChatRequest, turn: _Turn, fitted: Fitted | None, completion: Completion, fmt=None):
         self.req, self.turn, self.fitted, self.c = req, turn, fitted, completion
         self.scanner = StopScanner(req.stop)
         self.cut = ""  # the reply up to the stop string, once one appeared
+        self.fmt = fmt  # the model's tokens, for log-probabilities
+        self.pending: list[TokenLogprob] = []  # streamed: the tokens not yet sent with a chunk
+
+    def logprobs(self, items: Sequence[TokenLogprob]) -> list[dict[str, Any]] | None:
+        """`logprobs.content` of these tokens; None when the request did not ask."""
+        return None if self.req.logprobs is None else logprob_entries(self.fmt, items)
+
+    def final_logprobs(self, f: Finished, items: Sequence[TokenLogprob]) -> list[dict[str, Any]] | None:
+        """The tokens of the reply as shown: those past a stop string are not."""
+        if self.req.logprobs is None:
+            return None
+        if self.scanner.stopped:
+            lead = len(f.reply) - len(f.reply.lstrip())
+            items = within(self.fmt, items, len((f.reply[:lead] + self.content(f)).encode()))
+        return self.logprobs(items)
 
     def headers(self, finished: Finished | None) -> dict[str, str]:
         h = {"X-Llmweb-Mode": self.turn.mode}
@@ -255,7 +290,8 @@ class _Reply:
                     self.on_delta(event.text)
                 elif isinstance(event, Finished):
                     content, reason = self.content(event), self.finish_reason(event)
-                    body = self.c.response(content, reason, self.usage(event), self.extension(event))
+                    logprobs = self.final_logprobs(event, event.logprobs)
+                    body = self.c.response(content, reason, self.usage(event), self.extension(event), logprobs)
                     return JSONResponse(body, headers=self.headers(event))
         finally:
             gone.cancel()
@@ -281,15 +317,22 @@ class _Reply:
                 yield f": {event.done} of {event.total} sections, {event.text}\n\n".encode()
             elif isinstance(event, Delta):
                 shown = self.on_delta(event.text)
+                self.pending.extend(event.logprobs)
                 if len(shown) > len(sent) and shown.startswith(sent):
-                    yield sse(self.c.chunk({"content": shown[len(sent) :]}, include_usage=usage))
+                    logprobs, self.pending = self.logprobs(self.pending), []
+                    yield sse(self.c.chunk({"content": shown[len(sent) :]}, include_usage=usage, logprobs=logprobs))
                     sent = shown
             elif isinstance(event, Finished):
                 final = self.content(event)
+                n = len(event.logprobs) - len(self.pending)  # the tokens sent already
+                logprobs = self.final_logprobs(event, event.logprobs)
+                rest = None if logprobs is None else logprobs[n:]
                 if len(final) > len(sent) and final.startswith(sent):
-                    yield sse(self.c.chunk({"content": final[len(sent) :]}, include_usage=usage))
+                    yield sse(self.c.chunk({"content": final[len(sent) :]}, include_usage=usage, logprobs=rest))
+                    rest = None
                 reason = self.finish_reason(event)
-                yield sse(self.c.chunk({}, reason, include_usage=usage, extension=self.extension(event)))
+                ext = self.extension(event)
+                yield sse(self.c.chunk({}, reason, include_usage=usage, extension=ext, logprobs=rest or None))
                 if usage:
                     yield sse(self.c.chunk(None, usage=self.usage(event), include_usage=True))
                 yield sse("[DONE]")

@@ -2,7 +2,7 @@
 (`Completion.response`) or its chunks for server-sent events (`Completion.chunk`).
 
 Pure: no I/O, no model, no web framework; web/api/chat.py reads the body and runs the turn. Every
-refusal is an `ApiError` (web/api/errors.py). Unsupported features (n > 1, tools, logprobs, images,
+refusal is an `ApiError` (web/api/errors.py). Unsupported features (n > 1, tools, images,
 ...) are refused by name, never ignored; an unknown field is refused like OpenAI does
 ("Unrecognized request argument"). llmweb's extensions ride along as plain fields: in a request
 `conversation_id` (stateful mode; "new" starts a conversation), `use_docs` and `x_llmweb`; in a
@@ -20,6 +20,7 @@ from typing import Any
 
 from llmweb.chat.session import clean_message
 from llmweb.chat.turn import held_back
+from llmweb.engine.request import MAX_TOP_LOGPROBS
 from llmweb.errors import InputError
 from llmweb.records import MAX_CHAT_DOCUMENTS
 from llmweb.web.api.common import Usage, number, optional, same, unsupported
@@ -36,8 +37,6 @@ IGNORED_FIELDS = ("metadata", "store", "service_tier", "prompt_cache_key", "safe
 # OpenAI fields we do not implement: refused unless they hold their neutral value
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
@@ -68,6 +67,8 @@ KNOWN_FIELDS = {
     "user",
     "conversation_id",
     "use_docs",
+    "logprobs",
+    "top_logprobs",
     "x_llmweb",  # llmweb's own options: {"whole_document": true, "loop_guard": false, "documents": [...]}
     *IGNORED_FIELDS,
     *NEUTRAL,
@@ -107,6 +108,9 @@ class ChatRequest:
     whole_document: bool = False  # x_llmweb.whole_document: read the whole document (chat/document_task.py)
     loop_guard: bool | None = None  # x_llmweb.loop_guard: None = the chat's (engine/runners/loopguard.py)
     documents: tuple[str, ...] | None = None  # x_llmweb.documents: names or ids, instead of the chat's
+    logprobs: int | None = (
+        None  # None: none asked; k: each token's log-probability and its k most likely (top_logprobs)
+    )
 
     @property
     def stateful(self) -> bool:
@@ -190,7 +194,20 @@ def parse_request(
         whole_document=ours.get("whole_document") or False,
         loop_guard=ours.get("loop_guard"),  # None: the chat's
         documents=_documents(body),
+        logprobs=parse_logprobs(body),
     )
+
+
+def parse_logprobs(body: Mapping[str, Any]) -> int | None:
+    """`logprobs` (a boolean) and `top_logprobs` (0..20, only with logprobs): None when not asked, else
+    how many of the most likely tokens each token lists beside its own."""
+    wanted = optional(body, "logprobs", bool) or False
+    top = optional(body, "top_logprobs", int)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, not {top}.", "top_logprobs")
+    if top and not wanted:
+        raise bad("top_logprobs needs logprobs set to true.", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _use_docs(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool | None:
@@ -343,6 +360,7 @@ class Completion:
         usage: Usage | None = None,
         include_usage: bool = False,
         extension: dict[str, Any] | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """One `chat.completion.chunk`. delta=None: the usage chunk (no choices) that ends a stream
         with `stream_options.include_usage`."""
@@ -354,7 +372,14 @@ class Completion:
             "system_fingerprint": None,
             "choices": []
             if delta is None
-            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            else [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                    "finish_reason": finish_reason,
+                }
+            ],
         }
         if include_usage:
             d["usage"] = usage.to_dict() if usage is not None else None
@@ -362,8 +387,15 @@ class Completion:
             d["x_llmweb"] = extension
         return d
 
-    def response(self, content: str, finish_reason: str, usage: Usage, extension: dict[str, Any]) -> dict[str, Any]:
-        """The whole `chat.completion` of a request without streaming."""
+    def response(
+        self,
+        content: str,
+        finish_reason: str,
+        usage: Usage,
+        extension: dict[str, Any],
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The whole `chat.completion` of a request without streaming (`logprobs`: its tokens', when asked)."""
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -374,7 +406,7 @@ class Completion:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": content, "refusal": None},
-                    "logprobs": None,
+                    "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
                     "finish_reason": finish_reason,
                 }
             ],

@@ -17,7 +17,7 @@ import asyncio
 import json
 import math
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from llmweb.chat.session import Started
+from llmweb.chat.tokens import token_bytes
 from llmweb.chat.turn import Cancel
+from llmweb.engine.request import TokenLogprob
 from llmweb.web import json_body
 from llmweb.web.api.errors import ApiError, bad
 
@@ -130,8 +132,6 @@ def unsupported(name: str) -> str:
         "n": "n > 1 is not supported: one choice per request.",
         "tools": "tools are not supported by this server.",
         "functions": "functions are not supported by this server.",
-        "logprobs": "logprobs are not supported by this server.",
-        "top_logprobs": "logprobs are not supported by this server.",
         "response_format": 'only response_format {"type": "text"} is supported.',
         "modalities": 'only modalities ["text"] is supported.',
         "tool_calls": "tool calls are not supported by this server.",
@@ -157,6 +157,44 @@ class Usage:
         if self.cached_tokens is not None:  # a remote engine that did not say: no invented figure
             out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return out
+
+
+# ---- log-probabilities, as the API writes them
+
+
+def logprob_entries(fmt, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's `logprobs.content`: per token its text, log-probability, UTF-8 bytes and the most likely
+    tokens' (`fmt` turns ids into bytes: chat/tokens.py `token_bytes`)."""
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        raw = token_bytes(fmt, token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    return [{**one(lp.id, lp.logprob), "top_logprobs": [one(i, v) for i, v in lp.top]} for lp in logprobs]
+
+
+def within(fmt, logprobs: Sequence[TokenLogprob], size: int) -> list[TokenLogprob]:
+    """The tokens that begin within the reply's first `size` bytes (a stop string cut the rest away)."""
+    kept, at = [], 0
+    for lp in logprobs:
+        if at >= size:
+            break
+        kept.append(lp)
+        at += len(token_bytes(fmt, lp.id))
+    return kept
+
+
+def logprobs_unsupported() -> ApiError:
+    """The refusal of log-probabilities where the engine cannot give them (a remote server's)."""
+    return bad(
+        "logprobs are not available with this server's engine (a remote server: its reply is tokenised again here).",
+        "logprobs",
+        "unsupported_parameter",
+    )
+
+
+def logprobs_supported(engine) -> bool:
+    return getattr(getattr(engine, "runner", None), "logprobs", True) is not False
 
 
 # ---- a turn's events, from its thread to the client

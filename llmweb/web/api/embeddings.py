@@ -105,28 +105,34 @@ class Embeddings:
             require_json(request)
             body = parse_json(await read_body(request, self.settings.api_max_body_kb * 1024))
             req = parse_embeddings(body, self.names)
-            owner, gone = caller.stateless_owner, threading.Event()
-            self.in_flight.enter(owner)
-            try:
-                future = self.pool().submit(self.embed, req, gone)
-            except BaseException:
-                self.in_flight.leave(owner)
-                raise
-            future.add_done_callback(lambda _f: self.in_flight.leave(owner))  # in flight until the work stops
-            work, leaving = asyncio.wrap_future(future), asyncio.ensure_future(disconnected(request))
-            both: set[asyncio.Future[Any]] = {work, leaving}
-            try:
-                await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                leaving.cancel()
-            if not work.done():
-                gone.set()  # the client left: the work stops after the batch in hand
-                return Response(status_code=499)  # nobody reads it
-            return JSONResponse(work.result())
+            done = await self.serve(request, caller.stateless_owner, req)
+            return done if isinstance(done, Response) else JSONResponse(done)
         except ApiError as e:
             return error_response(e)
         except Exception as e:
             return error_response(api_error(e))
+
+    async def serve(self, request: Request, owner: str, req: EmbeddingsRequest) -> dict[str, Any] | Response:
+        """`req`'s response for `owner` within the limits on requests in flight (Ollama's /api/embed
+        comes here too); a 499 Response when the client left first."""
+        gone = threading.Event()
+        self.in_flight.enter(owner)
+        try:
+            future = self.pool().submit(self.embed, req, gone)
+        except BaseException:
+            self.in_flight.leave(owner)
+            raise
+        future.add_done_callback(lambda _f: self.in_flight.leave(owner))  # in flight until the work stops
+        work, leaving = asyncio.wrap_future(future), asyncio.ensure_future(disconnected(request))
+        both: set[asyncio.Future[Any]] = {work, leaving}
+        try:
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+        if not work.done():
+            gone.set()  # the client left: the work stops after the batch in hand
+            return Response(status_code=499)  # nobody reads it
+        return work.result()
 
     def embed(self, req: EmbeddingsRequest, gone: threading.Event) -> dict[str, Any]:
         """The response for `req` (on a worker thread: it may load the embedder, then embeds);

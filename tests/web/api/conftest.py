@@ -52,6 +52,7 @@ def rig(tmp_path, *, library=None, **kw):
         store=store,
         chat=chat,
         engine=engine,
+        budget=BUDGET,
         library=library,
         loaded=None,
         wait_ready=lambda t: chat,

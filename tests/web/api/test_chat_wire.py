@@ -22,7 +22,7 @@ def refusal(b, headers=None) -> ApiError:
     [
         (body(n=2), 400, "n"),
         (body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-        (body(logprobs=True), 400, "logprobs"),
+        (body(logprobs=True, top_logprobs=30), 400, "top_logprobs"),
         (body(response_format={"type": "json_object"}), 400, "response_format"),
         (body(frobnicate=1), 400, "frobnicate"),
         (body(model="gpt-4o"), 404, "model"),

@@ -190,7 +190,7 @@ def test_each_bad_request_gets_its_4xx(served):
     cases = [
         (openai.BadRequestError, dict(n=2), "n > 1"),
         (openai.BadRequestError, dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (openai.BadRequestError, dict(logprobs=True), "logprobs"),
+        (openai.BadRequestError, dict(logprobs=True, top_logprobs=21), "top_logprobs"),
         (openai.BadRequestError, dict(messages=[{"role": "robot", "content": "hi"}]), "role"),
         (openai.BadRequestError, dict(messages=ask("  ")), "empty"),
         (openai.NotFoundError, dict(model="gpt-5"), "does not exist"),
@@ -258,3 +258,34 @@ def test_the_sdks_default_embeddings_create_equals_the_embedders_own_vectors(ser
         client(base).embeddings.create(model="text-embedding-3-small", input="hi")
     with pytest.raises(openai.BadRequestError, match="dimensions must be 384"):
         client(base).embeddings.create(model="llmweb-embedding", input="hi", dimensions=256)
+
+
+def test_logprobs_and_completions_through_the_sdk(served):
+    runtime, base = served
+    c = client(base)
+    r = c.chat.completions.create(
+        model="llmweb", messages=ask("What is the capital of France?"), max_tokens=12, logprobs=True, top_logprobs=3
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert b"".join(bytes(t.bytes) for t in content).decode().strip() == r.choices[0].message.content
+    assert all(t.logprob <= 0 and len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+
+    chunks = list(
+        c.chat.completions.create(
+            model="llmweb", messages=ask("Name a colour."), max_tokens=8, stream=True, logprobs=True, top_logprobs=1
+        )
+    )
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed and b"".join(bytes(t.bytes) for t in streamed).decode().strip() == text.strip()
+
+    done = c.completions.create(model="llmweb", prompt="The capital of France is", max_tokens=8, logprobs=2)
+    choice = done.choices[0]
+    assert choice.text and choice.finish_reason in ("stop", "length") and done.usage.prompt_tokens > 3
+    assert len(choice.logprobs.tokens) == done.usage.completion_tokens and len(choice.logprobs.top_logprobs[0]) == 2
+    parts = list(c.completions.create(model="llmweb", prompt="The capital of France is", max_tokens=8, stream=True))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == choice.text, "greedy: the same text streamed"
+    with pytest.raises(openai.BadRequestError, match="context"):
+        c.completions.create(model="llmweb", prompt="word " * 2000, max_tokens=8)
