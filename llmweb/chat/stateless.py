@@ -281,6 +281,8 @@ class StatelessChat:
         s = self.settings
         d = dialogue(messages)
         system = d.system or s.system_prompt
+        if sampling is not None and sampling.instruction:  # what the reply's grammar is (web/api/tools.py)
+            system = f"{system}\n\n{sampling.instruction}"
         budget = self.budget.capped(sampling.max_tokens if sampling is not None else None)
         system_fits(system, budget, self.fmt)
 

@@ -21,6 +21,7 @@ from llmweb.chat import context
 from llmweb.chat.document_plan import DocumentStats
 from llmweb.chat.tokens import ChatFormat
 from llmweb.config import Settings
+from llmweb.engine.constraint import Constraint
 from llmweb.engine.request import GenerationRequest, Handle, Tokens, Waiting
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import ConfigError, EngineStopped, InputError
@@ -87,6 +88,8 @@ class Sampling:
     top_p: float | None = None
     max_tokens: int | None = None  # the reply's cap, within the budget's
     loop_guard: bool | None = None  # x_llmweb.loop_guard
+    constraint: Constraint | None = None  # the reply's grammar (response_format, tools: engine/constraint.py)
+    instruction: str = ""  # what the system message adds to tell the model of the grammar (stateless turns)
 
 
 class Cancel:
@@ -266,6 +269,7 @@ class TurnRunner:
             timeout_s=s.request_timeout_s,
             fallback=smaller if job.partial is None else None,
             owner=job.owner,
+            constraint=sampling.constraint,
         )
         return request
 

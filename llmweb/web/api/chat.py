@@ -46,7 +46,10 @@ from llmweb.web.api.chat_wire import (
 )
 from llmweb.web.api.common import EventStream, Pump, Usage, disconnected, parse_body, read_body, require_json, sse
 from llmweb.web.api.errors import ApiError, api_error, bad, error_response
+from llmweb.web.api.tools import ToolCall
 from llmweb.web.identity import ApiCallers, Caller
+
+ARGUMENT_CHARS = 16  # a streamed tool call's arguments, in fragments of this many characters
 
 
 class ChatCompletions:
@@ -91,7 +94,16 @@ class ChatCompletions:
         """Start the chat turn for `req` on `chat` (nothing runs until its events are read)."""
         cap = chat.budget.max_new_tokens
         max_tokens = chat.budget.capped(req.max_tokens).max_new_tokens
-        sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens, req.loop_guard), Cancel()
+        shaped = req.shaped
+        sampling = Sampling(
+            req.temperature,
+            req.top_p,
+            max_tokens,
+            req.loop_guard,
+            constraint=shaped.constraint if shaped is not None else None,
+            instruction=shaped.instruction if shaped is not None else "",
+        )
+        cancel = Cancel()
         notes = []
         if req.max_tokens is not None and req.max_tokens > cap:
             notes.append(f"max_tokens was capped at {cap} (the reply budget, LLMWEB_MAX_NEW_TOKENS).")
@@ -136,7 +148,7 @@ class ChatCompletions:
             return _Turn(events, cancel, "stateless", None, max_tokens, notes)
         events = self.stateless(chat).send(
             owner,
-            [(m.role, m.text) for m in req.messages],
+            [("user" if m.role == "tool" else m.role, m.text) for m in req.messages],
             use_docs=bool(req.use_docs),
             seed=req.seed,
             sampling=sampling,
@@ -227,6 +239,12 @@ class _Reply:
         text = self.cut if self.scanner.stopped else f.reply
         return self.scanner.scan(text, final=True)[0].strip()
 
+    def calls(self, content: str) -> tuple[str | None, list[ToolCall]]:
+        """The reply as (content, tool calls): under tools, the model's JSON read (web/api/tools.py)."""
+        if self.req.tools is None or self.req.shaped is None:
+            return content, []
+        return self.req.tools.reply(content)
+
     def usage(self, f: Finished) -> Usage:
         g = f.stats.gen
         return Usage(g.prompt_tokens, g.generated_tokens, g.reused_tokens if g.reuse_reported else None)
@@ -255,7 +273,11 @@ class _Reply:
                     self.on_delta(event.text)
                 elif isinstance(event, Finished):
                     content, reason = self.content(event), self.finish_reason(event)
-                    body = self.c.response(content, reason, self.usage(event), self.extension(event))
+                    text, calls = self.calls(content)
+                    if calls:
+                        reason = "tool_calls"
+                    tool_calls = [c.to_dict() for c in calls]
+                    body = self.c.response(text, reason, self.usage(event), self.extension(event), tool_calls)
                     return JSONResponse(body, headers=self.headers(event))
         finally:
             gone.cancel()
@@ -281,14 +303,26 @@ class _Reply:
                 yield f": {event.done} of {event.total} sections, {event.text}\n\n".encode()
             elif isinstance(event, Delta):
                 shown = self.on_delta(event.text)
+                if self.req.tools is not None and self.req.shaped is not None:
+                    continue  # a reply under tools is read whole: calls or content, at the end
                 if len(shown) > len(sent) and shown.startswith(sent):
                     yield sse(self.c.chunk({"content": shown[len(sent) :]}, include_usage=usage))
                     sent = shown
             elif isinstance(event, Finished):
                 final = self.content(event)
+                reason = self.finish_reason(event)
+                text, calls = self.calls(final)
+                for i, call in enumerate(calls):  # as OpenAI streams them: the head, then the arguments
+                    head = {"index": i, "id": call.id, "type": "function"}
+                    head["function"] = {"name": call.name, "arguments": ""}
+                    yield sse(self.c.chunk({"tool_calls": [head]}, include_usage=usage))
+                    for j in range(0, len(call.arguments), ARGUMENT_CHARS):
+                        part = {"index": i, "function": {"arguments": call.arguments[j : j + ARGUMENT_CHARS]}}
+                        yield sse(self.c.chunk({"tool_calls": [part]}, include_usage=usage))
+                    reason = "tool_calls"
+                final = text if not calls and text is not None else "" if calls else final
                 if len(final) > len(sent) and final.startswith(sent):
                     yield sse(self.c.chunk({"content": final[len(sent) :]}, include_usage=usage))
-                reason = self.finish_reason(event)
                 yield sse(self.c.chunk({}, reason, include_usage=usage, extension=self.extension(event)))
                 if usage:
                     yield sse(self.c.chunk(None, usage=self.usage(event), include_usage=True))

@@ -24,6 +24,7 @@ from llmweb.errors import InputError
 from llmweb.records import MAX_CHAT_DOCUMENTS
 from llmweb.web.api.common import Usage, number, optional, same, unsupported
 from llmweb.web.api.errors import ApiError, bad
+from llmweb.web.api.tools import Shaped, ToolSet, call_text, parse_response_format, parse_tools, result_text
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 200
@@ -41,12 +42,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -68,14 +65,17 @@ KNOWN_FIELDS = {
     "user",
     "conversation_id",
     "use_docs",
+    "response_format",  # web/api/tools.py
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "x_llmweb",  # llmweb's own options: {"whole_document": true, "loop_guard": false, "documents": [...]}
     *IGNORED_FIELDS,
     *NEUTRAL,
 }
 MESSAGE_FIELDS = {"role", "content", "name"}
+MESSAGE_TOOL_FIELDS = {"tool_calls", "tool_call_id"}  # web/api/tools.py renders them
 MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tool_calls": (None, []),
-    "tool_call_id": (None,),
     "function_call": (None,),
     "refusal": (None,),
     "audio": (None,),
@@ -84,8 +84,8 @@ MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    role: str  # system | user | assistant ("developer" is read as "system")
-    text: str
+    role: str  # system | user | assistant | tool ("developer" is read as "system")
+    text: str  # a tool's result, and an assistant's tool calls, as the model reads them (web/api/tools.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +107,8 @@ class ChatRequest:
     whole_document: bool = False  # x_llmweb.whole_document: read the whole document (chat/document_task.py)
     loop_guard: bool | None = None  # x_llmweb.loop_guard: None = the chat's (engine/runners/loopguard.py)
     documents: tuple[str, ...] | None = None  # x_llmweb.documents: names or ids, instead of the chat's
+    shaped: Shaped | None = None  # response_format or tools: the reply's grammar and instruction
+    tools: ToolSet | None = None  # tools, tool_choice, parallel_tool_calls
 
     @property
     def stateful(self) -> bool:
@@ -167,6 +169,17 @@ def parse_request(
     ours = _ours(body)
 
     messages = parse_messages(body.get("messages"), max_message_chars)
+    tools, shaped = parse_tools(body), parse_response_format(body)
+    if tools is not None and (from_tools := tools.shaped()) is not None:
+        if shaped is not None:
+            raise bad(
+                "Send response_format or tools, not both: tool calls have a format of their own.", "response_format"
+            )
+        shaped = from_tools
+    if shaped is not None and ours.get("whole_document"):
+        raise bad("x_llmweb.whole_document writes prose: send it without response_format or tools.", "x_llmweb")
+    if conversation_id is not None and tools is not None:
+        raise bad("tools work without a conversation_id (send the whole message list).", "tools")
     if conversation_id is not None and (len(messages) != 1 or messages[0].role != "user"):
         raise bad(
             "With a conversation_id, send only the new user message: llmweb keeps the history, the summary "
@@ -190,6 +203,8 @@ def parse_request(
         whole_document=ours.get("whole_document") or False,
         loop_guard=ours.get("loop_guard"),  # None: the chat's
         documents=_documents(body),
+        shaped=shaped,
+        tools=tools,
     )
 
 
@@ -234,28 +249,52 @@ def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty array of {role, content} objects.", "messages")
     out = []
+    calls: dict[str, str] = {}  # the tool calls since the last assistant message: id -> name
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object with a role and a content.", where)
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise bad(f"{where}: {role} messages are not supported (this server has no tools).", f"{where}.role")
-        if role not in ROLES:
+        if role == "function":
+            raise bad(f"{where}: function messages are not supported; send tool messages.", f"{where}.role")
+        if role not in (*ROLES, "tool"):
             shown = repr(role)[:40]
-            raise bad(f"{where}.role is {shown}; it must be one of {', '.join(ROLES)}.", f"{where}.role")
+            raise bad(f"{where}.role is {shown}; it must be one of {', '.join(ROLES)}, tool.", f"{where}.role")
         for name in m:
-            if name in MESSAGE_NEUTRAL:
+            if name in MESSAGE_TOOL_FIELDS:
+                if (name == "tool_calls") != (role == "assistant") and m[name] not in (None, []):
+                    raise bad(
+                        f"{where}.{name} belongs to {'an assistant' if name == 'tool_calls' else 'a tool'} message.",
+                        f"{where}.{name}",
+                    )
+            elif name in MESSAGE_NEUTRAL:
                 if not any(same(m[name], v) for v in MESSAGE_NEUTRAL[name]):
                     raise bad(f"{where}.{name}: {unsupported(name)}", f"{where}.{name}", "unsupported_parameter")
             elif name not in MESSAGE_FIELDS:
                 raise bad(f"Unrecognized field {where}.{name}.", f"{where}.{name}", "unknown_parameter")
+        if role == "assistant" and m.get("tool_calls"):
+            text, calls = call_text(m["tool_calls"], where)
+            if m.get("content"):
+                text = _content(m["content"], where) + "\n" + text
+            out.append(Message("assistant", clean_message(text, max_chars)))
+            continue
+        if role == "assistant":
+            calls = {}
         try:
             text = clean_message(_content(m.get("content"), where), max_chars)
         except InputError as e:
             raise bad(f"{where}: {e}", f"{where}.content") from None
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or call_id not in calls:
+                raise bad(
+                    f"{where}: a tool message must answer a call of the assistant message before it "
+                    f"(tool_call_id {str(call_id)[:60]!r} is not one of its tool_calls).",
+                    f"{where}.tool_call_id",
+                )
+            text = result_text(call_id, calls[call_id], text)
         out.append(Message("system" if role == "developer" else role, text))
-    if out[-1].role != "user":
+    if out[-1].role not in ("user", "tool"):
         raise bad(
             f"The last message must be the user's (it is {out[-1].role!r}): llmweb answers it.",
             f"messages[{len(out) - 1}].role",
@@ -362,8 +401,18 @@ class Completion:
             d["x_llmweb"] = extension
         return d
 
-    def response(self, content: str, finish_reason: str, usage: Usage, extension: dict[str, Any]) -> dict[str, Any]:
-        """The whole `chat.completion` of a request without streaming."""
+    def response(
+        self,
+        content: str | None,
+        finish_reason: str,
+        usage: Usage,
+        extension: dict[str, Any],
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The whole `chat.completion` of a request without streaming (with `tool_calls`: content null)."""
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if tool_calls:
+            message.update(content=None, tool_calls=tool_calls)
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -373,7 +422,7 @@ class Completion:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": content, "refusal": None},
+                    "message": message,
                     "logprobs": None,
                     "finish_reason": finish_reason,
                 }
