@@ -148,7 +148,7 @@ class ChatCompletions:
             return _Turn(events, cancel, "stateless", None, max_tokens, notes)
         events = self.stateless(chat).send(
             owner,
-            [("user" if m.role == "tool" else m.role, m.text) for m in req.messages],
+            [(m.role, m.text) for m in req.messages],
             use_docs=bool(req.use_docs),
             seed=req.seed,
             sampling=sampling,

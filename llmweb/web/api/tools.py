@@ -11,7 +11,8 @@ format (the embedded SmolLM2 has none): a system instruction lists the tools and
 `{"tool_calls": [{"name": ..., "arguments": {...}}]}` or, under `auto`, `{"response": "..."}`; the
 reply is constrained to exactly that (engine/constraint.py), each call's arguments to its tool's
 parameters schema, so they always parse and validate. History renders the same way: an assistant's
-calls as that JSON, a tool's result as a message that names its call.
+calls as that JSON, a tool's result as a user-side message that restates its call (chat/stateless.py
+cuts a result too long for the context, with a note, and folds old steps into the summary).
 
 Pure: no I/O, no model. Every refusal is an `ApiError` naming the field. Must not know how the turn
 runs (web/api/chat.py) or sample (the engine).
@@ -252,7 +253,7 @@ def _choice(raw: Any, names: Sequence[str]) -> str:
 
 
 def call_text(tool_calls: Any, where: str) -> tuple[str, dict[str, str]]:
-    """An assistant's `tool_calls` as the model wrote them (the generic JSON), and {id: name}."""
+    """An assistant's `tool_calls` as the model wrote them (the generic JSON), and {id: the call}."""
     if not isinstance(tool_calls, list) or not tool_calls:
         raise bad(f"{where}.tool_calls must be a non-empty list.", f"{where}.tool_calls")
     calls, ids = [], {}
@@ -266,10 +267,11 @@ def call_text(tool_calls: Any, where: str) -> tuple[str, dict[str, str]]:
         except (TypeError, ValueError):
             raise bad(f"{at}.function.arguments must be a JSON text.", f"{at}.function.arguments") from None
         calls.append({"name": f["name"], "arguments": args})
-        ids[c["id"]] = f["name"]
+        ids[c["id"]] = json.dumps(calls[-1], ensure_ascii=False)
     return json.dumps({"tool_calls": calls}, ensure_ascii=False), ids
 
 
-def result_text(call_id: str, name: str, content: str) -> str:
-    """A tool's result as the model reads it (a user-side message that names its call)."""
-    return f"[tool result of {name} ({call_id})]\n{content}"
+def result_text(call_id: str, call: str, content: str) -> str:
+    """A tool's result as the model reads it: a user-side message that restates its call, so a
+    result is never without its call, even once the call's own message is folded into the summary."""
+    return f"[result of the tool call {call} ({call_id})]\n{content}"
