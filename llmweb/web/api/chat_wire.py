@@ -2,8 +2,9 @@
 (`Completion.response`) or its chunks for server-sent events (`Completion.chunk`).
 
 Pure: no I/O, no model, no web framework; web/api/chat.py reads the body and runs the turn. Every
-refusal is an `ApiError` (web/api/errors.py). Unsupported features (n > 1, tools, logprobs, images,
-...) are refused by name, never ignored; an unknown field is refused like OpenAI does
+refusal is an `ApiError` (web/api/errors.py). `response_format`, `tools` and tool messages are
+read by web/api/tools.py. Unsupported features (n > 1, logprobs, images, ...) are refused by name,
+never ignored; an unknown field is refused like OpenAI does
 ("Unrecognized request argument"). llmweb's extensions ride along as plain fields: in a request
 `conversation_id` (stateful mode; "new" starts a conversation), `use_docs` and `x_llmweb`; in a
 response the `x_llmweb` object. `StopScanner` implements `stop` on decoded text: it finds the first
