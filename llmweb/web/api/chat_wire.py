@@ -141,15 +141,7 @@ def parse_request(
         )
 
     stream = optional(body, "stream", bool) or False
-    options = optional(body, "stream_options", dict)
-    if options is not None and not stream:
-        raise bad("stream_options is only allowed when stream is true.", "stream_options")
-    include_usage = False
-    if options:
-        extra = set(options) - {"include_usage"}
-        if extra:
-            raise bad(f"Unrecognized stream_options field: {sorted(extra)[0]}", "stream_options", "unknown_parameter")
-        include_usage = optional(options, "include_usage", bool, "stream_options.include_usage") or False
+    include_usage = _include_usage(body, stream)
 
     temperature = number(body, "temperature", 0.0, 2.0)
     top_p = number(body, "top_p", 0.0, 1.0, low_open=True)
@@ -170,17 +162,7 @@ def parse_request(
     ours = _ours(body)
 
     messages = parse_messages(body.get("messages"), max_message_chars)
-    tools, shaped = parse_tools(body), parse_response_format(body)
-    if tools is not None and (from_tools := tools.shaped()) is not None:
-        if shaped is not None:
-            raise bad(
-                "Send response_format or tools, not both: tool calls have a format of their own.", "response_format"
-            )
-        shaped = from_tools
-    if shaped is not None and ours.get("whole_document"):
-        raise bad("x_llmweb.whole_document writes prose: send it without response_format or tools.", "x_llmweb")
-    if conversation_id is not None and tools is not None:
-        raise bad("tools work without a conversation_id (send the whole message list).", "tools")
+    tools, shaped = _shaped(body, ours, conversation_id)
     if conversation_id is not None and (len(messages) != 1 or messages[0].role != "user"):
         raise bad(
             "With a conversation_id, send only the new user message: llmweb keeps the history, the summary "
@@ -207,6 +189,37 @@ def parse_request(
         shaped=shaped,
         tools=tools,
     )
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    """`stream_options.include_usage` (stream_options only with stream)."""
+    options = optional(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise bad("stream_options is only allowed when stream is true.", "stream_options")
+    if not options:
+        return False
+    extra = set(options) - {"include_usage"}
+    if extra:
+        raise bad(f"Unrecognized stream_options field: {sorted(extra)[0]}", "stream_options", "unknown_parameter")
+    return optional(options, "include_usage", bool, "stream_options.include_usage") or False
+
+
+def _shaped(
+    body: Mapping[str, Any], ours: Mapping[str, Any], conversation_id: str | None
+) -> tuple[ToolSet | None, Shaped | None]:
+    """`tools` and `response_format` (web/api/tools.py), and the grammar of the reply: one of them."""
+    tools, shaped = parse_tools(body), parse_response_format(body)
+    if tools is not None and (from_tools := tools.shaped()) is not None:
+        if shaped is not None:
+            raise bad(
+                "Send response_format or tools, not both: tool calls have a format of their own.", "response_format"
+            )
+        shaped = from_tools
+    if shaped is not None and ours.get("whole_document"):
+        raise bad("x_llmweb.whole_document writes prose: send it without response_format or tools.", "x_llmweb")
+    if conversation_id is not None and tools is not None:
+        raise bad("tools work without a conversation_id (send the whole message list).", "tools")
+    return tools, shaped
 
 
 def _use_docs(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool | None:

@@ -181,3 +181,21 @@ def test_langchain_bind_tools_and_with_structured_output(served):
     jsonschema.validate(msg.tool_calls[0]["args"], WEATHER["function"]["parameters"])
     person = llm.with_structured_output(Person, method="json_schema").invoke(ADA)
     assert isinstance(person, Person)
+
+
+def test_an_agent_loop_with_long_tool_results_stays_inside_the_context(served):
+    """The real model, fewer steps than the fast test's 200: each step a required call whose
+    arguments validate, each 3,000-character result sent back with the whole history."""
+    c = client(served)
+    messages: list = [{"role": "user", "content": "Get the weather of one city after another."}]
+    for step in range(8):
+        r = c.chat.completions.create(model="llmweb", messages=messages, tools=[WEATHER], tool_choice="required")
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", step
+        call = choice.message.tool_calls[0]
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        x = r.model_extra["x_llmweb"]
+        assert r.usage.prompt_tokens + x["max_tokens"] <= x["context_limit"], step
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]})
+        report = " ".join(f"Hour {i}: {15 + i % 7} degrees, light wind." for i in range(120))[:3000]
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": report})
