@@ -87,6 +87,7 @@ MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
 class Message:
     role: str  # system | user | assistant | tool ("developer" is read as "system")
     text: str  # a tool's result, and an assistant's tool calls, as the model reads them (web/api/tools.py)
+    call_id: str = ""  # a stateful request's tool result: the stored call it answers (rendered by the route)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +162,10 @@ def parse_request(
     use_docs = _use_docs(body, headers)
     ours = _ours(body)
 
-    messages = parse_messages(body.get("messages"), max_message_chars)
+    messages = parse_messages(body.get("messages"), max_message_chars, stateful=conversation_id is not None)
     tools, shaped = _shaped(body, ours, conversation_id)
-    if conversation_id is not None and (len(messages) != 1 or messages[0].role != "user"):
+    results = bool(messages) and all(m.role == "tool" for m in messages)  # answers to the stored turn's calls
+    if conversation_id is not None and not results and (len(messages) != 1 or messages[0].role != "user"):
         raise bad(
             "With a conversation_id, send only the new user message: llmweb keeps the history, the summary "
             "and the system prompt of the conversation. (Without one, send the whole message list.)",
@@ -217,8 +219,6 @@ def _shaped(
         shaped = from_tools
     if shaped is not None and ours.get("whole_document"):
         raise bad("x_llmweb.whole_document writes prose: send it without response_format or tools.", "x_llmweb")
-    if conversation_id is not None and tools is not None:
-        raise bad("tools work without a conversation_id (send the whole message list).", "tools")
     return tools, shaped
 
 
@@ -259,7 +259,9 @@ def _documents(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:
+def parse_messages(raw: Any, max_chars: int, stateful: bool = False) -> tuple[Message, ...]:
+    """The messages; `stateful`: a tool result may answer a call of the stored conversation (the
+    route checks its id, and renders it)."""
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty array of {role, content} objects.", "messages")
     out = []
@@ -300,6 +302,9 @@ def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:
             raise bad(f"{where}: {e}", f"{where}.content") from None
         if role == "tool":
             call_id = m.get("tool_call_id")
+            if stateful and isinstance(call_id, str) and call_id not in calls:
+                out.append(Message("tool", text, call_id))
+                continue
             if not isinstance(call_id, str) or call_id not in calls:
                 raise bad(
                     f"{where}: a tool message must answer a call of the assistant message before it "

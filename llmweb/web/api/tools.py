@@ -20,9 +20,10 @@ runs (web/api/chat.py) or sample (the engine).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,17 +167,22 @@ class ToolSet:
             how += " to call one or more of them."
         return f"You can call these tools:\n{listed}\n{how}"
 
-    def reply(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The model's JSON reply as (content, calls); text that is not the format is content."""
+    def reply(self, text: str, ids: Callable[[int], str] | None = None) -> tuple[str | None, list[ToolCall]]:
+        """The model's JSON reply as (content, calls); text that is not the format is content.
+        `ids(i)`: the i-th call's id (a stateful turn's, `stored_call_id`); else a random one."""
         try:
             value = json.loads(text)
         except ValueError:
             return text, []
         if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
+            made = [c for c in value["tool_calls"] if isinstance(c, dict)]
             calls = [
-                ToolCall(new_call_id(), str(c.get("name")), json.dumps(c.get("arguments", {}), ensure_ascii=False))
-                for c in value["tool_calls"]
-                if isinstance(c, dict)
+                ToolCall(
+                    ids(i) if ids is not None else new_call_id(),
+                    str(c.get("name")),
+                    json.dumps(c.get("arguments", {}), ensure_ascii=False),
+                )
+                for i, c in enumerate(made)
             ]
             return None, calls
         if isinstance(value, dict) and isinstance(value.get("response"), str):
@@ -186,6 +192,24 @@ class ToolSet:
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+def stored_call_id(conv_id: str, turn: int, i: int) -> str:
+    """The id of a stateful turn's i-th call: the same when the next request answers it."""
+    return "call_" + hashlib.sha256(f"{conv_id}\n{turn}\n{i}".encode()).hexdigest()[:24]
+
+
+def stored_calls(conv_id: str, turn: int, reply: str) -> dict[str, str]:
+    """A stored turn's calls by id (each as the model wrote it), from its reply; {} when it made none."""
+    try:
+        value = json.loads(reply)
+    except ValueError:
+        return {}
+    made = value.get("tool_calls") if isinstance(value, dict) else None
+    if not isinstance(made, list):
+        return {}
+    calls = [c for c in made if isinstance(c, dict)]
+    return {stored_call_id(conv_id, turn, i): json.dumps(c, ensure_ascii=False) for i, c in enumerate(calls)}
 
 
 def parse_tools(body: Mapping[str, Any]) -> ToolSet | None:

@@ -70,3 +70,26 @@ def test_without_a_format_nothing_is_constrained(api):
     say(api, "Hi.")
     api.client.post("/v1/chat/completions", json=body())
     assert api.runner.requests[-1].constraint is None
+
+
+def test_a_stateful_conversation_calls_a_tool_and_its_result_is_answered_by_id(api):
+    say(api, CALL)
+    r = api.client.post(
+        "/v1/chat/completions", json=body(conversation_id="new", tools=[WEATHER], tool_choice="required")
+    )
+    assert r.status_code == 200, r.text
+    conv = r.json()["x_llmweb"]["conversation_id"]
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert "get_weather" in api.fmt.decode(api.runner.requests[-1].prompt_ids), "the tools are described"
+
+    wrong = [{"role": "tool", "tool_call_id": "call_nope", "content": "x"}]
+    r = api.client.post("/v1/chat/completions", json=body(conversation_id=conv, tools=[WEATHER], messages=wrong))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].tool_call_id"
+
+    say(api, '{"response": "It is mild in Oslo."}')
+    result = [{"role": "tool", "tool_call_id": call["id"], "content": "12 C and cloudy"}]
+    r = api.client.post("/v1/chat/completions", json=body(conversation_id=conv, tools=[WEATHER], messages=result))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "It is mild in Oslo."
+    prompt = api.fmt.decode(api.runner.requests[-1].prompt_ids)
+    assert "12 C and cloudy" in prompt and '"city": "Oslo in Norway"' in prompt, "the result restates its call"

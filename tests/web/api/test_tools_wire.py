@@ -69,7 +69,6 @@ def _rf(schema) -> dict:
             "must answer a call",
         ),
         (body(tools=[WEATHER], response_format={"type": "json_object"}), "response_format", "not both"),
-        (body(tools=[WEATHER], conversation_id="new"), "tools", "without a conversation_id"),
         (body(parallel_tool_calls="yes"), "parallel_tool_calls", "boolean"),
     ],
 )
