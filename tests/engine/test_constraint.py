@@ -157,3 +157,29 @@ def test_a_pattern_built_to_explode_backtracking_compiles_and_masks_at_once(hf):
 
 def test_the_caps_are_the_documented_ones():
     assert (constraint.MAX_DEPTH, constraint.MAX_SCHEMA_CHARS, constraint.MAX_NODES) == (32, 64_000, 5_000)
+
+
+# ---- the real model, on each local runner
+
+
+def test_each_local_runner_answers_a_schema_with_a_reply_that_validates(runner, fmt):
+    """Greedy on the embedded model: the transformers runner and llama.cpp alike mask each step,
+    so the reply parses and validates; the same request unconstrained is prose."""
+    from llmweb.chat.tokens import render_prompt
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    ids = render_prompt(fmt, "You are a helpful assistant.", [("user", "Tell me about Paris, in JSON.")])
+    e = runner.engine(max_new_tokens=64)
+    try:
+        h = e.submit(GenerationRequest(ids, 64, stop_ids=fmt.stop_ids, constraint=json_schema(schema, "p")))
+        jsonschema.validate(json.loads(fmt.decode(h.result())), schema)
+        assert h.stats is not None and h.stats.finish_reason == "eos"
+        free = e.submit(GenerationRequest(ids, 16, stop_ids=fmt.stop_ids))
+        assert not fmt.decode(free.result()).startswith('{"city": ')
+    finally:
+        e.close()
