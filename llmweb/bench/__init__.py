@@ -1,5 +1,6 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|recycle|gpu|ocr]`
+[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|recycle|gpu|ocr|
+constrained]`
 and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
@@ -39,6 +40,9 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 written as it goes; parts in gpu_parts.py, the loan kit and preflight in gpu_kit.py
   ocr.py        `bench ocr`: OCR engines side by side on pages rendered from known text (a scan, a photo
                 of a note): character error rate and seconds per page. No chat model.
+  constrained.py `bench constrained`: the decode rate under a 30-field JSON schema against the free one
+                at the same length, the schema's compile time, and a 200-step agent loop with 3,000-character
+                tool results through the stateless API of a real server: answered, within the context
   common.py     scripted turns, scratch settings, single-request timing, the setup, report files
 
 The contract: a benchmark changes engine settings only through public configuration (a Runtime
@@ -73,6 +77,7 @@ BENCHES = [
     "recycle",
     "gpu",
     "ocr",
+    "constrained",
 ]
 
 
@@ -81,7 +86,7 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load | document | loops | busy | peer | recycle | gpu | ocr",
+        "| hostile | load | document | loops | busy | peer | recycle | gpu | ocr | constrained",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
@@ -143,6 +148,7 @@ def register(sub) -> None:
     )
     _gpu_arguments(b)
     b.add_argument("--dpi", default="300,150", help="ocr: scan resolutions of the prose page, comma-separated")
+    b.add_argument("--steps", type=int, default=200, help="constrained: agent-loop steps (0: none)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=bench_command)
 
@@ -199,6 +205,7 @@ def bench_command(args) -> int:
         "recycle": _bench_recycle,
         "gpu": _bench_gpu,
         "ocr": _bench_ocr,
+        "constrained": _bench_constrained,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
     return run(args)
@@ -471,4 +478,20 @@ def capacity_command(args) -> int:
     print(capacity.markdown(result))
     for kind, p in paths.items():
         print(f"{kind}: {p}")
+    return 0
+
+
+def _bench_constrained(args) -> int:
+    from llmweb.config import Settings
+
+    from . import constrained
+
+    result = constrained.run(
+        Settings.from_env(),
+        new_tokens=args.max_new_tokens or 128,
+        repeats=args.repeats,
+        steps=args.steps,
+        progress=_stderr,
+    )
+    _print(result, args.json, constrained.markdown)
     return 0

@@ -239,6 +239,8 @@ class Chat:
         only = scope.turn_scope(self.library, conv, how.documents)
         gone = use_docs and how.documents is None and conv.settings.documents is not None and not only
         prompt = self._prompt(conv, text, mine, use_docs, only)
+        if how.sampling is not None and how.sampling.instruction:  # the reply's grammar, told (web/api/tools.py)
+            prompt = replace(prompt, system=f"{prompt.system}\n\n{how.sampling.instruction}")
         plan = prompt.plan(budget, self.fmt)  # InputError with the numbers when the message cannot fit
         self.windows.note(conv.id, conv.summarized_upto + plan.dropped_turns)
         job = Job(

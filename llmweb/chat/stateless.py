@@ -85,6 +85,49 @@ def dialogue(messages: Sequence[tuple[str, str]]) -> Dialogue:
     return Dialogue(system, tuple(turns), "\n\n".join(last), tuple(sizes))
 
 
+TOOL = "tool"  # a tool's result (web/api/tools.py renders it naming its call): the user's side of a turn
+
+
+def cut_results(messages: Sequence[tuple[str, str]], fmt: ChatFormat, room: int) -> list[tuple[str, str]]:
+    """The messages with each run of tool results (the results of one step's calls, joined into
+    one user-side message) within `room` tokens: a result over its share is cut to it, with a
+    note that says so; then every tool result is a user-side message."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(messages):
+        if messages[i][0] != TOOL:
+            out.append(messages[i])
+            i += 1
+            continue
+        j = i
+        while j < len(messages) and messages[j][0] == TOOL:
+            j += 1
+        share = max(1, room // (j - i) - 2)  # the joining blank lines
+        out.extend(("user", _cut(text, fmt, share)) for _, text in messages[i:j])
+        i = j
+    return out
+
+
+def _cut(text: str, fmt: ChatFormat, room: int) -> str:
+    """`text` within `room` tokens: whole, or its longest head that fits with the note (a binary
+    search over characters: O(log n) counts)."""
+    n = fmt.count(text)
+    if n <= room:
+        return text
+
+    def cut(k: int) -> str:
+        return f"{text[:k]}\n[cut: this tool result is {n:,} tokens; only its start fits the context]"
+
+    lo, hi = 0, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fmt.count(cut(mid)) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return cut(lo)
+
+
 def prefix_keys(scope: str, turns: Sequence[Turn]) -> list[str]:
     """keys[i]: the hash of `scope` and the first i turns (keys[0]: of none). A rolling SHA-256, so
     all of them cost one pass over the messages."""
@@ -277,11 +320,15 @@ class StatelessChat:
         """One stateless turn for `owner`. Yields Fitted, Started(""), Queued / Delta, Finished.
         `sampling` (the request's temperature, top_p, max_tokens: a smaller reply cap leaves more
         room for history), `stop` and `cancel` as `Chat.send` takes them; `documents` (names or ids,
-        `Library.resolve`: an InputError for one the owner has not) the only documents it reads."""
+        `Library.resolve`: an InputError for one the owner has not) the only documents it reads.
+        A "tool" message (a tool's result, restating its call) is a user-side message, cut to
+        the user budget with a note where it is longer (`cut_results`)."""
         s = self.settings
-        d = dialogue(messages)
-        system = d.system or s.system_prompt
         budget = self.budget.capped(sampling.max_tokens if sampling is not None else None)
+        d = dialogue(cut_results(messages, self.fmt, budget.user_tokens))
+        system = d.system or s.system_prompt
+        if sampling is not None and sampling.instruction:  # what the reply's grammar is (web/api/tools.py)
+            system = f"{system}\n\n{sampling.instruction}"
         system_fits(system, budget, self.fmt)
 
         # 1) retrieve, 2) fit (summarising what does not fit), 3) generate

@@ -21,6 +21,7 @@ from llmweb.chat import context
 from llmweb.chat.document_plan import DocumentStats
 from llmweb.chat.tokens import ChatFormat
 from llmweb.config import Settings
+from llmweb.engine.constraint import Constraint
 from llmweb.engine.request import GenerationRequest, Handle, TokenLogprob, Tokens, Waiting
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import ConfigError, EngineStopped, InputError
@@ -90,6 +91,8 @@ class Sampling:
     max_tokens: int | None = None  # the reply's cap, within the budget's
     loop_guard: bool | None = None  # x_llmweb.loop_guard
     logprobs: int | None = None  # None: none; k: each id's log-probability and the k most likely (engine/request.py)
+    constraint: Constraint | None = None  # the reply's grammar (response_format, tools: engine/constraint.py)
+    instruction: str = ""  # what the system message adds to tell the model of the grammar (stateless turns)
 
 
 class Cancel:
@@ -270,6 +273,7 @@ class TurnRunner:
             fallback=smaller if job.partial is None else None,
             owner=job.owner,
             logprobs=sampling.logprobs,
+            constraint=sampling.constraint,
         )
         return request
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 
 from llmweb.config import CPU_CONTEXT_CAP
+from llmweb.engine.constraint import Vocab
 from llmweb.engine.kvcache import KVStore
 from llmweb.engine.request import EngineLimits
 from llmweb.engine.runners.base import BaseRunner
@@ -54,7 +55,16 @@ def make_runner(loaded, kv: KVStore, limits: EngineLimits, *, context: int = 0):
             mem_margin_bytes=limits.mem_margin_bytes,
         )
     runner.pieces = vocabulary_pieces(loaded.tokenizer)
+    runner.grammar_vocab = grammar_vocab(loaded.tokenizer)
     return runner
+
+
+def grammar_vocab(tokenizer) -> Vocab | None:
+    """The tokenizer as constrained decoding reads it (built on the first constrained request);
+    None for one it cannot read (llguidance reads fast tokenizers)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return Vocab(tokenizer) if isinstance(tokenizer, PreTrainedTokenizerFast) else None
 
 
 _PIECES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per tokenizer: decoded once (~0.8 s)

@@ -25,7 +25,9 @@ The prompt goes as token ids where the server takes them (vLLM, SGLang, llama.cp
 text decoded with the special tokens kept in (the chat template's markers); `Server.probe`
 finds out once, with a one-token request, and the answer is cached. Extra fields some servers
 know and strict ones refuse (`cache_salt`, `repetition_penalty`, `add_special_tokens`,
-`return_token_ids`) are probed the same way. The reply comes back as text (or ids, with vLLM's
+`return_token_ids`) are probed the same way. A constrained request (engine/constraint.py) goes
+with the server's own field: llama.cpp's `json_schema`, vLLM's `structured_outputs`; a server
+with neither refuses it rather than answer unconstrained. The reply comes back as text (or ids, with vLLM's
 `return_token_ids`); text is tokenised piece by piece with our tokenizer, so the engine still
 speaks ids. Faults: refused connections, 429 and 5xx are retried with backoff up to `retries`
 times, but only before the first token (a reply already shown is never silently restarted); a
@@ -65,7 +67,7 @@ from llmweb.engine.kvcache import KVStore
 from llmweb.engine.request import EngineLimits, GenerationRequest, GiveWay, Slot, Unmetered
 from llmweb.engine.scheduler import Engine
 from llmweb.engine.server import RETRY_STATUS, Capabilities, HTTPStatus, RemoteConfig, RemoteError, Server, SlotTable
-from llmweb.errors import LlmwebError
+from llmweb.errors import InputError, LlmwebError
 from llmweb.records import MemorySnapshot
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ class RemoteRunner(Unmetered):
 
     # ---- the batch
     def start(self, slot: Slot) -> None:
+        self._constrained(slot.request)  # a server that cannot constrain refuses here, before anything is asked
         call = _Call()
         if self._table is None and self.server.slots():
             self._table = SlotTable(self.server.slots())
@@ -228,6 +231,7 @@ class RemoteRunner(Unmetered):
             body["user"] = _hashed(request.session_id)
             if self.server.config.routing_header:
                 headers[self.server.config.routing_header] = _hashed(request.session_id)
+        body.update(self._constrained(request))
         if caps.extras:
             body["cache_salt"] = _hashed("owner:" + request.owner)
             body["add_special_tokens"] = False  # the chat template's tokens are in the prompt already
@@ -235,6 +239,23 @@ class RemoteRunner(Unmetered):
             if request.repetition_penalty != 1.0:
                 body["repetition_penalty"] = request.repetition_penalty
         return body, headers
+
+    def _constrained(self, request: GenerationRequest) -> dict[str, Any]:
+        """The server's own field for the request's constraint (engine/constraint.py): llama.cpp's
+        `json_schema`, vLLM's `structured_outputs`; a server with neither refuses the request
+        (InputError) rather than answer it unconstrained."""
+        if request.constraint is None:
+            return {}
+        schema = json.loads(request.constraint.schema)
+        if self.server.slots():
+            return {"json_schema": schema}
+        prompt = list(request.prompt_ids[:8])
+        if self.server.capabilities(prompt, self.decode_text(prompt)).extras:
+            return {"structured_outputs": {"json": schema}}
+        raise InputError(
+            f"The engine server at {self.server.config.url} cannot constrain a reply (it is neither llama.cpp's "
+            "nor vLLM's), so response_format and tools are refused rather than answered unconstrained."
+        )
 
     def _run(self, call: _Call, request: GenerationRequest) -> None:
         """The stream thread: open (with retries before the first token), then read the events."""

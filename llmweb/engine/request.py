@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmweb.engine.constraint import Constraint
 from llmweb.errors import LlmwebError, TimedOut
 from llmweb.records import GenerationStats, MemorySnapshot
 
@@ -48,6 +49,8 @@ class GenerationRequest:
     optional: bool = False  # background work that may be dropped (a warm-up): refused when busy, pre-empted
     timeout_s: float | None = None  # from the start of processing
     fallback: Callable[[], GenerationRequest | None] | None = None  # smaller request for the OOM retry
+    # the reply must match this grammar (engine/constraint.py); the loop guard and the penalty are off
+    constraint: Constraint | None = None
     # None: no log-probabilities (nothing computed); k (0..MAX_TOP_LOGPROBS): each sampled id's
     # log-probability under the model's raw distribution, and the k most likely ids' (`TokenLogprob`)
     logprobs: int | None = None

@@ -36,7 +36,7 @@ def load_settings(settings: Settings) -> Settings:
 
 def zero_engine(settings: Settings, loaded, call: Callable):
     """(engine, budget) over `loaded`: the chats' caches as host bytes, each request one `call`."""
-    from llmweb.engine.backends import vocabulary_pieces
+    from llmweb.engine.backends import grammar_vocab, vocabulary_pieces
     from llmweb.engine.kvcache import KVStore
     from llmweb.engine.runners.zerogpu import Model, ZeroRunner, register
     from llmweb.engine.scheduler import Engine
@@ -45,6 +45,8 @@ def zero_engine(settings: Settings, loaded, call: Callable):
     budget = Budget.from_settings(settings, loaded.max_context, loaded.on_cpu)
     key = f"{loaded.name}#{id(loaded.model)}"
     pieces = vocabulary_pieces(loaded.tokenizer)
-    register(key, Model(loaded.model, loaded.device, loaded.kv_bytes_per_token, pieces))
+    register(
+        key, Model(loaded.model, loaded.device, loaded.kv_bytes_per_token, pieces, grammar_vocab(loaded.tokenizer))
+    )
     kv = KVStore(host_kv_budget_bytes(settings), settings.kv_ttl_s)
     return Engine(ZeroRunner(call, key, kv), kv, local_limits(settings, budget, loaded)), budget

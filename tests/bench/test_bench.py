@@ -311,3 +311,17 @@ def test_most_copies_counts_sentences_of_16_characters_or_more():
     assert most_copies("The cat sat on the mat. The cat sat on the mat. Yes. Yes. Yes.") == 2
     assert most_copies("- one\n- one\n- one") == 0 and most_copies("") == 0
     assert most_copies("A long enough line here\n" * 5) == 5
+
+
+def test_bench_constrained_measures_both_rates_the_compile_and_an_agent_loop(app_model, tmp_path, monkeypatch):
+    """Tiny parameters (a smoke run): two pairs of 24 tokens, and a 2-step agent loop through a real
+    server; the figures are there and the loop's steps answered within the context."""
+    from llmweb.bench import constrained
+
+    r = constrained.run(make_settings(tmp_path), new_tokens=24, repeats=2, steps=0, loaded=app_model, progress=print)
+    assert r["constrained_tok_s"] > 0 and r["free_tok_s"] > 0 and r["ratio"] > 0
+    assert r["compile_ms"] > 0 and r["matcher_ms"] > 0 and len(r["lengths"]) == 2
+    assert "| **" in constrained.markdown(r)
+    agent = constrained._agent(make_settings(tmp_path), 2, print)
+    assert agent["answered"] == 2 and agent["within_context"], agent
+    assert "2 of 2 steps answered" in constrained.markdown({**r, "agent": agent})

@@ -372,3 +372,30 @@ def test_the_servers_own_context_is_read_where_it_says_it():
     finally:
         llama_cpp.close()
         plain.close()
+
+
+# ---- constrained replies: the server's own field, or a refusal
+
+
+def test_a_constraint_goes_as_llama_cpps_json_schema_or_vllms_structured_outputs(make):
+    from llmweb.engine.constraint import json_schema
+
+    c = json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, "response_format")
+    e, server, _ = make(llama_slots=2)
+    e.submit(req(constraint=c)).result()
+    assert server.completions[0][0]["json_schema"] == {"type": "object", "properties": {"a": {"type": "integer"}}}
+    e, server, _ = make(sends_ids=True)
+    e.submit(req(constraint=c)).result()
+    assert server.completions[0][0]["structured_outputs"] == {
+        "json": {"type": "object", "properties": {"a": {"type": "integer"}}}
+    }
+
+
+def test_a_server_without_a_constraint_field_refuses_the_request_clearly(make):
+    from llmweb.engine.constraint import json_object
+    from llmweb.errors import InputError
+
+    e, server, _ = make(takes_ids=False, strict=True)
+    with pytest.raises(InputError, match="cannot constrain"):
+        e.submit(req(constraint=json_object())).result()
+    assert not server.completions, "nothing unconstrained was asked"

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmweb.engine import faults
+from llmweb.engine.constraint import Matcher, Vocab
 from llmweb.engine.kvcache import SHARED_MIN_TOKENS, KVStore, reusable
 from llmweb.engine.request import GenerationRequest, Slot, TokenLogprob
 from llmweb.engine.runners.logprobs import log_softmax, token_logprob
 from llmweb.engine.runners.loopguard import Pieces
 from llmweb.engine.runners.sampling import Sampler
 from llmweb.engine.telemetry import RssPeak, StepTiming, memory_snapshot, rss_bytes
+from llmweb.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,15 @@ class BaseRunner:
         self.timing = StepTiming()
         self.tap: Callable[[Slot, Any], None] | None = None  # test hook: each slot's logits before sampling
         self.pieces: Pieces | None = None  # the vocabulary's text, for the loop guard (engine/backends.py sets it)
+        self.grammar_vocab: Vocab | None = None  # the tokenizer for constrained replies (engine/backends.py sets it)
+
+    def matcher(self, request: GenerationRequest, n_logits: int) -> Matcher | None:
+        """The request's grammar state, where it has a constraint (engine/constraint.py)."""
+        if request.constraint is None:
+            return None
+        if self.grammar_vocab is None:
+            raise InputError("This model's tokenizer cannot constrain a reply (it has no fast tokenizer).")
+        return self.grammar_vocab.matcher(request.constraint, request.stop_ids, n_logits)
 
     # ---- memory
     def held(self, slot: Slot) -> int:

@@ -146,7 +146,8 @@ class LlamaRunner(BaseRunner):
 
     def _open(self, request: GenerationRequest, prompt: list[int]) -> Seq:
         assert self._free, f"more running slots than the context's {self.slots} sequences"
-        sampler = NumpySampler(request, prompt, self.n_vocab, self.pieces)
+        matcher = self.matcher(request, self.n_vocab)
+        sampler = NumpySampler(request, prompt, self.n_vocab, self.pieces, matcher)
         return _Seq(prompt=prompt, sampler=sampler, seq=heapq.heappop(self._free))
 
     def start(self, slot: Slot) -> None:

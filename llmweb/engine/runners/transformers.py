@@ -146,7 +146,8 @@ class LocalRunner(BaseRunner):
             raise InputError(f"The prompt holds token id {bad}, outside this model's {self.vocab} embeddings.")
         if not self._batch.slots:
             reset_peak(self.device)  # the CUDA peak is the batch's, from its first request
-        sampler = TorchSampler(request, prompt, self.device, self.pieces)
+        matcher = self.matcher(request, self.model.get_output_embeddings().out_features)
+        sampler = TorchSampler(request, prompt, self.device, self.pieces, matcher)
         return _Seq(prompt=prompt, sampler=sampler, cache=self._new_cache(self.model.config))
 
     def _restore(self, seq: Seq, entry, reused: int) -> int:

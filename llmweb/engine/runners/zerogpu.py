@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
+from llmweb.engine.constraint import Constraint, Vocab
 from llmweb.engine.kvcache import Entry, KVStore, reusable
 from llmweb.engine.request import EngineLimits, GenerationRequest, Handle, Slot, TokenLogprob, Unmetered
 from llmweb.engine.runners.loopguard import Pieces
@@ -67,6 +68,7 @@ class Job:
     cache: tuple[tuple[int, ...], bytes] | None  # the session's cache: the ids it holds, its bytes
     timeout_s: float
     logprobs: int | None = None  # the request's (engine/request.py `GenerationRequest.logprobs`)
+    constraint: Constraint | None = None  # the reply's grammar (engine/constraint.py: plain text)
 
     def request(self) -> GenerationRequest:
         return GenerationRequest(
@@ -80,6 +82,7 @@ class Job:
             stop_ids=frozenset(self.stop_ids),
             session_id=SESSION if self.keep else None,
             logprobs=self.logprobs,
+            constraint=self.constraint,
         )
 
 
@@ -103,6 +106,7 @@ class Model:
     device: str
     kv_bytes_per_token: int
     pieces: Pieces | None = None  # the vocabulary's text, for the loop guard (decoded once, here)
+    grammar_vocab: Vocab | None = None  # the tokenizer for constrained replies
 
 
 MODELS: dict[str, Model] = {}  # filled in the web process before the first call forks it
@@ -130,6 +134,7 @@ def generate(job: Job) -> Iterator[Step]:
     kv = KVStore(1 << 62, 3600.0)
     runner = LocalRunner(part.model, part.device, kv, part.kv_bytes_per_token)
     runner.pieces = part.pieces
+    runner.grammar_vocab = part.grammar_vocab
     request = job.request()
     if job.cache is not None:
         ids, data = job.cache
@@ -229,6 +234,7 @@ class ZeroRunner(Unmetered):
             cache=(tuple(entry.ids), entry.cache) if entry is not None and reused else None,
             timeout_s=slot.timeout,
             logprobs=r.logprobs,
+            constraint=r.constraint,
         )
         slot.stats.reused_tokens = reused
         slot.state = _Call(slot.handle.context.run(self.call, job), before=entry)

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from llmweb.chat.session import Delta, Finished, Progress, Queued
-from llmweb.chat.stateless import Fitted, StatelessChat
+from llmweb.chat.stateless import Fitted, StatelessChat, cut_results
 from llmweb.chat.turn import Cancel, Sampling
 from llmweb.engine.request import TokenLogprob
 from llmweb.store.models import new_id
@@ -60,7 +60,10 @@ from llmweb.web.api.common import (
     within,
 )
 from llmweb.web.api.errors import ApiError, api_error, bad, error_response
+from llmweb.web.api.tools import ToolCall, result_text, stored_call_id, stored_calls
 from llmweb.web.identity import ApiCallers, Caller
+
+ARGUMENT_CHARS = 16  # a streamed tool call's arguments, in fragments of this many characters
 
 
 class ChatCompletions:
@@ -107,7 +110,17 @@ class ChatCompletions:
         """Start the chat turn for `req` on `chat` (nothing runs until its events are read)."""
         cap = chat.budget.max_new_tokens
         max_tokens = chat.budget.capped(req.max_tokens).max_new_tokens
-        sampling, cancel = Sampling(req.temperature, req.top_p, max_tokens, req.loop_guard, req.logprobs), Cancel()
+        shaped = req.shaped
+        sampling = Sampling(
+            req.temperature,
+            req.top_p,
+            max_tokens,
+            req.loop_guard,
+            logprobs=req.logprobs,
+            constraint=shaped.constraint if shaped is not None else None,
+            instruction=shaped.instruction if shaped is not None else "",
+        )
+        cancel = Cancel()
         if req.logprobs is not None and req.whole_document:
             raise bad("logprobs are not available with x_llmweb.whole_document.", "logprobs")
         if req.logprobs is not None and not logprobs_supported(chat.engine):
@@ -129,10 +142,11 @@ class ChatCompletions:
                 )
             use_docs = True if req.use_docs is None else req.use_docs
             whole = {"whole_document": True} if req.whole_document else {}
+            text = req.messages[0].text if req.messages[0].role == "user" else self.results(chat, owner, conv_id, req)
             events = chat.send(
                 owner,
                 conv_id,
-                req.messages[0].text,
+                text,
                 new=new,
                 use_docs=use_docs,
                 seed=req.seed,
@@ -165,6 +179,20 @@ class ChatCompletions:
             documents=req.documents,
         )
         return _Turn(events, cancel, "stateless", None, max_tokens, notes)
+
+    def results(self, chat, owner: str, conv_id: str, req: ChatRequest) -> str:
+        """A stateful request's tool results, as the next user-side message: each must answer a call
+        of the conversation's last reply (its ids are `stored_call_id`s), each restates its call,
+        and together they are cut to the user budget (chat/stateless.py's `cut_results`)."""
+        last = None if req.conversation_id == NEW_CONVERSATION else chat.store.last_turn(owner, conv_id)
+        turn = last.stats.turn if last is not None and last.stats is not None else 0
+        calls = stored_calls(conv_id, turn, last.assistant) if last is not None else {}
+        for i, m in enumerate(req.messages):
+            if m.call_id not in calls:
+                where = f"messages[{i}].tool_call_id"
+                raise bad(f"{where}: {m.call_id[:60]!r} is not a call of this conversation's last reply.", where)
+        rendered = [("tool", result_text(m.call_id, calls[m.call_id], m.text)) for m in req.messages]
+        return "\n\n".join(t for _, t in cut_results(rendered, chat.fmt, chat.budget.user_tokens))
 
     def stateless(self, chat) -> StatelessChat:
         """The stateless path over `chat`'s engine: one per loaded model's chat (its summaries are that
@@ -262,6 +290,15 @@ class _Reply:
         text = self.cut if self.scanner.stopped else f.reply
         return self.scanner.scan(text, final=True)[0].strip()
 
+    def calls(self, content: str, f: Finished) -> tuple[str | None, list[ToolCall]]:
+        """The reply as (content, tool calls): under tools, the model's JSON read (web/api/tools.py);
+        a stateful turn's calls get ids the next request can answer (`stored_call_id`)."""
+        if self.req.tools is None or self.req.shaped is None:
+            return content, []
+        conv_id, turn = self.turn.conv_id, f.stats.turn
+        ids = None if conv_id is None else (lambda i: stored_call_id(conv_id, turn, i))
+        return self.req.tools.reply(content, ids)
+
     def usage(self, f: Finished) -> Usage:
         g = f.stats.gen
         return Usage(g.prompt_tokens, g.generated_tokens, g.reused_tokens if g.reuse_reported else None)
@@ -290,8 +327,13 @@ class _Reply:
                     self.on_delta(event.text)
                 elif isinstance(event, Finished):
                     content, reason = self.content(event), self.finish_reason(event)
+                    text, calls = self.calls(content, event)
+                    if calls:
+                        reason = "tool_calls"
+                    tool_calls = [c.to_dict() for c in calls]
                     logprobs = self.final_logprobs(event, event.logprobs)
-                    body = self.c.response(content, reason, self.usage(event), self.extension(event), logprobs)
+                    usage, ext = self.usage(event), self.extension(event)
+                    body = self.c.response(text, reason, usage, ext, tool_calls, logprobs)
                     return JSONResponse(body, headers=self.headers(event))
         finally:
             gone.cancel()
@@ -318,19 +360,31 @@ class _Reply:
             elif isinstance(event, Delta):
                 shown = self.on_delta(event.text)
                 self.pending.extend(event.logprobs)
+                if self.req.tools is not None and self.req.shaped is not None:
+                    continue  # a reply under tools is read whole: calls or content, at the end
                 if len(shown) > len(sent) and shown.startswith(sent):
                     logprobs, self.pending = self.logprobs(self.pending), []
                     yield sse(self.c.chunk({"content": shown[len(sent) :]}, include_usage=usage, logprobs=logprobs))
                     sent = shown
             elif isinstance(event, Finished):
                 final = self.content(event)
+                reason = self.finish_reason(event)
+                text, calls = self.calls(final, event)
                 n = len(event.logprobs) - len(self.pending)  # the tokens sent already
                 logprobs = self.final_logprobs(event, event.logprobs)
                 rest = None if logprobs is None else logprobs[n:]
+                for i, call in enumerate(calls):  # as OpenAI streams them: the head, then the arguments
+                    head = {"index": i, "id": call.id, "type": "function"}
+                    head["function"] = {"name": call.name, "arguments": ""}
+                    yield sse(self.c.chunk({"tool_calls": [head]}, include_usage=usage))
+                    for j in range(0, len(call.arguments), ARGUMENT_CHARS):
+                        part = {"index": i, "function": {"arguments": call.arguments[j : j + ARGUMENT_CHARS]}}
+                        yield sse(self.c.chunk({"tool_calls": [part]}, include_usage=usage))
+                    reason = "tool_calls"
+                final = text if not calls and text is not None else "" if calls else final
                 if len(final) > len(sent) and final.startswith(sent):
                     yield sse(self.c.chunk({"content": final[len(sent) :]}, include_usage=usage, logprobs=rest))
                     rest = None
-                reason = self.finish_reason(event)
                 ext = self.extension(event)
                 yield sse(self.c.chunk({}, reason, include_usage=usage, extension=ext, logprobs=rest or None))
                 if usage:

@@ -2,8 +2,9 @@
 (`Completion.response`) or its chunks for server-sent events (`Completion.chunk`).
 
 Pure: no I/O, no model, no web framework; web/api/chat.py reads the body and runs the turn. Every
-refusal is an `ApiError` (web/api/errors.py). Unsupported features (n > 1, tools, images,
-...) are refused by name, never ignored; an unknown field is refused like OpenAI does
+refusal is an `ApiError` (web/api/errors.py). `response_format`, `tools` and tool messages are
+read by web/api/tools.py. Unsupported features (n > 1, images, ...) are refused by name,
+never ignored; an unknown field is refused like OpenAI does
 ("Unrecognized request argument"). llmweb's extensions ride along as plain fields: in a request
 `conversation_id` (stateful mode; "new" starts a conversation), `use_docs` and `x_llmweb`; in a
 response the `x_llmweb` object. `StopScanner` implements `stop` on decoded text: it finds the first
@@ -25,6 +26,7 @@ from llmweb.errors import InputError
 from llmweb.records import MAX_CHAT_DOCUMENTS
 from llmweb.web.api.common import Usage, number, optional, same, unsupported
 from llmweb.web.api.errors import ApiError, bad
+from llmweb.web.api.tools import Shaped, ToolSet, call_text, parse_response_format, parse_tools, result_text
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 200
@@ -40,12 +42,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -69,14 +67,17 @@ KNOWN_FIELDS = {
     "use_docs",
     "logprobs",
     "top_logprobs",
+    "response_format",  # web/api/tools.py
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
     "x_llmweb",  # llmweb's own options: {"whole_document": true, "loop_guard": false, "documents": [...]}
     *IGNORED_FIELDS,
     *NEUTRAL,
 }
 MESSAGE_FIELDS = {"role", "content", "name"}
+MESSAGE_TOOL_FIELDS = {"tool_calls", "tool_call_id"}  # web/api/tools.py renders them
 MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tool_calls": (None, []),
-    "tool_call_id": (None,),
     "function_call": (None,),
     "refusal": (None,),
     "audio": (None,),
@@ -85,8 +86,9 @@ MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    role: str  # system | user | assistant ("developer" is read as "system")
-    text: str
+    role: str  # system | user | assistant | tool ("developer" is read as "system")
+    text: str  # a tool's result, and an assistant's tool calls, as the model reads them (web/api/tools.py)
+    call_id: str = ""  # a stateful request's tool result: the stored call it answers (rendered by the route)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,8 @@ class ChatRequest:
     logprobs: int | None = (
         None  # None: none asked; k: each token's log-probability and its k most likely (top_logprobs)
     )
+    shaped: Shaped | None = None  # response_format or tools: the reply's grammar and instruction
+    tools: ToolSet | None = None  # tools, tool_choice, parallel_tool_calls
 
     @property
     def stateful(self) -> bool:
@@ -142,15 +146,7 @@ def parse_request(
         )
 
     stream = optional(body, "stream", bool) or False
-    options = optional(body, "stream_options", dict)
-    if options is not None and not stream:
-        raise bad("stream_options is only allowed when stream is true.", "stream_options")
-    include_usage = False
-    if options:
-        extra = set(options) - {"include_usage"}
-        if extra:
-            raise bad(f"Unrecognized stream_options field: {sorted(extra)[0]}", "stream_options", "unknown_parameter")
-        include_usage = optional(options, "include_usage", bool, "stream_options.include_usage") or False
+    include_usage = _include_usage(body, stream)
 
     temperature = number(body, "temperature", 0.0, 2.0)
     top_p = number(body, "top_p", 0.0, 1.0, low_open=True)
@@ -170,8 +166,10 @@ def parse_request(
     use_docs = _use_docs(body, headers)
     ours = _ours(body)
 
-    messages = parse_messages(body.get("messages"), max_message_chars)
-    if conversation_id is not None and (len(messages) != 1 or messages[0].role != "user"):
+    messages = parse_messages(body.get("messages"), max_message_chars, stateful=conversation_id is not None)
+    tools, shaped = _shaped(body, ours, conversation_id)
+    results = bool(messages) and all(m.role == "tool" for m in messages)  # answers to the stored turn's calls
+    if conversation_id is not None and not results and (len(messages) != 1 or messages[0].role != "user"):
         raise bad(
             "With a conversation_id, send only the new user message: llmweb keeps the history, the summary "
             "and the system prompt of the conversation. (Without one, send the whole message list.)",
@@ -195,6 +193,8 @@ def parse_request(
         loop_guard=ours.get("loop_guard"),  # None: the chat's
         documents=_documents(body),
         logprobs=parse_logprobs(body),
+        shaped=shaped,
+        tools=tools,
     )
 
 
@@ -208,6 +208,35 @@ def parse_logprobs(body: Mapping[str, Any]) -> int | None:
     if top and not wanted:
         raise bad("top_logprobs needs logprobs set to true.", "top_logprobs")
     return (top or 0) if wanted else None
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    """`stream_options.include_usage` (stream_options only with stream)."""
+    options = optional(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise bad("stream_options is only allowed when stream is true.", "stream_options")
+    if not options:
+        return False
+    extra = set(options) - {"include_usage"}
+    if extra:
+        raise bad(f"Unrecognized stream_options field: {sorted(extra)[0]}", "stream_options", "unknown_parameter")
+    return optional(options, "include_usage", bool, "stream_options.include_usage") or False
+
+
+def _shaped(
+    body: Mapping[str, Any], ours: Mapping[str, Any], conversation_id: str | None
+) -> tuple[ToolSet | None, Shaped | None]:
+    """`tools` and `response_format` (web/api/tools.py), and the grammar of the reply: one of them."""
+    tools, shaped = parse_tools(body), parse_response_format(body)
+    if tools is not None and (from_tools := tools.shaped()) is not None:
+        if shaped is not None:
+            raise bad(
+                "Send response_format or tools, not both: tool calls have a format of their own.", "response_format"
+            )
+        shaped = from_tools
+    if shaped is not None and ours.get("whole_document"):
+        raise bad("x_llmweb.whole_document writes prose: send it without response_format or tools.", "x_llmweb")
+    return tools, shaped
 
 
 def _use_docs(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool | None:
@@ -247,32 +276,61 @@ def _documents(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:
+def parse_messages(raw: Any, max_chars: int, stateful: bool = False) -> tuple[Message, ...]:
+    """The messages; `stateful`: a tool result may answer a call of the stored conversation (the
+    route checks its id, and renders it)."""
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty array of {role, content} objects.", "messages")
     out = []
+    calls: dict[str, str] = {}  # the tool calls since the last assistant message: id -> name
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object with a role and a content.", where)
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise bad(f"{where}: {role} messages are not supported (this server has no tools).", f"{where}.role")
-        if role not in ROLES:
+        if role == "function":
+            raise bad(f"{where}: function messages are not supported; send tool messages.", f"{where}.role")
+        if role not in (*ROLES, "tool"):
             shown = repr(role)[:40]
-            raise bad(f"{where}.role is {shown}; it must be one of {', '.join(ROLES)}.", f"{where}.role")
+            raise bad(f"{where}.role is {shown}; it must be one of {', '.join(ROLES)}, tool.", f"{where}.role")
         for name in m:
-            if name in MESSAGE_NEUTRAL:
+            if name in MESSAGE_TOOL_FIELDS:
+                if (name == "tool_calls") != (role == "assistant") and m[name] not in (None, []):
+                    raise bad(
+                        f"{where}.{name} belongs to {'an assistant' if name == 'tool_calls' else 'a tool'} message.",
+                        f"{where}.{name}",
+                    )
+            elif name in MESSAGE_NEUTRAL:
                 if not any(same(m[name], v) for v in MESSAGE_NEUTRAL[name]):
                     raise bad(f"{where}.{name}: {unsupported(name)}", f"{where}.{name}", "unsupported_parameter")
             elif name not in MESSAGE_FIELDS:
                 raise bad(f"Unrecognized field {where}.{name}.", f"{where}.{name}", "unknown_parameter")
+        if role == "assistant" and m.get("tool_calls"):
+            text, calls = call_text(m["tool_calls"], where)
+            if m.get("content"):
+                text = _content(m["content"], where) + "\n" + text
+            out.append(Message("assistant", clean_message(text, max_chars)))
+            continue
+        if role == "assistant":
+            calls = {}
         try:
             text = clean_message(_content(m.get("content"), where), max_chars)
         except InputError as e:
             raise bad(f"{where}: {e}", f"{where}.content") from None
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if stateful and isinstance(call_id, str) and call_id not in calls:
+                out.append(Message("tool", text, call_id))
+                continue
+            if not isinstance(call_id, str) or call_id not in calls:
+                raise bad(
+                    f"{where}: a tool message must answer a call of the assistant message before it "
+                    f"(tool_call_id {str(call_id)[:60]!r} is not one of its tool_calls).",
+                    f"{where}.tool_call_id",
+                )
+            text = result_text(call_id, calls[call_id], text)
         out.append(Message("system" if role == "developer" else role, text))
-    if out[-1].role != "user":
+    if out[-1].role not in ("user", "tool"):
         raise bad(
             f"The last message must be the user's (it is {out[-1].role!r}): llmweb answers it.",
             f"messages[{len(out) - 1}].role",
@@ -389,13 +447,18 @@ class Completion:
 
     def response(
         self,
-        content: str,
+        content: str | None,
         finish_reason: str,
         usage: Usage,
         extension: dict[str, Any],
+        tool_calls: list[dict[str, Any]] | None = None,
         logprobs: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """The whole `chat.completion` of a request without streaming (`logprobs`: its tokens', when asked)."""
+        """The whole `chat.completion` of a request without streaming (with `tool_calls`: content null;
+        `logprobs`: its tokens', when asked)."""
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if tool_calls:
+            message.update(content=None, tool_calls=tool_calls)
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -405,7 +468,7 @@ class Completion:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": content, "refusal": None},
+                    "message": message,
                     "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
                     "finish_reason": finish_reason,
                 }

@@ -88,13 +88,39 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         where = f"{e.msg} at line {e.lineno} column {e.colno}"
         raise bad(f"The request body is not valid JSON: {where}.", code="invalid_json") from None
     except RecursionError:  # "[[[[..." deeper than the interpreter's recursion limit
-        raise bad("The request body nests JSON arrays or objects too deeply.", code="invalid_json") from None
+        field = deep_field(raw)
+        where = f" (in {field})" if field else ""
+        raise bad(f"The request body nests JSON arrays or objects too deeply{where}.", field, "invalid_json") from None
     if not isinstance(body, dict):
         raise bad("The request body must be a JSON object.", code="invalid_json")
     return body
 
 
 # ---- one field of a JSON body
+
+
+def deep_field(raw: bytes, deep: int = 64) -> str | None:
+    """The top-level field of a JSON object whose value nests deeper than `deep`: one linear scan."""
+    depth, key, in_string, escaped, start = 0, None, False, False, 0
+    for i, b in enumerate(raw):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif b == 0x5C:  # backslash
+                escaped = True
+            elif b == 0x22:  # the closing quote
+                in_string = False
+                if depth == 1 and raw[i + 1 : i + 64].lstrip()[:1] == b":":
+                    key = raw[start:i].decode("utf-8", "replace")[:100]
+        elif b == 0x22:
+            in_string, start = True, i + 1
+        elif b in b"[{":
+            depth += 1
+            if depth > deep:
+                return key
+        elif b in b"]}":
+            depth -= 1
+    return None
 
 
 def same(value: Any, neutral: Any) -> bool:

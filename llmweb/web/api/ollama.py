@@ -285,9 +285,10 @@ class _Lines:
         return {**more, "done": True, "done_reason": reason, **wire.stats(usage, total_s, ttft_s, rate)}
 
     def _chat_final(self, reply: _Reply, f: Finished, text: str) -> dict[str, Any]:
+        """The last line: `text` (what is left to send), or under tools the model's calls (content empty)."""
         g = f.stats.gen
-        calls = getattr(f, "tool_calls", ()) or ()
-        piece = self._piece(text, calls)
+        content, calls = reply.calls(text, f)
+        piece = self._piece(content or "", [c.to_dict() for c in calls])
         return self._final(
             reply.finish_reason(f), reply.usage(f).to_dict(), g.total_s, g.ttft_s, g.decode_tok_s, **piece
         )
@@ -325,11 +326,16 @@ class _Lines:
                     return
                 if isinstance(event, Delta):
                     shown = reply.on_delta(event.text)
+                    if reply.req.tools is not None and reply.req.shaped is not None:
+                        continue  # a reply under tools is read whole: calls or content, in the last line
                     if len(shown) > len(sent) and shown.startswith(sent):
                         yield wire.line(self.model, **self._piece(shown[len(sent) :]), done=False)
                         sent = shown
                 elif isinstance(event, Finished):
                     final = reply.content(event)
+                    if reply.req.tools is not None and reply.req.shaped is not None:
+                        yield wire.line(self.model, **self._chat_final(reply, event, final))
+                        return
                     rest = final[len(sent) :] if final.startswith(sent) else ""
                     if rest:
                         yield wire.line(self.model, **self._piece(rest), done=False)

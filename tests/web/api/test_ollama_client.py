@@ -67,3 +67,46 @@ def test_one_visitors_ollama_calls_store_nothing_and_see_nobody_elses(served):  
     assert "heliotrope" not in reply.message.content.lower(), "alice's chat is not in bob's prompt"
     assert [c.id for c in runtime.store.list_conversations("user:bob")] == before, "Ollama calls store nothing"
     assert runtime.store.exists("user:alice", conv) and not runtime.store.exists("user:bob", conv)
+
+
+def test_ollama_format_and_tools_go_through_the_constrained_chat_path(served):  # noqa: F811
+    import json
+
+    import jsonschema
+
+    _runtime, base = served
+    o = ollama_client(base)
+    assert "tools" in o.show("llmweb").capabilities
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+    }
+    ask = [{"role": "user", "content": "Paris is the capital of France. Give the city and its country as JSON."}]
+    shaped = o.chat(model="llmweb", messages=ask, format=schema, options={"num_predict": 48, "temperature": 0})
+    jsonschema.validate(json.loads(shaped.message.content), schema)
+
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+    ask = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+    for streamed in (False, True):
+        if streamed:
+            parts = list(
+                o.chat(model="llmweb", messages=ask, tools=[weather], stream=True, options={"num_predict": 48})
+            )
+            message = parts[-1].message
+            assert parts[-1].done
+        else:
+            message = o.chat(model="llmweb", messages=ask, tools=[weather], options={"num_predict": 48}).message
+        if message.tool_calls:  # under `auto` the model may answer in prose; a call is always well formed
+            call = message.tool_calls[0]
+            assert call.function.name == "get_weather"
+            jsonschema.validate(dict(call.function.arguments), weather["function"]["parameters"])
+        else:
+            assert message.content

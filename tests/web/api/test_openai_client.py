@@ -189,7 +189,14 @@ def test_each_bad_request_gets_its_4xx(served):
     c = client(base)
     cases = [
         (openai.BadRequestError, dict(n=2), "n > 1"),
-        (openai.BadRequestError, dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (
+            openai.BadRequestError,
+            dict(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
+            ),
+            "not among tools",
+        ),
         (openai.BadRequestError, dict(logprobs=True, top_logprobs=21), "top_logprobs"),
         (openai.BadRequestError, dict(messages=[{"role": "robot", "content": "hi"}]), "role"),
         (openai.BadRequestError, dict(messages=ask("  ")), "empty"),
