@@ -212,6 +212,12 @@ class Settings:
             f"LLMWEB_RERANKER must be the local folder of a cross-encoder model, not {self.reranker!r} "
             "(nothing is downloaded)",
         )
+        self._check_engine(check)
+        if self.api_keys:
+            parse_api_keys(self.api_keys)  # ConfigError with the entry's number, never the key
+
+    def _check_engine(self, check: _Checker) -> None:
+        """A remote engine's settings (LLMWEB_ENGINE_*)."""
         check(
             not self.engine_url or self.engine_url.split("://", 1)[0] in ("http", "https") and "://" in self.engine_url,
             f"LLMWEB_ENGINE_URL must look like http://host:port, not {self.engine_url!r}",
@@ -226,8 +232,6 @@ class Settings:
             "(llama.cpp: -c divided by -np; vLLM: --max-model-len). Behind a router, /props and /v1/models "
             "answer for whichever replica the router picks, so llmweb does not read it from there.",
         )
-        if self.api_keys:
-            parse_api_keys(self.api_keys)  # ConfigError with the entry's number, never the key
 
     @property
     def login(self) -> bool:
