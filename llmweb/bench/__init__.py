@@ -403,9 +403,13 @@ def _bench_chatpath(args) -> int:
 
 
 def _bench_router(args) -> int:
+    import signal
+
     from llmweb.config import Settings
 
     from . import router
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped bench still stops its servers (finally)
 
     result = router.run(
         Settings.from_env(),
