@@ -7,7 +7,7 @@ long" (`HTTPStatus`), and the map of llama.cpp's slots to conversations (`SlotTa
 A router in front of replicas (`RemoteConfig.router`, LLMWEB_ENGINE_ROUTER): its `/props` answers
 for whichever replica it picks, so no slots and no context are read through it (one replica's slot
 numbers mean nothing on another); `replicas()` reads how many answer where the router says
-(vLLM's router and SGLang's gateway: `GET /readiness` or `GET /workers`).
+(vLLM's router: `GET /readiness` or `GET /workers`).
 
 Used by the remote runner (engine/remote.py) and by the runtime (runtime/engines.py builds a
 `Server`; runtime/health.py watches it). Must not: run a request's stream or schedule (the runner
@@ -191,7 +191,7 @@ class Server:
     def replicas(self) -> tuple[int, int] | None:
         """(answering, total) replicas behind a router, where it reports them: vLLM's router
         (`GET /readiness`: `healthy_workers`, `total_workers`) or a `GET /workers` list with
-        `is_healthy` (vLLM's router, SGLang's gateway); None when it reports neither (nginx)."""
+        `is_healthy` (vLLM's router); None when it reports neither (nginx)."""
         for path in ("/readiness", "/workers"):
             try:
                 data = self.get_json(path)
