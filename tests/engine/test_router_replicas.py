@@ -27,6 +27,7 @@ import pytest
 from llmweb.bench import router as bench_router
 from llmweb.bench.common import llama_tool
 from llmweb.chat.turn import Delta, Finished
+from llmweb.engine.server import RemoteConfig, Server
 from llmweb.errors import LlmwebError
 from tests.conftest import make_settings
 
@@ -190,6 +191,13 @@ def test_two_replicas_behind_vllm_router_survive_a_replica_killed_mid_reply(flee
         print(f"the reply in flight ended {ended - t_kill:.2f} s after the kill: {error or 'answered'}")
         if error is not None:
             assert "engine server" in str(error) and ("lost mid-reply" in str(error) or "HTTP" in str(error)), error
+
+        # the router's health check (every HEALTH_S s) takes the dead replica out, as before a person's next message
+        router_view = Server(RemoteConfig(url=url, router=True))
+        deadline = time.monotonic() + 15
+        while router_view.replicas() != (1, 2) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert router_view.replicas() == (1, 2), "the router reports one of its two replicas answering"
 
         survivor = pairs[1 - home[0]][1]
         before = len(survivor.bodies)
