@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmweb.config import Settings
-from llmweb.errors import ConfigError
+from llmweb.errors import ConfigError, LlmwebError
 
 from .common import TOPICS, llama_tool, scratch_settings
 from .served import free_port, http_status, stop, wait_for
@@ -98,11 +98,16 @@ def router(workers: Sequence[str], policy: str, log: Path | None = None, exe: st
     port = free_port()
     args = [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *workers]
     args += ["--health-check-interval-secs", str(HEALTH_S), "--health-failure-threshold", "1"]
+    args += ["--prometheus-port", str(free_port())]  # its default, 29000, would clash with a second router
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115  (closed below)
     proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: http_status(url + "/readiness") == 200, REPLICA_START_S, "vllm-router", proc)
+        try:
+            wait_for(lambda: http_status(url + "/readiness") == 200, REPLICA_START_S, "vllm-router", proc)
+        except LlmwebError as e:
+            said = log.read_text(errors="replace")[-800:] if log else ""
+            raise LlmwebError(f"{e}{': ' + said if said else ''}") from None
         yield url
     finally:
         stop(proc)
@@ -203,12 +208,14 @@ def run(
                         s = base.replace(data_dir=data, engine_url=one[0].url, engine_concurrency=n * slots)
                         got = run_chats(s, chats, turns, progress)
                 else:
-                    with replicas(n, slots, threads, progress) as fleet, router([r.url for r in fleet], policy) as url:
-                        s = base.replace(
-                            data_dir=data, engine_url=url, engine_router=True, engine_concurrency=n * slots
-                        )
-                        got = run_chats(s, chats, turns, progress)
+                    with replicas(n, slots, threads, progress) as fleet:
+                        with router([r.url for r in fleet], policy, Path(tmp) / f"router-{n}-{policy}.log") as url:
+                            s = base.replace(
+                                data_dir=data, engine_url=url, engine_router=True, engine_concurrency=n * slots
+                            )
+                            got = run_chats(s, chats, turns, progress)
                 cases.append({**setup, "policy": policy, **summarize(got["rows"], got["wall_s"])})
+                progress(f"bench router: {cases[-1]}")
     return {
         "bench": "router",
         "chats": chats,
