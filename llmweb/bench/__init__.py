@@ -409,18 +409,21 @@ def _bench_router(args) -> int:
 
     from . import router
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped bench still stops its servers (finally)
-
-    result = router.run(
-        Settings.from_env(),
-        counts=parse_ints(args.replicas),
-        policies=[p.strip() for p in args.policies.split(",") if p.strip()],
-        chats=int(args.chats or 8),
-        turns=args.turns or 10,
-        slots=args.slots,
-        new_tokens=args.max_new_tokens or 32,
-        progress=_stderr,
-    )
+    # a stopped bench still stops its servers (its `finally` blocks run)
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        result = router.run(
+            Settings.from_env(),
+            counts=parse_ints(args.replicas),
+            policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+            chats=int(args.chats or 8),
+            turns=args.turns or 10,
+            slots=args.slots,
+            new_tokens=args.max_new_tokens or 32,
+            progress=_stderr,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, before)
     _print(result, args.json, router.markdown)
     answered = all(c["answered"] == c["turns"] for c in result["cases"])
     return 0 if answered else 1

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -62,18 +60,16 @@ def test_bench_router_refuses_what_it_cannot_measure(tmp_path):
     not (llama_tool("llama-server") and router.router_exe()) and not os.environ.get("LLMWEB_LLAMA_SERVER"),
     reason="no llama-server or no vllm-router",
 )
-def test_a_tiny_bench_router_answers_every_turn(tmp_path):
-    args = ["--replicas", "1", "--policies", "consistent_hash", "--chats", "2", "--turns", "2", "--slots", "1"]
-    env = os.environ | {"LLMWEB_DATA_DIR": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-m", "llmweb", "bench", "router", *args, "--max-new-tokens", "8", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
+def test_a_tiny_bench_router_answers_every_turn(monkeypatch, capsys):
+    from llmweb.bench import bench_command
+    from llmweb.cli.main import build_parser
+
+    monkeypatch.delenv("LLMWEB_MODEL", raising=False)
+    monkeypatch.delenv("LLMWEB_ENGINE_URL", raising=False)
+    args = ["bench", "router", "--replicas", "1", "--policies", "consistent_hash", "--chats", "2", "--turns", "2"]
+    code = bench_command(build_parser().parse_args([*args, "--slots", "1", "--max-new-tokens", "8", "--json"]))
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0
     cases = {c["policy"]: c for c in result["cases"]}
     assert set(cases) == {"one llama-server", "consistent_hash"}
     assert all(c["answered"] == c["turns"] == 4 for c in cases.values())
