@@ -172,6 +172,7 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
         "ttft_p95_s": round(ttfts[max(0, int(0.95 * len(ttfts) + 0.5) - 1)], 3) if ttfts else None,
         "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
         "wall_s": round(wall_s, 2),
+        "errors": sorted({r["error"][:200] for r in rows if r["error"]})[:3],  # why turns went unanswered
     }
 
 
@@ -243,4 +244,7 @@ def markdown(r: dict) -> str:
             f"| {c['replicas']} | {c['policy']} | {c['answered']}/{c['turns']} | {reuse} | {c['tok_s']:.1f} | "
             f"{c['ttft_p50_s']} | {c['ttft_p95_s']} |"
         )
+    for c in r["cases"]:
+        for error in c.get("errors", []):
+            lines.append(f"\nUnanswered ({c['replicas']}, {c['policy']}): {error}")
     return "\n".join(lines)

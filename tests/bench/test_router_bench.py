@@ -27,7 +27,7 @@ def test_reuse_counts_turns_two_on_and_p95_ttft_and_failed_turns_show():
     rows += [row(1, 3, 300, 300, 9.0, error="RemoteError: lost")]
     s = router.summarize(rows, wall_s=2.0)
     assert s["reuse_later"] == 0.5, "turn 1 (nothing to reuse) and the failed turn are left out"
-    assert (s["answered"], s["turns"]) == (4, 5)
+    assert (s["answered"], s["turns"], s["errors"]) == (4, 5, ["RemoteError: lost"])
     assert s["tok_s"] == 25.0 and s["ttft_p95_s"] == 0.6 and s["ttft_p50_s"] == 0.4
     table = router.markdown(
         {
