@@ -135,6 +135,7 @@ class Settings:
     engine_api_key: str = ""  # sent as a Bearer token
     engine_concurrency: int = 8  # requests in flight to the server at once; more wait in the fair queue
     engine_routing_header: str = "X-Session-Id"  # carries the hashed conversation id for a sticky router
+    engine_router: bool = False  # the engine URL is a router in front of replicas (docs/scaling.md): no slot pinning
     # the OpenAI-compatible API (web/api/)
     api_keys: str = ""  # "alice:key1,bob:key2" or "key1,key2"; none: open on a loopback bind only
     api_max_body_kb: int = 2048  # largest request body accepted
@@ -211,12 +212,26 @@ class Settings:
             f"LLMWEB_RERANKER must be the local folder of a cross-encoder model, not {self.reranker!r} "
             "(nothing is downloaded)",
         )
+        self._check_engine(check)
+        if self.api_keys:
+            parse_api_keys(self.api_keys)  # ConfigError with the entry's number, never the key
+
+    def _check_engine(self, check: _Checker) -> None:
+        """A remote engine's settings (LLMWEB_ENGINE_*)."""
         check(
             not self.engine_url or self.engine_url.split("://", 1)[0] in ("http", "https") and "://" in self.engine_url,
             f"LLMWEB_ENGINE_URL must look like http://host:port, not {self.engine_url!r}",
         )
-        if self.api_keys:
-            parse_api_keys(self.api_keys)  # ConfigError with the entry's number, never the key
+        check(
+            not self.engine_router or bool(self.engine_url),
+            "LLMWEB_ENGINE_ROUTER=1 says LLMWEB_ENGINE_URL is a router: set LLMWEB_ENGINE_URL to the router's address",
+        )
+        check(
+            not self.engine_router or self.context_limit > 0,
+            "LLMWEB_ENGINE_ROUTER=1 needs LLMWEB_CONTEXT_LIMIT: the context one request may fill on every replica "
+            "(llama.cpp: -c divided by -np; vLLM: --max-model-len). Behind a router, /props and /v1/models "
+            "answer for whichever replica the router picks, so llmweb does not read it from there.",
+        )
 
     @property
     def login(self) -> bool:

@@ -13,7 +13,8 @@ connection after that many text events, no [DONE]), `stall_s` (sleep before the 
 `return_token_ids`, with ids in this fake's own encoding: only for clients that use it),
 `eos` (llama.cpp: the reply's end-of-sequence token goes as a text event of its own, then the
 last event with the usage comes `last_delay_s` later), `llama_slots` (llama.cpp: `GET /props`
-names `total_slots`, and `id_slot` in a request keeps its own prefix cache per slot). Every
+names `total_slots`, and `id_slot` in a request keeps its own prefix cache per slot), `replicas`
+(a router's `GET /readiness`: (healthy, total) workers, as vLLM's router says it). Every
 completion request's body and headers are kept in `requests` (probes included: `completions`
 leaves them out).
 """
@@ -52,6 +53,7 @@ class FakeOpenAI:
         self.eos = knobs.pop("eos", "")
         self.last_delay_s = knobs.pop("last_delay_s", 0.0)
         self.llama_slots = knobs.pop("llama_slots", 0)
+        self.replicas: tuple[int, int] | None = knobs.pop("replicas", None)
         assert not knobs, f"unknown knobs {knobs}"
         self.requests: list[tuple[dict, dict]] = []
         self.in_flight = 0
@@ -66,6 +68,13 @@ class FakeOpenAI:
                 pass
 
             def do_GET(self):
+                if self.path.endswith("/readiness"):
+                    if fake.replicas is None:
+                        return fake._json(self, 404, {"error": {"message": "File Not Found"}})
+                    healthy, total = fake.replicas
+                    status = {"status": "ready" if healthy else "not ready"}
+                    ready = {"healthy_workers": healthy, "total_workers": total}
+                    return fake._json(self, 200 if healthy else 503, status | ready)
                 if self.path.endswith("/props"):
                     if not fake.llama_slots:
                         return fake._json(self, 404, {"error": {"message": "File Not Found"}})

@@ -1,6 +1,6 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
 [all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|recycle|gpu|ocr|
-constrained]`
+constrained|router]`
 and `capacity`.
 
 One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> str`:
@@ -34,6 +34,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
                 on the same file, prompts, reply length and threads: aggregate tok/s side by side
   recycle.py    `bench recycle`: the engine process replaced gracefully: 20 turns 4 at a time with
                 LLMWEB_RECYCLE_AFTER=5, and a chat's turn across a recycle, its caches handed over or dropped
+  router.py     `bench router`: 1, 2, 3 llama-server replicas behind vLLM's router, per routing policy,
+                against one llama-server with the same slots: prefix-cache reuse on turns 2+, tok/s, TTFT p95
   served.py     a real `python -m llmweb serve` on a scratch data dir, for busy and peer
   gpu.py        `bench gpu [--rehearse]`: the CUDA path part by part (NF4 load, a real OOM and its
                 recovery, fragmentation, capacity of an 8B shape with random weights), each part's table
@@ -78,6 +80,7 @@ BENCHES = [
     "gpu",
     "ocr",
     "constrained",
+    "router",
 ]
 
 
@@ -86,10 +89,9 @@ def register(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load | document | loops | busy | peer | recycle | gpu | ocr | constrained",
+        "| hostile | load | document | loops | busy | peer | recycle | gpu | ocr | constrained | router",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
-    b.add_argument("--turns", type=int, default=40, help="TTFT: turns of the scripted chat")
     b.add_argument(
         "--chunks",
         type=int,
@@ -104,7 +106,6 @@ def register(sub) -> None:
         "(default 128)",
     )
     b.add_argument("--concurrency", default="1,2,4,8", help="concurrency: chats at once, comma-separated")
-    b.add_argument("--chats", default="1,4", help="peer: chats at once, comma-separated")
     b.add_argument(
         "--max-batch", type=int, default=0, help="concurrency: the batched engine's max_batch (0 = LLMWEB_MAX_BATCH)"
     )
@@ -147,6 +148,7 @@ def register(sub) -> None:
         help="busy, ttft: turns of an imported chat the measured chat starts with (ttft: none folded)",
     )
     _gpu_arguments(b)
+    _router_arguments(b)
     b.add_argument("--dpi", default="300,150", help="ocr: scan resolutions of the prose page, comma-separated")
     b.add_argument("--steps", type=int, default=200, help="constrained: agent-loop steps (0: none)")
     b.add_argument("--json", action="store_true")
@@ -158,6 +160,19 @@ def register(sub) -> None:
     c.add_argument("--max-new-tokens", type=int, default=16, help="reply length per request")
     c.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     c.set_defaults(func=capacity_command)
+
+
+def _router_arguments(b) -> None:
+    """Also --turns and --chats, which other benches read too."""
+    b.add_argument(
+        "--turns", type=int, default=None, help="TTFT: turns of the scripted chat (40); router: per chat (10)"
+    )
+    b.add_argument(
+        "--chats", default=None, help="peer: chats at once, comma-separated (1,4); router: chats at once (8)"
+    )
+    b.add_argument("--replicas", default="1,2,3", help="router: replica counts, comma-separated")
+    b.add_argument("--policies", default="consistent_hash,cache_aware,round_robin", help="router: vllm-router policies")
+    b.add_argument("--slots", type=int, default=2, help="router: llama-server slots per replica")
 
 
 def _gpu_arguments(b) -> None:
@@ -206,6 +221,7 @@ def bench_command(args) -> int:
         "gpu": _bench_gpu,
         "ocr": _bench_ocr,
         "constrained": _bench_constrained,
+        "router": _bench_router,
     }.get(args.which)
     assert run is not None, f"unknown benchmark {args.which!r}"
     return run(args)
@@ -220,7 +236,7 @@ def _bench_suite(args) -> int:
     settings = Settings.from_env()
     result = suite.run(
         settings,
-        turns=args.turns,
+        turns=args.turns or 40,
         ttft_new_tokens=args.max_new_tokens or 32,
         chunks=args.chunks or 2000,
         replay_turns=args.replay_turns,
@@ -322,7 +338,7 @@ def _bench_ttft(args) -> int:
         result = ttft.run(
             scratch_settings(settings, tmp),
             loaded,
-            args.turns,
+            args.turns or 40,
             full=not args.reuse_only,
             script=args.script,
             history=args.history,
@@ -393,6 +409,33 @@ def _bench_chatpath(args) -> int:
     return 0
 
 
+def _bench_router(args) -> int:
+    import signal
+
+    from llmweb.config import Settings
+
+    from . import router
+
+    # a stopped bench still stops its servers (its `finally` blocks run)
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        result = router.run(
+            Settings.from_env(),
+            counts=parse_ints(args.replicas),
+            policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+            chats=int(args.chats or 8),
+            turns=args.turns or 10,
+            slots=args.slots,
+            new_tokens=args.max_new_tokens or 32,
+            progress=_stderr,
+        )
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    _print(result, args.json, router.markdown)
+    answered = all(c["answered"] == c["turns"] for c in result["cases"])
+    return 0 if answered else 1
+
+
 def _bench_peer(args) -> int:
     from llmweb.config import Settings
 
@@ -400,7 +443,7 @@ def _bench_peer(args) -> int:
 
     result = peer.run(
         Settings.from_env(),
-        concurrencies=parse_ints(args.chats),
+        concurrencies=parse_ints(args.chats or "1,4"),
         new_tokens=args.max_new_tokens or 128,
         repeats=args.repeats,
         progress=_stderr,
@@ -414,7 +457,7 @@ def _bench_recycle(args) -> int:
 
     from . import recycle
 
-    result = recycle.run(Settings.from_env(), turns=min(args.turns, 20), progress=_stderr)
+    result = recycle.run(Settings.from_env(), turns=min(args.turns or 40, 20), progress=_stderr)
     _print(result, args.json, recycle.markdown)
     return 0
 

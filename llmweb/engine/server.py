@@ -4,6 +4,11 @@ request, the model's name, `GET /props`'s slots and context, a one-token probe o
 may be and which extra fields it takes, cached), a refusal's status and whether it says "too
 long" (`HTTPStatus`), and the map of llama.cpp's slots to conversations (`SlotTable`).
 
+A router in front of replicas (`RemoteConfig.router`, LLMWEB_ENGINE_ROUTER): its `/props` answers
+for whichever replica it picks, so no slots and no context are read through it (one replica's slot
+numbers mean nothing on another); `replicas()` reads how many answer where the router says
+(vLLM's router: `GET /readiness` or `GET /workers`).
+
 Used by the remote runner (engine/remote.py) and by the runtime (runtime/engines.py builds a
 `Server`; runtime/health.py watches it). Must not: run a request's stream or schedule (the runner
 and the engine do), or send conversation ids or owners in the clear (the runner hashes them).
@@ -26,6 +31,11 @@ from llmweb.errors import LlmwebError
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# Behind a router, one retry before the first token, not three: the router retries and breaks
+# circuits on its own, and ours would multiply its attempts; but a router that has not yet seen a
+# replica die answers that request with an error (vLLM's router: HTTP 500), and one retry lets it
+# send the same request to a replica that answers.
+ROUTER_RETRIES = 1
 CONTEXT_MARKERS = ("maximum context length", "context_length_exceeded", "exceed_context_size", "context length")
 
 
@@ -43,6 +53,7 @@ class RemoteConfig:
     read_timeout_s: float = 60.0  # no data for this long ends the request
     retries: int = 3  # for refused connections, 429 and 5xx, before the first token
     backoff_s: float = 0.5  # doubled each retry
+    router: bool = False  # the URL is a router in front of replicas: no llama.cpp slots, no context read
 
     @property
     def parts(self) -> tuple[str, str, int, str]:
@@ -142,6 +153,8 @@ class Server:
     def slots(self) -> int:
         """The server's slots when it is a llama.cpp server (`GET /props`), else 0 (asked until it
         answers: a server that is down now may be a llama.cpp server once it is up)."""
+        if self.config.router:
+            return 0  # a router's /props is one replica's: its slot numbers mean nothing on the others
         if self._slots is None:
             try:
                 props = self.get_json("/props")
@@ -159,7 +172,9 @@ class Server:
     def context_length(self) -> int | None:
         """The context one request may fill on the server, where it says: llama.cpp's per-slot
         `n_ctx` (`GET /props`), vLLM's `max_model_len` (`GET /v1/models`); None when it does not
-        say or is not reachable (then the model's own figure stands)."""
+        say or is not reachable (then the model's own figure stands), or is a router."""
+        if self.config.router:
+            return None  # one replica's answer, picked by the router: LLMWEB_CONTEXT_LIMIT says it instead
         for path, find in (
             ("/props", lambda d: (d.get("default_generation_settings") or {}).get("n_ctx")),
             ("/v1/models", lambda d: ((d.get("data") or [{}])[0] or {}).get("max_model_len")),
@@ -171,6 +186,27 @@ class Server:
             value = find(data) if isinstance(data, dict) else None
             if isinstance(value, int) and value > 1:
                 return value
+        return None
+
+    def replicas(self) -> tuple[int, int] | None:
+        """(answering, total) replicas behind a router, where it reports them: vLLM's router
+        (`GET /readiness`: `healthy_workers`, `total_workers`) or a `GET /workers` list with
+        `is_healthy` (vLLM's router); None when it reports neither (nginx)."""
+        for path in ("/readiness", "/workers"):
+            try:
+                data = self.get_json(path)
+            except HTTPStatus as e:
+                data = _json_or_none(e.body) if e.status == 503 else None  # "not ready" still counts
+            except (OSError, ValueError):
+                return None
+            if not isinstance(data, dict):
+                continue
+            healthy, total = data.get("healthy_workers"), data.get("total_workers")
+            if isinstance(healthy, int) and isinstance(total, int):
+                return healthy, total
+            workers = data.get("workers")
+            if isinstance(workers, list) and all(isinstance(w, dict) for w in workers):
+                return sum(1 for w in workers if w.get("is_healthy", True)), len(workers)
         return None
 
     def reachable(self) -> str | None:
@@ -207,6 +243,13 @@ class Server:
         takes_ids = accepted({**plain, "prompt": ids})
         extras = accepted({**plain, "prompt": ids if takes_ids else text, **_EXTRAS_PROBE})
         return Capabilities(ids=takes_ids, extras=extras)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 _EXTRAS_PROBE = {

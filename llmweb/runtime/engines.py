@@ -129,7 +129,7 @@ def remote_parts(settings: Settings, progress: Callable[[str], None]) -> tuple[E
 
     from llmweb.engine.remote import remote_engine
     from llmweb.engine.request import EngineLimits
-    from llmweb.engine.server import RemoteConfig, Server
+    from llmweb.engine.server import ROUTER_RETRIES, RemoteConfig, Server
 
     s = settings
     source = s.model or tokenizer_dir(s, progress)
@@ -141,9 +141,12 @@ def remote_parts(settings: Settings, progress: Callable[[str], None]) -> tuple[E
         api_key=s.engine_api_key,
         routing_header=s.engine_routing_header,
         read_timeout_s=min(s.request_timeout_s, 60.0),
+        router=s.engine_router,
+        retries=ROUTER_RETRIES if s.engine_router else 3,
     )
     max_context = int(getattr(AutoConfig.from_pretrained(source), "max_position_embeddings", 0) or 2048)
-    served = Server(config).context_length()  # a llama.cpp slot holds n_ctx / slots: less than the model's
+    # a llama.cpp slot holds n_ctx / slots: less than the model's; a router: LLMWEB_CONTEXT_LIMIT (required) says
+    served = Server(config).context_length()
     if served:
         max_context = min(max_context, served)
     budget = Budget.from_settings(s, max_context, on_cpu=False)  # the server's device, not ours

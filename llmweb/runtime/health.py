@@ -1,6 +1,7 @@
 """The health watch of a remote engine (LLMWEB_ENGINE_URL): whether the server answers, checked at
 start and then on a background thread (every REMOTE_CHECK_S while it answers, every retry_s while
-it does not), with the status line following it.
+it does not), with the status line following it. Behind a router (LLMWEB_ENGINE_ROUTER) each check
+also asks how many replicas answer, where the router reports it (`Server.replicas`).
 
 It only watches and reports; it must not retry requests or change the engine (the remote runner
 retries its own requests).
@@ -31,7 +32,9 @@ class RemoteHealth:
             except Exception as e:  # it answered /v1/models but not usefully (a wrong key, no model): say so
                 why = f"{type(e).__name__}: {e}"
         if why is None:
-            self.status.remote_up(self.url, name, caps.ids, self.started)
+            server = self.runner.server
+            replicas = (server.replicas() or "router") if server.config.router else None
+            self.status.remote_up(self.url, name, caps.ids, self.started, replicas)
         else:
             self.status.remote_down(self.url, why, self.retry_s)
         return why is None

@@ -43,10 +43,17 @@ class StatusLine:
         error's words without file paths (the runtime logs the whole error)."""
         self.text = f"{what}: {_no_paths(str(error))}"
 
-    def remote_up(self, url: str, model: str, token_ids: bool, started: str) -> None:
+    def remote_up(
+        self, url: str, model: str, token_ids: bool, started: str, replicas: tuple[int, int] | str | None = None
+    ) -> None:
         """The remote engine answers. The page names it "remote engine" and its model, never its
-        address (LLMWEB_ENGINE_URL may be a private host, or carry a key): that goes to the log."""
+        address (LLMWEB_ENGINE_URL may be a private host, or carry a key): that goes to the log.
+        `replicas`: behind a router, (answering, total) where it reports them, else "router"."""
         prompts = "token-id prompts" if token_ids else "text prompts"
+        if isinstance(replicas, tuple):
+            prompts = f"{replicas[0]} of {replicas[1]} replicas answer · {prompts}"
+        elif replicas:
+            prompts = f"behind a router · {prompts}"
         text = f"Ready: remote engine · model {model} · reachable · {prompts} · {started}."
         if text != self.text:
             log.info("remote engine %s reachable, model %s", url, model)

@@ -222,7 +222,10 @@ def test_bench_ttft_scripts():
 
 def test_bench_without_a_subcommand_is_the_suite():
     args = build_parser().parse_args(["bench"])
-    assert args.which == "all" and args.turns == 40 and args.chunks is None and args.replay_turns == 200
+    assert args.which == "all" and args.turns is None and args.chunks is None and args.replay_turns == 200
+    # --turns and --chats: each bench's own default (the suite's and ttft's 40 turns, router's 10 x 8 chats)
+    args = build_parser().parse_args(["bench", "router", "--turns", "3", "--chats", "2", "--replicas", "1,2"])
+    assert (args.turns, args.chats, bench.parse_ints(args.replicas), args.slots) == (3, "2", [1, 2], 2)
     args = build_parser().parse_args(["bench", "concurrency"])
     assert args.which == "concurrency" and bench.parse_ints(args.concurrency) == [1, 2, 4, 8] and args.max_batch == 0
     args = build_parser().parse_args(["capacity", "--context", "512,1024", "--concurrency", "1,4"])

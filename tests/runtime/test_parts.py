@@ -69,11 +69,16 @@ def test_the_retention_loop_waits_for_ready_and_ends_at_close(tmp_path):
 
 
 class FakeServer:
-    def __init__(self, why=None):
+    def __init__(self, why=None, router=False, replicas=None):
         self.why, self.model = why, "fake-model"
+        self.config = SimpleNamespace(router=router)
+        self._replicas = replicas
 
     def reachable(self):
         return self.why
+
+    def replicas(self):
+        return self._replicas
 
 
 def test_the_health_watch_words_the_status_line_up_down_and_answering_badly():
@@ -91,6 +96,17 @@ def test_the_health_watch_words_the_status_line_up_down_and_answering_badly():
     bad = SimpleNamespace(server=FakeServer(), probe=refuse)
     assert not RemoteHealth(bad, "http://x", status, "", retry_s=5).check()
     assert "not reachable (PermissionError: wrong key)" in status.text
+
+
+def test_behind_a_router_the_status_line_counts_the_replicas_where_the_router_says():
+    status = StatusLine()
+    ids = SimpleNamespace(ids=True)
+    counted = SimpleNamespace(server=FakeServer(router=True, replicas=(1, 2)), probe=lambda: ids)
+    assert RemoteHealth(counted, "http://x", status, "started in 1 s", retry_s=5).check()
+    assert "reachable · 1 of 2 replicas answer · token-id prompts" in status.text
+    silent = SimpleNamespace(server=FakeServer(router=True), probe=lambda: ids)  # nginx: reports nothing
+    assert RemoteHealth(silent, "http://x", status, "started in 1 s", retry_s=5).check()
+    assert "reachable · behind a router · token-id prompts" in status.text
 
 
 def test_the_status_line_never_shows_the_engine_address():
