@@ -269,7 +269,7 @@ class Engine:
         # most a share of the time (`_joining`)
         joining, beside = self._turns.pick(self._running)
         if joining is not None:
-            with self._lock:  # beside another owner's request, or a heavy visitor's: small chunks (share.py)
+            with self._lock:  # a visitor's prompt: small chunks (share.py)
                 joining.small_chunks = self.shares.small_chunks(joining, self._running)
             before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
             try:

@@ -25,9 +25,6 @@ from llmweb.errors import BusyError
 from llmweb.records import LOCAL_OWNER
 
 WINDOW_S = 60.0
-# an owner whose prompts prefilled this many tokens in the last minute is heavy: its prompts go in the
-# runner's small chunks, so another owner who arrives waits for one small chunk, not a big one
-HEAVY_TOKENS = 1024
 MAX_OWNERS = 4096  # owners remembered at once; the one whose last use is oldest is forgotten first
 # not capped per owner: a single-user install's one owner, and requests of nobody in particular (the CLI)
 EXEMPT = frozenset({"", LOCAL_OWNER})
@@ -89,16 +86,16 @@ class Shares:
             )
 
     def small_chunks(self, slot: Slot, running: list[Slot]) -> bool:
-        """Should `slot`'s next chunk be a small one? Yes while another owner's request is in the
-        batch, and for a heavy visitor's prompt (HEAVY_TOKENS: another visitor may arrive at any
-        step): the owner of a single-user install, or a visitor who sent little, alone or beside
-        only their own requests, keeps the runner's own size (a chunk protects nobody there)."""
+        """Should `slot`'s next chunk be a small one? Yes for every visitor's prompt: a chunk is never
+        cut, and another stranger may arrive at any step (a short turn that met a light visitor's
+        full 256-token chunk on llama.cpp waited ~1.4 s for it on 2 cores, ~3x its time alone); the
+        small ones cost a long prompt ~15% (`llama-bench -p 256 -t 1`: 147-152 tok/s in 64-token
+        batches, 174 in 256). The owner of a single-user install alone, or beside only their own
+        requests, keeps the runner's own size: there is nobody to protect."""
         owner = slot.request.owner
         if slot.request.background:  # background prompts have small chunks of their own (the runner's)
             return False
-        if any(s.request.owner != owner for s in running):
-            return True
-        return owner not in EXEMPT and self.prefilled.used(owner) >= HEAVY_TOKENS
+        return owner not in EXEMPT or any(s.request.owner != owner for s in running)
 
     def take_warmup(self, owner: str, busy: bool) -> None:
         """Count an optional job of `owner`; BusyError (it is dropped, never queued) when the engine
