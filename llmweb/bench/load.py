@@ -9,6 +9,11 @@
                 (`HOSTILE`: a 60,000-character line of dashes, a long line without punctuation
                 then a newline, and shorter ones that get through) through `/chat`; the ratio of
                 the median latencies, measured in one run (target: at most 2).
+  beside a      `ORDINARY` visitors x `TURNS` turns at once, alone, then while one hostile client
+  hostile owner sends ~1,000-token messages, each in a new chat, from two threads (two tabs),
+                as fast as it is answered or refused; the ordinary turns' p95 beside it against
+                their p95 alone, measured in one run (target: at most 2). Through the public
+                `/chat` API each of its chats is its own owner, as an anonymous caller's is.
 
 `run()` starts `python -m llmweb serve` in a scratch data dir (a separate process: the clients'
 threads do not share its interpreter), every visitor its own owner (`LLMWEB_SINGLE_USER=0`); the
@@ -37,6 +42,9 @@ RETRY_S = 1.0  # a refused turn is sent again after this long
 MAX_TRIES = 60
 QUESTIONS = ("What is the capital of France?", "Name one large animal.", "Thank you, and goodbye.")
 PROBE = "What colour is the sky on a clear day?"
+ORDINARY = 8  # visitors beside the hostile owner
+# a message of ~1,000 tokens (SmolLM2's tokenizer: ~10 a sentence), under the default message cap
+LONG = "Please summarise what follows. " + "The quick brown fox jumps over the lazy dog again. " * 90
 HOSTILE = (
     "-" * 60_000,  # one line of dashes
     "word " * 12_000 + "\nand then a question?",  # a long line without punctuation, then a newline
@@ -179,6 +187,50 @@ def under_attack(url: str, repeats: int = 5) -> dict:
     }
 
 
+def beside_hostile(url: str, visitors: int = ORDINARY, turns: int = TURNS, message: str = LONG, tabs: int = 2) -> dict:
+    """`visitors` x `turns` at once, alone, then while a hostile client sends `message` in a new chat
+    from `tabs` threads: the ordinary turns' figures both ways and the ratio of their p95."""
+    from gradio_client import Client
+
+    time.sleep(3.0)  # what came before settles
+    t0 = time.perf_counter()
+    alone = summary(*crowd(url, visitors, turns), time.perf_counter() - t0)
+    stop, lock = threading.Event(), threading.Lock()
+    outcomes = {"sent": 0, "answered": 0, "refused": 0}
+
+    def tab() -> None:
+        hostile = Client(url, verbose=False)
+        while not stop.is_set():
+            try:
+                hostile.predict(message, "", api_name="/chat")
+                outcome = "answered"
+            except Exception:  # refused (busy, over a limit...): it sends the next one at once
+                outcome = "refused"
+            with lock:
+                outcomes["sent"] += 1
+                outcomes[outcome] += 1
+
+    threads = [threading.Thread(target=tab, daemon=True) for _ in range(tabs)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)  # the attack is under way
+    t0 = time.perf_counter()
+    beside = summary(*crowd(url, visitors, turns), time.perf_counter() - t0)
+    stop.set()
+    for t in threads:
+        t.join(300)
+    return {
+        "visitors": visitors,
+        "turns_each": turns,
+        "message_chars": len(message),
+        "tabs": tabs,
+        "alone": alone,
+        "beside": beside,
+        "p95_ratio": round(beside["p95_s"] / max(alone["p95_s"], 1e-9), 2),
+        "hostile": outcomes,
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -224,6 +276,8 @@ def run(settings, visitors: int = VISITORS, turns: int = TURNS, max_new_tokens: 
             load = summary(results, errors, time.perf_counter() - t0)
             progress("bench load: one visitor, idle and while a client sends pathological messages...")
             attack = under_attack(url)
+            progress(f"bench load: {ORDINARY} visitors, alone and beside a hostile owner's two tabs...")
+            hostile = beside_hostile(url)
         finally:
             proc.terminate()
             proc.wait(30)
@@ -234,6 +288,7 @@ def run(settings, visitors: int = VISITORS, turns: int = TURNS, max_new_tokens: 
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "default"),  # the server inherits it
         "load": load,
         "attack": attack,
+        "hostile_owner": hostile,
     }
 
 
@@ -254,5 +309,29 @@ def markdown(result: dict) -> str:
         f"idle: {attack['idle_s']} s; under attack: {attack['attacked_s']} s; ratio of the medians: "
         f"**{attack['ratio']}x** (target <= 2x); the attacker sent {attack['hostile_sent']} messages "
         f"({attack['hostile_answered']} answered, {attack['hostile_refused']} refused)",
+        "",
+        *hostile_markdown(result["hostile_owner"]),
     ]
     return "\n".join(lines)
+
+
+def hostile_markdown(h: dict) -> list[str]:
+    """The section of `beside_hostile`'s figures."""
+    alone, beside, sent = h["alone"], h["beside"], h["hostile"]
+    rows = [
+        f"| {name} | {f['answered']}/{f['turns']} | {f['refusals']} "
+        f"| {f['p50_s']} s | {f['p95_s']} s | {f['max_s']} s |"
+        for name, f in (("alone", alone), ("beside the hostile owner", beside))
+    ]
+    return [
+        f"## {h['visitors']} visitors x {h['turns_each']} turns, alone and beside one hostile owner "
+        f"({h['tabs']} tabs of {h['message_chars']:,}-character messages, each in a new chat)",
+        "",
+        "| ordinary turns | answered | busy refusals | p50 | p95 | max |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"p95 beside / alone: **{h['p95_ratio']}x** (target <= 2x); the hostile owner sent {sent['sent']} "
+        f"messages ({sent['answered']} answered, {sent['refused']} refused)",
+        *(f"- error: {e}" for e in alone["errors"] + beside["errors"]),
+    ]
