@@ -54,7 +54,7 @@ from llmweb.engine.request import (
     Slot,
     capped,
 )
-from llmweb.engine.share import Shares, full_owners, preempt
+from llmweb.engine.share import Shares, preempt
 from llmweb.engine.turns import ChunkTurns
 from llmweb.engine.waitroom import Pace, running_work, wait_s, waiting_work
 from llmweb.errors import AdmissionError, BusyError, Cancelled, LlmwebError
@@ -81,7 +81,7 @@ class Engine:
         self._retries: list[tuple[Handle, GenerationRequest, str]] = []  # gave way: first in line, through admission
         self._memory = Admission(runner, kv, limits, self.counters)
         self._stopped = False
-        self.shares = Shares(limits.prompt_tokens_per_min, limits.warmups_per_min, limits.warmups_per_owner_min)
+        self.shares = Shares(limits)  # per-owner and per-address limits (share.py)
         self._turns = ChunkTurns()  # whose prompt gets each step's chunk (turns.py)
         self._last_work = time.monotonic()  # when a request last came or the batch last emptied (`idle_s`)
         self._thread = threading.Thread(target=self._loop, name="llmweb-engine", daemon=True)
@@ -107,6 +107,12 @@ class Engine:
             self._last_work = time.monotonic()
             self._lock.notify_all()
         return handle
+
+    def note_address(self, owner: str, group: str) -> None:
+        """`owner`'s requests come from client address group `group` (the web layer's word): the
+        owners of one address share its limits (share.py)."""
+        with self._lock:
+            self.shares.note_address(owner, group)
 
     def position(self, handle: Handle) -> int:
         with self._lock:
@@ -213,7 +219,7 @@ class Engine:
                 if self._stopped:
                     return
                 retry = self._retries[0] if self._retries else None  # a request that gave way goes first
-                full = full_owners(self._running, self.limits.running_per_user)
+                full = self.shares.full(self._running)
                 handle = retry[0] if retry is not None else self._waiting.peek(full)
             if handle is None:
                 return
@@ -279,7 +285,7 @@ class Engine:
                     tokens = joining.stats.prefilled_tokens - before
                     self.pace.prefilled(tokens, time.perf_counter() - t0)
                     with self._lock:
-                        self.shares.prefilled.add(joining.request.owner, tokens)
+                        self.shares.add_prefilled(joining.request.owner, tokens)
             except GiveWay as e:
                 self._give_way(joining, e.reason, e.message)
             except BaseException as e:

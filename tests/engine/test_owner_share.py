@@ -269,3 +269,43 @@ def test_on_llama_cpp_two_tabs_of_long_prompts_leave_another_owners_short_turn_w
         assert beside <= 2 * alone + chunk, (alone, chunk, beside)
     finally:
         engine.close()
+
+
+# ---- several identities from one address: one share
+
+
+def test_identities_from_one_address_share_its_running_cap_and_the_other_address_is_not_held():
+    runner = ChunkRunner({"a1": 400, "a2": 400, "a3": 3, "b": 3})
+    engine, _ = fake_engine(runner, max_batch=4, running_per_user=2, running_per_address=2, max_new_tokens=400)
+    try:
+        for owner in ("a1", "a2", "a3"):
+            engine.note_address(owner, "198.51.100.7")
+        engine.note_address("b", "203.0.113.9")
+        flood = [engine.submit(GenerationRequest(list(range(200, 208)), 400, owner=o)) for o in ("a1", "a2")]
+        assert runner.chunked.wait(5)
+        third = engine.submit(GenerationRequest(list(range(10, 14)), 3, owner="a3"))  # a new identity, same address
+        other = engine.submit(GenerationRequest(list(range(20, 24)), 3, owner="b"))
+        other.result()
+        assert [r.owner for r in runner.requests] == ["a1", "a2", "b"], "a3 waits for its address's room"
+        for h in flood:
+            h.cancel()
+        third.result()
+    finally:
+        engine.close()
+
+
+def test_identities_from_one_address_share_its_prompt_tokens_and_the_other_address_is_taken():
+    runner = ChunkRunner({})
+    engine, _ = fake_engine(runner, max_batch=4, prompt_tokens_per_min=1000, prompt_tokens_per_address_min=100)
+    try:
+        for owner in ("a1", "a2", "a3"):
+            engine.note_address(owner, "2001:db8:1:2::/64")
+        engine.note_address("b", "203.0.113.9")
+        for owner in ("a1", "a2"):  # each far under its own cap
+            engine.submit(GenerationRequest(list(range(200, 260)), 3, owner=owner)).result()
+        with pytest.raises(BusyError, match=r"from your address sent 120 prompt tokens .* limit of 100 per address"):
+            engine.submit(GenerationRequest(list(range(200, 260)), 3, owner="a3"))
+        engine.submit(GenerationRequest(list(range(300, 360)), 3, owner="b")).result()
+        assert engine.counters.refused == 1
+    finally:
+        engine.close()
