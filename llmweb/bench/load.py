@@ -16,9 +16,11 @@
                 `/chat` API each of its chats is its own owner, as an anonymous caller's is.
 
 `run()` starts `python -m llmweb serve` in a scratch data dir (a separate process: the clients'
-threads do not share its interpreter), every visitor its own owner (`LLMWEB_SINGLE_USER=0`); the
-server inherits the environment. On a CPU shared with other work, OpenMP's threads can wait on
-each other for long: measured on a 2-core machine at a load of ~8, one 16-token turn took 7-16 s
+threads do not share its interpreter), every visitor its own owner (`LLMWEB_SINGLE_USER=0`) and its
+own address (`X-Forwarded-For`, from a proxy the server trusts: loopback), as strangers on the
+internet are, so the limits per address fall where they would; the server inherits the environment.
+On a CPU shared with other work, OpenMP's threads can wait on each other for long: measured on a
+2-core machine at a load of ~8, one 16-token turn took 7-16 s
 with torch's default threads and ~1 s with `OMP_NUM_THREADS=1`, so the table says which it ran with.
 tests/test_load.py runs `crowd` against an app launched in the test process.
 """
@@ -43,6 +45,8 @@ MAX_TRIES = 60
 QUESTIONS = ("What is the capital of France?", "Name one large animal.", "Thank you, and goodbye.")
 PROBE = "What colour is the sky on a clear day?"
 ORDINARY = 8  # visitors beside the hostile owner
+# the addresses of the pathological client, the hostile owner and the probe (documentation ranges, RFC 5737)
+HOSTILE_ADDRESS, OWNER_ADDRESS, PROBE_ADDRESS = "203.0.113.66", "203.0.113.77", "198.51.100.250"
 # a message of ~1,000 tokens (SmolLM2's tokenizer: ~10 a sentence), under the default message cap
 LONG = "Please summarise what follows. " + "The quick brown fox jumps over the lazy dog again. " * 90
 HOSTILE = (
@@ -62,6 +66,18 @@ class TurnResult:
     reply: str
     latency_s: float  # from the first try to the reply, retries included
     refusals: int  # busy refusals met on the way
+
+
+def client(url: str, address: str = ""):
+    """A gradio_client `Client` whose requests say they come from `address` (a trusting server
+    believes it: `LLMWEB_TRUSTED_PROXIES`; any other ignores it)."""
+    from gradio_client import Client
+
+    return Client(url, verbose=False, headers={"X-Forwarded-For": address} if address else None)
+
+
+def visitor_address(visitor: int) -> str:
+    return f"198.51.100.{visitor % 240 + 1}"
 
 
 def is_busy(error: BaseException) -> bool:
@@ -85,16 +101,14 @@ def ask(client, message: str, conv_id: str) -> tuple[str, str, float, int]:
 
 
 def visit(url: str, visitor: int, turns: int, start: threading.Barrier | None = None) -> list[TurnResult]:
-    """One visitor's conversation of `turns` turns, one after the other."""
-    from gradio_client import Client
-
-    client = Client(url, verbose=False)
+    """One visitor's conversation of `turns` turns, one after the other, from its own address."""
+    visitor_client = client(url, visitor_address(visitor))
     if start is not None:
         start.wait()
     conv_id, out = "", []
     for turn in range(1, turns + 1):
         message = f"I am visitor {visitor}. {QUESTIONS[(turn - 1) % len(QUESTIONS)]}"
-        reply, conv_id, latency, refusals = ask(client, message, conv_id)
+        reply, conv_id, latency, refusals = ask(visitor_client, message, conv_id)
         out.append(TurnResult(visitor, turn, conv_id, message, reply, latency, refusals))
     return out
 
@@ -147,12 +161,10 @@ def summary(results: list[TurnResult], errors: list[str], seconds: float) -> dic
 
 def under_attack(url: str, repeats: int = 5) -> dict:
     """One visitor's turn on the idle server vs. the same turn while a client sends `HOSTILE`."""
-    from gradio_client import Client
-
-    client = Client(url, verbose=False)
+    prober = client(url, PROBE_ADDRESS)
 
     def probe() -> float:
-        return ask(client, PROBE, "")[2]
+        return ask(prober, PROBE, "")[2]
 
     time.sleep(3.0)  # what came before settles (its streams close, its background jobs end)
     probe()  # warm: the first turn pays one-off costs
@@ -160,7 +172,7 @@ def under_attack(url: str, repeats: int = 5) -> dict:
     stop, sent, outcomes = threading.Event(), [0], {"answered": 0, "refused": 0}
 
     def attacker() -> None:
-        hostile = Client(url, verbose=False)
+        hostile = client(url, HOSTILE_ADDRESS)
         while not stop.is_set():
             message = HOSTILE[sent[0] % len(HOSTILE)]
             sent[0] += 1
@@ -190,8 +202,6 @@ def under_attack(url: str, repeats: int = 5) -> dict:
 def beside_hostile(url: str, visitors: int = ORDINARY, turns: int = TURNS, message: str = LONG, tabs: int = 2) -> dict:
     """`visitors` x `turns` at once, alone, then while a hostile client sends `message` in a new chat
     from `tabs` threads: the ordinary turns' figures both ways and the ratio of their p95."""
-    from gradio_client import Client
-
     time.sleep(3.0)  # what came before settles
     t0 = time.perf_counter()
     alone = summary(*crowd(url, visitors, turns), time.perf_counter() - t0)
@@ -199,7 +209,7 @@ def beside_hostile(url: str, visitors: int = ORDINARY, turns: int = TURNS, messa
     outcomes = {"sent": 0, "answered": 0, "refused": 0}
 
     def tab() -> None:
-        hostile = Client(url, verbose=False)
+        hostile = client(url, OWNER_ADDRESS)
         while not stop.is_set():
             try:
                 hostile.predict(message, "", api_name="/chat")
@@ -262,7 +272,7 @@ def run(settings, visitors: int = VISITORS, turns: int = TURNS, max_new_tokens: 
     """The crowd, then the attack, against one scratch server (`settings` gives the model cache)."""
     env = {
         "LLMWEB_SINGLE_USER": "0",
-        "LLMWEB_ANON_PER_ADDRESS": "1000",  # the whole crowd comes from this machine's one address
+        "LLMWEB_TRUSTED_PROXIES": "127.0.0.1",  # each client names its own address (`client`)
         "LLMWEB_SAMPLE_DOCS": "0",
         "LLMWEB_MAX_NEW_TOKENS": str(max_new_tokens),
         "LLMWEB_CACHE_DIR": str(settings.copies_dir),
