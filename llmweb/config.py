@@ -208,10 +208,7 @@ class Settings:
         )
         self.proxy_networks  # noqa: B018  (ConfigError for an address that is not one)
         check(self.anon_retention_days >= 0, "LLMWEB_ANON_RETENTION_DAYS must be >= 0 (0 = keep forever)")
-        check(
-            min(self.running_per_address, self.prompt_tokens_per_address_min) >= 0,
-            "LLMWEB_RUNNING_PER_ADDRESS and LLMWEB_PROMPT_TOKENS_PER_ADDRESS_MIN must be >= 0 (0 = no cap)",
-        )
+        check(min(self.running_per_address, self.prompt_tokens_per_address_min) >= 0, "per-address caps: >= 0")
         check(self.temperature >= 0, "LLMWEB_TEMPERATURE must be >= 0")
         check(
             not self.reranker or Path(self.reranker).expanduser().is_dir(),

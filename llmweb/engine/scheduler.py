@@ -108,9 +108,7 @@ class Engine:
             self._lock.notify_all()
         return handle
 
-    def note_address(self, owner: str, group: str) -> None:
-        """`owner`'s requests come from client address group `group` (the web layer's word): the
-        owners of one address share its limits (share.py)."""
+    def note_address(self, owner: str, group: str) -> None:  # the web layer's word: one address, one share
         with self._lock:
             self.shares.note_address(owner, group)
 
@@ -152,8 +150,7 @@ class Engine:
             close()
 
     def withdraw(self, handle: Handle) -> None:
-        """Take a cancelled request out of its queue, so that it no longer holds a place there
-        (`Handle.cancel`; a running one sees its flag within a step)."""
+        """Take a cancelled request out of its queue (`Handle.cancel`; a running one sees its flag)."""
         with self._lock:
             if not self._waiting.remove(handle):
                 return  # running, done, or never queued: the worker sees the flag
@@ -194,8 +191,7 @@ class Engine:
                         self._lock.acquire()
             return not self._stopped
 
-    def _idle(self) -> None:
-        """Between requests: expire old session caches; release a fragmented allocator cache."""
+    def _idle(self) -> None:  # between requests: expire old session caches, release a fragmented allocator
         self.kv.expire()
         self.release_fragmentation()
 
@@ -348,11 +344,10 @@ class Engine:
             s.handle._finish(None, error)
 
     def _give_way(self, victim: Slot, reason: str, refusal: str = "") -> None:
-        """`victim` alone gives way, after an OOM in its pass (`reason` "oom") or the backend's refusal
-        of its prompt (a `GiveWay` reason; its words in `refusal`): its cache is freed (after an OOM,
-        the allocator's cache, and idle caches the retry needs the room of), then it retries once with
-        its smaller `fallback` (its streamed ids void: `Restarted`), first in line, or fails; the rest
-        of the batch goes on as if nothing happened."""
+        """`victim` alone gives way, after an OOM in its pass (`reason` "oom") or the backend's refusal of
+        its prompt (a `GiveWay` reason, its words in `refusal`): its cache is freed (after an OOM, also
+        the allocator's, and idle caches the retry needs), then it retries once with its smaller
+        `fallback` (its streamed ids void: `Restarted`), first in line, or fails; the rest go on."""
         self._remove(victim)
         self.runner.release(victim, keep=False)
         smaller = retry_plan(victim, reason, refusal, self.limits.max_new_tokens)
