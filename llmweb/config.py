@@ -118,6 +118,9 @@ class Settings:
     queue_per_user: int = 2  # waiting requests per owner; more get the busy message
     running_per_user: int = 2  # requests one owner may have in the engine's batch at once (the local owner: not capped)
     prompt_tokens_per_min: int = 0  # prompt tokens one owner may have prefilled a minute; 0 = 4 x the context limit
+    # ... and all the visitors of one client address together (its identities are one share); 0 = no cap
+    running_per_address: int = 4
+    prompt_tokens_per_address_min: int = 0  # 0 = twice the per-visitor figure
     warmups_per_min: int = 30  # warm-ups of opened chats accepted a minute, all visitors together; 0 = no limit
     warmups_per_user_min: int = 6  # ... and from one visitor
     owner_max_chats: int = 1000  # conversations one owner may keep (the local owner: not capped)
@@ -206,6 +209,7 @@ class Settings:
         )
         self.proxy_networks  # noqa: B018  (ConfigError for an address that is not one)
         check(self.anon_retention_days >= 0, "LLMWEB_ANON_RETENTION_DAYS must be >= 0 (0 = keep forever)")
+        check(min(self.running_per_address, self.prompt_tokens_per_address_min) >= 0, "per-address caps: >= 0")
         check(self.temperature >= 0, "LLMWEB_TEMPERATURE must be >= 0")
         check(
             not self.reranker or Path(self.reranker).expanduser().is_dir(),

@@ -357,15 +357,16 @@ def _bench_hostile(args) -> int:
 
 
 def _bench_load(args) -> int:
-    """Exit status 1 when a visitor was refused as busy or a turn went unanswered."""
+    """Exit status 1 when a visitor (not the hostile owner) was refused as busy or a turn went unanswered."""
     from llmweb.config import Settings
 
     from . import load
 
     result = load.run(Settings.from_env(), max_new_tokens=args.max_new_tokens or 16, progress=_stderr)
     _print(result, args.json, load.markdown)
-    figures = result["load"]
-    return 0 if figures["refusals"] == 0 and figures["answered"] == figures["turns"] and not figures["errors"] else 1
+    crowds = [result["load"], result["hostile_owner"]["alone"], result["hostile_owner"]["beside"]]
+    fine = all(f["refusals"] == 0 and f["answered"] == f["turns"] and not f["errors"] for f in crowds)
+    return 0 if fine else 1
 
 
 def _bench_document(args) -> int:

@@ -9,11 +9,18 @@
                 (`HOSTILE`: a 60,000-character line of dashes, a long line without punctuation
                 then a newline, and shorter ones that get through) through `/chat`; the ratio of
                 the median latencies, measured in one run (target: at most 2).
+  beside a      `ORDINARY` visitors x `TURNS` turns at once, alone, then while one hostile client
+  hostile owner sends ~1,000-token messages, each in a new chat, from two threads (two tabs),
+                as fast as it is answered or refused; the ordinary turns' p95 beside it against
+                their p95 alone, measured in one run (target: at most 2). Through the public
+                `/chat` API each of its chats is its own owner, as an anonymous caller's is.
 
 `run()` starts `python -m llmweb serve` in a scratch data dir (a separate process: the clients'
-threads do not share its interpreter), every visitor its own owner (`LLMWEB_SINGLE_USER=0`); the
-server inherits the environment. On a CPU shared with other work, OpenMP's threads can wait on
-each other for long: measured on a 2-core machine at a load of ~8, one 16-token turn took 7-16 s
+threads do not share its interpreter), every visitor its own owner (`LLMWEB_SINGLE_USER=0`) and its
+own address (`X-Forwarded-For`, from a proxy the server trusts: loopback), as strangers on the
+internet are, so the limits per address fall where they would; the server inherits the environment.
+On a CPU shared with other work, OpenMP's threads can wait on each other for long: measured on a
+2-core machine at a load of ~8, one 16-token turn took 7-16 s
 with torch's default threads and ~1 s with `OMP_NUM_THREADS=1`, so the table says which it ran with.
 tests/test_load.py runs `crowd` against an app launched in the test process.
 """
@@ -37,6 +44,11 @@ RETRY_S = 1.0  # a refused turn is sent again after this long
 MAX_TRIES = 60
 QUESTIONS = ("What is the capital of France?", "Name one large animal.", "Thank you, and goodbye.")
 PROBE = "What colour is the sky on a clear day?"
+ORDINARY = 8  # visitors beside the hostile owner
+# the addresses of the pathological client, the hostile owner and the probe (documentation ranges, RFC 5737)
+HOSTILE_ADDRESS, OWNER_ADDRESS, PROBE_ADDRESS = "203.0.113.66", "203.0.113.77", "198.51.100.250"
+# a message of ~1,000 tokens (SmolLM2's tokenizer: ~10 a sentence), under the default message cap
+LONG = "Please summarise what follows. " + "The quick brown fox jumps over the lazy dog again. " * 90
 HOSTILE = (
     "-" * 60_000,  # one line of dashes
     "word " * 12_000 + "\nand then a question?",  # a long line without punctuation, then a newline
@@ -54,6 +66,18 @@ class TurnResult:
     reply: str
     latency_s: float  # from the first try to the reply, retries included
     refusals: int  # busy refusals met on the way
+
+
+def client(url: str, address: str = ""):
+    """A gradio_client `Client` whose requests say they come from `address` (a trusting server
+    believes it: `LLMWEB_TRUSTED_PROXIES`; any other ignores it)."""
+    from gradio_client import Client
+
+    return Client(url, verbose=False, headers={"X-Forwarded-For": address} if address else None)
+
+
+def visitor_address(visitor: int) -> str:
+    return f"198.51.100.{visitor % 240 + 1}"
 
 
 def is_busy(error: BaseException) -> bool:
@@ -77,16 +101,14 @@ def ask(client, message: str, conv_id: str) -> tuple[str, str, float, int]:
 
 
 def visit(url: str, visitor: int, turns: int, start: threading.Barrier | None = None) -> list[TurnResult]:
-    """One visitor's conversation of `turns` turns, one after the other."""
-    from gradio_client import Client
-
-    client = Client(url, verbose=False)
+    """One visitor's conversation of `turns` turns, one after the other, from its own address."""
+    visitor_client = client(url, visitor_address(visitor))
     if start is not None:
         start.wait()
     conv_id, out = "", []
     for turn in range(1, turns + 1):
         message = f"I am visitor {visitor}. {QUESTIONS[(turn - 1) % len(QUESTIONS)]}"
-        reply, conv_id, latency, refusals = ask(client, message, conv_id)
+        reply, conv_id, latency, refusals = ask(visitor_client, message, conv_id)
         out.append(TurnResult(visitor, turn, conv_id, message, reply, latency, refusals))
     return out
 
@@ -139,12 +161,10 @@ def summary(results: list[TurnResult], errors: list[str], seconds: float) -> dic
 
 def under_attack(url: str, repeats: int = 5) -> dict:
     """One visitor's turn on the idle server vs. the same turn while a client sends `HOSTILE`."""
-    from gradio_client import Client
-
-    client = Client(url, verbose=False)
+    prober = client(url, PROBE_ADDRESS)
 
     def probe() -> float:
-        return ask(client, PROBE, "")[2]
+        return ask(prober, PROBE, "")[2]
 
     time.sleep(3.0)  # what came before settles (its streams close, its background jobs end)
     probe()  # warm: the first turn pays one-off costs
@@ -152,7 +172,7 @@ def under_attack(url: str, repeats: int = 5) -> dict:
     stop, sent, outcomes = threading.Event(), [0], {"answered": 0, "refused": 0}
 
     def attacker() -> None:
-        hostile = Client(url, verbose=False)
+        hostile = client(url, HOSTILE_ADDRESS)
         while not stop.is_set():
             message = HOSTILE[sent[0] % len(HOSTILE)]
             sent[0] += 1
@@ -176,6 +196,48 @@ def under_attack(url: str, repeats: int = 5) -> dict:
         "hostile_sent": sent[0],
         "hostile_answered": outcomes["answered"],
         "hostile_refused": outcomes["refused"],
+    }
+
+
+def beside_hostile(url: str, visitors: int = ORDINARY, turns: int = TURNS, message: str = LONG, tabs: int = 2) -> dict:
+    """`visitors` x `turns` at once, alone, then while a hostile client sends `message` in a new chat
+    from `tabs` threads: the ordinary turns' figures both ways and the ratio of their p95."""
+    time.sleep(3.0)  # what came before settles
+    t0 = time.perf_counter()
+    alone = summary(*crowd(url, visitors, turns), time.perf_counter() - t0)
+    stop, lock = threading.Event(), threading.Lock()
+    outcomes = {"sent": 0, "answered": 0, "refused": 0}
+
+    def tab() -> None:
+        hostile = client(url, OWNER_ADDRESS)
+        while not stop.is_set():
+            try:
+                hostile.predict(message, "", api_name="/chat")
+                outcome = "answered"
+            except Exception:  # refused (busy, over a limit...): it sends the next one at once
+                outcome = "refused"
+            with lock:
+                outcomes["sent"] += 1
+                outcomes[outcome] += 1
+
+    threads = [threading.Thread(target=tab, daemon=True) for _ in range(tabs)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)  # the attack is under way
+    t0 = time.perf_counter()
+    beside = summary(*crowd(url, visitors, turns), time.perf_counter() - t0)
+    stop.set()
+    for t in threads:
+        t.join(300)
+    return {
+        "visitors": visitors,
+        "turns_each": turns,
+        "message_chars": len(message),
+        "tabs": tabs,
+        "alone": alone,
+        "beside": beside,
+        "p95_ratio": round(beside["p95_s"] / max(alone["p95_s"], 1e-9), 2),
+        "hostile": outcomes,
     }
 
 
@@ -210,7 +272,7 @@ def run(settings, visitors: int = VISITORS, turns: int = TURNS, max_new_tokens: 
     """The crowd, then the attack, against one scratch server (`settings` gives the model cache)."""
     env = {
         "LLMWEB_SINGLE_USER": "0",
-        "LLMWEB_ANON_PER_ADDRESS": "1000",  # the whole crowd comes from this machine's one address
+        "LLMWEB_TRUSTED_PROXIES": "127.0.0.1",  # each client names its own address (`client`)
         "LLMWEB_SAMPLE_DOCS": "0",
         "LLMWEB_MAX_NEW_TOKENS": str(max_new_tokens),
         "LLMWEB_CACHE_DIR": str(settings.copies_dir),
@@ -224,6 +286,8 @@ def run(settings, visitors: int = VISITORS, turns: int = TURNS, max_new_tokens: 
             load = summary(results, errors, time.perf_counter() - t0)
             progress("bench load: one visitor, idle and while a client sends pathological messages...")
             attack = under_attack(url)
+            progress(f"bench load: {ORDINARY} visitors, alone and beside a hostile owner's two tabs...")
+            hostile = beside_hostile(url)
         finally:
             proc.terminate()
             proc.wait(30)
@@ -234,6 +298,7 @@ def run(settings, visitors: int = VISITORS, turns: int = TURNS, max_new_tokens: 
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "default"),  # the server inherits it
         "load": load,
         "attack": attack,
+        "hostile_owner": hostile,
     }
 
 
@@ -254,5 +319,29 @@ def markdown(result: dict) -> str:
         f"idle: {attack['idle_s']} s; under attack: {attack['attacked_s']} s; ratio of the medians: "
         f"**{attack['ratio']}x** (target <= 2x); the attacker sent {attack['hostile_sent']} messages "
         f"({attack['hostile_answered']} answered, {attack['hostile_refused']} refused)",
+        "",
+        *hostile_markdown(result["hostile_owner"]),
     ]
     return "\n".join(lines)
+
+
+def hostile_markdown(h: dict) -> list[str]:
+    """The section of `beside_hostile`'s figures."""
+    alone, beside, sent = h["alone"], h["beside"], h["hostile"]
+    rows = [
+        f"| {name} | {f['answered']}/{f['turns']} | {f['refusals']} "
+        f"| {f['p50_s']} s | {f['p95_s']} s | {f['max_s']} s |"
+        for name, f in (("alone", alone), ("beside the hostile owner", beside))
+    ]
+    return [
+        f"## {h['visitors']} visitors x {h['turns_each']} turns, alone and beside one hostile owner "
+        f"({h['tabs']} tabs of {h['message_chars']:,}-character messages, each in a new chat)",
+        "",
+        "| ordinary turns | answered | busy refusals | p50 | p95 | max |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"p95 beside / alone: **{h['p95_ratio']}x** (target <= 2x); the hostile owner sent {sent['sent']} "
+        f"messages ({sent['answered']} answered, {sent['refused']} refused)",
+        *(f"- error: {e}" for e in alone["errors"] + beside["errors"]),
+    ]

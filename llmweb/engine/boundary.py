@@ -9,7 +9,7 @@ the engine process keeps the runner (the model, its KV pool, the sessions' cache
 hold (its pickles come from our own child, never from a client):
 
     ("start", key, request)       ->  SlotDelta       the request without its fallback
-    ("prefill", key)              ->  (ok, SlotDelta)
+    ("prefill", key, small)       ->  (ok, SlotDelta)   small: the scheduler's `Slot.small_chunks`
     ("decode", [key, ...])        ->  (ok, [SlotDelta, ...])   one batched step
     ("release", key, keep, finish) -> SlotDelta       the runner's release stats
     ("call", name, args)          ->  value            predict, padding, available, snapshot, empty_cache,
@@ -161,6 +161,7 @@ def serve(conn: Connection, runner, kv) -> bool:
             return delta(s)
         if op == "prefill":
             s = slots[msg[1]]
+            s.small_chunks = msg[2]  # the scheduler's choice, made in the web process
             return runner.prefill(s), delta(s)
         if op == "decode":
             batch = [slots[k] for k in msg[1]]

@@ -473,7 +473,7 @@ class ProcessRunner(Supervisor):
 
     def prefill(self, slot: Slot) -> bool:
         placed: _Placed = slot.state
-        ok, delta = placed.child.call(("prefill", placed.key))
+        ok, delta = placed.child.call(("prefill", placed.key, slot.small_chunks))
         placed.held = delta.held
         delta.apply(slot)
         return ok

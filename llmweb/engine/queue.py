@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Container
 
 from llmweb.engine.request import EngineLimits, Handle
 from llmweb.engine.waitroom import busy_message
@@ -53,7 +53,7 @@ class FairQueue:
     def push(self, handle: Handle) -> None:
         self._owners.setdefault(handle.request.owner, deque()).append((next(self._arrivals), handle))
 
-    def peek(self, skip: Collection[str] = ()) -> Handle:
+    def peek(self, skip: Container[str] = ()) -> Handle:
         """The next request to serve, of an owner not in `skip` (IndexError when there is none)."""
         owner = next((o for o in self._order() if o not in skip), None)
         if owner is None:
@@ -163,7 +163,7 @@ class Lanes:
             raise BusyError(busy_message(wait, self.limits.max_wait_s))
         return wait
 
-    def peek(self, full: Collection[str] = ()) -> Handle | None:
+    def peek(self, full: Container[str] = ()) -> Handle | None:
         """The request to admit next: interactive first (fair between owners; none of an owner in
         `full`, those already running their `running_per_user`), then background."""
         if self.interactive:

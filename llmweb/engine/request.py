@@ -342,6 +342,10 @@ class EngineLimits:
     max_batch: int = 1  # requests sharing each decode step; 1 = serial (the app: LLMWEB_MAX_BATCH)
     running_per_user: int = 0  # interactive requests one owner may have in the batch; 0 = no cap
     prompt_tokens_per_min: int = 0  # prompt tokens one owner's requests may prefill a minute; 0 = no cap
+    # ... and all the owners of one client address together (the web layer names each owner's address
+    # group: `Engine.note_address`); several identities from one address are one share; 0 = no cap
+    running_per_address: int = 0
+    prompt_tokens_per_address_min: int = 0
     warmups_per_min: int = 0  # optional jobs (warm-ups) accepted a minute, all owners together; 0 = no cap
     warmups_per_owner_min: int = 0  # ... and from one owner; 0 = no cap
 

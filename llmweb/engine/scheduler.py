@@ -54,7 +54,7 @@ from llmweb.engine.request import (
     Slot,
     capped,
 )
-from llmweb.engine.share import Shares, full_owners, preempt
+from llmweb.engine.share import Shares, preempt
 from llmweb.engine.turns import ChunkTurns
 from llmweb.engine.waitroom import Pace, running_work, wait_s, waiting_work
 from llmweb.errors import AdmissionError, BusyError, Cancelled, LlmwebError
@@ -81,7 +81,7 @@ class Engine:
         self._retries: list[tuple[Handle, GenerationRequest, str]] = []  # gave way: first in line, through admission
         self._memory = Admission(runner, kv, limits, self.counters)
         self._stopped = False
-        self.shares = Shares(limits.prompt_tokens_per_min, limits.warmups_per_min, limits.warmups_per_owner_min)
+        self.shares = Shares(limits)  # per-owner and per-address limits (share.py)
         self._turns = ChunkTurns()  # whose prompt gets each step's chunk (turns.py)
         self._last_work = time.monotonic()  # when a request last came or the batch last emptied (`idle_s`)
         self._thread = threading.Thread(target=self._loop, name="llmweb-engine", daemon=True)
@@ -107,6 +107,10 @@ class Engine:
             self._last_work = time.monotonic()
             self._lock.notify_all()
         return handle
+
+    def note_address(self, owner: str, group: str) -> None:  # the web layer's word: one address, one share
+        with self._lock:
+            self.shares.note_address(owner, group)
 
     def position(self, handle: Handle) -> int:
         with self._lock:
@@ -146,8 +150,7 @@ class Engine:
             close()
 
     def withdraw(self, handle: Handle) -> None:
-        """Take a cancelled request out of its queue, so that it no longer holds a place there
-        (`Handle.cancel`; a running one sees its flag within a step)."""
+        """Take a cancelled request out of its queue (`Handle.cancel`; a running one sees its flag)."""
         with self._lock:
             if not self._waiting.remove(handle):
                 return  # running, done, or never queued: the worker sees the flag
@@ -188,8 +191,7 @@ class Engine:
                         self._lock.acquire()
             return not self._stopped
 
-    def _idle(self) -> None:
-        """Between requests: expire old session caches; release a fragmented allocator cache."""
+    def _idle(self) -> None:  # between requests: expire old session caches, release a fragmented allocator
         self.kv.expire()
         self.release_fragmentation()
 
@@ -213,7 +215,7 @@ class Engine:
                 if self._stopped:
                     return
                 retry = self._retries[0] if self._retries else None  # a request that gave way goes first
-                full = full_owners(self._running, self.limits.running_per_user)
+                full = self.shares.full(self._running)
                 handle = retry[0] if retry is not None else self._waiting.peek(full)
             if handle is None:
                 return
@@ -269,7 +271,7 @@ class Engine:
         # most a share of the time (`_joining`)
         joining, beside = self._turns.pick(self._running)
         if joining is not None:
-            with self._lock:  # beside another owner's request, or a heavy visitor's: small chunks (share.py)
+            with self._lock:  # a visitor's prompt: small chunks (share.py)
                 joining.small_chunks = self.shares.small_chunks(joining, self._running)
             before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
             try:
@@ -279,7 +281,7 @@ class Engine:
                     tokens = joining.stats.prefilled_tokens - before
                     self.pace.prefilled(tokens, time.perf_counter() - t0)
                     with self._lock:
-                        self.shares.prefilled.add(joining.request.owner, tokens)
+                        self.shares.add_prefilled(joining.request.owner, tokens)
             except GiveWay as e:
                 self._give_way(joining, e.reason, e.message)
             except BaseException as e:
@@ -342,11 +344,10 @@ class Engine:
             s.handle._finish(None, error)
 
     def _give_way(self, victim: Slot, reason: str, refusal: str = "") -> None:
-        """`victim` alone gives way, after an OOM in its pass (`reason` "oom") or the backend's refusal
-        of its prompt (a `GiveWay` reason; its words in `refusal`): its cache is freed (after an OOM,
-        the allocator's cache, and idle caches the retry needs the room of), then it retries once with
-        its smaller `fallback` (its streamed ids void: `Restarted`), first in line, or fails; the rest
-        of the batch goes on as if nothing happened."""
+        """`victim` alone gives way, after an OOM in its pass (`reason` "oom") or the backend's refusal of
+        its prompt (a `GiveWay` reason, its words in `refusal`): its cache is freed (after an OOM, also
+        the allocator's, and idle caches the retry needs), then it retries once with its smaller
+        `fallback` (its streamed ids void: `Restarted`), first in line, or fails; the rest go on."""
         self._remove(victim)
         self.runner.release(victim, keep=False)
         smaller = retry_plan(victim, reason, refusal, self.limits.max_new_tokens)

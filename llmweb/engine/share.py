@@ -6,28 +6,30 @@ A limit falls on the owner who passes it: an owner over its prompt tokens gets t
 for its next request while everyone else's are taken as before; an optional job over either
 warm-up limit is dropped, never queued.
 
-The owner's running requests are capped too (`full_owners`, `EngineLimits.running_per_user`), and a
+The owner's running requests are capped too (`Full`, `EngineLimits.running_per_user`), and a
 visitor's request that waits for room pre-empts an optional job in the batch (`preempt`).
 
-Owns: the sliding minute of use per owner and its messages, the owners at their running cap, the
-choice of the optional job that gives way. Must not: lock (the engine holds its
+An anonymous visitor can start new identities (a browser without its cookie, an API call without a
+conversation id), each with its own caps; so the owners of one client address (the web layer names
+it: web/trust.py's group, an IPv6 /64) also share `running_per_address` and
+`prompt_tokens_per_address_min`, and the limit falls on that address, not on the others.
+
+Owns: the sliding minute of use per owner and per address and its messages, the owners at their
+running cap, the choice of the optional job that gives way. Must not: lock (the engine holds its
 lock around every call), order the queue (queue.py) or run anything.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from llmweb.engine.request import Handle, Slot
+from llmweb.engine.request import EngineLimits, Handle, Slot
 from llmweb.errors import BusyError
 from llmweb.records import LOCAL_OWNER
 
 WINDOW_S = 60.0
-# an owner whose prompts prefilled this many tokens in the last minute is heavy: its prompts go in the
-# runner's small chunks, so another owner who arrives waits for one small chunk, not a big one
-HEAVY_TOKENS = 1024
 MAX_OWNERS = 4096  # owners remembered at once; the one whose last use is oldest is forgotten first
 # not capped per owner: a single-user install's one owner, and requests of nobody in particular (the CLI)
 EXEMPT = frozenset({"", LOCAL_OWNER})
@@ -70,57 +72,102 @@ class Meter:
 
 
 class Shares:
-    """The engine's per-owner limits over the last minute (see the module docstring)."""
+    """The engine's per-owner and per-address limits over the last minute (see the module docstring)."""
 
-    def __init__(self, prompt_tokens_per_min: int, warmups_per_min: int, warmups_per_owner_min: int):
-        self.prompt_tokens_per_min = prompt_tokens_per_min
-        self.warmups_per_min = warmups_per_min
-        self.warmups_per_owner_min = warmups_per_owner_min
+    def __init__(self, limits: EngineLimits):
+        self.limits = limits
         self.prefilled = Meter()  # interactive prompt tokens prefilled, per owner
+        self.prefilled_by_address = Meter()  # ... per address group
         self.warmups = Meter()  # optional jobs accepted, per owner
+        self._address: OrderedDict[str, str] = OrderedDict()  # owner -> its address group, least recent first
+
+    def note_address(self, owner: str, group: str) -> None:
+        """The web layer's word: `owner`'s requests come from address group `group`."""
+        if owner in EXEMPT or not group:
+            return
+        self._address.pop(owner, None)
+        self._address[owner] = group
+        while len(self._address) > MAX_OWNERS:
+            del self._address[next(iter(self._address))]
+
+    def address_of(self, owner: str) -> str:
+        return self._address.get(owner, "")
+
+    def add_prefilled(self, owner: str, tokens: int) -> None:
+        self.prefilled.add(owner, tokens)
+        if address := self.address_of(owner):
+            self.prefilled_by_address.add(address, tokens)
 
     def check_prompt(self, owner: str) -> None:
-        """BusyError when `owner`'s requests prefilled `prompt_tokens_per_min` tokens in the last minute."""
-        cap = self.prompt_tokens_per_min
+        """BusyError when `owner`'s requests, or those of all the owners of its address, prefilled
+        their cap of prompt tokens in the last minute."""
+        cap = self.limits.prompt_tokens_per_min
         if cap > 0 and owner not in EXEMPT and (used := self.prefilled.used(owner)) >= cap:
             raise BusyError(
                 f"You sent {used:,} prompt tokens in the last minute, over this server's limit of {cap:,} "
                 f"per visitor; try again in {self.prefilled.free_in(owner):.0f} s."
             )
+        cap, address = self.limits.prompt_tokens_per_address_min, self.address_of(owner)
+        if cap > 0 and address and (used := self.prefilled_by_address.used(address)) >= cap:
+            raise BusyError(
+                f"Visitors from your address sent {used:,} prompt tokens in the last minute, over this "
+                f"server's limit of {cap:,} per address; try again in "
+                f"{self.prefilled_by_address.free_in(address):.0f} s."
+            )
+
+    def full(self, running: list[Slot]) -> Full:
+        """The owners whose next interactive request waits for room: at `running_per_user` in the
+        batch themselves, or their address at `running_per_address`."""
+        owners: dict[str, int] = {}
+        addresses: dict[str, int] = {}
+        for s in running:
+            if s.request.background or s.request.owner in EXEMPT:
+                continue
+            owners[s.request.owner] = owners.get(s.request.owner, 0) + 1
+            if address := self.address_of(s.request.owner):
+                addresses[address] = addresses.get(address, 0) + 1
+        per_user, per_address = self.limits.running_per_user, self.limits.running_per_address
+        return Full(
+            {o for o, n in owners.items() if per_user > 0 and n >= per_user},
+            {a for a, n in addresses.items() if per_address > 0 and n >= per_address},
+            self.address_of,
+        )
 
     def small_chunks(self, slot: Slot, running: list[Slot]) -> bool:
-        """Should `slot`'s next chunk be a small one? Yes while another owner's request is in the
-        batch, and for a heavy visitor's prompt (HEAVY_TOKENS: another visitor may arrive at any
-        step): the owner of a single-user install, or a visitor who sent little, alone or beside
-        only their own requests, keeps the runner's own size (a chunk protects nobody there)."""
+        """Should `slot`'s next chunk be a small one? Yes for every visitor's prompt: a chunk is never
+        cut, and another stranger may arrive at any step (a short turn that met a light visitor's
+        full 256-token chunk on llama.cpp waited ~1.4 s for it on 2 cores, ~3x its time alone); the
+        small ones cost a long prompt ~15% (`llama-bench -p 256 -t 1`: 147-152 tok/s in 64-token
+        batches, 174 in 256). The owner of a single-user install alone, or beside only their own
+        requests, keeps the runner's own size: there is nobody to protect."""
         owner = slot.request.owner
         if slot.request.background:  # background prompts have small chunks of their own (the runner's)
             return False
-        if any(s.request.owner != owner for s in running):
-            return True
-        return owner not in EXEMPT and self.prefilled.used(owner) >= HEAVY_TOKENS
+        return owner not in EXEMPT or any(s.request.owner != owner for s in running)
 
     def take_warmup(self, owner: str, busy: bool) -> None:
         """Count an optional job of `owner`; BusyError (it is dropped, never queued) when the engine
         is `busy` (anything waits, or the batch is full) or over either warm-up limit."""
         if busy:
             raise BusyError("Warm-up dropped: the model is busy.")
-        if self.warmups_per_owner_min > 0 and self.warmups.used(owner) >= self.warmups_per_owner_min:
+        per_owner, in_all = self.limits.warmups_per_owner_min, self.limits.warmups_per_min
+        if per_owner > 0 and self.warmups.used(owner) >= per_owner:
             raise BusyError("Warm-up dropped: this visitor's warm-ups for this minute are spent.")
-        if self.warmups_per_min > 0 and self.warmups.total() >= self.warmups_per_min:
+        if in_all > 0 and self.warmups.total() >= in_all:
             raise BusyError("Warm-up dropped: this server's warm-ups for this minute are spent.")
         self.warmups.add(owner, 1)
 
 
-def full_owners(running: list[Slot], cap: int) -> set[str]:
-    """Owners with `cap` interactive requests in the batch: their next one waits (0: no cap)."""
-    if cap <= 0:
-        return set()
-    counts: dict[str, int] = {}
-    for s in running:
-        if not s.request.background and s.request.owner not in EXEMPT:
-            counts[s.request.owner] = counts.get(s.request.owner, 0) + 1
-    return {o for o, n in counts.items() if n >= cap}
+class Full:
+    """Owners whose next interactive request waits (`Shares.full`): the queue asks `owner in full`."""
+
+    def __init__(self, owners: set[str], addresses: set[str], address_of: Callable[[str], str]):
+        self.owners, self.addresses, self.address_of = owners, addresses, address_of
+
+    def __contains__(self, owner: object) -> bool:
+        if not isinstance(owner, str):
+            return False
+        return owner in self.owners or (bool(self.addresses) and self.address_of(owner) in self.addresses)
 
 
 def preempt(running: list[Slot], waiting: Handle) -> None:

@@ -85,6 +85,7 @@ def uncapped_owner(s: Settings) -> str:
 
 def _queue_limits(s: Settings, budget: Budget) -> dict[str, Any]:
     """The limits every engine has, local or remote: its queue, the reply cap, time limits, KV reuse."""
+    prompt_cap = s.prompt_tokens_per_min or 4 * budget.context_limit
     return dict(
         queue_size=s.queue_size,
         max_new_tokens=budget.max_new_tokens,
@@ -95,7 +96,9 @@ def _queue_limits(s: Settings, budget: Budget) -> dict[str, Any]:
         uncapped_owner=uncapped_owner(s),
         max_wait_s=s.max_wait_s,
         running_per_user=s.running_per_user,
-        prompt_tokens_per_min=s.prompt_tokens_per_min or 4 * budget.context_limit,
+        prompt_tokens_per_min=prompt_cap,
+        running_per_address=s.running_per_address,
+        prompt_tokens_per_address_min=s.prompt_tokens_per_address_min or 2 * prompt_cap,
         warmups_per_min=s.warmups_per_min,
         warmups_per_owner_min=s.warmups_per_user_min,
     )

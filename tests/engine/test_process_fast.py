@@ -307,3 +307,53 @@ def test_a_later_engine_process_is_sized_as_the_first_not_to_what_the_old_one_le
     later = loaded()
     assert fit_memory(WorkerSpec(settings, sized=info), later) == budget
     assert (later.max_context, later.max_batch) == (first.max_context, first.max_batch) and not later.notes
+
+
+def test_the_schedulers_small_chunks_reach_the_runner_in_the_engine_process():
+    """`Slot.small_chunks` is the scheduler's (web process) and the chunk is the runner's (engine
+    process): the flag crosses with each prefill call, or every visitor's chunk stays full-size."""
+    from multiprocessing.connection import Pipe
+    from types import SimpleNamespace
+
+    from llmweb.engine.boundary import serve
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.process import _Placed
+    from llmweb.engine.request import Slot
+    from llmweb.records import GenerationStats
+    from tests.fakes import FakeRunner
+
+    class Flags(FakeRunner):
+        def __init__(self):
+            super().__init__()
+            self.flags: list[bool] = []
+
+        def prefill(self, slot) -> bool:
+            self.flags.append(slot.small_chunks)
+            return super().prefill(slot)
+
+    runner = Flags()
+    web, child = Pipe()
+    thread = threading.Thread(target=serve, args=(child, runner, KVStore(0, 1)), daemon=True)
+    thread.start()
+    try:
+        request = GenerationRequest([1, 2, 3], 2, owner="visitor")
+        key = 7
+        web.send(("start", key, request))
+        web.recv()
+
+        class Child:  # the web process's end of the wire, as ProcessRunner holds it
+            def call(self, msg):
+                web.send(msg)
+                kind, value = web.recv()
+                assert kind == "ok", value
+                return value
+
+        sink = SimpleNamespace(_emit=lambda ids: None)
+        slot = Slot(sink, request, 0, 60.0, GenerationStats(prompt_tokens=3))  # type: ignore[arg-type]
+        slot.state = _Placed(Child(), key)  # type: ignore[call-arg]
+        slot.small_chunks = True
+        ProcessRunner.prefill(None, slot)  # type: ignore[arg-type]
+        assert runner.flags == [True]
+    finally:
+        web.send(("exit",))
+        thread.join(5)

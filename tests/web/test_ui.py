@@ -205,6 +205,16 @@ def test_user_errors_turns_domain_errors_into_toasts_for_functions_and_generator
 # ---- handlers over a fake runtime
 
 
+class AddressBook:
+    """The engine's `note_address`, recorded: owner -> the address group the page said it came from."""
+
+    def __init__(self):
+        self.addresses: dict[str, str] = {}
+
+    def note_address(self, owner: str, group: str) -> None:
+        self.addresses[owner] = group
+
+
 class FakeChat:
     """Like Chat: starts a conversation with its first turn, streams two deltas (or raises `error`),
     stores one turn per send, every store call scoped to the owner."""
@@ -218,6 +228,7 @@ class FakeChat:
         )
         self.fmt, self.library = FakeFormat(), None
         self.warmed: list[tuple[str, str]] = []  # (owner, chat id) of each chat opened (`warm`)
+        self.engine = AddressBook()
 
     def warm(self, owner, conv_id):
         self.store.get(owner, conv_id)  # the real one finds the chat as its owner's, or warms nothing
@@ -324,6 +335,21 @@ def test_respond_streams_the_chat_then_fills_the_whole_panel(runtime, monkeypatc
     assert panel.chatbot[-1]["metadata"]["title"] == "Sources (1)"
     assert "atlas.md, France" in panel.chatbot[-1]["content"]
     assert 'class="llmweb-x-tick">1</text>' in panel.tokens_plot and "turn 1:" in panel.tokens_plot
+
+
+def test_each_message_tells_the_engine_its_senders_address_group_so_one_addresss_identities_share(runtime):
+    """Two identities from one IPv6 /64 and one from another address: the engine hears each owner's
+    group (engine/share.py counts an address's running requests and prompt tokens together)."""
+    from tests.web.test_visitors import page
+
+    h = Handlers(runtime)
+    sent = [(A_TOKEN, "2001:db8:1:2::1"), (B_TOKEN, "2001:db8:1:2::99"), (new_owner_token(), "203.0.113.5")]
+    for token, peer in sent:
+        list(h.chat.respond("Capital?", [], "", True, token, page(session=peer, peer=peer)))
+    groups = runtime.chat.engine.addresses
+    assert len(groups) == 3
+    assert groups[h.chat.owner(A_TOKEN, page())] == groups[h.chat.owner(B_TOKEN, page())] == "2001:db8:1:2::/64"
+    assert sorted(set(groups.values())) == ["2001:db8:1:2::/64", "203.0.113.5"]
 
 
 def test_on_the_page_a_turn_streams_the_chat_alone_and_the_next_event_shows_the_rest(runtime, monkeypatch):

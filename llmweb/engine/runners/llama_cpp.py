@@ -73,7 +73,7 @@ class LlamaRunner(BaseRunner):
     name = "llama runner"
     out_of_memory = (MemoryError,)
     shares_prefixes = True  # llama_state_seq_set_data reads the saved bytes
-    small_chunk = BACKGROUND_CHUNK  # a heavy owner's, or beside another owner's request (scheduler.py)
+    small_chunk = BACKGROUND_CHUNK  # a visitor's prompt, or beside another owner's request (share.py)
 
     def __init__(self, model: GgufModel, kv: KVStore, slots: int, context: int, *, mem_limit_bytes: int = 0):
         import llama_cpp as ll

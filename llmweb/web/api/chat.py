@@ -62,6 +62,7 @@ from llmweb.web.api.common import (
 from llmweb.web.api.errors import ApiError, api_error, bad, error_response
 from llmweb.web.api.tools import ToolCall, result_text, stored_call_id, stored_calls
 from llmweb.web.identity import ApiCallers, Caller
+from llmweb.web.trust import origin_of
 
 ARGUMENT_CHARS = 16  # a streamed tool call's arguments, in fragments of this many characters
 
@@ -86,7 +87,7 @@ class ChatCompletions:
             req = parse_request(body, known, self.settings.max_message_chars, request.headers)
             # the model that answers, held until the turn's events end (the pump's thread runs them)
             lease = await run_in_threadpool(models.ensure, self.runtime, caller, req.model)
-            turn = self.start(caller, req, lease.chat)
+            turn = self.start(caller, req, lease.chat, origin_of(self.settings, request).group)
             pump = Pump(lease.around(turn.events), turn.cancel)
             try:
                 early = await pump.until_started()
@@ -106,7 +107,7 @@ class ChatCompletions:
         return await reply.whole(pump, request)
 
     # ---- the turn
-    def start(self, caller: Caller, req: ChatRequest, chat) -> _Turn:
+    def start(self, caller: Caller, req: ChatRequest, chat, address: str = "") -> _Turn:
         """Start the chat turn for `req` on `chat` (nothing runs until its events are read)."""
         cap = chat.budget.max_new_tokens
         max_tokens = chat.budget.capped(req.max_tokens).max_new_tokens
@@ -132,6 +133,7 @@ class ChatCompletions:
             new = req.conversation_id == NEW_CONVERSATION
             conv_id = new_id() if new else str(req.conversation_id)
             owner = caller.of_conversation(conv_id)
+            chat.engine.note_address(owner, address)  # an address's conversations share its limits
             if not new and not chat.store.exists(owner, conv_id):
                 raise ApiError(
                     404,

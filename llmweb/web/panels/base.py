@@ -38,6 +38,7 @@ from llmweb.web.formatting import (
     summary_markdown,
     version_choices,
 )
+from llmweb.web.trust import origin_of
 from llmweb.web.visitors import visitors_for
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,12 @@ class PanelHandlers:
 
     def _chat(self):
         return self.runtime.wait_ready(WAIT_READY_S)
+
+    def _note_address(self, chat, owner: str, request: gr.Request | None) -> None:
+        """Tell `chat`'s engine which client address `owner` came from: the identities of one
+        address share its limits (engine/share.py)."""
+        if request is not None:
+            chat.engine.note_address(owner, origin_of(self.settings, request).group)
 
     def _mem_limit(self) -> int:
         engine = self.runtime.engine

@@ -50,6 +50,7 @@ class ChatHandlers(PanelHandlers):
             {"role": "assistant", "content": "…"},
         ]
         with (yield from self._loaded(owner, conv_id, shown, (message,))) as chat:
+            self._note_address(chat, owner, request)
             if conv_id is None and not use_docs:  # the box is this chat's setting: keep it from the first turn
                 conv_id = self.store.create_conversation(owner)
                 chat.set_settings(owner, conv_id, ChatSettings(use_docs=False))
