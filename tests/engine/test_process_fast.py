@@ -348,7 +348,7 @@ def test_the_schedulers_small_chunks_reach_the_runner_in_the_engine_process():
                 assert kind == "ok", value
                 return value
 
-        sink = SimpleNamespace(_emit=lambda ids: None)
+        sink = SimpleNamespace(_emit=lambda ids, logprobs=None: None)
         slot = Slot(sink, request, 0, 60.0, GenerationStats(prompt_tokens=3))  # type: ignore[arg-type]
         slot.state = _Placed(Child(), key)  # type: ignore[call-arg]
         slot.small_chunks = True
