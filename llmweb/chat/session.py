@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from llmweb.chat import context, facts, scope
 from llmweb.chat.document_task import DocumentTasks
-from llmweb.chat.memory import Folds, Windows
+from llmweb.chat.memory import Folds, Windows, folded_pins
 from llmweb.chat.recall import RecallCache
 from llmweb.chat.settings import TurnSettings, check_pins, checked, clean_message, turn_settings
 from llmweb.chat.tokens import ChatFormat
@@ -240,7 +240,7 @@ class Chat:
         gone = use_docs and how.documents is None and conv.settings.documents is not None and not only
         prompt = self._prompt(conv, text, mine, use_docs, only)
         plan = prompt.plan(budget, self.fmt)  # InputError with the numbers when the message cannot fit
-        self.windows.note(conv.id, conv.summarized_upto + plan.dropped_turns)
+        self.windows.note(conv.id, conv.summarized_upto + plan.window_start)
         job = Job(
             owner=conv.owner,
             conv_id=conv.id,
@@ -281,6 +281,7 @@ class Chat:
             # window only: the summary of an earlier mode stays stored, but is no longer in the prompt
             summary=conv.summary if mine.summaries else "",
             turns=tuple(t.as_turn() for t in conv.turns[conv.summarized_upto :]),
+            pinned=folded_pins(conv),
             chunks=chunks,
             user=text,
             recall=tuple(recall),
@@ -340,6 +341,11 @@ class Chat:
         conv = self.store.get(owner, conv_id)
         folded = conv.turns[fork : conv.summarized_upto] if self.turn_settings(conv.settings).recall else []
         self.recalls.follow(conv_id, fork, ((t.idx, t.as_turn()) for t in folded), alive=self._alive(conv))
+
+    def set_view(self, owner: str, conv_id: str, turn: int, view: str) -> None:
+        """Keep turn `turn` in context (PIN), leave it out (OUT) or neither: the next prompt re-prefills from it."""
+        self.wait_background(conv_id)
+        self.store.set_turn_view(owner, conv_id, turn, view)
 
     def undo(self, owner: str, conv_id: str):
         """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is

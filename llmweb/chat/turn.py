@@ -63,9 +63,11 @@ class Finished:
     prompt: tuple[tuple[str, str], ...] = ()  # the planned messages (role, text), system first
     conv_id: str = ""  # the conversation the turn was stored in
     document: DocumentStats | None = None  # a whole-document task's figures (chat/document_task.py)
+    contents: str = ""  # what is in the prompt and why (ContextPlan.contents)
 
     def prompt_text(self) -> str:
-        return "\n\n".join(f"### {role}\n{text}" for role, text in self.prompt)
+        head = [self.contents] if self.contents else []
+        return "\n\n".join(head + [f"### {role}\n{text}" for role, text in self.prompt])
 
 
 Event = Started | Queued | Progress | Delta | Finished
@@ -127,6 +129,7 @@ class Prompt:
     facts: tuple = ()  # the user's facts (`.text`, `.pinned`), oldest first
     hold: int = 0  # where the window started last turn, while it still fits (context.plan)
     low: float = 1.0  # past that, history is cut to this share of its room
+    pinned: tuple[Turn, ...] = ()  # turns kept in context that are already folded out of the window
 
     def plan(self, budget: context.Budget, fmt: ChatFormat) -> context.ContextPlan:
         return context.plan(
@@ -141,6 +144,7 @@ class Prompt:
             facts=self.facts,
             hold=self.hold,
             low=self.low,
+            folded_pins=self.pinned,
         )
 
     def smaller(self) -> Prompt:
@@ -311,7 +315,13 @@ class TurnRunner:
         if job.plan.left_out:
             notes.append(job.plan.left_out.capitalize() + ".")
         return Finished(
-            reply.strip(), stats, plan_sources(job.plan), notes + list(job.notes), job.plan.messages, job.conv_id
+            reply.strip(),
+            stats,
+            plan_sources(job.plan),
+            notes + list(job.notes),
+            job.plan.messages,
+            job.conv_id,
+            contents=job.plan.contents,
         )
 
     def _reply(self, job: Job, handle: Handle, final: bool = True) -> tuple[str, bool]:

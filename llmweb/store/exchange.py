@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from llmweb.errors import InputError
-from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
+from llmweb.records import TURN_VIEWS, GenerationStats, MemorySnapshot, Source, TurnStats
 from llmweb.store.conversations import INSERT_TURN, ConversationQueries
 from llmweb.store.models import MAX_TITLE_CHARS, ChatSettings, Conversation, new_id
 from llmweb.store.owners import check_room, require_owned, seen, text_bytes
@@ -50,6 +50,7 @@ _SOURCE_OPTIONAL = ("page", "heading", "score", "kind", "snippet", "doc_id", "st
 _TOP = ("format", "version", "title", "created", "updated", "summary", "summarized_upto", "turns")
 _TOP_OPTIONAL = ("id", "settings", "facts", "versions")
 _TURN = ("idx", "user", "assistant", "stats", "sources", "created")
+_TURN_OPTIONAL = ("view",)  # records.Turn.view, written only when the owner set one
 
 TurnRow = tuple[str, str, str, str, float]  # user, assistant, stats JSON, sources JSON, created
 VersionRow = tuple[int, int, str | None]  # fork, version, body JSON (None: the active version)
@@ -63,6 +64,7 @@ class Imported:
     turns: list[TurnRow]
     facts: list[tuple[str, int, float]]  # text, pinned, created
     versions: list[VersionRow]
+    views: tuple[tuple[int, str], ...] = ()  # (turn idx, Turn.view) of the turns with one
 
     def size(self) -> int:
         """Bytes of text it adds to its owner's chats (as conversations.bytes counts them)."""
@@ -101,6 +103,10 @@ class ExchangeQueries(ConversationQueries):
                 [(conv_id, *f) for f in doc.facts],
             )
             db.executemany("INSERT INTO versions VALUES (?, ?, ?, ?)", [(conv_id, *v) for v in doc.versions])
+            db.executemany(
+                "UPDATE turns SET view = ? WHERE conversation_id = ? AND idx = ?",
+                [(view, conv_id, idx) for idx, view in doc.views],
+            )
         return conv_id
 
     def export_markdown(self, owner: str, conv_id: str) -> str:
@@ -139,6 +145,7 @@ def to_json(conv: Conversation, versions: list[dict]) -> str:
                 "stats": t.stats.to_dict() if t.stats else {},
                 "sources": [s.to_dict() for s in t.sources],
                 "created": t.created,
+                **({"view": t.view} if t.view else {}),
             }
             for t in conv.turns
         ],
@@ -169,7 +176,7 @@ def _parse(doc: Any) -> Imported:
     doc = _fields(doc, "the export", _TOP, _TOP_OPTIONAL)
     caps = _Caps()
     turns = _items(doc["turns"], "turns", MAX_IMPORT_TURNS)
-    turns = [_fields(t, "a turn", _TURN) for t in turns]
+    turns = [_fields(t, "a turn", _TURN, _TURN_OPTIONAL) for t in turns]
     caps.turns(len(turns))
     turns.sort(key=lambda t: _int(t["idx"], "a turn's idx", MAX_IMPORT_TURNS))
     if [t["idx"] for t in turns] != list(range(len(turns))):
@@ -186,7 +193,14 @@ def _parse(doc: Any) -> Imported:
     title = _text(doc["title"], "the title", MAX_TITLE_CHARS)
     summary = _text(doc["summary"], "the summary", MAX_SUMMARY_CHARS)
     head = (title, _time(doc["created"]), _time(doc["updated"]), summary, upto, settings)
-    return Imported(head, rows, facts, versions)
+    views = tuple((t["idx"], _view(t["view"])) for t in turns if t.get("view"))
+    return Imported(head, rows, facts, versions, views)
+
+
+def _view(v: Any) -> str:
+    if v not in TURN_VIEWS or not isinstance(v, str):
+        raise ValueError(f"a turn's view must be one of {TURN_VIEWS}")
+    return v
 
 
 def _turn_row(user: Any, assistant: Any, stats: str, sources: str, created: Any) -> TurnRow:

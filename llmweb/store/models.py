@@ -130,9 +130,10 @@ class StoredTurn:
     stats: TurnStats | None  # None for a turn stored without figures
     sources: list[Source]
     created: float = 0.0
+    view: str = ""  # Turn.view: "" / PIN / OUT
 
     def as_turn(self) -> Turn:
-        return Turn(self.user, self.assistant)
+        return Turn(self.user, self.assistant, self.view)
 
 
 @dataclass(frozen=True, slots=True)

@@ -204,6 +204,10 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             UPDATE conversations SET bytes = bytes + {_len("new.summary")} - {_len("old.summary")} WHERE id = new.id;
         END""",
     ),
+    (  # 10: its owner's say in what the model sees of a turn (records.Turn.view): '' as planned, 'pin'
+        # kept in context, 'out' left out. Only the active branch's turns carry it (a version's stash does not).
+        "ALTER TABLE turns ADD COLUMN view TEXT NOT NULL DEFAULT '' CHECK (view IN ('', 'pin', 'out'))",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
