@@ -382,6 +382,18 @@ def version_choices(versions: dict[int, tuple[int, int]]) -> list[tuple[str, int
     return [(f"Turn {fork + 1} {version_marker(*group)}", fork) for fork, group in sorted(versions.items())]
 
 
+MAX_TURN_CHOICES = 500  # turns the "what the model sees" picker lists: the newest
+
+
+def turn_choices(conv) -> list[tuple[str, int]]:
+    """The picker of turns to keep in context or leave out: "12. 📌 first words", newest first."""
+    marks = {"pin": "📌 ", "out": "⊘ "}
+    return [
+        (f"{t.idx + 1}. {marks.get(t.view, '')}{t.user if len(t.user) <= 50 else t.user[:47] + '…'}", t.idx)
+        for t in reversed(conv.turns[-MAX_TURN_CHOICES:])
+    ]
+
+
 def fact_label(f) -> str:
     return ("📌 " if f.pinned else "") + (f.text if len(f.text) <= 60 else f.text[:57] + "…")
 

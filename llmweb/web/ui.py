@@ -203,6 +203,10 @@ class Layout:
     tokens_plot: gr.HTML
     memory_plot: gr.HTML
     prompt_box: gr.Textbox
+    turn_dd: gr.Dropdown  # what the model sees: a turn kept in context, left out, or as planned
+    keep_btn: gr.Button
+    leave_out_btn: gr.Button
+    as_planned_btn: gr.Button
     # this chat's settings
     system_box: gr.Textbox
     temperature: gr.Slider
@@ -391,6 +395,16 @@ def _panel_column() -> dict:
         )
         loop_guard = gr.Checkbox(label="Loop guard: never say a sentence a third time", elem_id="llmweb-loop-guard")
         save_settings_btn = gr.Button("Save for this chat", size="sm", elem_id="llmweb-save-settings")
+    with gr.Accordion("What the model sees", open=False, elem_id="llmweb-turns-panel"):
+        gr.Markdown(
+            "Keep a turn in context (📌: never summarised or dropped while it fits), or leave it out (⊘: "
+            "in no later prompt or summary)."
+        )
+        turn_dd = gr.Dropdown(label="Turn", choices=[], elem_id="llmweb-turn")
+        with gr.Row():
+            keep_btn = gr.Button("Keep in context", size="sm", elem_id="llmweb-keep-turn")
+            leave_out_btn = gr.Button("Leave out", size="sm", elem_id="llmweb-leave-out-turn")
+            as_planned_btn = gr.Button("As planned", size="sm", elem_id="llmweb-plan-turn")
     with gr.Accordion("Prompt of the last turn", open=False, elem_id="llmweb-prompt-panel"):
         prompt_box = gr.Textbox(show_label=False, lines=8, max_lines=30, interactive=False, elem_id="llmweb-prompt")
     gr.Markdown("### This chat, turn by turn")
@@ -403,6 +417,10 @@ def _panel_column() -> dict:
         source_close=source_close,
         source_n=source_n,
         prompt_box=prompt_box,
+        turn_dd=turn_dd,
+        keep_btn=keep_btn,
+        leave_out_btn=leave_out_btn,
+        as_planned_btn=as_planned_btn,
         system_box=system_box,
         temperature=temperature,
         reply_cap=reply_cap,
@@ -585,6 +603,12 @@ def _wire_panel(ui: Layout, h: Handlers, shown: list, me: list) -> None:
         (ui.del_fact_btn, h.memory.delete_fact),
     ):
         button.click(handler, [ui.conv_state, ui.fact_dd] + me, shown + [ui.new_fact], **PRIVATE)
+    for button, handler in (
+        (ui.keep_btn, h.memory.keep_turn),
+        (ui.leave_out_btn, h.memory.leave_out_turn),
+        (ui.as_planned_btn, h.memory.plan_turn),
+    ):
+        button.click(handler, [ui.conv_state, ui.turn_dd] + me, shown, **PRIVATE)
 
 
 def _wire_sources(ui: Layout, h: SourceHandlers, me: list) -> None:

@@ -862,6 +862,64 @@ def test_editing_turn_2_of_4_forks_and_the_switcher_goes_back_to_all_4_turns_ove
         shot(page, "edited.png")
 
 
+TURN_PICKER = "#llmweb-turn input"
+OPTIONS = '[data-testid="dropdown-option"]'
+
+
+def pick_turn(page, number: int) -> None:
+    """Pick turn `number` (1-based) in the "What the model sees" picker."""
+    page.locator(TURN_PICKER).click()
+    page.locator('[data-testid="dropdown-option"]').filter(has_text=re.compile(rf"^\s*{number}\. ")).first.click()
+
+
+def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_reload(page, server):
+    """In a new chat: turn 1 kept in context (📌), turn 2 left out (⊘); the next prompt holds turn 1
+    and not turn 2, and says so; a reload keeps both marks."""
+    with step(page, "turn-views"):
+        page.get_by_role("button", name="New chat").click()
+        poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
+        idle(page)
+        for text in ("My locker code is quokka.", "Say the word narwhal."):
+            ask(page, server, text)
+        open_accordion(page, "#llmweb-turns-panel", "What the model sees", "#llmweb-turn")
+        for number, button, mark in ((1, "#llmweb-keep-turn", "📌"), (2, "#llmweb-leave-out-turn", "⊘")):
+            pick_turn(page, number)
+            page.locator(button).click()
+            idle(page)
+            page.locator(TURN_PICKER).click()
+            option = page.locator('[data-testid="dropdown-option"]').filter(has_text=re.compile(rf"^\s*{number}\. "))
+            poll(lambda o=option, m=mark: m in o.first.inner_text(), 60, f"turn {number} marked {mark}", server, page)
+            page.keyboard.press("Escape")
+        ask(page, server, "What else?")
+        open_accordion(page, "#llmweb-prompt-panel", "Prompt of the last turn", "#llmweb-prompt")
+        prompt = poll(
+            lambda: t if "In this prompt:" in (t := field(page, "llmweb-prompt").input_value()) else "",
+            60,
+            "the prompt panel to show the last turn's prompt",
+            server,
+            page,
+        )
+        assert "My locker code is quokka." in prompt and "1 turn you keep in context" in prompt, prompt[:400]
+        assert "narwhal" not in prompt and "1 turn you left out" in prompt, prompt[:400]
+        page.reload(wait_until="domcontentloaded")
+        wait_ready(page, server)
+        poll(lambda: len(user_texts(page)) == 3, REPLY_S, "the reloaded chat", server, page)
+        open_accordion(page, "#llmweb-turns-panel", "What the model sees", "#llmweb-turn")
+        page.locator(TURN_PICKER).click()
+        options = poll(
+            lambda: (
+                t if "⊘" in (t := " | ".join(page.locator('[data-testid="dropdown-option"]').all_inner_texts())) else ""
+            ),
+            60,
+            "the reloaded picker to list the marked turns",
+            server,
+            page,
+        )
+        assert "📌 My locker code" in options and "⊘ Say the word narwhal" in options, options
+        page.keyboard.press("Escape")
+        shot(page, "turn-views.png")
+
+
 def test_at_390_px_the_chat_input_and_stop_are_reachable_without_horizontal_scrolling(server, browser, tmp_path):
     context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=1, is_mobile=True)
     try:

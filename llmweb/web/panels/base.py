@@ -36,6 +36,7 @@ from llmweb.web.formatting import (
     sections_html,
     stats_markdown,
     summary_markdown,
+    turn_choices,
     version_choices,
 )
 from llmweb.web.visitors import visitors_for
@@ -98,6 +99,7 @@ class Panel(NamedTuple):
     version_dd: Any
     doc_scope: Any  # the documents this chat reads (empty: all), among those the owner can read
     source_box: Any  # the source panel (panels/sources.py): closed when another view of the chat is shown
+    turn_dd: Any  # the turns, to keep in context or leave out (panels/memory.py)
 
     @classmethod
     def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
@@ -218,6 +220,7 @@ class PanelHandlers:
             doc_scope=self.scope_shown(owner, conv.settings),
             **self._settings_shown(conv.settings),
             source_box=gr.update(visible=False),
+            turn_dd=gr.update(choices=turn_choices(conv), value=None),
         )
 
     def scope_shown(self, owner: str, chosen: ChatSettings):

@@ -1,4 +1,5 @@
-"""The memory panel: the facts kept with a chat, added word for word, pinned, unpinned, deleted.
+"""The memory panel: the facts kept with a chat, added word for word, pinned, unpinned, deleted;
+and what the model sees of each turn (kept in context, left out, or as the planner sees fit).
 
 Each handler returns the panel and clears the new-fact box. What a fact is and how it reaches the
 prompt is chat/facts.py's; this module must not decide it.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import gradio as gr
 
 from llmweb.errors import InputError
+from llmweb.records import OUT, PIN
 from llmweb.web.panels.base import PanelHandlers, user_errors
 
 
@@ -34,6 +36,27 @@ class MemoryHandlers(PanelHandlers):
     @user_errors
     def delete_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
         return self._picked(conv_id, fact_id, token, request, lambda chat, o, f: chat.pins.delete(o, conv_id, f))
+
+    @user_errors
+    def keep_turn(self, conv_id, turn, token, request: gr.Request) -> tuple:
+        return self._view(PIN, conv_id, turn, token, request)
+
+    @user_errors
+    def leave_out_turn(self, conv_id, turn, token, request: gr.Request) -> tuple:
+        return self._view(OUT, conv_id, turn, token, request)
+
+    @user_errors
+    def plan_turn(self, conv_id, turn, token, request: gr.Request) -> tuple:
+        return self._view("", conv_id, turn, token, request)
+
+    def _view(self, view: str, conv_id, turn, token, request) -> tuple:
+        """Keep the turn picked in context (PIN), leave it out (OUT), or neither ("")."""
+        if turn is None:
+            raise InputError("Pick a turn first.")
+        owner = self.owner(token, request)
+        self._current(owner, conv_id)
+        self._chat().set_view(owner, conv_id, int(turn), view)
+        return tuple(self._reshown(owner, conv_id))
 
     def _picked(self, conv_id, fact_id, token, request, action) -> tuple:
         """An action on the fact picked in the dropdown (none picked: a toast)."""
