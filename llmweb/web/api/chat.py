@@ -107,6 +107,8 @@ class ChatCompletions:
                     code="conversation_not_found",
                     param="conversation_id",
                 )
+            for turn, view in req.turn_views:  # the caller's say in what the model sees, before this turn
+                chat.set_view(owner, conv_id, turn, view)
             use_docs = True if req.use_docs is None else req.use_docs
             whole = {"whole_document": True} if req.whole_document else {}
             events = chat.send(
@@ -124,6 +126,8 @@ class ChatCompletions:
             )
             return _Turn(events, cancel, "stateful", conv_id, max_tokens, notes)
         owner = caller.stateless_owner
+        if req.turn_views:
+            raise bad("x_llmweb.turns: only a stored conversation (conversation_id) has turns to keep or leave out.")
         if req.whole_document:  # the last user message, over one of the caller's documents
             text = next((m.text for m in reversed(req.messages) if m.role == "user"), "")
             only = None

@@ -21,7 +21,7 @@ from typing import Any
 from llmweb.chat.session import clean_message
 from llmweb.chat.turn import held_back
 from llmweb.errors import InputError
-from llmweb.records import MAX_CHAT_DOCUMENTS
+from llmweb.records import MAX_CHAT_DOCUMENTS, OUT, PIN
 from llmweb.web.api.common import Usage, number, optional, same, unsupported
 from llmweb.web.api.errors import ApiError, bad
 
@@ -107,6 +107,7 @@ class ChatRequest:
     whole_document: bool = False  # x_llmweb.whole_document: read the whole document (chat/document_task.py)
     loop_guard: bool | None = None  # x_llmweb.loop_guard: None = the chat's (engine/runners/loopguard.py)
     documents: tuple[str, ...] | None = None  # x_llmweb.documents: names or ids, instead of the chat's
+    turn_views: tuple[tuple[int, str], ...] = ()  # x_llmweb.turns: (0-based turn, Turn.view), set before the turn
 
     @property
     def stateful(self) -> bool:
@@ -190,6 +191,7 @@ def parse_request(
         whole_document=ours.get("whole_document") or False,
         loop_guard=ours.get("loop_guard"),  # None: the chat's
         documents=_documents(body),
+        turn_views=_turn_views(body),
     )
 
 
@@ -212,7 +214,7 @@ def _ours(body: Mapping[str, Any]) -> dict[str, bool | None]:
     """llmweb's own flags, `x_llmweb`: {"whole_document": bool, "loop_guard": bool}; None where not sent."""
     ours = optional(body, "x_llmweb", dict) or {}
     for key in ours:
-        if key not in (*OURS, "documents"):
+        if key not in (*OURS, "documents", "turns"):
             raise bad(f"Unrecognized x_llmweb field: {str(key)[:100]}", "x_llmweb", "unknown_parameter")
     return {name: optional(ours, name, bool, f"x_llmweb.{name}") for name in OURS}
 
@@ -228,6 +230,30 @@ def _documents(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     if not all(isinstance(n, str) and 0 < len(n) <= MAX_DOCUMENT_NAME_CHARS for n in names):
         raise bad(f"{where}: each is a document's name or id, 1 to {MAX_DOCUMENT_NAME_CHARS} characters.", where)
     return tuple(names)
+
+
+MAX_TURN_VIEWS = 100  # entries of x_llmweb.turns in one request
+VIEWS = {"keep": PIN, "leave_out": OUT, "as_planned": ""}  # x_llmweb.turns[i].view -> records.Turn.view
+
+
+def _turn_views(body: Mapping[str, Any]) -> tuple[tuple[int, str], ...]:
+    """`x_llmweb.turns`: [{"turn": n (1-based), "view": "keep" | "leave_out" | "as_planned"}, ...]."""
+    items = (optional(body, "x_llmweb", dict) or {}).get("turns")
+    if items is None:
+        return ()
+    where = "x_llmweb.turns"
+    if not isinstance(items, list) or len(items) > MAX_TURN_VIEWS:
+        raise bad(f"{where} must be a list of at most {MAX_TURN_VIEWS} {{turn, view}} objects.", where)
+    out = []
+    for item in items:
+        n = item.get("turn") if isinstance(item, dict) else None
+        view = item.get("view") if isinstance(item, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(view, str) or view not in VIEWS:
+            raise bad(f'{where}: each is {{"turn": n (from 1), "view": one of {", ".join(VIEWS)}}}.', where)
+        if len(item) != 2:
+            raise bad(f"{where}: each has a turn and a view, nothing else.", where)
+        out.append((n - 1, VIEWS[view]))
+    return tuple(out)
 
 
 def parse_messages(raw: Any, max_chars: int) -> tuple[Message, ...]:
