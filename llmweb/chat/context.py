@@ -6,7 +6,8 @@ returns a `ContextPlan` whose `ids` are exactly the prompt the engine will run.
 
 Prompt layout (one chat message per line):
 
-    system     system prompt + "\\n\\nSummary of the conversation so far:\\n" + summary
+    system     system prompt + "\\n\\n" + what the owner asked all their chats to remember
+               + "\\n\\nSummary of the conversation so far:\\n" + summary
                + "\\n\\nFacts the user stated (verbatim):\\n- ..." (the user's facts)
     user       oldest kept turn            } history: whole turns, the newest ones,
     assistant  ...                         } contiguous up to the last turn
@@ -43,6 +44,7 @@ from llmweb.errors import ConfigError, InputError
 from llmweb.records import OUT, PIN, Chunk, Turn
 
 SUMMARY_HEADER = "Summary of the conversation so far:"
+MEMORY_HEADER = "What the user asked you to remember in all their chats:"
 RECALL_HEADER = "Earlier in this conversation:"
 SOURCES_HEADER = "Sources:"
 
@@ -50,7 +52,7 @@ OVER_BUDGET = "over the retrieved-text budget"
 NO_ROOM = "no room left in the context"
 
 PROTECTED_TURNS = 2  # the newest turns, kept verbatim before the summary and retrieved text get room
-SECTIONS = ("system", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
+SECTIONS = ("system", "memory", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,7 @@ class Budget:
     retrieved_tokens: int
     user_tokens: int
     facts_tokens: int = 0  # the user's facts; pinned ones are kept even past it (chat/session.py caps pinning)
+    memory_tokens: int = 0  # what the owner asked all their chats to remember (store/memories.py)
 
     def __post_init__(self) -> None:
         if self.context_limit < 2:
@@ -72,7 +75,7 @@ class Budget:
                 f"max_new_tokens ({self.max_new_tokens}) must be at least 1 and below "
                 f"the context limit ({self.context_limit})"
             )
-        if min(self.summary_tokens, self.retrieved_tokens, self.facts_tokens) < 0 or self.user_tokens < 1:
+        if min(self.summary_tokens, self.retrieved_tokens, self.facts_tokens, self.memory_tokens) < 0 or self.user_tokens < 1:
             raise ConfigError("summary, facts and retrieved-text budgets must be >= 0 and the user budget >= 1")
 
     @classmethod
@@ -96,6 +99,7 @@ class Budget:
             retrieved_tokens=settings.retrieved_tokens,
             user_tokens=settings.user_tokens,
             facts_tokens=settings.facts_tokens,
+            memory_tokens=settings.memory_tokens,
         )
 
     # Every other change to a budget is one of these: "where is the budget decided" is this class.
@@ -172,6 +176,8 @@ class ContextPlan:
     dropped_pins: int = 0  # pinned turns that did not fit even so (oldest first)
     excluded_turns: int = 0  # turns of the window their owner left out (Turn.view OUT)
     window_start: int = 0  # where the newest turns start among `turns` (the pinned ones before it come first)
+    memory: tuple[str, ...] = ()  # what the owner asked all their chats to remember, as placed (oldest first)
+    dropped_memory: int = 0  # of those, the oldest left out (over their budget, or no room)
 
     @property
     def max_new_tokens(self) -> int:
@@ -198,6 +204,8 @@ class ContextPlan:
             parts.append(f"{_n(len(self.dropped_facts), 'older unpinned fact')} (over the facts budget)")
         if self.summary_cut:
             parts.append(f"the last {_n(self.summary_cut, 'token')} of the summary")
+        if self.dropped_memory:
+            parts.append(f"{_n(self.dropped_memory, 'older memory')} of all your chats (over its budget)")
         if self.dropped_pins:
             parts.append(f"{_n(self.dropped_pins, 'older pinned turn')} (no room even for them)")
         return "left out: " + ", ".join(parts) if parts else ""
@@ -207,6 +215,8 @@ class ContextPlan:
         """What is in this prompt and why, one line for the prompt view."""
         s = self.sections
         parts = [f"system prompt ({s['system']:,} tokens)"]
+        if self.memory:
+            parts.append(f"{_n(len(self.memory), 'thing')} you asked all your chats to remember ({s['memory']:,})")
         if s["summary"]:
             parts.append(f"summary of earlier turns ({s['summary']:,})")
         if self.facts:
@@ -274,6 +284,7 @@ def plan(
     hold: int = 0,
     low: float = 1.0,
     folded_pins: Sequence[Turn] = (),
+    memory: Sequence[str] = (),
 ) -> ContextPlan:
     """Plan this turn's prompt within `budget`; see the module docstring for layout and guarantees.
 
@@ -294,6 +305,8 @@ def plan(
     outside the newest turns that fit come right after the system message, oldest first; when even
     they do not fit, the oldest are left out (reported). Turns left out by their owner (OUT) are in
     no prompt and cost nothing; they keep their place in `turns` (and in `hold`).
+    `memory` (what the owner asked all their chats to remember, oldest first) follows the system
+    prompt: the newest whole items within `memory_tokens`, fewer when the fixed part does not fit.
     Raises InputError when the user's message is over `user_tokens`, or when the system prompt,
     the pinned facts, the message and the reply reserve alone do not fit in the context.
     """
@@ -306,12 +319,19 @@ def plan(
             f"Your message is {n_user:,} tokens; the limit is {budget.user_tokens:,}. "
             "Shorten it or split it into parts."
         )
-    n_system = len(fmt.system_ids(system))
+    n_bare = len(fmt.system_ids(system))
     pinned = [f for f in facts if f.pinned]
-    n_pinned = _facts_cost(fmt, system, pinned, n_system)
     gen = fmt.generation_prompt_ids()
     bare_user = len(fmt.message_ids("user", user_message))
-    fixed = n_system + n_pinned + bare_user + len(gen) + reserve
+    used_memory, prompt = list(memory), system
+    while True:  # what all the owner's chats remember: the newest within its budget, that leave room
+        system = "\n\n".join([prompt, memory_block(used_memory)]) if used_memory else prompt
+        n_system = len(fmt.system_ids(system))
+        n_pinned = _facts_cost(fmt, system, pinned, n_system)
+        fixed = n_system + n_pinned + bare_user + len(gen) + reserve
+        if not used_memory or (n_system - n_bare <= budget.memory_tokens and fixed <= limit):
+            break
+        used_memory.pop(0)
     if fixed > limit:
         pins = f", your pinned facts ({n_pinned:,})" if n_pinned else ""
         raise InputError(
@@ -424,7 +444,8 @@ def plan(
 
     n_docs_only = len(fmt.message_ids("user", compose_user_message(user_message, docs)))
     sections = {
-        "system": n_system,
+        "system": n_bare,
+        "memory": n_system - n_bare,
         "summary": n_summary,
         "facts": n_facts,
         "history": n_history + n_pins,
@@ -456,7 +477,14 @@ def plan(
         dropped_pins=dropped_pins,
         excluded_turns=sum(1 for t in turns if t.view == OUT),
         window_start=start,
+        memory=tuple(used_memory),
+        dropped_memory=len(memory) - len(used_memory),
     )
+
+
+def memory_block(memory: Sequence[str]) -> str:
+    """The memory of all the owner's chats, as the system message holds it after the system prompt."""
+    return MEMORY_HEADER + "".join(f"\n- {m}" for m in memory) if memory else ""
 
 
 def _turn_ids(fmt: ChatFormat, turn: Turn) -> list[int]:

@@ -48,6 +48,11 @@ def folded_pins(conv: Conversation) -> tuple[Turn, ...]:
     return tuple(t.as_turn() for t in conv.turns[: conv.summarized_upto] if t.view == PIN)
 
 
+def remembered(store: Store, owner: str) -> tuple[str, ...]:
+    """What the owner asked all their chats to remember, the items turned on (context.plan's `memory`)."""
+    return tuple(m.text for m in store.memories(owner, enabled_only=True))
+
+
 class Summariser:
     """Writes summaries with the model: `write(previous, turns)`, at most `budget.summary_cap` tokens."""
 
@@ -322,6 +327,7 @@ class Folds:
                 hold=self.windows.hold(conv_id, conv.summarized_upto),
                 low=self.settings.history_low,
                 folded_pins=folded_pins(conv),
+                memory=remembered(self.store, owner),
             )
         except LlmwebError:
             return None

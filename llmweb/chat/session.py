@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from llmweb.chat import context, facts, scope
 from llmweb.chat.document_task import DocumentTasks
-from llmweb.chat.memory import Folds, Windows, folded_pins
+from llmweb.chat.memory import Folds, Windows, folded_pins, remembered
 from llmweb.chat.recall import RecallCache
 from llmweb.chat.settings import TurnSettings, check_pins, checked, clean_message, turn_settings
 from llmweb.chat.tokens import ChatFormat
@@ -282,6 +282,7 @@ class Chat:
             summary=conv.summary if mine.summaries else "",
             turns=tuple(t.as_turn() for t in conv.turns[conv.summarized_upto :]),
             pinned=folded_pins(conv),
+            memory=remembered(self.store, conv.owner),
             chunks=chunks,
             user=text,
             recall=tuple(recall),
@@ -292,8 +293,7 @@ class Chat:
 
     def warm(self, owner: str, conv_id: str) -> bool:
         """The owner opened this chat: prefill its next prompt in the background (chat/memory.py's
-        `Folds.warm`); whether a warm-up was submitted. Another owner's chat id is not found, and
-        warms nothing."""
+        `Folds.warm`); whether one was submitted. Another owner's chat id warms nothing."""
         return self.folds.warm(owner, conv_id)
 
     def wait_background(self, conv_id: str | None = None, timeout: float | None = None) -> None:
@@ -421,6 +421,13 @@ class Pins:
 
     def delete(self, owner: str, conv_id: str, fact_id: int) -> None:
         self.store.delete_fact(owner, conv_id, fact_id)
+
+    def remember(self, owner: str, conv_id: str, fact_id: int) -> None:
+        """Remember a fact of this chat in all the owner's chats (store/memories.py), as its owner asked."""
+        fact = next((f for f in self.store.facts(owner, conv_id) if f.id == fact_id), None)
+        if fact is None:
+            raise InputError("That fact is gone (deleted in another tab?).")
+        self.store.add_memory(owner, fact.text)
 
 
 def _names(documents: Sequence[str] | None) -> tuple[str, ...] | None:

@@ -130,6 +130,7 @@ class Prompt:
     hold: int = 0  # where the window started last turn, while it still fits (context.plan)
     low: float = 1.0  # past that, history is cut to this share of its room
     pinned: tuple[Turn, ...] = ()  # turns kept in context that are already folded out of the window
+    memory: tuple[str, ...] = ()  # what the owner asked all their chats to remember (store/memories.py)
 
     def plan(self, budget: context.Budget, fmt: ChatFormat) -> context.ContextPlan:
         return context.plan(
@@ -145,6 +146,7 @@ class Prompt:
             hold=self.hold,
             low=self.low,
             folded_pins=self.pinned,
+            memory=self.memory,
         )
 
     def smaller(self) -> Prompt:

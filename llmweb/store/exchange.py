@@ -44,7 +44,7 @@ MAX_STAT_INT = 2**53  # any figure in a turn's stats
 MAX_TIME = 1e11  # unix seconds (year ~5000)
 # the prompt sections a turn's stats may name: chat/context.py's SECTIONS (a test keeps them equal;
 # the store may not import the chat)
-SECTION_NAMES = ("system", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
+SECTION_NAMES = ("system", "memory", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
 SOURCE_KINDS = ("document", "recall")
 _SOURCE_OPTIONAL = ("page", "heading", "score", "kind", "snippet", "doc_id", "start", "end")
 _TOP = ("format", "version", "title", "created", "updated", "summary", "summarized_upto", "turns")

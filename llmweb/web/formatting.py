@@ -20,6 +20,7 @@ from llmweb.store.models import HIT_END, HIT_START
 
 SECTION_COLOURS = {
     "system": "#6b7280",
+    "memory": "#d946ef",
     "summary": "#8b5cf6",
     "facts": "#ec4899",
     "history": "#3b82f6",
