@@ -75,7 +75,10 @@ class Budget:
                 f"max_new_tokens ({self.max_new_tokens}) must be at least 1 and below "
                 f"the context limit ({self.context_limit})"
             )
-        if min(self.summary_tokens, self.retrieved_tokens, self.facts_tokens, self.memory_tokens) < 0 or self.user_tokens < 1:
+        if (
+            min(self.summary_tokens, self.retrieved_tokens, self.facts_tokens, self.memory_tokens) < 0
+            or self.user_tokens < 1
+        ):
             raise ConfigError("summary, facts and retrieved-text budgets must be >= 0 and the user budget >= 1")
 
     @classmethod

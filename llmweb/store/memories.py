@@ -71,7 +71,8 @@ class MemoryQueries(Connection):
         text = clean_memory(text) if text is not None else None
         with self._write() as db:
             cur = db.execute(
-                "UPDATE memories SET text = COALESCE(?, text), enabled = COALESCE(?, enabled) WHERE id = ? AND owner = ?",
+                "UPDATE memories SET text = COALESCE(?, text), enabled = COALESCE(?, enabled) "
+                "WHERE id = ? AND owner = ?",
                 (text, None if enabled is None else int(enabled), memory_id, owner),
             )
             if cur.rowcount == 0:

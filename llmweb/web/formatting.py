@@ -416,6 +416,22 @@ def summary_markdown(conv) -> str:
     return "\n".join(parts)
 
 
+def memories_markdown(memories) -> str:
+    """What the owner asked all their chats to remember (store/memories.py), ⏸ for those turned off."""
+    if not memories:
+        return (
+            "*Nothing yet. Add something below, or pick a fact of this chat under Memory and press "
+            "“Remember in all my chats”.*"
+        )
+    return "\n".join(f"- {'⏸ ' if not m.enabled else ''}{escape(m.text, inline=True)}" for m in memories)
+
+
+def memory_choices(memories) -> list[tuple[str, int]]:
+    return [
+        (("⏸ " if not m.enabled else "") + (m.text if len(m.text) <= 60 else m.text[:57] + "…"), m.id) for m in memories
+    ]
+
+
 def documents_markdown(docs) -> str:
     """The documents a visitor's questions search (`LibraryDocument`), saying which are theirs."""
     if not docs:

@@ -207,6 +207,14 @@ class Layout:
     keep_btn: gr.Button
     leave_out_btn: gr.Button
     as_planned_btn: gr.Button
+    remember_btn: gr.Button  # a fact of this chat, remembered in all the owner's chats
+    memories_md: gr.Markdown  # memory across chats: listed, added, edited, turned off, deleted
+    memory_dd: gr.Dropdown
+    memory_text: gr.Textbox
+    memory_add_btn: gr.Button
+    memory_save_btn: gr.Button
+    memory_toggle_btn: gr.Button
+    memory_del_btn: gr.Button
     # this chat's settings
     system_box: gr.Textbox
     temperature: gr.Slider
@@ -381,8 +389,11 @@ def _panel_column() -> dict:
             pin_btn = gr.Button("Pin", size="sm")
             unpin_btn = gr.Button("Unpin", size="sm")
             del_fact_btn = gr.Button("Delete", size="sm", variant="stop")
+        remember_btn = gr.Button("Remember in all my chats", size="sm", elem_id="llmweb-remember-all")
         with gr.Row():
-            new_fact = gr.Textbox(placeholder="Something to remember, word for word", show_label=False, scale=3)
+            new_fact = gr.Textbox(
+                placeholder="Something to remember, word for word", show_label=False, scale=3, elem_id="llmweb-new-fact"
+            )
             add_fact_btn = gr.Button("Remember", size="sm", scale=1)
     with gr.Accordion("This chat's settings", open=False, elem_id="llmweb-chat-settings"):
         system_box = gr.Textbox(label="System prompt (persona)", lines=3, max_lines=10, elem_id="llmweb-system-prompt")
@@ -395,16 +406,7 @@ def _panel_column() -> dict:
         )
         loop_guard = gr.Checkbox(label="Loop guard: never say a sentence a third time", elem_id="llmweb-loop-guard")
         save_settings_btn = gr.Button("Save for this chat", size="sm", elem_id="llmweb-save-settings")
-    with gr.Accordion("What the model sees", open=False, elem_id="llmweb-turns-panel"):
-        gr.Markdown(
-            "Keep a turn in context (📌: never summarised or dropped while it fits), or leave it out (⊘: "
-            "in no later prompt or summary)."
-        )
-        turn_dd = gr.Dropdown(label="Turn", choices=[], elem_id="llmweb-turn")
-        with gr.Row():
-            keep_btn = gr.Button("Keep in context", size="sm", elem_id="llmweb-keep-turn")
-            leave_out_btn = gr.Button("Leave out", size="sm", elem_id="llmweb-leave-out-turn")
-            as_planned_btn = gr.Button("As planned", size="sm", elem_id="llmweb-plan-turn")
+    say = _say_panels()
     with gr.Accordion("Prompt of the last turn", open=False, elem_id="llmweb-prompt-panel"):
         prompt_box = gr.Textbox(show_label=False, lines=8, max_lines=30, interactive=False, elem_id="llmweb-prompt")
     gr.Markdown("### This chat, turn by turn")
@@ -417,10 +419,7 @@ def _panel_column() -> dict:
         source_close=source_close,
         source_n=source_n,
         prompt_box=prompt_box,
-        turn_dd=turn_dd,
-        keep_btn=keep_btn,
-        leave_out_btn=leave_out_btn,
-        as_planned_btn=as_planned_btn,
+        remember_btn=remember_btn,
         system_box=system_box,
         temperature=temperature,
         reply_cap=reply_cap,
@@ -438,6 +437,47 @@ def _panel_column() -> dict:
         add_fact_btn=add_fact_btn,
         tokens_plot=tokens_plot,
         memory_plot=memory_plot,
+        **say,
+    )
+
+
+def _say_panels() -> dict:
+    """Memory across chats (listed, added, edited, turned off, deleted) and what the model sees of each turn."""
+    with gr.Accordion("Memory across chats", open=False, elem_id="llmweb-all-memory"):
+        memories_md = gr.Markdown(elem_id="llmweb-memories")
+        memory_dd = gr.Dropdown(label="Remembered", choices=[], elem_id="llmweb-memory-pick")
+        memory_text = gr.Textbox(
+            placeholder="Something all your chats should know, word for word",
+            show_label=False,
+            elem_id="llmweb-memory-text",
+        )
+        with gr.Row():
+            memory_add_btn = gr.Button("Add", size="sm", elem_id="llmweb-memory-add")
+            memory_save_btn = gr.Button("Save text", size="sm", elem_id="llmweb-memory-save")
+            memory_toggle_btn = gr.Button("Turn on/off", size="sm", elem_id="llmweb-memory-toggle")
+            memory_del_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="llmweb-memory-delete")
+    with gr.Accordion("What the model sees", open=False, elem_id="llmweb-turns-panel"):
+        gr.Markdown(
+            "Keep a turn in context (📌: never summarised or dropped while it fits), or leave it out (⊘: "
+            "in no later prompt or summary)."
+        )
+        turn_dd = gr.Dropdown(label="Turn", choices=[], elem_id="llmweb-turn")
+        with gr.Row():
+            keep_btn = gr.Button("Keep in context", size="sm", elem_id="llmweb-keep-turn")
+            leave_out_btn = gr.Button("Leave out", size="sm", elem_id="llmweb-leave-out-turn")
+            as_planned_btn = gr.Button("As planned", size="sm", elem_id="llmweb-plan-turn")
+    return dict(
+        turn_dd=turn_dd,
+        keep_btn=keep_btn,
+        leave_out_btn=leave_out_btn,
+        as_planned_btn=as_planned_btn,
+        memories_md=memories_md,
+        memory_dd=memory_dd,
+        memory_text=memory_text,
+        memory_add_btn=memory_add_btn,
+        memory_save_btn=memory_save_btn,
+        memory_toggle_btn=memory_toggle_btn,
+        memory_del_btn=memory_del_btn,
     )
 
 
@@ -609,6 +649,15 @@ def _wire_panel(ui: Layout, h: Handlers, shown: list, me: list) -> None:
         (ui.as_planned_btn, h.memory.plan_turn),
     ):
         button.click(handler, [ui.conv_state, ui.turn_dd] + me, shown, **PRIVATE)
+    ui.remember_btn.click(h.memory.remember_fact, [ui.conv_state, ui.fact_dd] + me, shown, **PRIVATE)
+    picked = [ui.conv_state, ui.memory_dd, ui.memory_text]
+    for button, handler in (
+        (ui.memory_add_btn, h.memory.add_memory),
+        (ui.memory_save_btn, h.memory.save_memory),
+        (ui.memory_toggle_btn, h.memory.toggle_memory),
+        (ui.memory_del_btn, h.memory.delete_memory),
+    ):
+        button.click(handler, picked + me, shown + [ui.memory_text], **PRIVATE)
 
 
 def _wire_sources(ui: Layout, h: SourceHandlers, me: list) -> None:

@@ -863,13 +863,15 @@ def test_editing_turn_2_of_4_forks_and_the_switcher_goes_back_to_all_4_turns_ove
 
 
 TURN_PICKER = "#llmweb-turn input"
+
+
 OPTIONS = '[data-testid="dropdown-option"]'
 
 
 def pick_turn(page, number: int) -> None:
     """Pick turn `number` (1-based) in the "What the model sees" picker."""
     page.locator(TURN_PICKER).click()
-    page.locator('[data-testid="dropdown-option"]').filter(has_text=re.compile(rf"^\s*{number}\. ")).first.click()
+    page.locator(OPTIONS).filter(has_text=re.compile(rf"(^|[^0-9]){number}\. ")).first.click()
 
 
 def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_reload(page, server):
@@ -887,7 +889,9 @@ def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_rel
             page.locator(button).click()
             idle(page)
             page.locator(TURN_PICKER).click()
-            option = page.locator('[data-testid="dropdown-option"]').filter(has_text=re.compile(rf"^\s*{number}\. "))
+            option = page.locator('[data-testid="dropdown-option"]').filter(
+                has_text=re.compile(rf"(^|[^0-9]){number}\. ")
+            )
             poll(lambda o=option, m=mark: m in o.first.inner_text(), 60, f"turn {number} marked {mark}", server, page)
             page.keyboard.press("Escape")
         ask(page, server, "What else?")
@@ -918,6 +922,61 @@ def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_rel
         assert "📌 My locker code" in options and "⊘ Say the word narwhal" in options, options
         page.keyboard.press("Escape")
         shot(page, "turn-views.png")
+
+
+def remember_in_all_chats(page, server: Server, text: str) -> None:
+    """Add `text` under "Memory across chats" and wait for the list to show it."""
+    open_accordion(page, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
+    field(page, "llmweb-memory-text").fill(text)
+    page.locator("#llmweb-memory-add").click()
+    poll(lambda: text in page.locator("#llmweb-memories").inner_text(), 60, f"{text!r} remembered", server, page)
+
+
+def last_prompt(page, server: Server, marker: str = "In this prompt:") -> str:
+    open_accordion(page, "#llmweb-prompt-panel", "Prompt of the last turn", "#llmweb-prompt")
+    return poll(
+        lambda: t if marker in (t := field(page, "llmweb-prompt").input_value()) else "",
+        60,
+        "the prompt panel to show the last turn's prompt",
+        server,
+        page,
+    )
+
+
+def test_memory_across_chats_is_added_in_the_page_reaches_another_chat_and_goes_when_off_or_deleted(page, server):
+    """A memory added in the page is in a new chat's prompt; turned off it is not; deleted it is gone
+    from the list; a fact of a chat becomes one with "Remember in all my chats"."""
+    colour = "My favourite colour is teal."
+    with step(page, "memory-across-chats"):
+        remember_in_all_chats(page, server, colour)
+        page.get_by_role("button", name="New chat").click()
+        poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
+        idle(page)
+        ask(page, server, "Hi!")
+        prompt = last_prompt(page, server, "Hi!")
+        assert colour in prompt and "1 thing you asked all your chats to remember" in prompt, prompt[:400]
+        open_accordion(page, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
+        page.locator("#llmweb-memory-pick input").click()
+        page.locator(OPTIONS).filter(has_text="teal").first.click()
+        page.locator("#llmweb-memory-toggle").click()
+        poll(lambda: "⏸" in page.locator("#llmweb-memories").inner_text(), 60, "the memory turned off", server, page)
+        ask(page, server, "And now?")
+        assert colour not in last_prompt(page, server, "And now?")
+        page.locator("#llmweb-memory-pick input").click()
+        page.locator(OPTIONS).filter(has_text="teal").first.click()
+        page.locator("#llmweb-memory-delete").click()
+        poll(
+            lambda: "teal" not in page.locator("#llmweb-memories").inner_text(), 60, "the memory deleted", server, page
+        )
+        open_accordion(page, "#llmweb-memory-panel", "Memory", "#llmweb-memory")
+        field(page, "llmweb-new-fact").fill("My dog is Rex.")
+        page.locator("#llmweb-memory-panel").get_by_role("button", name="Remember", exact=True).click()
+        poll(lambda: "Rex" in page.locator("#llmweb-memory").inner_text(), 60, "the chat's fact", server, page)
+        page.locator("#llmweb-fact input").click()
+        page.locator(OPTIONS).filter(has_text="Rex").first.click()
+        page.locator("#llmweb-remember-all").click()
+        poll(lambda: "My dog is Rex." in page.locator("#llmweb-memories").inner_text(), 60, "remembered", server, page)
+        shot(page, "memory-across-chats.png")
 
 
 def test_at_390_px_the_chat_input_and_stop_are_reachable_without_horizontal_scrolling(server, browser, tmp_path):
@@ -1266,6 +1325,7 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path, browser):
                 assert is_real_text(reply), reply
                 assert page_a.locator(THOUGHTS).count() == 1, "A's answer has no Sources block"
                 assert PRIVATE_DOC_NAME in opened_sources(page_a, srv, page_a.locator(THOUGHTS).last)
+                remember_in_all_chats(page_a, srv, "My moped is named Velmorine.")  # memory across A's chats
 
             with step(page_b, "owners-b"):
                 wait_ready(page_b, srv)
@@ -1275,6 +1335,8 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path, browser):
                     loaded(page_b, srv, [])
                     assert "No documents yet" in page_b.locator("#llmweb-doclist").inner_text()
                     assert "No turns yet" in page_b.locator("#llmweb-stats").inner_text()
+                    open_accordion(page_b, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
+                    assert "Nothing yet" in page_b.locator("#llmweb-memories").inner_text()
                     assert not (found := leaks(page_b, A_ONLY + ("Quokkafrost",))), (
                         f"B's page {moment} shows A's data: {found}"
                     )

@@ -31,6 +31,8 @@ from llmweb.web.formatting import (
     fact_label,
     history_messages,
     line_chart_html,
+    memories_markdown,
+    memory_choices,
     plot_frames,
     scope_label,
     sections_html,
@@ -100,6 +102,8 @@ class Panel(NamedTuple):
     doc_scope: Any  # the documents this chat reads (empty: all), among those the owner can read
     source_box: Any  # the source panel (panels/sources.py): closed when another view of the chat is shown
     turn_dd: Any  # the turns, to keep in context or leave out (panels/memory.py)
+    memories_md: Any  # what the owner asked all their chats to remember (panels/memory.py)
+    memory_dd: Any
 
     @classmethod
     def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
@@ -221,6 +225,14 @@ class PanelHandlers:
             **self._settings_shown(conv.settings),
             source_box=gr.update(visible=False),
             turn_dd=gr.update(choices=turn_choices(conv), value=None),
+            **self._memories_shown(owner),
+        )
+
+    def _memories_shown(self, owner: str) -> dict:
+        memories = self.store.memories(owner)
+        return dict(
+            memories_md=memories_markdown(memories),
+            memory_dd=gr.update(choices=memory_choices(memories), value=None),
         )
 
     def scope_shown(self, owner: str, chosen: ChatSettings):

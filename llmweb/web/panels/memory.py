@@ -58,6 +58,43 @@ class MemoryHandlers(PanelHandlers):
         self._chat().set_view(owner, conv_id, int(turn), view)
         return tuple(self._reshown(owner, conv_id))
 
+    @user_errors
+    def remember_fact(self, conv_id, fact_id, token, request: gr.Request) -> tuple:
+        """The fact picked, remembered in all the owner's chats (their confirmation: this click)."""
+        owner = self.owner(token, request)
+        self._current(owner, conv_id)
+        self._chat().pins.remember(owner, conv_id, _picked_fact(fact_id))
+        return tuple(self._reshown(owner, conv_id, "Remembered in all your chats."))
+
+    # ---- memory across chats: each handler gets the chat shown, the memory picked and the text box
+    @user_errors
+    def add_memory(self, conv_id, memory_id, text, token, request: gr.Request) -> tuple:
+        return self._memory(conv_id, token, request, lambda o: self.store.add_memory(o, text))
+
+    @user_errors
+    def save_memory(self, conv_id, memory_id, text, token, request: gr.Request) -> tuple:
+        return self._memory(conv_id, token, request, lambda o: self.store.edit_memory(o, _picked(memory_id), text=text))
+
+    @user_errors
+    def toggle_memory(self, conv_id, memory_id, text, token, request: gr.Request) -> tuple:
+        def toggle(owner: str) -> None:
+            mid = _picked(memory_id)
+            now = next((m for m in self.store.memories(owner) if m.id == mid), None)
+            if now is None:
+                raise InputError("That memory is gone (deleted in another tab?).")
+            self.store.edit_memory(owner, mid, enabled=not now.enabled)
+
+        return self._memory(conv_id, token, request, toggle)
+
+    @user_errors
+    def delete_memory(self, conv_id, memory_id, text, token, request: gr.Request) -> tuple:
+        return self._memory(conv_id, token, request, lambda o: self.store.delete_memory(o, _picked(memory_id)))
+
+    def _memory(self, conv_id, token, request, action) -> tuple:
+        owner = self.owner(token, request)
+        action(owner)
+        return (*self._open(owner, conv_id), "")
+
     def _picked(self, conv_id, fact_id, token, request, action) -> tuple:
         """An action on the fact picked in the dropdown (none picked: a toast)."""
         return self._fact(conv_id, fact_id, token, request, lambda chat, o, f: action(chat, o, _picked_fact(f)))
@@ -67,6 +104,12 @@ class MemoryHandlers(PanelHandlers):
         self._current(owner, conv_id)
         action(self._chat(), owner, value)
         return (*self._reshown(owner, conv_id), "")
+
+
+def _picked(memory_id) -> int:
+    if memory_id is None:
+        raise InputError("Pick a memory first.")
+    return int(memory_id)
 
 
 def _picked_fact(fact_id) -> int:
