@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from llmweb.chat import context, facts, scope
+from llmweb.chat.carry import Carry
 from llmweb.chat.document_task import DocumentTasks
 from llmweb.chat.memory import Folds, Windows, folded_pins, remembered
 from llmweb.chat.recall import RecallCache
@@ -107,7 +108,7 @@ class Chat:
         self.windows = Windows()  # where each chat's window starts (context.plan's `hold`)
         self.folds = Folds(settings, engine, fmt, store, budget, self.recalls, self.windows)
         self.documents = DocumentTasks(settings, engine, fmt, store, budget, library)
-        self.pins = Pins(store, budget, fmt)  # the memory panel's facts
+        self.pins, self.carry = Pins(store, budget, fmt), Carry(self.folds)  # the facts panel; "Continue in a new chat"
 
     # ---- the turn, over four snapshots of the chat
     def send(

@@ -73,8 +73,11 @@ class ConversationQueries(Connection):
 
     def get(self, owner: str, conv_id: str) -> Conversation:
         with self._read() as db:
-            columns = "title, summary, summarized_upto, created, updated, settings"
-            title, summary, upto, created, updated, settings = owned_row(db, owner, conv_id, columns)
+            columns = "title, summary, summarized_upto, created, updated, settings, continues"
+            title, summary, upto, created, updated, settings, continues = owned_row(db, owner, conv_id, columns)
+            earlier = db.execute(  # the chat it continues, while it is still there and the owner's
+                "SELECT id, title FROM conversations WHERE id = ? AND owner = ?", (continues, owner)
+            ).fetchone()
             turns = [
                 StoredTurn(idx, user, assistant, stats_from_text(stats), sources_from_text(sources), t_created, view)
                 for idx, user, assistant, stats, sources, t_created, view in db.execute(
@@ -88,7 +91,7 @@ class ConversationQueries(Connection):
             generation = generation_of(db, owner)
         chosen = ChatSettings.from_dict(json.loads(settings))
         return Conversation(
-            conv_id, title, summary, upto, turns, facts, created, updated, owner, chosen, versions, generation
+            conv_id, title, summary, upto, turns, facts, created, updated, owner, chosen, versions, generation, earlier
         )
 
     def add_turn(

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -21,8 +22,8 @@ from typing import Any
 from llmweb.errors import InputError
 from llmweb.records import TURN_VIEWS, GenerationStats, MemorySnapshot, Source, TurnStats
 from llmweb.store.conversations import INSERT_TURN, ConversationQueries
-from llmweb.store.models import MAX_TITLE_CHARS, ChatSettings, Conversation, new_id
-from llmweb.store.owners import check_room, require_owned, seen, text_bytes
+from llmweb.store.models import MAX_TITLE_CHARS, ChatSettings, Conversation, Fact, StoredTurn, new_id
+from llmweb.store.owners import check_room, owned_row, require_owned, seen, text_bytes
 
 EXPORT_FORMAT = "llmweb.conversation"
 EXPORT_VERSION = 1
@@ -109,6 +110,32 @@ class ExchangeQueries(ConversationQueries):
             )
         return conv_id
 
+    def continue_conversation(
+        self, owner: str, from_id: str, summary: str, facts: Sequence[Fact | Any], turns: Sequence[StoredTurn]
+    ) -> str:
+        """A new chat of `owner` that continues `from_id` (theirs, else `NotFound`): its title and
+        settings, the given summary and facts (pinned as they were), and `turns` (the last few, and
+        those kept in context, with their say) as its first turns; linked back to it. Its id."""
+        conv_id, now = new_id(), time.time()
+        size = text_bytes(summary, *(f.text for f in facts), *(f"{t.user}{t.assistant}" for t in turns))
+        with self._write() as db:
+            title, settings = owned_row(db, owner, from_id, "title, settings")
+            check_room(db, self.caps, owner, chats=1, size=size)
+            db.execute(
+                "INSERT INTO conversations (id, title, created, updated, summary, settings, owner, continues) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (conv_id, continued_title(title), now, now, summary, settings, owner, from_id),
+            )
+            seen(db, owner, now)
+            for i, t in enumerate(turns):
+                db.execute(INSERT_TURN, (conv_id, i, t.user, t.assistant, "{}", "[]", now))
+                db.execute("UPDATE turns SET view = ? WHERE conversation_id = ? AND idx = ?", (t.view, conv_id, i))
+            db.executemany(
+                "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, ?, ?)",
+                [(conv_id, f.text, int(f.pinned), now) for f in facts],
+            )
+        return conv_id
+
     def export_markdown(self, owner: str, conv_id: str) -> str:
         """A readable transcript. Message text is included as written (it may contain Markdown)."""
         return to_markdown(self.get(owner, conv_id))
@@ -120,6 +147,15 @@ class ExchangeQueries(ConversationQueries):
                 "SELECT fork, version, body FROM versions WHERE conversation_id = ? ORDER BY fork, version", (conv_id,)
             ).fetchall()
         return [{"fork": f, "version": v, "body": None if b is None else json.loads(b)} for f, v, b in rows]
+
+
+def continued_title(title: str) -> str:
+    """The title of a chat that continues one titled `title`: "… (continued)", within MAX_TITLE_CHARS."""
+    tail = " (continued)"
+    if title.endswith(tail):
+        return title
+    room = MAX_TITLE_CHARS - len(tail)
+    return (title if len(title) <= room else title[: room - 1] + "…") + tail
 
 
 # -- the JSON format ---------------------------------------------------------------------------

@@ -868,10 +868,36 @@ TURN_PICKER = "#llmweb-turn input"
 OPTIONS = '[data-testid="dropdown-option"]'
 
 
+def pick_option(page, picker: str, text) -> None:
+    """Pick the option of the dropdown `picker` whose text matches `text` (a string or a regex); a
+    panel update arriving meanwhile re-renders the options, so a detached one is tried again."""
+    for attempt in range(3):
+        page.locator(picker).click()
+        try:
+            page.locator(OPTIONS).filter(has_text=text).first.click(timeout=10_000)
+            return
+        except Exception:
+            if attempt == 2:
+                raise
+            page.keyboard.press("Escape")
+            idle(page)
+
+
 def pick_turn(page, number: int) -> None:
     """Pick turn `number` (1-based) in the "What the model sees" picker."""
-    page.locator(TURN_PICKER).click()
-    page.locator(OPTIONS).filter(has_text=re.compile(rf"(^|[^0-9]){number}\. ")).first.click()
+    pick_option(page, TURN_PICKER, re.compile(rf"(^|[^0-9]){number}\. "))
+
+
+def options_shown(page, picker: str, server: Server, needle: str) -> str:
+    """The options of `picker`, once one of them shows `needle`."""
+
+    def shown() -> str:
+        page.locator(picker).click()
+        text = " | ".join(page.locator(OPTIONS).all_inner_texts())
+        page.keyboard.press("Escape")
+        return text if needle in text else ""
+
+    return poll(shown, 60, f"the picker to show {needle!r}", server, page)
 
 
 def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_reload(page, server):
@@ -884,16 +910,12 @@ def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_rel
         for text in ("My locker code is quokka.", "Say the word narwhal."):
             ask(page, server, text)
         open_accordion(page, "#llmweb-turns-panel", "What the model sees", "#llmweb-turn")
-        for number, button, mark in ((1, "#llmweb-keep-turn", "📌"), (2, "#llmweb-leave-out-turn", "⊘")):
+        for number, button in ((1, "#llmweb-keep-turn"), (2, "#llmweb-leave-out-turn")):
             pick_turn(page, number)
             page.locator(button).click()
             idle(page)
-            page.locator(TURN_PICKER).click()
-            option = page.locator('[data-testid="dropdown-option"]').filter(
-                has_text=re.compile(rf"(^|[^0-9]){number}\. ")
-            )
-            poll(lambda o=option, m=mark: m in o.first.inner_text(), 60, f"turn {number} marked {mark}", server, page)
-            page.keyboard.press("Escape")
+        marked = options_shown(page, TURN_PICKER, server, "⊘")
+        assert "📌 My locker code" in marked and "⊘ Say the word narwhal" in marked, marked
         ask(page, server, "What else?")
         open_accordion(page, "#llmweb-prompt-panel", "Prompt of the last turn", "#llmweb-prompt")
         prompt = poll(
@@ -909,18 +931,8 @@ def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_rel
         wait_ready(page, server)
         poll(lambda: len(user_texts(page)) == 3, REPLY_S, "the reloaded chat", server, page)
         open_accordion(page, "#llmweb-turns-panel", "What the model sees", "#llmweb-turn")
-        page.locator(TURN_PICKER).click()
-        options = poll(
-            lambda: (
-                t if "⊘" in (t := " | ".join(page.locator('[data-testid="dropdown-option"]').all_inner_texts())) else ""
-            ),
-            60,
-            "the reloaded picker to list the marked turns",
-            server,
-            page,
-        )
+        options = options_shown(page, TURN_PICKER, server, "⊘")
         assert "📌 My locker code" in options and "⊘ Say the word narwhal" in options, options
-        page.keyboard.press("Escape")
         shot(page, "turn-views.png")
 
 
@@ -956,14 +968,12 @@ def test_memory_across_chats_is_added_in_the_page_reaches_another_chat_and_goes_
         prompt = last_prompt(page, server, "Hi!")
         assert colour in prompt and "1 thing you asked all your chats to remember" in prompt, prompt[:400]
         open_accordion(page, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
-        page.locator("#llmweb-memory-pick input").click()
-        page.locator(OPTIONS).filter(has_text="teal").first.click()
+        pick_option(page, "#llmweb-memory-pick input", "teal")
         page.locator("#llmweb-memory-toggle").click()
         poll(lambda: "⏸" in page.locator("#llmweb-memories").inner_text(), 60, "the memory turned off", server, page)
         ask(page, server, "And now?")
         assert colour not in last_prompt(page, server, "And now?")
-        page.locator("#llmweb-memory-pick input").click()
-        page.locator(OPTIONS).filter(has_text="teal").first.click()
+        pick_option(page, "#llmweb-memory-pick input", "teal")
         page.locator("#llmweb-memory-delete").click()
         poll(
             lambda: "teal" not in page.locator("#llmweb-memories").inner_text(), 60, "the memory deleted", server, page
@@ -972,8 +982,7 @@ def test_memory_across_chats_is_added_in_the_page_reaches_another_chat_and_goes_
         field(page, "llmweb-new-fact").fill("My dog is Rex.")
         page.locator("#llmweb-memory-panel").get_by_role("button", name="Remember", exact=True).click()
         poll(lambda: "Rex" in page.locator("#llmweb-memory").inner_text(), 60, "the chat's fact", server, page)
-        page.locator("#llmweb-fact input").click()
-        page.locator(OPTIONS).filter(has_text="Rex").first.click()
+        pick_option(page, "#llmweb-fact input", "Rex")
         page.locator("#llmweb-remember-all").click()
         poll(lambda: "My dog is Rex." in page.locator("#llmweb-memories").inner_text(), 60, "remembered", server, page)
         shot(page, "memory-across-chats.png")
