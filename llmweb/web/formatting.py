@@ -405,6 +405,8 @@ def summary_markdown(conv) -> str:
         if conv.summary
         else "*No summary yet: the whole conversation still fits in the window.*"
     ]
+    if conv.continues is not None:
+        parts.insert(0, f"*This chat continues “{escape(conv.continues[1], inline=True)}” (in your chat list).*")
     if conv.facts:
         parts.append("**Facts you stated** (kept word for word; 📌 = pinned, never dropped):")
         parts += [f"- {'📌 ' if f.pinned else ''}{escape(f.text, inline=True)}" for f in conv.facts]

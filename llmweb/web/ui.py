@@ -154,6 +154,7 @@ class Layout:
     fetch_go: gr.Button
     fetch_md: gr.Markdown
     new_btn: gr.Button
+    continue_btn: gr.Button  # "Continue in a new chat" (chat/carry.py)
     search_box: gr.Textbox
     search_hits: gr.Radio
     conv_list: gr.Radio
@@ -257,6 +258,7 @@ def _sidebar() -> dict:
             fetch_go = gr.Button("Download", size="sm", variant="primary")
         fetch_md = gr.Markdown(elem_id="llmweb-fetch-report")
     new_btn = gr.Button("New chat", variant="secondary")
+    continue_btn = gr.Button("Continue in a new chat", size="sm", elem_id="llmweb-continue-chat")
     search_box = gr.Textbox(
         placeholder="Search my chats (Enter)", show_label=False, max_lines=1, elem_id="llmweb-search"
     )
@@ -289,6 +291,7 @@ def _sidebar() -> dict:
         fetch_go=fetch_go,
         fetch_md=fetch_md,
         new_btn=new_btn,
+        continue_btn=continue_btn,
         search_box=search_box,
         search_hits=search_hits,
         conv_list=conv_list,
@@ -613,6 +616,7 @@ def _wire_models(ui: Layout, h: Handlers, me: list, turns: tuple) -> None:
 def _wire_sidebar(ui: Layout, h: Handlers, shown: list, me: list) -> None:
     """The chat list and its search, rename, delete, export and import, and "Delete all my data"."""
     ui.new_btn.click(h.chats.new_chat, me, shown, **PRIVATE)
+    ui.continue_btn.click(h.chats.continue_chat, [ui.conv_state] + me, shown, **GENERATE)  # may write a summary
     ui.search_box.submit(h.chats.search, [ui.search_box] + me, ui.search_hits, **PRIVATE)
     ui.search_hits.input(h.chats.open_hit, [ui.search_hits] + me, shown, **PRIVATE).then(
         None, [ui.search_hits], None, js=SCROLL_TO_TURN

@@ -108,6 +108,8 @@ class ChatRequest:
     loop_guard: bool | None = None  # x_llmweb.loop_guard: None = the chat's (engine/runners/loopguard.py)
     documents: tuple[str, ...] | None = None  # x_llmweb.documents: names or ids, instead of the chat's
     turn_views: tuple[tuple[int, str], ...] = ()  # x_llmweb.turns: (0-based turn, Turn.view), set before the turn
+    memory: bool = False  # x_llmweb.memory: a stateless request reads the owner's memory across chats
+    continue_from: str | None = None  # x_llmweb.continue_from: "new" starts from this chat of the caller's
 
     @property
     def stateful(self) -> bool:
@@ -192,6 +194,8 @@ def parse_request(
         loop_guard=ours.get("loop_guard"),  # None: the chat's
         documents=_documents(body),
         turn_views=_turn_views(body),
+        memory=ours.get("memory") or False,
+        continue_from=_continue_from(body, conversation_id),
     )
 
 
@@ -206,7 +210,7 @@ def _use_docs(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool | Non
     return use_docs
 
 
-OURS = ("whole_document", "loop_guard")  # x_llmweb's flags; "documents" is a list (`_documents`)
+OURS = ("whole_document", "loop_guard", "memory")  # x_llmweb's flags; "documents" is a list (`_documents`)
 MAX_DOCUMENT_NAME_CHARS = 1024
 
 
@@ -214,7 +218,7 @@ def _ours(body: Mapping[str, Any]) -> dict[str, bool | None]:
     """llmweb's own flags, `x_llmweb`: {"whole_document": bool, "loop_guard": bool}; None where not sent."""
     ours = optional(body, "x_llmweb", dict) or {}
     for key in ours:
-        if key not in (*OURS, "documents", "turns"):
+        if key not in (*OURS, "documents", "turns", "continue_from"):
             raise bad(f"Unrecognized x_llmweb field: {str(key)[:100]}", "x_llmweb", "unknown_parameter")
     return {name: optional(ours, name, bool, f"x_llmweb.{name}") for name in OURS}
 
@@ -230,6 +234,19 @@ def _documents(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     if not all(isinstance(n, str) and 0 < len(n) <= MAX_DOCUMENT_NAME_CHARS for n in names):
         raise bad(f"{where}: each is a document's name or id, 1 to {MAX_DOCUMENT_NAME_CHARS} characters.", where)
     return tuple(names)
+
+
+def _continue_from(body: Mapping[str, Any], conversation_id: str | None) -> str | None:
+    """`x_llmweb.continue_from`: the id of the caller's chat a new one continues (conversation_id "new")."""
+    from_id = (optional(body, "x_llmweb", dict) or {}).get("continue_from")
+    if from_id is None:
+        return None
+    where = "x_llmweb.continue_from"
+    if not isinstance(from_id, str) or not 0 < len(from_id) <= 64:
+        raise bad(f"{where}: the id of one of your conversations.", where)
+    if conversation_id != NEW_CONVERSATION:
+        raise bad(f'{where} starts a new conversation: send it with conversation_id "new".', where)
+    return from_id
 
 
 MAX_TURN_VIEWS = 100  # entries of x_llmweb.turns in one request

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llmweb.records import LOCAL_OWNER, OUT, PIN
 from tests.web.api.conftest import body, say
 
@@ -37,3 +39,35 @@ def test_bad_turn_entries_and_stateless_requests_are_refused(api):
     stateless = api.client.post("/v1/chat/completions", json=body(x_llmweb={"turns": [{"turn": 1, "view": "keep"}]}))
     assert stateless.status_code == 400
     assert [t.view for t in api.store.get(LOCAL_OWNER, conv).turns] == [""]
+
+
+# ---- memory across chats and "continue in a new chat" through the API
+
+
+def test_the_stateful_api_uses_the_owners_memory_and_the_stateless_one_only_when_asked(api):
+    api.chat.budget = replace(api.chat.budget, memory_tokens=40)  # the rig's budget has none
+    api.store.add_memory(LOCAL_OWNER, "My cat is called Quokka.")
+    assert ask(api, "new", "hello").status_code == 200
+    assert "Quokka" in api.fmt.decode(api.runner.requests[-1].prompt_ids)
+    say(api, "ok")
+    assert api.client.post("/v1/chat/completions", json=body()).status_code == 200
+    assert "Quokka" not in api.fmt.decode(api.runner.requests[-1].prompt_ids)
+    say(api, "ok")
+    asked = api.client.post("/v1/chat/completions", json=body(x_llmweb={"memory": True}))
+    assert asked.status_code == 200 and "Quokka" in api.fmt.decode(api.runner.requests[-1].prompt_ids)
+
+
+def test_continue_from_starts_a_new_conversation_linked_to_the_callers_one(api):
+    conv = ask(api, "new", "My locker code is 4471.").json()["x_llmweb"]["conversation_id"]
+    ask(api, conv, "second")
+    r = ask(api, "new", "where were we?", continue_from=conv)
+    assert r.status_code == 200, r.text
+    new = r.json()["x_llmweb"]["conversation_id"]
+    got = api.store.get(LOCAL_OWNER, new)
+    assert new != conv and got.continues[0] == conv and len(got.turns) == 3
+    assert "4471" in api.fmt.decode(api.runner.requests[-1].prompt_ids)
+    assert api.runner.requests[-1].session_id == new, "its own KV cache session"
+    gone = ask(api, "new", "x", continue_from="f" * 32)
+    assert gone.status_code == 404
+    not_new = ask(api, conv, "x", continue_from=conv)
+    assert not_new.status_code == 400 and not_new.json()["error"]["param"] == "x_llmweb.continue_from"
