@@ -49,7 +49,7 @@ SECTION_NAMES = ("system", "memory", "summary", "facts", "history", "recall", "r
 SOURCE_KINDS = ("document", "recall")
 _SOURCE_OPTIONAL = ("page", "heading", "score", "kind", "snippet", "doc_id", "start", "end")
 _TOP = ("format", "version", "title", "created", "updated", "summary", "summarized_upto", "turns")
-_TOP_OPTIONAL = ("id", "settings", "facts", "versions")
+_TOP_OPTIONAL = ("id", "settings", "facts", "versions", "continues")  # continues: the chat it went on from
 _TURN = ("idx", "user", "assistant", "stats", "sources", "created")
 _TURN_OPTIONAL = ("view",)  # records.Turn.view, written only when the owner set one
 
@@ -66,6 +66,7 @@ class Imported:
     facts: list[tuple[str, int, float]]  # text, pinned, created
     versions: list[VersionRow]
     views: tuple[tuple[int, str], ...] = ()  # (turn idx, Turn.view) of the turns with one
+    continues: str = ""  # the id of the chat it continues (kept where the importer owns that chat)
 
     def size(self) -> int:
         """Bytes of text it adds to its owner's chats (as conversations.bytes counts them)."""
@@ -108,6 +109,12 @@ class ExchangeQueries(ConversationQueries):
                 "UPDATE turns SET view = ? WHERE conversation_id = ? AND idx = ?",
                 [(view, conv_id, idx) for idx, view in doc.views],
             )
+            if doc.continues:  # the link holds where the chat it names is the importer's own
+                db.execute(
+                    "UPDATE conversations SET continues = ? WHERE id = ? AND EXISTS "
+                    "(SELECT 1 FROM conversations c WHERE c.id = ? AND c.owner = ?)",
+                    (doc.continues, conv_id, doc.continues, owner),
+                )
         return conv_id
 
     def continue_conversation(
@@ -187,6 +194,7 @@ def to_json(conv: Conversation, versions: list[dict]) -> str:
         ],
         "facts": [{"text": f.text, "pinned": f.pinned, "created": f.created} for f in conv.facts],
         "versions": versions,
+        **({"continues": conv.continues[0]} if conv.continues else {}),
     }
     return json.dumps(doc, ensure_ascii=False, indent=1)
 
@@ -230,7 +238,8 @@ def _parse(doc: Any) -> Imported:
     summary = _text(doc["summary"], "the summary", MAX_SUMMARY_CHARS)
     head = (title, _time(doc["created"]), _time(doc["updated"]), summary, upto, settings)
     views = tuple((t["idx"], _view(t["view"])) for t in turns if t.get("view"))
-    return Imported(head, rows, facts, versions, views)
+    continues = _text(doc.get("continues", ""), "continues", 64)
+    return Imported(head, rows, facts, versions, views, continues)
 
 
 def _view(v: Any) -> str:

@@ -9,6 +9,7 @@ what goes into a prompt (chat/context.py does) nor write one without its owner's
 
 from __future__ import annotations
 
+import json
 import time
 import unicodedata
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from llmweb.store.models import NotFound
 
 MAX_MEMORIES = 100  # per owner
 MAX_MEMORY_CHARS = 300  # one memory, as a fact typed in the memory panel
+MEMORY_FORMAT = "llmweb.memories"  # the export of an owner's memories (`export_memories`), version 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,39 @@ class MemoryQueries(Connection):
             )
             if cur.rowcount == 0:
                 raise NotFound("That memory is gone (deleted in another tab?).")
+
+    def export_memories(self, owner: str) -> str:
+        """The owner's memories as JSON; `import_memories` reads it back."""
+        items = [{"text": m.text, "enabled": m.enabled, "created": m.created} for m in self.memories(owner)]
+        return json.dumps({"format": MEMORY_FORMAT, "version": 1, "memories": items}, ensure_ascii=False, indent=1)
+
+    def import_memories(self, owner: str, text: str) -> int:
+        """Add the memories of an `export_memories` file the owner lacks, on or off as they were; how
+        many were added. A bad file is an InputError and adds nothing."""
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict) or doc.get("format") != MEMORY_FORMAT or doc.get("version") != 1:
+                raise ValueError("not an llmweb memories export")
+            items = doc["memories"]
+            if not isinstance(items, list) or len(items) > MAX_MEMORIES:
+                raise ValueError(f"memories must be a list of at most {MAX_MEMORIES}")
+            rows = [(clean_memory(m["text"]), bool(m.get("enabled", True))) for m in items]
+        except (ValueError, KeyError, TypeError, InputError) as e:
+            raise InputError(f"This file is not an llmweb memories export ({e}).") from None
+        added = 0
+        with self._write() as db:
+            known = {t for (t,) in db.execute("SELECT text FROM memories WHERE owner = ?", (owner,))}
+            fresh = list(dict.fromkeys(t for t, _ in rows if t not in known))
+            if len(known) + len(fresh) > MAX_MEMORIES:
+                raise InputError(f"With these you would keep over {MAX_MEMORIES} memories: delete some first.")
+            on = dict(rows)
+            for t in fresh:
+                db.execute(
+                    "INSERT INTO memories (owner, text, enabled, created) VALUES (?, ?, ?, ?)",
+                    (owner, t, int(on[t]), time.time()),
+                )
+                added += 1
+        return added
 
     def delete_memory(self, owner: str, memory_id: int) -> bool:
         """Delete one memory; False if it was already gone (or not the owner's)."""

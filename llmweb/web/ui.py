@@ -216,6 +216,8 @@ class Layout:
     memory_save_btn: gr.Button
     memory_toggle_btn: gr.Button
     memory_del_btn: gr.Button
+    memory_export: gr.DownloadButton
+    memory_import: gr.UploadButton
     # this chat's settings
     system_box: gr.Textbox
     temperature: gr.Slider
@@ -459,6 +461,11 @@ def _say_panels() -> dict:
             memory_save_btn = gr.Button("Save text", size="sm", elem_id="llmweb-memory-save")
             memory_toggle_btn = gr.Button("Turn on/off", size="sm", elem_id="llmweb-memory-toggle")
             memory_del_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="llmweb-memory-delete")
+        with gr.Row():
+            memory_export = gr.DownloadButton("Export memories", size="sm", elem_id="llmweb-memory-export")
+            memory_import = gr.UploadButton(
+                "Import memories", file_types=[".json"], size="sm", elem_id="llmweb-memory-import"
+            )
     with gr.Accordion("What the model sees", open=False, elem_id="llmweb-turns-panel"):
         gr.Markdown(
             "Keep a turn in context (📌: never summarised or dropped while it fits), or leave it out (⊘: "
@@ -481,6 +488,8 @@ def _say_panels() -> dict:
         memory_save_btn=memory_save_btn,
         memory_toggle_btn=memory_toggle_btn,
         memory_del_btn=memory_del_btn,
+        memory_export=memory_export,
+        memory_import=memory_import,
     )
 
 
@@ -629,6 +638,8 @@ def _wire_sidebar(ui: Layout, h: Handlers, shown: list, me: list) -> None:
     ui.export_md.click(h.transfer.export_md, [ui.conv_state] + me, ui.export_md, **ACCOUNT)
     ui.export_json.click(h.transfer.export_json, [ui.conv_state] + me, ui.export_json, **ACCOUNT)
     ui.import_btn.upload(h.transfer.import_chat, [ui.import_btn] + me, shown, **FILES)
+    ui.memory_export.click(h.transfer.export_memories, me, ui.memory_export, **ACCOUNT)
+    ui.memory_import.upload(h.transfer.import_memories, [ui.memory_import, ui.conv_state] + me, shown, **FILES)
     ui.delete_all_btn.click(lambda: gr.update(visible=True), None, ui.confirm_row, **PRIVATE)
     ui.cancel_all_btn.click(lambda: gr.update(visible=False), None, ui.confirm_row, **PRIVATE)
 

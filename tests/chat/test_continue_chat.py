@@ -81,3 +81,12 @@ def test_only_the_owner_continues_a_chat(rig):
     new = chat.carry.continue_in_new(ANA, conv)
     chat.delete(ANA, conv)
     assert store.get(ANA, new).continues is None, "the link goes with the chat it named"
+
+
+def test_an_export_carries_the_link_where_the_importer_owns_the_chat_it_names(rig):
+    chat, store = rig
+    conv = chat.ask(ANA, None, "first").conv_id
+    new = chat.carry.continue_in_new(ANA, conv)
+    exported = store.export_json(ANA, new)
+    assert store.get(ANA, store.import_json(ANA, exported)).continues == (conv, store.get(ANA, conv).title)
+    assert store.get(BOB, store.import_json(BOB, exported)).continues is None, "another owner's chat is not named"

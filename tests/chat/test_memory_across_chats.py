@@ -101,3 +101,18 @@ def test_the_memory_section_keeps_the_newest_within_its_budget_and_reports_the_r
     tight = Budget(40, 20, summary_tokens=0, retrieved_tokens=0, user_tokens=10, memory_tokens=25)
     small = plan("sys", "", [], [], "hi", tight, fmt, memory=memory)  # the fixed part first: fewer
     assert len(small.ids) + 20 <= 40 and len(small.memory) < len(p.memory)
+
+
+def test_an_owners_memories_export_and_import_for_that_owner_alone(rig):
+    chat, store = rig
+    store.add_memory(ANA, FACT)
+    off = store.add_memory(ANA, "I am vegetarian.")
+    store.edit_memory(ANA, off, enabled=False)
+    exported = store.export_memories(ANA)
+    assert store.import_memories(BOB, exported) == 2
+    assert [(m.text, m.enabled) for m in store.memories(BOB)] == [(FACT, True), ("I am vegetarian.", False)]
+    assert store.import_memories(BOB, exported) == 0, "what the owner has already is not added twice"
+    assert len(store.memories(ANA)) == 2
+    for bad in ("{}", "not json", exported.replace(FACT, "x" * 400)):
+        with pytest.raises(InputError, match="not an llmweb memories export"):
+            store.import_memories(ANA, bad)

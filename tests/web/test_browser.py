@@ -742,7 +742,7 @@ def field(page, elem_id: str):
 
 def test_a_chats_system_prompt_survives_a_reload_and_is_in_its_prompt(page, server):
     with step(page, "chat-settings"):
-        page.get_by_role("button", name="New chat").click()
+        page.get_by_role("button", name="New chat", exact=True).click()
         poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
         idle(page)  # the new chat's panel must not land on the fields after they are filled
         open_accordion(page, "#llmweb-chat-settings", "This chat's settings", "#llmweb-system-prompt")
@@ -904,7 +904,7 @@ def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_rel
     """In a new chat: turn 1 kept in context (📌), turn 2 left out (⊘); the next prompt holds turn 1
     and not turn 2, and says so; a reload keeps both marks."""
     with step(page, "turn-views"):
-        page.get_by_role("button", name="New chat").click()
+        page.get_by_role("button", name="New chat", exact=True).click()
         poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
         idle(page)
         for text in ("My locker code is quokka.", "Say the word narwhal."):
@@ -936,6 +936,31 @@ def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_rel
         shot(page, "turn-views.png")
 
 
+def test_continue_in_a_new_chat_opens_a_linked_chat_with_the_kept_turns(page, server):
+    """The chat of the test before (turn 1 kept, turn 2 left out, 3 turns) goes on in a new chat: it
+    opens with turns 1 and 3 (not the one left out), says which chat it continues, and its prompt
+    holds the kept turn."""
+    with step(page, "continued"):
+        n_chats = len(page.locator("#llmweb-conversations label").all())
+        page.locator("#llmweb-continue-chat").click()
+        poll(
+            lambda: len(page.locator("#llmweb-conversations label").all()) == n_chats + 1,
+            REPLY_S,
+            "the continued chat in the list",
+            server,
+            page,
+        )
+        poll(lambda: "(continued)" in page.locator("#llmweb-conversations").inner_text(), 60, "its title", server, page)
+        users = poll(lambda: u if len(u := user_texts(page)) == 2 else None, 60, "its first turns", server, page)
+        assert users == ["My locker code is quokka.", "What else?"], users
+        open_accordion(page, "#llmweb-memory-panel", "Memory", "#llmweb-memory")
+        assert "This chat continues" in page.locator("#llmweb-memory").inner_text()
+        ask(page, server, "Go on.")
+        prompt = last_prompt(page, server, "Go on.")
+        assert "My locker code is quokka." in prompt and "narwhal" not in prompt, prompt[:400]
+        shot(page, "continued.png")
+
+
 def remember_in_all_chats(page, server: Server, text: str) -> None:
     """Add `text` under "Memory across chats" and wait for the list to show it."""
     open_accordion(page, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
@@ -955,13 +980,15 @@ def last_prompt(page, server: Server, marker: str = "In this prompt:") -> str:
     )
 
 
-def test_memory_across_chats_is_added_in_the_page_reaches_another_chat_and_goes_when_off_or_deleted(page, server):
+def test_memory_across_chats_is_added_in_the_page_reaches_another_chat_and_goes_when_off_or_deleted(
+    page, server, tmp_path
+):
     """A memory added in the page is in a new chat's prompt; turned off it is not; deleted it is gone
     from the list; a fact of a chat becomes one with "Remember in all my chats"."""
     colour = "My favourite colour is teal."
     with step(page, "memory-across-chats"):
         remember_in_all_chats(page, server, colour)
-        page.get_by_role("button", name="New chat").click()
+        page.get_by_role("button", name="New chat", exact=True).click()
         poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
         idle(page)
         ask(page, server, "Hi!")
@@ -985,6 +1012,13 @@ def test_memory_across_chats_is_added_in_the_page_reaches_another_chat_and_goes_
         pick_option(page, "#llmweb-fact input", "Rex")
         page.locator("#llmweb-remember-all").click()
         poll(lambda: "My dog is Rex." in page.locator("#llmweb-memories").inner_text(), 60, "remembered", server, page)
+        exported = tmp_path / "memories.json"  # as "Export memories" writes it (the download needs two clicks)
+        exported.write_text(
+            '{"format": "llmweb.memories", "version": 1, "memories": [{"text": "I live in Ghent.", "enabled": true}]}',
+            encoding="utf-8",
+        )
+        page.locator('input[data-testid="Import memories-upload-button"]').set_input_files(str(exported))
+        poll(lambda: "Ghent" in page.locator("#llmweb-memories").inner_text(), 60, "the imported memory", server, page)
         shot(page, "memory-across-chats.png")
 
 
@@ -1121,7 +1155,7 @@ def test_the_picker_switches_the_chat_to_the_second_model_and_shows_it_over_a_re
     from llmweb.store.db import Store
 
     with step(page, "picker"):
-        page.get_by_role("button", name="New chat").click()
+        page.get_by_role("button", name="New chat", exact=True).click()
         poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
         idle(page)
         poll(lambda: picked(page).startswith(FIRST_MODEL), 60, f"the picker to show {FIRST_MODEL}", server, page)
@@ -1165,7 +1199,7 @@ def test_the_picker_switches_the_chat_to_the_second_model_and_shows_it_over_a_re
         assert f"Ready: {SECOND_MODEL}" in status_line(page), status_line(page)
 
     with step(page, "picker-chat-model"):  # another model served meanwhile: the chat's next message takes its own back
-        page.get_by_role("button", name="New chat").click()
+        page.get_by_role("button", name="New chat", exact=True).click()
         poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
         idle(page)
         pick(page, server, FIRST_MODEL)

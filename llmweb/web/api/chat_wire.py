@@ -193,9 +193,7 @@ def parse_request(
         whole_document=ours.get("whole_document") or False,
         loop_guard=ours.get("loop_guard"),  # None: the chat's
         documents=_documents(body),
-        turn_views=_turn_views(body),
-        memory=ours.get("memory") or False,
-        continue_from=_continue_from(body, conversation_id),
+        **_long_sessions(body, ours, conversation_id),
     )
 
 
@@ -234,6 +232,15 @@ def _documents(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     if not all(isinstance(n, str) and 0 < len(n) <= MAX_DOCUMENT_NAME_CHARS for n in names):
         raise bad(f"{where}: each is a document's name or id, 1 to {MAX_DOCUMENT_NAME_CHARS} characters.", where)
     return tuple(names)
+
+
+def _long_sessions(body: Mapping[str, Any], ours: Mapping[str, Any], conversation_id: str | None) -> dict:
+    """x_llmweb's say in a long session: turns kept or left out, memory across chats, continue_from."""
+    return dict(
+        turn_views=_turn_views(body),
+        memory=ours.get("memory") or False,
+        continue_from=_continue_from(body, conversation_id),
+    )
 
 
 def _continue_from(body: Mapping[str, Any], conversation_id: str | None) -> str | None:
