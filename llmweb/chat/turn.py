@@ -21,7 +21,7 @@ from llmweb.chat import context
 from llmweb.chat.document_plan import DocumentStats
 from llmweb.chat.tokens import ChatFormat
 from llmweb.config import Settings
-from llmweb.engine.request import GenerationRequest, Handle, Tokens, Waiting
+from llmweb.engine.request import GenerationRequest, Handle, Prefilling, Tokens, Waiting
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import ConfigError, EngineStopped, InputError
 from llmweb.records import ENGINE_STOPPED, Chunk, GenerationStats, Source, Turn, TurnStats
@@ -221,6 +221,11 @@ def turn_stats(
     )
 
 
+def reading(done: int, total: int) -> str:
+    """A long prefill's progress line, as the page shows it."""
+    return f"Reading your message and this chat: {done:,} of {total:,} tokens…"
+
+
 def held_back(text: str, stops: Sequence[str], final: bool = True) -> tuple[str, bool]:
     """`text` as far as it may be shown: cut before the first of `stops` in it (True), else, unless
     `final`, less a tail that could be the start of one (a stream must not show what it takes back)."""
@@ -283,7 +288,7 @@ class TurnRunner:
         stop: Sequence[str] = (),
         cancel: Cancel | None = None,
         keep: Keep | None = None,
-    ) -> Generator[Started | Queued | Delta, None, Finished]:
+    ) -> Generator[Started | Queued | Progress | Delta, None, Finished]:
         """Yield Started, then Queued / Delta; return the Finished (the caller records it first).
         A reply that shows one of `stop` (after leading whitespace) is cancelled there; so is one
         whose generator is closed early (stop button, client gone) or that fails, and then `keep`,
@@ -297,6 +302,8 @@ class TurnRunner:
             for event in handle.events():
                 if isinstance(event, Waiting):
                     yield Queued(event.position, event.wait_s)
+                elif isinstance(event, Prefilling):  # a long prompt (a changed system prompt, a pasted text)
+                    yield Progress(event.done, event.total, reading(event.done, event.total))
                 elif isinstance(event, Tokens):
                     text, ended = self._reply(job, handle, final=False)
                     if ended or (stop and any(s in text.lstrip() for s in stop)):

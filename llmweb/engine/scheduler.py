@@ -45,6 +45,7 @@ from llmweb.engine.admission import Admission, retry_plan
 from llmweb.engine.kvcache import KVStore
 from llmweb.engine.queue import Lanes
 from llmweb.engine.request import (
+    PREFILL_SHOWN_S,
     EngineCounters,
     EngineLimits,
     GenerationRequest,
@@ -116,6 +117,15 @@ class Engine:
         """(position, estimated seconds until it starts) while the request waits; (0, 0.0) after."""
         with self._lock:
             return self._waiting.estimate(handle)
+
+    def prefilling(self, handle: Handle) -> tuple[int, int] | None:
+        """(tokens read, of the prompt's) while `handle`'s prompt is read and has been for over
+        PREFILL_SHOWN_S; None otherwise (queued, short, decoding, done)."""
+        with self._lock:
+            slot = next((s for s in self._running if s.handle is handle), None)
+            if slot is None or slot.ready or time.perf_counter() - slot.t0 < PREFILL_SHOWN_S:
+                return None
+            return slot.stats.reused_tokens + slot.stats.prefilled_tokens, len(slot.request.prompt_ids)
 
     def _wait_s(self, ahead: list[Handle]) -> float:
         """The waiting room's estimate for a request with `ahead` before it (under the lock)."""
