@@ -64,9 +64,20 @@ from llmweb.records import GenerationStats
 log = logging.getLogger(__name__)
 
 
+def prefill_progress(engine: Engine, handle: Handle) -> tuple[int, int] | None:
+    """(tokens read, of the prompt's) while `handle`'s prompt is read and has been for over
+    PREFILL_SHOWN_S; None otherwise (queued, short, decoding, done). `Engine.prefilling`."""
+    with engine._lock:
+        slot = next((s for s in engine._running if s.handle is handle), None)
+        if slot is None or slot.ready or time.perf_counter() - slot.t0 < PREFILL_SHOWN_S:
+            return None
+        return slot.stats.reused_tokens + slot.stats.prefilled_tokens, len(slot.request.prompt_ids)
+
+
 class Engine:
-    """The scheduler: callers `submit` requests and get a `Handle`; one worker thread admits them
-    into the batch and steps it with the `runner` (see the module docstring)."""
+    """The scheduler: callers `submit` requests (a `Handle`); one worker admits and steps them (module docstring)."""
+
+    prefilling = prefill_progress  # the handle's `Queued.prefilling`
 
     def __init__(self, runner: Runner, kv: KVStore, limits: EngineLimits):
         assert limits.max_batch >= 1, "max_batch must be >= 1"
@@ -117,15 +128,6 @@ class Engine:
         """(position, estimated seconds until it starts) while the request waits; (0, 0.0) after."""
         with self._lock:
             return self._waiting.estimate(handle)
-
-    def prefilling(self, handle: Handle) -> tuple[int, int] | None:
-        """(tokens read, of the prompt's) while `handle`'s prompt is read and has been for over
-        PREFILL_SHOWN_S; None otherwise (queued, short, decoding, done)."""
-        with self._lock:
-            slot = next((s for s in self._running if s.handle is handle), None)
-            if slot is None or slot.ready or time.perf_counter() - slot.t0 < PREFILL_SHOWN_S:
-                return None
-            return slot.stats.reused_tokens + slot.stats.prefilled_tokens, len(slot.request.prompt_ids)
 
     def _wait_s(self, ahead: list[Handle]) -> float:
         """The waiting room's estimate for a request with `ahead` before it (under the lock)."""

@@ -217,6 +217,8 @@ class Layout:
     memory_toggle_btn: gr.Button
     memory_del_btn: gr.Button
     memory_export: gr.DownloadButton
+    suggest_dd: gr.Dropdown
+    suggest_btn: gr.Button
     memory_import: gr.UploadButton
     # this chat's settings
     system_box: gr.Textbox
@@ -462,6 +464,9 @@ def _say_panels() -> dict:
             memory_toggle_btn = gr.Button("Turn on/off", size="sm", elem_id="llmweb-memory-toggle")
             memory_del_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="llmweb-memory-delete")
         with gr.Row():
+            suggest_dd = gr.Dropdown(label="Offered from this chat", choices=[], scale=3, elem_id="llmweb-suggest")
+            suggest_btn = gr.Button("Remember", size="sm", scale=1, elem_id="llmweb-suggest-remember")
+        with gr.Row():
             memory_export = gr.DownloadButton("Export memories", size="sm", elem_id="llmweb-memory-export")
             memory_import = gr.UploadButton(
                 "Import memories", file_types=[".json"], size="sm", elem_id="llmweb-memory-import"
@@ -489,6 +494,8 @@ def _say_panels() -> dict:
         memory_toggle_btn=memory_toggle_btn,
         memory_del_btn=memory_del_btn,
         memory_export=memory_export,
+        suggest_dd=suggest_dd,
+        suggest_btn=suggest_btn,
         memory_import=memory_import,
     )
 
@@ -673,6 +680,8 @@ def _wire_panel(ui: Layout, h: Handlers, shown: list, me: list) -> None:
         (ui.memory_del_btn, h.memory.delete_memory),
     ):
         button.click(handler, picked + me, shown + [ui.memory_text], **PRIVATE)
+    offered = [ui.conv_state, ui.suggest_dd, ui.memory_text]
+    ui.suggest_btn.click(h.memory.remember_offered, offered + me, shown + [ui.memory_text], **PRIVATE)
 
 
 def _wire_sources(ui: Layout, h: SourceHandlers, me: list) -> None:

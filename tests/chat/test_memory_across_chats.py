@@ -116,3 +116,12 @@ def test_an_owners_memories_export_and_import_for_that_owner_alone(rig):
     for bad in ("{}", "not json", exported.replace(FACT, "x" * 400)):
         with pytest.raises(InputError, match="not an llmweb memories export"):
             store.import_memories(ANA, bad)
+
+
+def test_a_chats_fact_sentences_are_offered_not_written():
+    from llmweb.chat.facts import suggestions
+
+    said = ["Hello there.", "My locker code is 4471.", "What is the capital of France?", "I live in Ghent since 2019."]
+    assert suggestions(said, []) == ["My locker code is 4471.", "I live in Ghent since 2019."]
+    assert suggestions(said, ["my locker   code is 4471."]) == ["I live in Ghent since 2019."], "known ones are not"
+    assert len(suggestions([f"My code is {1000 + i}." for i in range(500)], [])) == 20

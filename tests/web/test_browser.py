@@ -1012,6 +1012,12 @@ def test_memory_across_chats_is_added_in_the_page_reaches_another_chat_and_goes_
         pick_option(page, "#llmweb-fact input", "Rex")
         page.locator("#llmweb-remember-all").click()
         poll(lambda: "My dog is Rex." in page.locator("#llmweb-memories").inner_text(), 60, "remembered", server, page)
+        ask(page, server, "My locker code is 4471.")  # a fact sentence: offered, not written
+        open_accordion(page, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
+        assert "4471" not in page.locator("#llmweb-memories").inner_text()
+        pick_option(page, "#llmweb-suggest input", "4471")
+        page.locator("#llmweb-suggest-remember").click()
+        poll(lambda: "4471" in page.locator("#llmweb-memories").inner_text(), 60, "the offered fact kept", server, page)
         exported = tmp_path / "memories.json"  # as "Export memories" writes it (the download needs two clicks)
         exported.write_text(
             '{"format": "llmweb.memories", "version": 1, "memories": [{"text": "I live in Ghent.", "enabled": true}]}',

@@ -22,7 +22,9 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
+from llmweb.chat.facts import suggestions
 from llmweb.errors import InputError
+from llmweb.records import OUT
 from llmweb.store.models import DEFAULT_TITLE, ChatSettings, Conversation
 from llmweb.web.failures import public_message
 from llmweb.web.formatting import (
@@ -104,6 +106,7 @@ class Panel(NamedTuple):
     turn_dd: Any  # the turns, to keep in context or leave out (panels/memory.py)
     memories_md: Any  # what the owner asked all their chats to remember (panels/memory.py)
     memory_dd: Any
+    suggest_dd: Any  # this chat's fact sentences, offered to remember in all the owner's chats
 
     @classmethod
     def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
@@ -225,14 +228,17 @@ class PanelHandlers:
             **self._settings_shown(conv.settings),
             source_box=gr.update(visible=False),
             turn_dd=gr.update(choices=turn_choices(conv), value=None),
-            **self._memories_shown(owner),
+            **self._memories_shown(owner, conv),
         )
 
-    def _memories_shown(self, owner: str) -> dict:
+    def _memories_shown(self, owner: str, conv) -> dict:
         memories = self.store.memories(owner)
+        said = [t.user for t in conv.turns if t.view != OUT]
+        offered = suggestions(said, [m.text for m in memories])
         return dict(
             memories_md=memories_markdown(memories),
             memory_dd=gr.update(choices=memory_choices(memories), value=None),
+            suggest_dd=gr.update(choices=offered, value=None),
         )
 
     def scope_shown(self, owner: str, chosen: ChatSettings):

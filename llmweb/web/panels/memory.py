@@ -72,6 +72,13 @@ class MemoryHandlers(PanelHandlers):
         return self._memory(conv_id, token, request, lambda o: self.store.add_memory(o, text))
 
     @user_errors
+    def remember_offered(self, conv_id, offered, text, token, request: gr.Request) -> tuple:
+        """A fact sentence llmweb offered from this chat, remembered in all the owner's chats (this click)."""
+        if not offered:
+            raise InputError("Pick a sentence offered from this chat first.")
+        return self._memory(conv_id, token, request, lambda o: self.store.add_memory(o, offered))
+
+    @user_errors
     def save_memory(self, conv_id, memory_id, text, token, request: gr.Request) -> tuple:
         return self._memory(conv_id, token, request, lambda o: self.store.edit_memory(o, _picked(memory_id), text=text))
 
