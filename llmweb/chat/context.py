@@ -326,7 +326,12 @@ def plan(
     pinned = [f for f in facts if f.pinned]
     gen = fmt.generation_prompt_ids()
     bare_user = len(fmt.message_ids("user", user_message))
-    used_memory, prompt = list(memory), system
+    used_memory, prompt, cost = [], system, 0
+    for item in reversed(memory):  # a first cut by each item's own size (one render per item below)
+        cost += fmt.count(item) + 2
+        if cost > budget.memory_tokens:
+            break
+        used_memory.insert(0, item)
     while True:  # what all the owner's chats remember: the newest within its budget, that leave room
         system = "\n\n".join([prompt, memory_block(used_memory)]) if used_memory else prompt
         n_system = len(fmt.system_ids(system))
