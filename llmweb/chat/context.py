@@ -326,7 +326,8 @@ def plan(
     pinned = [f for f in facts if f.pinned]
     gen = fmt.generation_prompt_ids()
     bare_user = len(fmt.message_ids("user", user_message))
-    used_memory, prompt, cost = [], system, 0
+    used_memory: list[str] = []
+    prompt, cost = system, 0
     for item in reversed(memory):  # a first cut by each item's own size (one render per item below)
         cost += fmt.count(item) + 2
         if cost > budget.memory_tokens:

@@ -290,7 +290,7 @@ def _import_versions(rows: Any, n_turns: int, caps: _Caps, depth: int = 0) -> li
 
 def _body(body: Any, caps: _Caps, depth: int) -> str:
     """A stored version (store/versions.py's JSON), checked and written again from the checked values."""
-    body = _fields(body, "a version", ("turns", "summary", "summarized_upto", "facts", "nested"))
+    body = _fields(body, "a version", ("turns", "summary", "summarized_upto", "facts", "nested"), ("views",))
     turns = []
     for t in _items(body["turns"], "a version's turns", MAX_IMPORT_TURNS):
         if not isinstance(t, list) or len(t) != 5:
@@ -315,6 +315,9 @@ def _body(body: Any, caps: _Caps, depth: int) -> str:
     checked = _import_versions(nested, MAX_IMPORT_TURNS, caps, depth + 1)
     summary = _text(body["summary"], "a version's summary", MAX_SUMMARY_CHARS)
     upto = _int(body["summarized_upto"], "a version's summarized_upto", MAX_IMPORT_TURNS)
+    views = [_view(v) for v in _items(body.get("views", []), "a version's views", len(turns))]
+    if views and len(views) != len(turns):
+        raise ValueError("a version's views must be one per turn")
     return json.dumps(
         {
             "turns": turns,
@@ -322,6 +325,7 @@ def _body(body: Any, caps: _Caps, depth: int) -> str:
             "summarized_upto": upto,
             "facts": facts,
             "nested": [list(v) for v in checked],
+            **({"views": views} if any(views) else {}),
         }
     )
 

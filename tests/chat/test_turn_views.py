@@ -184,3 +184,18 @@ def test_an_export_carries_each_turns_say(tmp_path):
         bad = store.export_json(OWNER, conv).replace('"view": "pin"', '"view": "always"')
         with pytest.raises(InputError):
             store.import_json(OTHER, bad)
+
+
+def test_each_version_of_a_chat_keeps_its_turns_say_and_an_export_carries_it(tmp_path):
+    with Store(tmp_path / "s.sqlite3") as store:
+        conv = store.create_conversation(OWNER)
+        for i in range(4):
+            store.add_turn(OWNER, conv, f"q{i}", f"a{i}")
+        store.set_turn_view(OWNER, conv, 0, PIN)
+        store.set_turn_view(OWNER, conv, 2, OUT)
+        store.edit_turn(OWNER, conv, 1, "q1 edited", "a1 new")  # turns 2-4 go to version 0
+        assert [t.view for t in store.get(OWNER, conv).turns] == [PIN, ""]
+        copy = store.import_json(OTHER, store.export_json(OWNER, conv))
+        for owner, chat in ((OWNER, conv), (OTHER, copy)):
+            store.switch_version(owner, chat, 1, 0)
+            assert [t.view for t in store.get(owner, chat).turns] == [PIN, "", OUT, ""], owner
