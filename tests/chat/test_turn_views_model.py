@@ -16,13 +16,14 @@ LEFT_OUT = "The walrus password is narwhal."
 @pytest.fixture
 def runtime(tmp_path, app_model):
     rt = Runtime(
-        make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64, recall=False),
+        make_settings(tmp_path, context_limit=384, max_new_tokens=8, summary_tokens=48, recall=False),
         loaded=app_model,
     ).start(background=False)
     yield rt
     rt.close()
 
 
+@pytest.mark.timeout(1800)  # 62 real turns and their folds: minutes on a busy 2-core machine
 def test_a_kept_turn_outlives_60_turns_and_a_left_out_one_reaches_no_prompt_or_summary(runtime):
     chat, store = runtime.chat, runtime.store
     conv = None
@@ -38,7 +39,7 @@ def test_a_kept_turn_outlives_60_turns_and_a_left_out_one_reaches_no_prompt_or_s
             prompt = fin.prompt_text()
             assert PINNED in prompt, f"turn {i + 1}: the kept turn is not in the prompt"
             assert "narwhal" not in prompt.lower(), f"turn {i + 1}: the left-out turn is in the prompt"
-            assert fin.stats.gen.prompt_tokens + fin.stats.sections["reserve"] <= 512
+            assert fin.stats.gen.prompt_tokens + fin.stats.sections["reserve"] <= 384
     got = store.get(LOCAL_OWNER, conv)
     assert got.summarized_upto > 10, "real folds ran meanwhile"
     assert "narwhal" not in got.summary.lower() and "walrus" not in got.summary.lower()
