@@ -102,11 +102,11 @@ class Panel(NamedTuple):
     versions_row: Any  # the version switcher, shown when the chat has versions
     version_dd: Any
     doc_scope: Any  # the documents this chat reads (empty: all), among those the owner can read
-    source_box: Any  # the source panel (panels/sources.py): closed when another view of the chat is shown
     turn_dd: Any  # the turns, to keep in context or leave out (panels/memory.py)
     memories_md: Any  # what the owner asked all their chats to remember (panels/memory.py)
     memory_dd: Any
     suggest_dd: Any  # this chat's fact sentences, offered to remember in all the owner's chats
+    source_box: Any  # the source panel (panels/sources.py): closed when another view of the chat is shown
 
     @classmethod
     def streaming(cls, conv_id: str, messages: list[dict]) -> Panel:
