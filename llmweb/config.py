@@ -59,6 +59,7 @@ class Settings:
     retrieved_tokens: int = 512
     user_tokens: int = 1024
     facts_tokens: int = 128  # the user's own fact sentences kept verbatim next to the summary
+    memory_tokens: int = 128  # what a user asked all their chats to remember (store/memories.py)
     summaries: bool = True  # fold old turns into a summary (off: window only)
     recall: bool = True  # retrieve earlier turns that left the window
     recall_k: int = 2  # earlier turns recalled per message, at most
@@ -159,6 +160,7 @@ class Settings:
         check(self.model_keep_alive_s >= 0, "LLMWEB_MODEL_KEEP_ALIVE_S must be >= 0 (0 = keep the model loaded)")
         check(self.max_loaded >= 1, "LLMWEB_MAX_LOADED must be >= 1 (the models kept loaded at once; 1 = one)")
         check(self.max_new_tokens >= 1, "LLMWEB_MAX_NEW_TOKENS must be >= 1")
+        check(self.memory_tokens >= 0, "LLMWEB_MEMORY_TOKENS must be >= 0 (0: no memory across chats)")
         for name in (
             "summary_tokens",
             "facts_tokens",

@@ -13,13 +13,20 @@ from typing import Any
 LOCAL_OWNER = "local"  # the one owner of a single-user install, and of data from before owners existed
 MAX_CHAT_DOCUMENTS = 100  # documents one chat may choose to read (ChatSettings.documents, Library.resolve)
 
+# what its owner says of a turn in the prompt (Turn.view): "" as the planner sees fit, PIN kept in
+# context (never folded, never dropped while it fits), OUT left out (of every prompt, summary and recall)
+PIN, OUT = "pin", "out"
+TURN_VIEWS = ("", PIN, OUT)
+
 
 @dataclass(frozen=True, slots=True)
 class Turn:
-    """One finished exchange: what the user said and what the assistant answered."""
+    """One finished exchange: what the user said and what the assistant answered; `view` is its
+    owner's say in what the model sees of it (TURN_VIEWS)."""
 
     user: str
     assistant: str
+    view: str = ""
 
 
 @dataclass(frozen=True, slots=True)

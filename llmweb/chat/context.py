@@ -6,7 +6,8 @@ returns a `ContextPlan` whose `ids` are exactly the prompt the engine will run.
 
 Prompt layout (one chat message per line):
 
-    system     system prompt + "\\n\\nSummary of the conversation so far:\\n" + summary
+    system     system prompt + "\\n\\n" + what the owner asked all their chats to remember
+               + "\\n\\nSummary of the conversation so far:\\n" + summary
                + "\\n\\nFacts the user stated (verbatim):\\n- ..." (the user's facts)
     user       oldest kept turn            } history: whole turns, the newest ones,
     assistant  ...                         } contiguous up to the last turn
@@ -40,9 +41,10 @@ from llmweb.chat.summary import cap_text
 from llmweb.chat.tokens import ChatFormat
 from llmweb.config import CPU_CONTEXT_CAP, Settings
 from llmweb.errors import ConfigError, InputError
-from llmweb.records import Chunk, Turn
+from llmweb.records import OUT, PIN, Chunk, Turn
 
 SUMMARY_HEADER = "Summary of the conversation so far:"
+MEMORY_HEADER = "What the user asked you to remember in all their chats:"
 RECALL_HEADER = "Earlier in this conversation:"
 SOURCES_HEADER = "Sources:"
 
@@ -50,7 +52,7 @@ OVER_BUDGET = "over the retrieved-text budget"
 NO_ROOM = "no room left in the context"
 
 PROTECTED_TURNS = 2  # the newest turns, kept verbatim before the summary and retrieved text get room
-SECTIONS = ("system", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
+SECTIONS = ("system", "memory", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,7 @@ class Budget:
     retrieved_tokens: int
     user_tokens: int
     facts_tokens: int = 0  # the user's facts; pinned ones are kept even past it (chat/session.py caps pinning)
+    memory_tokens: int = 0  # what the owner asked all their chats to remember (store/memories.py)
 
     def __post_init__(self) -> None:
         if self.context_limit < 2:
@@ -72,7 +75,10 @@ class Budget:
                 f"max_new_tokens ({self.max_new_tokens}) must be at least 1 and below "
                 f"the context limit ({self.context_limit})"
             )
-        if min(self.summary_tokens, self.retrieved_tokens, self.facts_tokens) < 0 or self.user_tokens < 1:
+        if (
+            min(self.summary_tokens, self.retrieved_tokens, self.facts_tokens, self.memory_tokens) < 0
+            or self.user_tokens < 1
+        ):
             raise ConfigError("summary, facts and retrieved-text budgets must be >= 0 and the user budget >= 1")
 
     @classmethod
@@ -96,6 +102,7 @@ class Budget:
             retrieved_tokens=settings.retrieved_tokens,
             user_tokens=settings.user_tokens,
             facts_tokens=settings.facts_tokens,
+            memory_tokens=settings.memory_tokens,
         )
 
     # Every other change to a budget is one of these: "where is the budget decided" is this class.
@@ -157,7 +164,7 @@ class ContextPlan:
     messages: tuple[tuple[str, str], ...]  # (role, text), system first, the composed user message last
     sections: dict[str, int]  # keys: SECTIONS; all but "reserve" sum to len(ids)
     context_limit: int
-    kept_turns: int  # how many of the newest turns are in
+    kept_turns: int  # how many turns are in: the newest ones, and those pinned
     dropped_turns: int  # oldest turns left out for lack of room (they should have been summarised)
     chunks: tuple[Chunk, ...]  # document chunks used, in prompt order: chunks[i] is tagged [i + 1]
     recall: tuple[Chunk, ...]  # earlier passages of this conversation used, in prompt order
@@ -168,6 +175,12 @@ class ContextPlan:
     history_room: int  # tokens history could use this turn (for summary.turns_to_fold)
     facts: tuple = ()  # the facts placed, oldest first (every pinned one)
     dropped_facts: tuple = ()  # unpinned facts left out for lack of room, oldest first
+    pinned_turns: int = 0  # turns kept in context by their owner (Turn.view PIN) that are in the prompt
+    dropped_pins: int = 0  # pinned turns that did not fit even so (oldest first)
+    excluded_turns: int = 0  # turns of the window their owner left out (Turn.view OUT)
+    window_start: int = 0  # where the newest turns start among `turns` (the pinned ones before it come first)
+    memory: tuple[str, ...] = ()  # what the owner asked all their chats to remember, as placed (oldest first)
+    dropped_memory: int = 0  # of those, the oldest left out (over their budget, or no room)
 
     @property
     def max_new_tokens(self) -> int:
@@ -194,7 +207,36 @@ class ContextPlan:
             parts.append(f"{_n(len(self.dropped_facts), 'older unpinned fact')} (over the facts budget)")
         if self.summary_cut:
             parts.append(f"the last {_n(self.summary_cut, 'token')} of the summary")
+        if self.dropped_memory:
+            parts.append(f"{_n(self.dropped_memory, 'older memory')} of all your chats (over its budget)")
+        if self.dropped_pins:
+            parts.append(f"{_n(self.dropped_pins, 'older pinned turn')} (no room even for them)")
         return "left out: " + ", ".join(parts) if parts else ""
+
+    @property
+    def contents(self) -> str:
+        """What is in this prompt and why, one line for the prompt view."""
+        s = self.sections
+        parts = [f"system prompt ({s['system']:,} tokens)"]
+        if self.memory:
+            parts.append(f"{_n(len(self.memory), 'thing')} you asked all your chats to remember ({s['memory']:,})")
+        if s["summary"]:
+            parts.append(f"summary of earlier turns ({s['summary']:,})")
+        if self.facts:
+            parts.append(f"{_n(len(self.facts), 'fact')} you stated ({s['facts']:,})")
+        if self.pinned_turns:
+            parts.append(f"{_n(self.pinned_turns, 'turn')} you keep in context")
+        recent = self.kept_turns - self.pinned_turns
+        if recent:
+            parts.append(f"the {_n(recent, 'newest other turn')} that fit")
+        if self.recall:
+            parts.append(f"{_n(len(self.recall), 'earlier passage')} recalled for this message")
+        if self.chunks:
+            parts.append(f"{_n(len(self.chunks), 'document chunk')} retrieved for it")
+        line = "In this prompt: " + ", ".join(parts) + ", your message."
+        if self.excluded_turns:
+            line += f" Not in it: {_n(self.excluded_turns, 'turn')} you left out."
+        return line
 
 
 def _n(n: int, noun: str) -> str:
@@ -244,6 +286,8 @@ def plan(
     facts: Sequence = (),
     hold: int = 0,
     low: float = 1.0,
+    folded_pins: Sequence[Turn] = (),
+    memory: Sequence[str] = (),
 ) -> ContextPlan:
     """Plan this turn's prompt within `budget`; see the module docstring for layout and guarantees.
 
@@ -258,6 +302,14 @@ def plan(
     within `low` of its room (at least the newest PROTECTED_TURNS that fit). So the window's start
     moves in steps, not a turn at a time, and the prompts between two steps share their prefix (the
     KV cache reuses it). `low` 1.0 (the default): only what does not fit is left out.
+
+    Turns their owner keeps in context (`Turn.view` PIN: those of `turns`, and `folded_pins`, the ones
+    already folded out of the window) have room of their own after the newest two turns: the ones
+    outside the newest turns that fit come right after the system message, oldest first; when even
+    they do not fit, the oldest are left out (reported). Turns left out by their owner (OUT) are in
+    no prompt and cost nothing; they keep their place in `turns` (and in `hold`).
+    `memory` (what the owner asked all their chats to remember, oldest first) follows the system
+    prompt: the newest whole items within `memory_tokens`, fewer when the fixed part does not fit.
     Raises InputError when the user's message is over `user_tokens`, or when the system prompt,
     the pinned facts, the message and the reply reserve alone do not fit in the context.
     """
@@ -270,12 +322,25 @@ def plan(
             f"Your message is {n_user:,} tokens; the limit is {budget.user_tokens:,}. "
             "Shorten it or split it into parts."
         )
-    n_system = len(fmt.system_ids(system))
+    n_bare = len(fmt.system_ids(system))
     pinned = [f for f in facts if f.pinned]
-    n_pinned = _facts_cost(fmt, system, pinned, n_system)
     gen = fmt.generation_prompt_ids()
     bare_user = len(fmt.message_ids("user", user_message))
-    fixed = n_system + n_pinned + bare_user + len(gen) + reserve
+    used_memory: list[str] = []
+    prompt, cost = system, 0
+    for item in reversed(memory):  # a first cut by each item's own size (one render per item below)
+        cost += fmt.count(item) + 2
+        if cost > budget.memory_tokens:
+            break
+        used_memory.insert(0, item)
+    while True:  # what all the owner's chats remember: the newest within its budget, that leave room
+        system = "\n\n".join([prompt, memory_block(used_memory)]) if used_memory else prompt
+        n_system = len(fmt.system_ids(system))
+        n_pinned = _facts_cost(fmt, system, pinned, n_system)
+        fixed = n_system + n_pinned + bare_user + len(gen) + reserve
+        if not used_memory or (n_system - n_bare <= budget.memory_tokens and fixed <= limit):
+            break
+        used_memory.pop(0)
     if fixed > limit:
         pins = f", your pinned facts ({n_pinned:,})" if n_pinned else ""
         raise InputError(
@@ -285,13 +350,24 @@ def plan(
         )
     left = limit - fixed
 
-    # the newest turns outrank the summary and retrieved text: keep room for them first
+    # the newest turns outrank the summary and retrieved text: keep room for them first (a pinned
+    # turn has room of its own, one left out needs none)
     protected = 0
-    for turn in list(reversed(turns))[:PROTECTED_TURNS]:
+    for turn in [t for t in reversed(turns) if not t.view][:PROTECTED_TURNS]:
         cost = turn_tokens(fmt, turn)
         if protected + cost > left:
             break
         protected += cost
+
+    # 2a) the turns their owner keeps in context: whole, the oldest left out when even they do not fit
+    before = list(folded_pins)  # pinned turns placed before the newest turns, oldest first
+    win_pins = [i for i, t in enumerate(turns) if t.view == PIN]
+    n_pins = sum(turn_tokens(fmt, t) for t in before) + sum(turn_tokens(fmt, turns[i]) for i in win_pins)
+    dropped_pins = 0
+    while n_pins > left - protected:
+        n_pins -= turn_tokens(fmt, before.pop(0) if before else turns[win_pins.pop(0)])
+        dropped_pins += 1
+    left -= n_pins
 
     # 2) the user's facts: the newest unpinned ones that fit next to the pinned ones (whole facts)
     kept_facts = set(map(id, pinned))
@@ -334,46 +410,54 @@ def plan(
     left -= n_retrieved_all
 
     # 5) history: the newest whole turns that fit in what is left; when some do not, from `hold`
-    #    while the rest fits, else the newest within `low` of the room (see the docstring)
+    #    while the rest fits, else the newest within `low` of the room (see the docstring). A
+    #    pinned turn's room is already taken (2a); one left out takes none and shows nothing.
     history_room = left
-    kept: list[list[int]] = []  # per turn: its user + assistant ids, newest first
+    pin_idx = set(win_pins)
+    kept: list[tuple[list[int], int]] = []  # per turn, newest first: its user + assistant ids, its cost here
     n_history = 0
-    for turn in reversed(turns):
-        seg = list(fmt.message_ids("user", turn.user)) + list(fmt.message_ids("assistant", turn.assistant))
-        if n_history + len(seg) > left:
+    for i in reversed(range(len(turns))):
+        seg = [] if turns[i].view == OUT else _turn_ids(fmt, turns[i])
+        cost = 0 if i in pin_idx else len(seg)
+        if n_history + cost > left:
             break
-        kept.append(seg)
-        n_history += len(seg)
+        kept.append((seg, cost))
+        n_history += cost
     if len(kept) < len(turns):
         start = len(turns) - len(kept)
         if start <= hold <= len(turns) - min(len(kept), PROTECTED_TURNS):  # else a step: to `low`
-            n_history -= sum(len(seg) for seg in kept[len(turns) - hold :])
+            n_history -= sum(cost for _, cost in kept[len(turns) - hold :])
             del kept[len(turns) - hold :]
         else:
             while len(kept) > PROTECTED_TURNS and n_history > low * left:
-                n_history -= len(kept.pop())
+                n_history -= kept.pop()[1]
     kept.reverse()
-    kept_turns = turns[len(turns) - len(kept) :] if kept else []
+    start = len(turns) - len(kept)
+    before += [turns[i] for i in win_pins if i < start]
+    shown = list(before) + [t for t in turns[start:] if t.view != OUT]
 
     # 6) assemble, and check the sums against the ids
     sys_text = system_message(system, used_summary, used_facts)
     final_text = compose_user_message(user_message, docs, recs)
     messages = [("system", sys_text)]
-    for turn in kept_turns:
+    for turn in shown:
         messages += [("user", turn.user), ("assistant", turn.assistant)]
     messages.append(("user", final_text))
     ids = list(fmt.system_ids(sys_text))
-    for seg in kept:
+    for turn in before:
+        ids += _turn_ids(fmt, turn)
+    for seg, _ in kept:
         ids += seg
     final_ids = fmt.message_ids("user", final_text)
     ids += list(final_ids) + list(gen)
 
     n_docs_only = len(fmt.message_ids("user", compose_user_message(user_message, docs)))
     sections = {
-        "system": n_system,
+        "system": n_bare,
+        "memory": n_system - n_bare,
         "summary": n_summary,
         "facts": n_facts,
-        "history": n_history,
+        "history": n_history + n_pins,
         "recall": len(final_ids) - n_docs_only,
         "retrieved": n_docs_only - bare_user,
         "user": bare_user + len(gen),
@@ -387,8 +471,8 @@ def plan(
         messages=tuple(messages),
         sections=sections,
         context_limit=limit,
-        kept_turns=len(kept),
-        dropped_turns=len(turns) - len(kept),
+        kept_turns=len(shown),
+        dropped_turns=sum(1 for i, t in enumerate(turns[:start]) if t.view != OUT and i not in pin_idx),
         chunks=tuple(docs),
         recall=tuple(recs),
         dropped_chunks=tuple(dropped),
@@ -398,7 +482,22 @@ def plan(
         history_room=history_room,
         facts=tuple(used_facts),
         dropped_facts=dropped_facts,
+        pinned_turns=len(folded_pins) - min(dropped_pins, len(folded_pins)) + len(win_pins),
+        dropped_pins=dropped_pins,
+        excluded_turns=sum(1 for t in turns if t.view == OUT),
+        window_start=start,
+        memory=tuple(used_memory),
+        dropped_memory=len(memory) - len(used_memory),
     )
+
+
+def memory_block(memory: Sequence[str]) -> str:
+    """The memory of all the owner's chats, as the system message holds it after the system prompt."""
+    return MEMORY_HEADER + "".join(f"\n- {m}" for m in memory) if memory else ""
+
+
+def _turn_ids(fmt: ChatFormat, turn: Turn) -> list[int]:
+    return list(fmt.message_ids("user", turn.user)) + list(fmt.message_ids("assistant", turn.assistant))
 
 
 def _facts_cost(fmt: ChatFormat, system: str, facts: Sequence, n_system: int) -> int:

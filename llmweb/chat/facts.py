@@ -234,6 +234,18 @@ def extract_facts(user_messages: Iterable[str], max_chars: int = 300) -> list[st
     return out
 
 
+SUGGEST_TURNS, SUGGEST_CHARS, SUGGESTIONS = 200, 2000, 20  # what `suggestions` reads, and gives at most
+
+
+def suggestions(user_messages: Sequence[str], known: Iterable[str]) -> list[str]:
+    """The fact sentences of a chat's user messages (the last SUGGEST_TURNS, each's first
+    SUGGEST_CHARS) not among `known` (case and spacing aside), the newest SUGGESTIONS: what llmweb
+    offers to remember in all the owner's chats. It offers; only the owner's click keeps one."""
+    seen = {" ".join(k.lower().split()) for k in known}
+    found = extract_facts(m[:SUGGEST_CHARS] for m in user_messages[-SUGGEST_TURNS:])
+    return [f for f in found if " ".join(f.lower().split()) not in seen][-SUGGESTIONS:]
+
+
 @dataclass(frozen=True)
 class FactLike:
     text: str

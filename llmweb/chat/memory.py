@@ -30,7 +30,7 @@ from llmweb.config import Settings
 from llmweb.engine.request import GenerationRequest, Handle
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import InputError, LlmwebError
-from llmweb.records import Turn
+from llmweb.records import PIN, Turn
 from llmweb.store.db import Store
 from llmweb.store.models import Conversation, NotFound
 
@@ -41,6 +41,16 @@ def log_id(conv_id: str) -> str:
     """What a log line calls a chat: "chat-" and 8 hex digits of its id's SHA-256, never the id itself
     (with the owner's browser token, an id opens the chat; logs are read by more people than that)."""
     return "chat-" + hashlib.sha256(conv_id.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
+def folded_pins(conv: Conversation) -> tuple[Turn, ...]:
+    """The turns its owner keeps in context that are already folded out of the window (context.plan's `pinned`)."""
+    return tuple(t.as_turn() for t in conv.turns[: conv.summarized_upto] if t.view == PIN)
+
+
+def remembered(store: Store, owner: str) -> tuple[str, ...]:
+    """What the owner asked all their chats to remember, the items turned on (context.plan's `memory`)."""
+    return tuple(m.text for m in store.memories(owner, enabled_only=True))
 
 
 class Summariser:
@@ -168,7 +178,8 @@ class Folds:
         if not mine.summaries:
             return  # window only: old turns are left out (and reported), never folded
         window = [t.as_turn() for t in conv.turns[conv.summarized_upto :]] + [new]
-        counts = [context.turn_tokens(self.fmt, t) for t in window]
+        # a pinned turn has room of its own and one left out takes none: folding them frees nothing
+        counts = [0 if t.view else context.turn_tokens(self.fmt, t) for t in window]
         # the room history has apart from this turn's retrieved text, which comes and goes: folding
         # against it keeps compressions rare (and the prompt prefix, so the KV cache, stable)
         room = plan.history_room + plan.sections["retrieved"] + plan.sections["recall"]
@@ -215,20 +226,25 @@ class Folds:
             if conv.summarized_upto != first:
                 return  # an earlier fold finished after this turn read the chat; the next turn decides again
             generation = conv.generation
+            # their owner's say as it is now: a turn kept in context or left out is not summarised,
+            # learned from or recalled (a pinned one stays in the prompt as it is: chat/context.py)
+            views = {t.idx: t.view for t in conv.turns}
+            taken = [(i, t) for i, t in enumerate(turns, first) if not views.get(i, t.view)]
 
             def alive() -> bool:  # the recall index writes its folder only while this holds
                 return not stop.is_set() and self.store.alive(owner, conv_id, generation)
 
             if recall and self.recalls.library is not None:
-                self.recalls.add(conv_id, enumerate(turns, first), alive=alive)
+                self.recalls.add(conv_id, iter(taken), alive=alive)
             known = Memory(previous, tuple(self.store.facts(owner, conv_id)))
             try:
-                folded = fold(known, turns, partial(self.summariser.write, owner=owner), name=log_id(conv_id))
+                said = [t for _, t in taken]
+                folded = fold(known, said, partial(self.summariser.write, owner=owner), name=log_id(conv_id))
             except LlmwebError as e:  # the window still moves on: facts and recall keep what matters
                 if stop.is_set():
                     return
                 log.warning("summary for %s failed (%s); keeping the previous summary", log_id(conv_id), e)
-                folded = learn(known, turns)
+                folded = learn(known, [t for _, t in taken])
             for fact in folded.facts[len(known.facts) :]:
                 if stop.is_set():
                     return
@@ -310,10 +326,12 @@ class Folds:
                 facts=conv.facts,
                 hold=self.windows.hold(conv_id, conv.summarized_upto),
                 low=self.settings.history_low,
+                folded_pins=folded_pins(conv),
+                memory=remembered(self.store, owner),
             )
         except LlmwebError:
             return None
-        self.windows.note(conv_id, conv.summarized_upto + plan.dropped_turns)
+        self.windows.note(conv_id, conv.summarized_upto + plan.window_start)
         return GenerationRequest(
             prompt_ids=plan.ids,
             max_new_tokens=1,

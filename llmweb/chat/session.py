@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from llmweb.chat import context, facts, scope
+from llmweb.chat.carry import Carry
 from llmweb.chat.document_task import DocumentTasks
-from llmweb.chat.memory import Folds, Windows
+from llmweb.chat.memory import Folds, Windows, folded_pins, remembered
 from llmweb.chat.recall import RecallCache
 from llmweb.chat.settings import TurnSettings, check_pins, checked, clean_message, turn_settings
 from llmweb.chat.tokens import ChatFormat
@@ -107,7 +108,7 @@ class Chat:
         self.windows = Windows()  # where each chat's window starts (context.plan's `hold`)
         self.folds = Folds(settings, engine, fmt, store, budget, self.recalls, self.windows)
         self.documents = DocumentTasks(settings, engine, fmt, store, budget, library)
-        self.pins = Pins(store, budget, fmt)  # the memory panel's facts
+        self.pins, self.carry = Pins(store, budget, fmt), Carry(self.folds)  # the facts panel; "Continue in a new chat"
 
     # ---- the turn, over four snapshots of the chat
     def send(
@@ -242,7 +243,7 @@ class Chat:
         if how.sampling is not None and how.sampling.instruction:  # the reply's grammar, told (web/api/tools.py)
             prompt = replace(prompt, system=f"{prompt.system}\n\n{how.sampling.instruction}")
         plan = prompt.plan(budget, self.fmt)  # InputError with the numbers when the message cannot fit
-        self.windows.note(conv.id, conv.summarized_upto + plan.dropped_turns)
+        self.windows.note(conv.id, conv.summarized_upto + plan.window_start)
         job = Job(
             owner=conv.owner,
             conv_id=conv.id,
@@ -283,6 +284,8 @@ class Chat:
             # window only: the summary of an earlier mode stays stored, but is no longer in the prompt
             summary=conv.summary if mine.summaries else "",
             turns=tuple(t.as_turn() for t in conv.turns[conv.summarized_upto :]),
+            pinned=folded_pins(conv),
+            memory=remembered(self.store, conv.owner),
             chunks=chunks,
             user=text,
             recall=tuple(recall),
@@ -293,8 +296,7 @@ class Chat:
 
     def warm(self, owner: str, conv_id: str) -> bool:
         """The owner opened this chat: prefill its next prompt in the background (chat/memory.py's
-        `Folds.warm`); whether a warm-up was submitted. Another owner's chat id is not found, and
-        warms nothing."""
+        `Folds.warm`); whether one was submitted. Another owner's chat id warms nothing."""
         return self.folds.warm(owner, conv_id)
 
     def wait_background(self, conv_id: str | None = None, timeout: float | None = None) -> None:
@@ -342,6 +344,11 @@ class Chat:
         conv = self.store.get(owner, conv_id)
         folded = conv.turns[fork : conv.summarized_upto] if self.turn_settings(conv.settings).recall else []
         self.recalls.follow(conv_id, fork, ((t.idx, t.as_turn()) for t in folded), alive=self._alive(conv))
+
+    def set_view(self, owner: str, conv_id: str, turn: int, view: str) -> None:
+        """Keep turn `turn` in context (PIN), leave it out (OUT) or neither: the next prompt re-prefills from it."""
+        self.wait_background(conv_id)
+        self.store.set_turn_view(owner, conv_id, turn, view)
 
     def undo(self, owner: str, conv_id: str):
         """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is
@@ -417,6 +424,13 @@ class Pins:
 
     def delete(self, owner: str, conv_id: str, fact_id: int) -> None:
         self.store.delete_fact(owner, conv_id, fact_id)
+
+    def remember(self, owner: str, conv_id: str, fact_id: int) -> None:
+        """Remember a fact of this chat in all the owner's chats (store/memories.py), as its owner asked."""
+        fact = next((f for f in self.store.facts(owner, conv_id) if f.id == fact_id), None)
+        if fact is None:
+            raise InputError("That fact is gone (deleted in another tab?).")
+        self.store.add_memory(owner, fact.text)
 
 
 def _names(documents: Sequence[str] | None) -> tuple[str, ...] | None:

@@ -209,13 +209,15 @@ def fit(
     high: float,
     low: float,
     chunks: Sequence[Chunk] = (),
+    remembered: Sequence[str] = (),
 ) -> Fit:
     """Plan `d` within `budget`: start from the longest summarised prefix in `cache`, then fold the
     oldest turns (`fold`: the previous memory and the turns -> the new memory) until the rest fits,
     caching each new memory under its prefix key. `fold=None`: never summarise (old turns are left
     out and reported); a fold that fails (a domain error: the engine busy, ...) stops the folding,
     and what it would have summarised is left out and reported. Raises InputError when the system
-    message, the user's message and the reply alone do not fit."""
+    message, the user's message and the reply alone do not fit. `remembered`: what the owner asked
+    all their chats to remember, where the request asks for it (context.plan's `memory`)."""
     turns = list(d.turns)
     keys = prefix_keys(scope, turns)
 
@@ -230,7 +232,9 @@ def fit(
 
     # 2) plan; while turns are left out, fold the oldest into the summary (hysteresis: down to `low`)
     while True:
-        plan = context.plan(system, memory.summary, turns[j:], chunks, d.user, budget, fmt, facts=memory.facts)
+        plan = context.plan(
+            system, memory.summary, turns[j:], chunks, d.user, budget, fmt, facts=memory.facts, memory=remembered
+        )
         if not plan.dropped_turns or fold is None or folds >= MAX_FOLDS:
             break
         counts = [context.turn_tokens(fmt, t) for t in turns[j:]]
@@ -316,13 +320,15 @@ class StatelessChat:
         stop: Sequence[str] = (),
         cancel: Cancel | None = None,
         documents: Sequence[str] | None = None,
+        memory: Sequence[str] = (),
     ) -> Iterator[Fitted | Event]:
         """One stateless turn for `owner`. Yields Fitted, Started(""), Queued / Delta, Finished.
         `sampling` (the request's temperature, top_p, max_tokens: a smaller reply cap leaves more
         room for history), `stop` and `cancel` as `Chat.send` takes them; `documents` (names or ids,
         `Library.resolve`: an InputError for one the owner has not) the only documents it reads.
         A "tool" message (a tool's result, restating its call) is a user-side message, cut to
-        the user budget with a note where it is longer (`cut_results`)."""
+        the user budget with a note where it is longer (`cut_results`);
+        `memory` what the owner asked all their chats to remember (only where the request asks)."""
         s = self.settings
         budget = self.budget.capped(sampling.max_tokens if sampling is not None else None)
         d = dialogue(cut_results(messages, self.fmt, budget.user_tokens))
@@ -339,7 +345,17 @@ class StatelessChat:
         scope = f"{owner}\n{system}"
         fold = self.fold if s.summaries else None
         f = fit(
-            d, system, budget, self.fmt, self.cache, scope, fold, high=s.history_high, low=s.history_low, chunks=chunks
+            d,
+            system,
+            budget,
+            self.fmt,
+            self.cache,
+            scope,
+            fold,
+            high=s.history_high,
+            low=s.history_low,
+            chunks=chunks,
+            remembered=memory,
         )
         yield Fitted(f, plan_sources(f.plan))
 
@@ -353,7 +369,13 @@ class StatelessChat:
             # the prompt's prefix is the same call after call: the session (its KV cache) is the chat's first message
             session_id="api:" + hashlib.sha256(f"{scope}\n{first}".encode("utf-8", "replace")).hexdigest()[:32],
             prompt=Prompt(
-                system, f.memory.summary, d.turns[f.summarized_turns :], chunks, d.user, facts=f.memory.facts
+                system,
+                f.memory.summary,
+                d.turns[f.summarized_turns :],
+                chunks,
+                d.user,
+                facts=f.memory.facts,
+                memory=tuple(memory),
             ),
             plan=f.plan,
             budget=budget,

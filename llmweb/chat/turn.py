@@ -22,7 +22,7 @@ from llmweb.chat.document_plan import DocumentStats
 from llmweb.chat.tokens import ChatFormat
 from llmweb.config import Settings
 from llmweb.engine.constraint import Constraint
-from llmweb.engine.request import GenerationRequest, Handle, TokenLogprob, Tokens, Waiting
+from llmweb.engine.request import GenerationRequest, Handle, Prefilling, TokenLogprob, Tokens, Waiting
 from llmweb.engine.scheduler import Engine
 from llmweb.errors import ConfigError, EngineStopped, InputError
 from llmweb.records import ENGINE_STOPPED, Chunk, GenerationStats, Source, Turn, TurnStats
@@ -66,9 +66,11 @@ class Finished:
     conv_id: str = ""  # the conversation the turn was stored in
     document: DocumentStats | None = None  # a whole-document task's figures (chat/document_task.py)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per generated id, when the request asked (`Sampling.logprobs`)
+    contents: str = ""  # what is in the prompt and why (ContextPlan.contents)
 
     def prompt_text(self) -> str:
-        return "\n\n".join(f"### {role}\n{text}" for role, text in self.prompt)
+        head = [self.contents] if self.contents else []
+        return "\n\n".join(head + [f"### {role}\n{text}" for role, text in self.prompt])
 
 
 Event = Started | Queued | Progress | Delta | Finished
@@ -133,6 +135,8 @@ class Prompt:
     facts: tuple = ()  # the user's facts (`.text`, `.pinned`), oldest first
     hold: int = 0  # where the window started last turn, while it still fits (context.plan)
     low: float = 1.0  # past that, history is cut to this share of its room
+    pinned: tuple[Turn, ...] = ()  # turns kept in context that are already folded out of the window
+    memory: tuple[str, ...] = ()  # what the owner asked all their chats to remember (store/memories.py)
 
     def plan(self, budget: context.Budget, fmt: ChatFormat) -> context.ContextPlan:
         return context.plan(
@@ -147,6 +151,8 @@ class Prompt:
             facts=self.facts,
             hold=self.hold,
             low=self.low,
+            folded_pins=self.pinned,
+            memory=self.memory,
         )
 
     def smaller(self) -> Prompt:
@@ -221,6 +227,11 @@ def turn_stats(
     )
 
 
+def reading(done: int, total: int) -> str:
+    """A long prefill's progress line, as the page shows it."""
+    return f"Reading your message and this chat: {done:,} of {total:,} tokens…"
+
+
 def held_back(text: str, stops: Sequence[str], final: bool = True) -> tuple[str, bool]:
     """`text` as far as it may be shown: cut before the first of `stops` in it (True), else, unless
     `final`, less a tail that could be the start of one (a stream must not show what it takes back)."""
@@ -285,7 +296,7 @@ class TurnRunner:
         stop: Sequence[str] = (),
         cancel: Cancel | None = None,
         keep: Keep | None = None,
-    ) -> Generator[Started | Queued | Delta, None, Finished]:
+    ) -> Generator[Started | Queued | Progress | Delta, None, Finished]:
         """Yield Started, then Queued / Delta; return the Finished (the caller records it first).
         A reply that shows one of `stop` (after leading whitespace) is cancelled there; so is one
         whose generator is closed early (stop button, client gone) or that fails, and then `keep`,
@@ -300,6 +311,8 @@ class TurnRunner:
             for event in handle.events():
                 if isinstance(event, Waiting):
                     yield Queued(event.position, event.wait_s)
+                elif isinstance(event, Prefilling):  # a long prompt (a changed system prompt, a pasted text)
+                    yield Progress(event.done, event.total, reading(event.done, event.total))
                 elif isinstance(event, Tokens):
                     text, ended = self._reply(job, handle, final=False)
                     if ended or (stop and any(s in text.lstrip() for s in stop)):
@@ -329,6 +342,7 @@ class TurnRunner:
             job.plan.messages,
             job.conv_id,
             logprobs=tuple(handle.logprobs),
+            contents=job.plan.contents,
         )
 
     def _reply(self, job: Job, handle: Handle, final: bool = True) -> tuple[str, bool]:

@@ -3,8 +3,8 @@
 
     submit(GenerationRequest) -> Handle       (engine/scheduler.py; BusyError over the owner's cap or
                                               the waiting room's bound, engine/waitroom.py)
-    for event in handle.events(): ...        Waiting(position, wait_s) | Tokens(ids) | Restarted(reason);
-                                              raises domain errors
+    for event in handle.events(): ...        Waiting(position, wait_s) | Prefilling(done, total) |
+                                              Tokens(ids) | Restarted(reason); raises domain errors
     handle.generated                          the ids of the reply so far (reset by Restarted)
     handle.stats                              GenerationStats once finished
     handle.cancel()                           stops within a step (one token or one prefill chunk)
@@ -85,6 +85,17 @@ class Waiting:
 
 
 @dataclass(frozen=True)
+class Prefilling:
+    """A prompt still being read, past PREFILL_SHOWN_S: `done` of its `total` tokens (reused ones included)."""
+
+    done: int
+    total: int
+
+
+PREFILL_SHOWN_S = 1.0  # a prefill that takes longer than this reports its progress (`Handle.events`)
+
+
+@dataclass(frozen=True)
 class Tokens:
     ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per id, when the request asked (`logprobs`)
@@ -117,6 +128,8 @@ class Queued(Protocol):
     def position(self, handle: Handle) -> int: ...
 
     def wait(self, handle: Handle) -> tuple[int, float]: ...  # (position, estimated seconds); (0, 0) once running
+
+    def prefilling(self, handle: Handle) -> tuple[int, int] | None: ...  # (done, total) while a long prefill runs
 
     def withdraw(self, handle: Handle) -> None: ...
 
@@ -156,9 +169,10 @@ class Handle:
         between owners: a new owner can come in ahead); 0 once running or done."""
         return self._engine.position(self)
 
-    def events(self, poll_s: float = 0.5) -> Iterator[Waiting | Tokens | Restarted]:
+    def events(self, poll_s: float = 0.5) -> Iterator[Waiting | Prefilling | Tokens | Restarted]:
         """Yield Waiting (the position and the estimated wait) every `poll_s` while queued, then
-        Tokens as they come (Restarted before an OOM retry); raise the request's error if any.
+        Prefilling every `poll_s` while a prefill past PREFILL_SHOWN_S runs, then Tokens as they
+        come (Restarted before an OOM retry); raise the request's error if any.
 
         Waiting repeats even when the position has not changed: a consumer that streams to a
         client (a Gradio generator) only learns that its client left when it yields, and must not
@@ -171,6 +185,8 @@ class Handle:
                 pos, wait = self._engine.wait(self)
                 if pos:
                     yield Waiting(pos, wait)
+                elif (filled := self._engine.prefilling(self)) is not None:
+                    yield Prefilling(*filled)
                 continue
             if item is _DONE:
                 if self.error is not None:

@@ -45,6 +45,7 @@ from llmweb.engine.admission import Admission, retry_plan
 from llmweb.engine.kvcache import KVStore
 from llmweb.engine.queue import Lanes
 from llmweb.engine.request import (
+    PREFILL_SHOWN_S,
     EngineCounters,
     EngineLimits,
     GenerationRequest,
@@ -63,9 +64,20 @@ from llmweb.records import GenerationStats
 log = logging.getLogger(__name__)
 
 
+def prefill_progress(engine: Engine, handle: Handle) -> tuple[int, int] | None:
+    """(tokens read, of the prompt's) while `handle`'s prompt is read and has been for over
+    PREFILL_SHOWN_S; None otherwise (queued, short, decoding, done). `Engine.prefilling`."""
+    with engine._lock:
+        slot = next((s for s in engine._running if s.handle is handle), None)
+        if slot is None or slot.ready or time.perf_counter() - slot.t0 < PREFILL_SHOWN_S:
+            return None
+        return slot.stats.reused_tokens + slot.stats.prefilled_tokens, len(slot.request.prompt_ids)
+
+
 class Engine:
-    """The scheduler: callers `submit` requests and get a `Handle`; one worker thread admits them
-    into the batch and steps it with the `runner` (see the module docstring)."""
+    """The scheduler: callers `submit` requests (a `Handle`); one worker admits and steps them (module docstring)."""
+
+    prefilling = prefill_progress  # the handle's `Queued.prefilling`
 
     def __init__(self, runner: Runner, kv: KVStore, limits: EngineLimits):
         assert limits.max_batch >= 1, "max_batch must be >= 1"

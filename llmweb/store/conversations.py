@@ -23,7 +23,7 @@ import unicodedata
 from collections.abc import Sequence
 
 from llmweb.errors import InputError
-from llmweb.records import Source, TurnStats
+from llmweb.records import OUT, TURN_VIEWS, Source, TurnStats
 from llmweb.store.connection import Connection
 from llmweb.store.facts import facts_of
 from llmweb.store.models import (
@@ -73,12 +73,15 @@ class ConversationQueries(Connection):
 
     def get(self, owner: str, conv_id: str) -> Conversation:
         with self._read() as db:
-            columns = "title, summary, summarized_upto, created, updated, settings"
-            title, summary, upto, created, updated, settings = owned_row(db, owner, conv_id, columns)
+            columns = "title, summary, summarized_upto, created, updated, settings, continues"
+            title, summary, upto, created, updated, settings, continues = owned_row(db, owner, conv_id, columns)
+            earlier = db.execute(  # the chat it continues, while it is still there and the owner's
+                "SELECT id, title FROM conversations WHERE id = ? AND owner = ?", (continues, owner)
+            ).fetchone()
             turns = [
-                StoredTurn(idx, user, assistant, stats_from_text(stats), sources_from_text(sources), t_created)
-                for idx, user, assistant, stats, sources, t_created in db.execute(
-                    "SELECT idx, user, assistant, stats, sources, created FROM turns "
+                StoredTurn(idx, user, assistant, stats_from_text(stats), sources_from_text(sources), t_created, view)
+                for idx, user, assistant, stats, sources, t_created, view in db.execute(
+                    "SELECT idx, user, assistant, stats, sources, created, view FROM turns "
                     "WHERE conversation_id = ? ORDER BY idx",
                     (conv_id,),
                 )
@@ -88,7 +91,7 @@ class ConversationQueries(Connection):
             generation = generation_of(db, owner)
         chosen = ChatSettings.from_dict(json.loads(settings))
         return Conversation(
-            conv_id, title, summary, upto, turns, facts, created, updated, owner, chosen, versions, generation
+            conv_id, title, summary, upto, turns, facts, created, updated, owner, chosen, versions, generation, earlier
         )
 
     def add_turn(
@@ -189,6 +192,22 @@ class ConversationQueries(Connection):
                 "UPDATE conversations SET summary = ?, summarized_upto = ? WHERE id = ?",
                 (summary, summarized_upto, conv_id),
             )
+
+    def set_turn_view(self, owner: str, conv_id: str, idx: int, view: str) -> None:
+        """Keep turn `idx` in context (PIN), leave it out (OUT) or let the planner decide (""). Leaving
+        out a turn already folded into the summary is refused (InputError): the summary carries it.
+        Does not touch `updated`. Another owner's conversation is `NotFound`."""
+        if view not in TURN_VIEWS:
+            raise InputError(f"A turn is kept in context, left out, or neither: not {view!r}.")
+        with self._write() as db:
+            n, upto = turn_count(db, owner, conv_id)
+            if not 0 <= idx < n:
+                raise InputError("That turn is no longer in this chat: reload it and try again.")
+            if view == OUT and idx < upto:
+                raise InputError(
+                    "That turn is already folded into this chat's summary, so it can no longer be left out."
+                )
+            db.execute("UPDATE turns SET view = ? WHERE conversation_id = ? AND idx = ?", (view, conv_id, idx))
 
     def rename(self, owner: str, conv_id: str, title: str) -> str:
         """Give the owner's conversation a new title and return it as stored: one line, whitespace

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 from llmweb.store.exchange import ExchangeQueries
 from llmweb.store.facts import FactQueries
+from llmweb.store.memories import MemoryQueries
 from llmweb.store.owners import OwnerQueries
 from llmweb.store.pieces import PieceQueries
 from llmweb.store.search import SearchQueries
 from llmweb.store.versions import VersionQueries
 
 
-class Store(ExchangeQueries, VersionQueries, FactQueries, SearchQueries, PieceQueries, OwnerQueries):
+class Store(ExchangeQueries, VersionQueries, FactQueries, MemoryQueries, SearchQueries, PieceQueries, OwnerQueries):
     """All conversations in one SQLite file. Safe to share between threads (store/connection.py).
 
     Open with `Store(path)`; close with `close()` or use it as a context manager."""

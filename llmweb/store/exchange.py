@@ -14,15 +14,16 @@ import json
 import math
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from llmweb.errors import InputError
-from llmweb.records import GenerationStats, MemorySnapshot, Source, TurnStats
+from llmweb.records import TURN_VIEWS, GenerationStats, MemorySnapshot, Source, TurnStats
 from llmweb.store.conversations import INSERT_TURN, ConversationQueries
-from llmweb.store.models import MAX_TITLE_CHARS, ChatSettings, Conversation, new_id
-from llmweb.store.owners import check_room, require_owned, seen, text_bytes
+from llmweb.store.models import MAX_TITLE_CHARS, ChatSettings, Conversation, Fact, StoredTurn, new_id
+from llmweb.store.owners import check_room, owned_row, require_owned, seen, text_bytes
 
 EXPORT_FORMAT = "llmweb.conversation"
 EXPORT_VERSION = 1
@@ -44,12 +45,13 @@ MAX_STAT_INT = 2**53  # any figure in a turn's stats
 MAX_TIME = 1e11  # unix seconds (year ~5000)
 # the prompt sections a turn's stats may name: chat/context.py's SECTIONS (a test keeps them equal;
 # the store may not import the chat)
-SECTION_NAMES = ("system", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
+SECTION_NAMES = ("system", "memory", "summary", "facts", "history", "recall", "retrieved", "user", "reserve")
 SOURCE_KINDS = ("document", "recall")
 _SOURCE_OPTIONAL = ("page", "heading", "score", "kind", "snippet", "doc_id", "start", "end")
 _TOP = ("format", "version", "title", "created", "updated", "summary", "summarized_upto", "turns")
-_TOP_OPTIONAL = ("id", "settings", "facts", "versions")
+_TOP_OPTIONAL = ("id", "settings", "facts", "versions", "continues")  # continues: the chat it went on from
 _TURN = ("idx", "user", "assistant", "stats", "sources", "created")
+_TURN_OPTIONAL = ("view",)  # records.Turn.view, written only when the owner set one
 
 TurnRow = tuple[str, str, str, str, float]  # user, assistant, stats JSON, sources JSON, created
 VersionRow = tuple[int, int, str | None]  # fork, version, body JSON (None: the active version)
@@ -63,6 +65,8 @@ class Imported:
     turns: list[TurnRow]
     facts: list[tuple[str, int, float]]  # text, pinned, created
     versions: list[VersionRow]
+    views: tuple[tuple[int, str], ...] = ()  # (turn idx, Turn.view) of the turns with one
+    continues: str = ""  # the id of the chat it continues (kept where the importer owns that chat)
 
     def size(self) -> int:
         """Bytes of text it adds to its owner's chats (as conversations.bytes counts them)."""
@@ -101,6 +105,42 @@ class ExchangeQueries(ConversationQueries):
                 [(conv_id, *f) for f in doc.facts],
             )
             db.executemany("INSERT INTO versions VALUES (?, ?, ?, ?)", [(conv_id, *v) for v in doc.versions])
+            db.executemany(
+                "UPDATE turns SET view = ? WHERE conversation_id = ? AND idx = ?",
+                [(view, conv_id, idx) for idx, view in doc.views],
+            )
+            if doc.continues:  # the link holds where the chat it names is the importer's own
+                db.execute(
+                    "UPDATE conversations SET continues = ? WHERE id = ? AND EXISTS "
+                    "(SELECT 1 FROM conversations c WHERE c.id = ? AND c.owner = ?)",
+                    (doc.continues, conv_id, doc.continues, owner),
+                )
+        return conv_id
+
+    def continue_conversation(
+        self, owner: str, from_id: str, summary: str, facts: Sequence[Fact | Any], turns: Sequence[StoredTurn]
+    ) -> str:
+        """A new chat of `owner` that continues `from_id` (theirs, else `NotFound`): its title and
+        settings, the given summary and facts (pinned as they were), and `turns` (the last few, and
+        those kept in context, with their say) as its first turns; linked back to it. Its id."""
+        conv_id, now = new_id(), time.time()
+        size = text_bytes(summary, *(f.text for f in facts), *(f"{t.user}{t.assistant}" for t in turns))
+        with self._write() as db:
+            title, settings = owned_row(db, owner, from_id, "title, settings")
+            check_room(db, self.caps, owner, chats=1, size=size)
+            db.execute(
+                "INSERT INTO conversations (id, title, created, updated, summary, settings, owner, continues) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (conv_id, continued_title(title), now, now, summary, settings, owner, from_id),
+            )
+            seen(db, owner, now)
+            for i, t in enumerate(turns):
+                db.execute(INSERT_TURN, (conv_id, i, t.user, t.assistant, "{}", "[]", now))
+                db.execute("UPDATE turns SET view = ? WHERE conversation_id = ? AND idx = ?", (t.view, conv_id, i))
+            db.executemany(
+                "INSERT INTO facts (conversation_id, text, pinned, created) VALUES (?, ?, ?, ?)",
+                [(conv_id, f.text, int(f.pinned), now) for f in facts],
+            )
         return conv_id
 
     def export_markdown(self, owner: str, conv_id: str) -> str:
@@ -114,6 +154,15 @@ class ExchangeQueries(ConversationQueries):
                 "SELECT fork, version, body FROM versions WHERE conversation_id = ? ORDER BY fork, version", (conv_id,)
             ).fetchall()
         return [{"fork": f, "version": v, "body": None if b is None else json.loads(b)} for f, v, b in rows]
+
+
+def continued_title(title: str) -> str:
+    """The title of a chat that continues one titled `title`: "… (continued)", within MAX_TITLE_CHARS."""
+    tail = " (continued)"
+    if title.endswith(tail):
+        return title
+    room = MAX_TITLE_CHARS - len(tail)
+    return (title if len(title) <= room else title[: room - 1] + "…") + tail
 
 
 # -- the JSON format ---------------------------------------------------------------------------
@@ -139,11 +188,13 @@ def to_json(conv: Conversation, versions: list[dict]) -> str:
                 "stats": t.stats.to_dict() if t.stats else {},
                 "sources": [s.to_dict() for s in t.sources],
                 "created": t.created,
+                **({"view": t.view} if t.view else {}),
             }
             for t in conv.turns
         ],
         "facts": [{"text": f.text, "pinned": f.pinned, "created": f.created} for f in conv.facts],
         "versions": versions,
+        **({"continues": conv.continues[0]} if conv.continues else {}),
     }
     return json.dumps(doc, ensure_ascii=False, indent=1)
 
@@ -169,7 +220,7 @@ def _parse(doc: Any) -> Imported:
     doc = _fields(doc, "the export", _TOP, _TOP_OPTIONAL)
     caps = _Caps()
     turns = _items(doc["turns"], "turns", MAX_IMPORT_TURNS)
-    turns = [_fields(t, "a turn", _TURN) for t in turns]
+    turns = [_fields(t, "a turn", _TURN, _TURN_OPTIONAL) for t in turns]
     caps.turns(len(turns))
     turns.sort(key=lambda t: _int(t["idx"], "a turn's idx", MAX_IMPORT_TURNS))
     if [t["idx"] for t in turns] != list(range(len(turns))):
@@ -186,7 +237,15 @@ def _parse(doc: Any) -> Imported:
     title = _text(doc["title"], "the title", MAX_TITLE_CHARS)
     summary = _text(doc["summary"], "the summary", MAX_SUMMARY_CHARS)
     head = (title, _time(doc["created"]), _time(doc["updated"]), summary, upto, settings)
-    return Imported(head, rows, facts, versions)
+    views = tuple((t["idx"], _view(t["view"])) for t in turns if t.get("view"))
+    continues = _text(doc.get("continues", ""), "continues", 64)
+    return Imported(head, rows, facts, versions, views, continues)
+
+
+def _view(v: Any) -> str:
+    if v not in TURN_VIEWS or not isinstance(v, str):
+        raise ValueError(f"a turn's view must be one of {TURN_VIEWS}")
+    return v
 
 
 def _turn_row(user: Any, assistant: Any, stats: str, sources: str, created: Any) -> TurnRow:
@@ -231,7 +290,7 @@ def _import_versions(rows: Any, n_turns: int, caps: _Caps, depth: int = 0) -> li
 
 def _body(body: Any, caps: _Caps, depth: int) -> str:
     """A stored version (store/versions.py's JSON), checked and written again from the checked values."""
-    body = _fields(body, "a version", ("turns", "summary", "summarized_upto", "facts", "nested"))
+    body = _fields(body, "a version", ("turns", "summary", "summarized_upto", "facts", "nested"), ("views",))
     turns = []
     for t in _items(body["turns"], "a version's turns", MAX_IMPORT_TURNS):
         if not isinstance(t, list) or len(t) != 5:
@@ -256,6 +315,9 @@ def _body(body: Any, caps: _Caps, depth: int) -> str:
     checked = _import_versions(nested, MAX_IMPORT_TURNS, caps, depth + 1)
     summary = _text(body["summary"], "a version's summary", MAX_SUMMARY_CHARS)
     upto = _int(body["summarized_upto"], "a version's summarized_upto", MAX_IMPORT_TURNS)
+    views = [_view(v) for v in _items(body.get("views", []), "a version's views", len(turns))]
+    if views and len(views) != len(turns):
+        raise ValueError("a version's views must be one per turn")
     return json.dumps(
         {
             "turns": turns,
@@ -263,6 +325,7 @@ def _body(body: Any, caps: _Caps, depth: int) -> str:
             "summarized_upto": upto,
             "facts": facts,
             "nested": [list(v) for v in checked],
+            **({"views": views} if any(views) else {}),
         }
     )
 

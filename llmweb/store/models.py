@@ -130,9 +130,10 @@ class StoredTurn:
     stats: TurnStats | None  # None for a turn stored without figures
     sources: list[Source]
     created: float = 0.0
+    view: str = ""  # Turn.view: "" / PIN / OUT
 
     def as_turn(self) -> Turn:
-        return Turn(self.user, self.assistant)
+        return Turn(self.user, self.assistant, self.view)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +158,7 @@ class Conversation:
     settings: ChatSettings = field(default_factory=ChatSettings)
     versions: dict[int, tuple[int, int]] = field(default_factory=dict)  # fork turn -> (active version, count)
     generation: int = 0  # the owner's generation when read (store/owners.py): a write passes it back
+    continues: tuple[str, str] | None = None  # (id, title) of the owner's chat this one continues
 
 
 def new_id() -> str:

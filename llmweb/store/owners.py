@@ -119,6 +119,7 @@ class OwnerQueries(Connection):
             db.execute("DELETE FROM conversations WHERE owner = ?", (owner,))
             db.execute("DELETE FROM owners WHERE owner = ?", (owner,))
             db.execute("DELETE FROM document_pieces WHERE owner = ?", (owner,))  # whole-document results
+            db.execute("DELETE FROM memories WHERE owner = ?", (owner,))  # what they asked every chat to remember
             db.execute(
                 "INSERT INTO owner_generations (owner, generation) VALUES (?, 1) "
                 "ON CONFLICT(owner) DO UPDATE SET generation = generation + 1",

@@ -204,6 +204,22 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             UPDATE conversations SET bytes = bytes + {_len("new.summary")} - {_len("old.summary")} WHERE id = new.id;
         END""",
     ),
+    (  # 10: its owner's say in what the model sees of a turn (records.Turn.view): '' as planned, 'pin'
+        # kept in context, 'out' left out. Only the active branch's turns carry it (a version's stash does not).
+        "ALTER TABLE turns ADD COLUMN view TEXT NOT NULL DEFAULT '' CHECK (view IN ('', 'pin', 'out'))",
+    ),
+    (  # 11: what an owner asked to be remembered in all their chats (store/memories.py), and where a chat
+        # continues one it was started from ("Continue in a new chat"; NULL: none)
+        """CREATE TABLE memories (
+            id              INTEGER PRIMARY KEY AUTOINCREMENT,
+            owner           TEXT NOT NULL,
+            text            TEXT NOT NULL,
+            enabled         INTEGER NOT NULL DEFAULT 1 CHECK (enabled IN (0, 1)),
+            created         REAL NOT NULL
+        )""",
+        "CREATE INDEX memories_by_owner ON memories(owner, id)",
+        "ALTER TABLE conversations ADD COLUMN continues TEXT",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

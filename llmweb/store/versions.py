@@ -201,6 +201,12 @@ def _stash(db: sqlite3.Connection, conv_id: str, fork: int, taken: list[int]) ->
         (conv_id, fork),
     ).fetchall()
     summary, upto = db.execute("SELECT summary, summarized_upto FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+    views = [
+        v
+        for (v,) in db.execute(
+            "SELECT view FROM turns WHERE conversation_id = ? AND idx >= ? ORDER BY idx", (conv_id, fork)
+        )
+    ]
     db.execute("DELETE FROM turns WHERE conversation_id = ? AND idx >= ?", (conv_id, fork))
     db.executemany("DELETE FROM facts WHERE id = ?", [(f[0],) for f in facts])
     db.execute("DELETE FROM versions WHERE conversation_id = ? AND fork > ?", (conv_id, fork))
@@ -211,6 +217,7 @@ def _stash(db: sqlite3.Connection, conv_id: str, fork: int, taken: list[int]) ->
             "summarized_upto": upto,
             "facts": [[text, created] for _, text, created in facts],
             "nested": [list(v) for v in nested],
+            **({"views": views} if any(views) else {}),  # each turn's Turn.view, where one has one
         }
     )
 
@@ -231,3 +238,7 @@ def _unstash(db: sqlite3.Connection, conv_id: str, fork: int, body: dict) -> Non
         [(conv_id, text, created) for text, created in body["facts"]],
     )
     db.executemany("INSERT INTO versions VALUES (?, ?, ?, ?)", [(conv_id, *v) for v in body["nested"]])
+    db.executemany(
+        "UPDATE turns SET view = ? WHERE conversation_id = ? AND idx = ?",
+        [(v, conv_id, i) for i, v in enumerate(body.get("views", ()), fork) if v],
+    )

@@ -20,6 +20,7 @@ from llmweb.store.models import HIT_END, HIT_START
 
 SECTION_COLOURS = {
     "system": "#6b7280",
+    "memory": "#d946ef",
     "summary": "#8b5cf6",
     "facts": "#ec4899",
     "history": "#3b82f6",
@@ -382,6 +383,18 @@ def version_choices(versions: dict[int, tuple[int, int]]) -> list[tuple[str, int
     return [(f"Turn {fork + 1} {version_marker(*group)}", fork) for fork, group in sorted(versions.items())]
 
 
+MAX_TURN_CHOICES = 500  # turns the "what the model sees" picker lists: the newest
+
+
+def turn_choices(conv) -> list[tuple[str, int]]:
+    """The picker of turns to keep in context or leave out: "12. 📌 first words", newest first."""
+    marks = {"pin": "📌 ", "out": "⊘ "}
+    return [
+        (f"{t.idx + 1}. {marks.get(t.view, '')}{t.user if len(t.user) <= 50 else t.user[:47] + '…'}", t.idx)
+        for t in reversed(conv.turns[-MAX_TURN_CHOICES:])
+    ]
+
+
 def fact_label(f) -> str:
     return ("📌 " if f.pinned else "") + (f.text if len(f.text) <= 60 else f.text[:57] + "…")
 
@@ -392,6 +405,8 @@ def summary_markdown(conv) -> str:
         if conv.summary
         else "*No summary yet: the whole conversation still fits in the window.*"
     ]
+    if conv.continues is not None:
+        parts.insert(0, f"*This chat continues “{escape(conv.continues[1], inline=True)}” (in your chat list).*")
     if conv.facts:
         parts.append("**Facts you stated** (kept word for word; 📌 = pinned, never dropped):")
         parts += [f"- {'📌 ' if f.pinned else ''}{escape(f.text, inline=True)}" for f in conv.facts]
@@ -401,6 +416,22 @@ def summary_markdown(conv) -> str:
             "add one below to keep it now.*"
         )
     return "\n".join(parts)
+
+
+def memories_markdown(memories) -> str:
+    """What the owner asked all their chats to remember (store/memories.py), ⏸ for those turned off."""
+    if not memories:
+        return (
+            "*Nothing yet. Add something below, or pick a fact of this chat under Memory and press "
+            "“Remember in all my chats”.*"
+        )
+    return "\n".join(f"- {'⏸ ' if not m.enabled else ''}{escape(m.text, inline=True)}" for m in memories)
+
+
+def memory_choices(memories) -> list[tuple[str, int]]:
+    return [
+        (("⏸ " if not m.enabled else "") + (m.text if len(m.text) <= 60 else m.text[:57] + "…"), m.id) for m in memories
+    ]
 
 
 def documents_markdown(docs) -> str:

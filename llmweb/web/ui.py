@@ -154,6 +154,7 @@ class Layout:
     fetch_go: gr.Button
     fetch_md: gr.Markdown
     new_btn: gr.Button
+    continue_btn: gr.Button  # "Continue in a new chat" (chat/carry.py)
     search_box: gr.Textbox
     search_hits: gr.Radio
     conv_list: gr.Radio
@@ -203,6 +204,22 @@ class Layout:
     tokens_plot: gr.HTML
     memory_plot: gr.HTML
     prompt_box: gr.Textbox
+    turn_dd: gr.Dropdown  # what the model sees: a turn kept in context, left out, or as planned
+    keep_btn: gr.Button
+    leave_out_btn: gr.Button
+    as_planned_btn: gr.Button
+    remember_btn: gr.Button  # a fact of this chat, remembered in all the owner's chats
+    memories_md: gr.Markdown  # memory across chats: listed, added, edited, turned off, deleted
+    memory_dd: gr.Dropdown
+    memory_text: gr.Textbox
+    memory_add_btn: gr.Button
+    memory_save_btn: gr.Button
+    memory_toggle_btn: gr.Button
+    memory_del_btn: gr.Button
+    memory_export: gr.DownloadButton
+    suggest_dd: gr.Dropdown
+    suggest_btn: gr.Button
+    memory_import: gr.UploadButton
     # this chat's settings
     system_box: gr.Textbox
     temperature: gr.Slider
@@ -245,6 +262,7 @@ def _sidebar() -> dict:
             fetch_go = gr.Button("Download", size="sm", variant="primary")
         fetch_md = gr.Markdown(elem_id="llmweb-fetch-report")
     new_btn = gr.Button("New chat", variant="secondary")
+    continue_btn = gr.Button("Continue in a new chat", size="sm", elem_id="llmweb-continue-chat")
     search_box = gr.Textbox(
         placeholder="Search my chats (Enter)", show_label=False, max_lines=1, elem_id="llmweb-search"
     )
@@ -277,6 +295,7 @@ def _sidebar() -> dict:
         fetch_go=fetch_go,
         fetch_md=fetch_md,
         new_btn=new_btn,
+        continue_btn=continue_btn,
         search_box=search_box,
         search_hits=search_hits,
         conv_list=conv_list,
@@ -377,8 +396,11 @@ def _panel_column() -> dict:
             pin_btn = gr.Button("Pin", size="sm")
             unpin_btn = gr.Button("Unpin", size="sm")
             del_fact_btn = gr.Button("Delete", size="sm", variant="stop")
+        remember_btn = gr.Button("Remember in all my chats", size="sm", elem_id="llmweb-remember-all")
         with gr.Row():
-            new_fact = gr.Textbox(placeholder="Something to remember, word for word", show_label=False, scale=3)
+            new_fact = gr.Textbox(
+                placeholder="Something to remember, word for word", show_label=False, scale=3, elem_id="llmweb-new-fact"
+            )
             add_fact_btn = gr.Button("Remember", size="sm", scale=1)
     with gr.Accordion("This chat's settings", open=False, elem_id="llmweb-chat-settings"):
         system_box = gr.Textbox(label="System prompt (persona)", lines=3, max_lines=10, elem_id="llmweb-system-prompt")
@@ -391,6 +413,7 @@ def _panel_column() -> dict:
         )
         loop_guard = gr.Checkbox(label="Loop guard: never say a sentence a third time", elem_id="llmweb-loop-guard")
         save_settings_btn = gr.Button("Save for this chat", size="sm", elem_id="llmweb-save-settings")
+    say = _say_panels()
     with gr.Accordion("Prompt of the last turn", open=False, elem_id="llmweb-prompt-panel"):
         prompt_box = gr.Textbox(show_label=False, lines=8, max_lines=30, interactive=False, elem_id="llmweb-prompt")
     gr.Markdown("### This chat, turn by turn")
@@ -403,6 +426,7 @@ def _panel_column() -> dict:
         source_close=source_close,
         source_n=source_n,
         prompt_box=prompt_box,
+        remember_btn=remember_btn,
         system_box=system_box,
         temperature=temperature,
         reply_cap=reply_cap,
@@ -420,6 +444,59 @@ def _panel_column() -> dict:
         add_fact_btn=add_fact_btn,
         tokens_plot=tokens_plot,
         memory_plot=memory_plot,
+        **say,
+    )
+
+
+def _say_panels() -> dict:
+    """Memory across chats (listed, added, edited, turned off, deleted) and what the model sees of each turn."""
+    with gr.Accordion("Memory across chats", open=False, elem_id="llmweb-all-memory"):
+        memories_md = gr.Markdown(elem_id="llmweb-memories")
+        memory_dd = gr.Dropdown(label="Remembered", choices=[], elem_id="llmweb-memory-pick")
+        memory_text = gr.Textbox(
+            placeholder="Something all your chats should know, word for word",
+            show_label=False,
+            elem_id="llmweb-memory-text",
+        )
+        with gr.Row():
+            memory_add_btn = gr.Button("Add", size="sm", elem_id="llmweb-memory-add")
+            memory_save_btn = gr.Button("Save text", size="sm", elem_id="llmweb-memory-save")
+            memory_toggle_btn = gr.Button("Turn on/off", size="sm", elem_id="llmweb-memory-toggle")
+            memory_del_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="llmweb-memory-delete")
+        with gr.Row():
+            suggest_dd = gr.Dropdown(label="Offered from this chat", choices=[], scale=3, elem_id="llmweb-suggest")
+            suggest_btn = gr.Button("Remember", size="sm", scale=1, elem_id="llmweb-suggest-remember")
+        with gr.Row():
+            memory_export = gr.DownloadButton("Export memories", size="sm", elem_id="llmweb-memory-export")
+            memory_import = gr.UploadButton(
+                "Import memories", file_types=[".json"], size="sm", elem_id="llmweb-memory-import"
+            )
+    with gr.Accordion("What the model sees", open=False, elem_id="llmweb-turns-panel"):
+        gr.Markdown(
+            "Keep a turn in context (📌: never summarised or dropped while it fits), or leave it out (⊘: "
+            "in no later prompt or summary)."
+        )
+        turn_dd = gr.Dropdown(label="Turn", choices=[], elem_id="llmweb-turn")
+        with gr.Row():
+            keep_btn = gr.Button("Keep in context", size="sm", elem_id="llmweb-keep-turn")
+            leave_out_btn = gr.Button("Leave out", size="sm", elem_id="llmweb-leave-out-turn")
+            as_planned_btn = gr.Button("As planned", size="sm", elem_id="llmweb-plan-turn")
+    return dict(
+        turn_dd=turn_dd,
+        keep_btn=keep_btn,
+        leave_out_btn=leave_out_btn,
+        as_planned_btn=as_planned_btn,
+        memories_md=memories_md,
+        memory_dd=memory_dd,
+        memory_text=memory_text,
+        memory_add_btn=memory_add_btn,
+        memory_save_btn=memory_save_btn,
+        memory_toggle_btn=memory_toggle_btn,
+        memory_del_btn=memory_del_btn,
+        memory_export=memory_export,
+        suggest_dd=suggest_dd,
+        suggest_btn=suggest_btn,
+        memory_import=memory_import,
     )
 
 
@@ -555,6 +632,7 @@ def _wire_models(ui: Layout, h: Handlers, me: list, turns: tuple) -> None:
 def _wire_sidebar(ui: Layout, h: Handlers, shown: list, me: list) -> None:
     """The chat list and its search, rename, delete, export and import, and "Delete all my data"."""
     ui.new_btn.click(h.chats.new_chat, me, shown, **PRIVATE)
+    ui.continue_btn.click(h.chats.continue_chat, [ui.conv_state] + me, shown, **GENERATE)  # may write a summary
     ui.search_box.submit(h.chats.search, [ui.search_box] + me, ui.search_hits, **PRIVATE)
     ui.search_hits.input(h.chats.open_hit, [ui.search_hits] + me, shown, **PRIVATE).then(
         None, [ui.search_hits], None, js=SCROLL_TO_TURN
@@ -567,6 +645,8 @@ def _wire_sidebar(ui: Layout, h: Handlers, shown: list, me: list) -> None:
     ui.export_md.click(h.transfer.export_md, [ui.conv_state] + me, ui.export_md, **ACCOUNT)
     ui.export_json.click(h.transfer.export_json, [ui.conv_state] + me, ui.export_json, **ACCOUNT)
     ui.import_btn.upload(h.transfer.import_chat, [ui.import_btn] + me, shown, **FILES)
+    ui.memory_export.click(h.transfer.export_memories, me, ui.memory_export, **ACCOUNT)
+    ui.memory_import.upload(h.transfer.import_memories, [ui.memory_import, ui.conv_state] + me, shown, **FILES)
     ui.delete_all_btn.click(lambda: gr.update(visible=True), None, ui.confirm_row, **PRIVATE)
     ui.cancel_all_btn.click(lambda: gr.update(visible=False), None, ui.confirm_row, **PRIVATE)
 
@@ -585,6 +665,23 @@ def _wire_panel(ui: Layout, h: Handlers, shown: list, me: list) -> None:
         (ui.del_fact_btn, h.memory.delete_fact),
     ):
         button.click(handler, [ui.conv_state, ui.fact_dd] + me, shown + [ui.new_fact], **PRIVATE)
+    for button, handler in (
+        (ui.keep_btn, h.memory.keep_turn),
+        (ui.leave_out_btn, h.memory.leave_out_turn),
+        (ui.as_planned_btn, h.memory.plan_turn),
+    ):
+        button.click(handler, [ui.conv_state, ui.turn_dd] + me, shown, **PRIVATE)
+    ui.remember_btn.click(h.memory.remember_fact, [ui.conv_state, ui.fact_dd] + me, shown, **PRIVATE)
+    picked = [ui.conv_state, ui.memory_dd, ui.memory_text]
+    for button, handler in (
+        (ui.memory_add_btn, h.memory.add_memory),
+        (ui.memory_save_btn, h.memory.save_memory),
+        (ui.memory_toggle_btn, h.memory.toggle_memory),
+        (ui.memory_del_btn, h.memory.delete_memory),
+    ):
+        button.click(handler, picked + me, shown + [ui.memory_text], **PRIVATE)
+    offered = [ui.conv_state, ui.suggest_dd, ui.memory_text]
+    ui.suggest_btn.click(h.memory.remember_offered, offered + me, shown + [ui.memory_text], **PRIVATE)
 
 
 def _wire_sources(ui: Layout, h: SourceHandlers, me: list) -> None:

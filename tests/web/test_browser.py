@@ -742,7 +742,7 @@ def field(page, elem_id: str):
 
 def test_a_chats_system_prompt_survives_a_reload_and_is_in_its_prompt(page, server):
     with step(page, "chat-settings"):
-        page.get_by_role("button", name="New chat").click()
+        page.get_by_role("button", name="New chat", exact=True).click()
         poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
         idle(page)  # the new chat's panel must not land on the fields after they are filled
         open_accordion(page, "#llmweb-chat-settings", "This chat's settings", "#llmweb-system-prompt")
@@ -860,6 +860,172 @@ def test_editing_turn_2_of_4_forks_and_the_switcher_goes_back_to_all_4_turns_ove
         wait_ready(page, server)
         poll(lambda: plain_users(page) == original, REPLY_S, "a reload to keep the active version", server, page)
         shot(page, "edited.png")
+
+
+TURN_PICKER = "#llmweb-turn input"
+
+
+OPTIONS = '[data-testid="dropdown-option"]'
+
+
+def pick_option(page, picker: str, text) -> None:
+    """Pick the option of the dropdown `picker` whose text matches `text` (a string or a regex); a
+    panel update arriving meanwhile re-renders the options, so a detached one is tried again."""
+    for attempt in range(3):
+        page.locator(picker).click()
+        try:
+            page.locator(OPTIONS).filter(has_text=text).first.click(timeout=10_000)
+            return
+        except Exception:
+            if attempt == 2:
+                raise
+            page.keyboard.press("Escape")
+            idle(page)
+
+
+def pick_turn(page, number: int) -> None:
+    """Pick turn `number` (1-based) in the "What the model sees" picker."""
+    pick_option(page, TURN_PICKER, re.compile(rf"(^|[^0-9]){number}\. "))
+
+
+def options_shown(page, picker: str, server: Server, needle: str) -> str:
+    """The options of `picker`, once one of them shows `needle`."""
+
+    def shown() -> str:
+        page.locator(picker).click()
+        text = " | ".join(page.locator(OPTIONS).all_inner_texts())
+        page.keyboard.press("Escape")
+        return text if needle in text else ""
+
+    return poll(shown, 60, f"the picker to show {needle!r}", server, page)
+
+
+def test_a_kept_turn_and_a_left_out_turn_shape_the_next_prompt_and_survive_a_reload(page, server):
+    """In a new chat: turn 1 kept in context (📌), turn 2 left out (⊘); the next prompt holds turn 1
+    and not turn 2, and says so; a reload keeps both marks."""
+    with step(page, "turn-views"):
+        page.get_by_role("button", name="New chat", exact=True).click()
+        poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
+        idle(page)
+        for text in ("My locker code is quokka.", "Say the word narwhal."):
+            ask(page, server, text)
+        open_accordion(page, "#llmweb-turns-panel", "What the model sees", "#llmweb-turn")
+        for number, button in ((1, "#llmweb-keep-turn"), (2, "#llmweb-leave-out-turn")):
+            pick_turn(page, number)
+            page.locator(button).click()
+            idle(page)
+        marked = options_shown(page, TURN_PICKER, server, "⊘")
+        assert "📌 My locker code" in marked and "⊘ Say the word narwhal" in marked, marked
+        ask(page, server, "What else?")
+        open_accordion(page, "#llmweb-prompt-panel", "Prompt of the last turn", "#llmweb-prompt")
+        prompt = poll(
+            lambda: t if "In this prompt:" in (t := field(page, "llmweb-prompt").input_value()) else "",
+            60,
+            "the prompt panel to show the last turn's prompt",
+            server,
+            page,
+        )
+        assert "My locker code is quokka." in prompt and "1 turn you keep in context" in prompt, prompt[:400]
+        assert "narwhal" not in prompt and "1 turn you left out" in prompt, prompt[:400]
+        page.reload(wait_until="domcontentloaded")
+        wait_ready(page, server)
+        poll(lambda: len(user_texts(page)) == 3, REPLY_S, "the reloaded chat", server, page)
+        open_accordion(page, "#llmweb-turns-panel", "What the model sees", "#llmweb-turn")
+        options = options_shown(page, TURN_PICKER, server, "⊘")
+        assert "📌 My locker code" in options and "⊘ Say the word narwhal" in options, options
+        shot(page, "turn-views.png")
+
+
+def test_continue_in_a_new_chat_opens_a_linked_chat_with_the_kept_turns(page, server):
+    """The chat of the test before (turn 1 kept, turn 2 left out, 3 turns) goes on in a new chat: it
+    opens with turns 1 and 3 (not the one left out), says which chat it continues, and its prompt
+    holds the kept turn."""
+    with step(page, "continued"):
+        n_chats = len(page.locator("#llmweb-conversations label").all())
+        page.locator("#llmweb-continue-chat").click()
+        poll(
+            lambda: len(page.locator("#llmweb-conversations label").all()) == n_chats + 1,
+            REPLY_S,
+            "the continued chat in the list",
+            server,
+            page,
+        )
+        poll(lambda: "(continued)" in page.locator("#llmweb-conversations").inner_text(), 60, "its title", server, page)
+        users = poll(lambda: u if len(u := user_texts(page)) == 2 else None, 60, "its first turns", server, page)
+        assert users == ["My locker code is quokka.", "What else?"], users
+        open_accordion(page, "#llmweb-memory-panel", "Memory", "#llmweb-memory")
+        assert "This chat continues" in page.locator("#llmweb-memory").inner_text()
+        ask(page, server, "Go on.")
+        prompt = last_prompt(page, server, "Go on.")
+        assert "My locker code is quokka." in prompt and "narwhal" not in prompt, prompt[:400]
+        shot(page, "continued.png")
+
+
+def remember_in_all_chats(page, server: Server, text: str) -> None:
+    """Add `text` under "Memory across chats" and wait for the list to show it."""
+    open_accordion(page, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
+    field(page, "llmweb-memory-text").fill(text)
+    page.locator("#llmweb-memory-add").click()
+    poll(lambda: text in page.locator("#llmweb-memories").inner_text(), 60, f"{text!r} remembered", server, page)
+
+
+def last_prompt(page, server: Server, marker: str = "In this prompt:") -> str:
+    open_accordion(page, "#llmweb-prompt-panel", "Prompt of the last turn", "#llmweb-prompt")
+    return poll(
+        lambda: t if marker in (t := field(page, "llmweb-prompt").input_value()) else "",
+        60,
+        "the prompt panel to show the last turn's prompt",
+        server,
+        page,
+    )
+
+
+def test_memory_across_chats_is_added_in_the_page_reaches_another_chat_and_goes_when_off_or_deleted(
+    page, server, tmp_path
+):
+    """A memory added in the page is in a new chat's prompt; turned off it is not; deleted it is gone
+    from the list; a fact of a chat becomes one with "Remember in all my chats"."""
+    colour = "My favourite colour is teal."
+    with step(page, "memory-across-chats"):
+        remember_in_all_chats(page, server, colour)
+        page.get_by_role("button", name="New chat", exact=True).click()
+        poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
+        idle(page)
+        ask(page, server, "Hi!")
+        prompt = last_prompt(page, server, "Hi!")
+        assert colour in prompt and "1 thing you asked all your chats to remember" in prompt, prompt[:400]
+        open_accordion(page, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
+        pick_option(page, "#llmweb-memory-pick input", "teal")
+        page.locator("#llmweb-memory-toggle").click()
+        poll(lambda: "⏸" in page.locator("#llmweb-memories").inner_text(), 60, "the memory turned off", server, page)
+        ask(page, server, "And now?")
+        assert colour not in last_prompt(page, server, "And now?")
+        pick_option(page, "#llmweb-memory-pick input", "teal")
+        page.locator("#llmweb-memory-delete").click()
+        poll(
+            lambda: "teal" not in page.locator("#llmweb-memories").inner_text(), 60, "the memory deleted", server, page
+        )
+        open_accordion(page, "#llmweb-memory-panel", "Memory", "#llmweb-memory")
+        field(page, "llmweb-new-fact").fill("My dog is Rex.")
+        page.locator("#llmweb-memory-panel").get_by_role("button", name="Remember", exact=True).click()
+        poll(lambda: "Rex" in page.locator("#llmweb-memory").inner_text(), 60, "the chat's fact", server, page)
+        pick_option(page, "#llmweb-fact input", "Rex")
+        page.locator("#llmweb-remember-all").click()
+        poll(lambda: "My dog is Rex." in page.locator("#llmweb-memories").inner_text(), 60, "remembered", server, page)
+        ask(page, server, "My locker code is 4471.")  # a fact sentence: offered, not written
+        open_accordion(page, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
+        assert "4471" not in page.locator("#llmweb-memories").inner_text()
+        pick_option(page, "#llmweb-suggest input", "4471")
+        page.locator("#llmweb-suggest-remember").click()
+        poll(lambda: "4471" in page.locator("#llmweb-memories").inner_text(), 60, "the offered fact kept", server, page)
+        exported = tmp_path / "memories.json"  # as "Export memories" writes it (the download needs two clicks)
+        exported.write_text(
+            '{"format": "llmweb.memories", "version": 1, "memories": [{"text": "I live in Ghent.", "enabled": true}]}',
+            encoding="utf-8",
+        )
+        page.locator('input[data-testid="Import memories-upload-button"]').set_input_files(str(exported))
+        poll(lambda: "Ghent" in page.locator("#llmweb-memories").inner_text(), 60, "the imported memory", server, page)
+        shot(page, "memory-across-chats.png")
 
 
 def test_at_390_px_the_chat_input_and_stop_are_reachable_without_horizontal_scrolling(server, browser, tmp_path):
@@ -995,7 +1161,7 @@ def test_the_picker_switches_the_chat_to_the_second_model_and_shows_it_over_a_re
     from llmweb.store.db import Store
 
     with step(page, "picker"):
-        page.get_by_role("button", name="New chat").click()
+        page.get_by_role("button", name="New chat", exact=True).click()
         poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
         idle(page)
         poll(lambda: picked(page).startswith(FIRST_MODEL), 60, f"the picker to show {FIRST_MODEL}", server, page)
@@ -1039,7 +1205,7 @@ def test_the_picker_switches_the_chat_to_the_second_model_and_shows_it_over_a_re
         assert f"Ready: {SECOND_MODEL}" in status_line(page), status_line(page)
 
     with step(page, "picker-chat-model"):  # another model served meanwhile: the chat's next message takes its own back
-        page.get_by_role("button", name="New chat").click()
+        page.get_by_role("button", name="New chat", exact=True).click()
         poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
         idle(page)
         pick(page, server, FIRST_MODEL)
@@ -1208,6 +1374,7 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path, browser):
                 assert is_real_text(reply), reply
                 assert page_a.locator(THOUGHTS).count() == 1, "A's answer has no Sources block"
                 assert PRIVATE_DOC_NAME in opened_sources(page_a, srv, page_a.locator(THOUGHTS).last)
+                remember_in_all_chats(page_a, srv, "My moped is named Velmorine.")  # memory across A's chats
 
             with step(page_b, "owners-b"):
                 wait_ready(page_b, srv)
@@ -1217,6 +1384,8 @@ def test_two_visitors_never_see_each_others_chats_or_uploads(tmp_path, browser):
                     loaded(page_b, srv, [])
                     assert "No documents yet" in page_b.locator("#llmweb-doclist").inner_text()
                     assert "No turns yet" in page_b.locator("#llmweb-stats").inner_text()
+                    open_accordion(page_b, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
+                    assert "Nothing yet" in page_b.locator("#llmweb-memories").inner_text()
                     assert not (found := leaks(page_b, A_ONLY + ("Quokkafrost",))), (
                         f"B's page {moment} shows A's data: {found}"
                     )

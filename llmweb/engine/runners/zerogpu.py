@@ -178,6 +178,9 @@ class _Alone:
     def wait(self, handle) -> tuple[int, float]:
         return 0, 0.0
 
+    def prefilling(self, handle) -> tuple[int, int] | None:
+        return None
+
     def withdraw(self, handle) -> None:
         return None
 

@@ -31,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from llmweb.chat.memory import remembered
 from llmweb.chat.session import Delta, Finished, Progress, Queued
 from llmweb.chat.stateless import Fitted, StatelessChat, cut_results
 from llmweb.chat.turn import Cancel, Sampling
@@ -132,6 +133,10 @@ class ChatCompletions:
         if req.stateful:
             new = req.conversation_id == NEW_CONVERSATION
             conv_id = new_id() if new else str(req.conversation_id)
+            if req.continue_from is not None:  # a new chat of the caller's, from one of theirs (chat/carry.py)
+                if not caller.owner:
+                    raise bad("x_llmweb.continue_from needs an API key: without one, each chat is its own.")
+                conv_id, new = chat.carry.continue_in_new(caller.owner, req.continue_from), False
             owner = caller.of_conversation(conv_id)
             chat.engine.note_address(owner, address)  # an address's conversations share its limits
             if not new and not chat.store.exists(owner, conv_id):
@@ -142,6 +147,8 @@ class ChatCompletions:
                     code="conversation_not_found",
                     param="conversation_id",
                 )
+            for turn, view in req.turn_views:  # the caller's say in what the model sees, before this turn
+                chat.set_view(owner, conv_id, turn, view)
             use_docs = True if req.use_docs is None else req.use_docs
             whole = {"whole_document": True} if req.whole_document else {}
             text = req.messages[0].text if req.messages[0].role == "user" else self.results(chat, owner, conv_id, req)
@@ -160,6 +167,10 @@ class ChatCompletions:
             )
             return _Turn(events, cancel, "stateful", conv_id, max_tokens, notes)
         owner = caller.stateless_owner
+        if req.memory and not caller.owner:
+            raise bad("x_llmweb.memory needs an API key: it reads the memory of the key's account.", "x_llmweb")
+        if req.turn_views:
+            raise bad("x_llmweb.turns: only a stored conversation (conversation_id) has turns to keep or leave out.")
         if req.whole_document:  # the last user message, over one of the caller's documents
             text = next((m.text for m in reversed(req.messages) if m.role == "user"), "")
             only = None
@@ -179,6 +190,7 @@ class ChatCompletions:
             stop=req.stop,
             cancel=cancel,
             documents=req.documents,
+            memory=remembered(chat.store, owner) if req.memory else (),
         )
         return _Turn(events, cancel, "stateless", None, max_tokens, notes)
 

@@ -23,7 +23,7 @@ from llmweb.chat.session import clean_message
 from llmweb.chat.turn import held_back
 from llmweb.engine.request import MAX_TOP_LOGPROBS
 from llmweb.errors import InputError
-from llmweb.records import MAX_CHAT_DOCUMENTS
+from llmweb.records import MAX_CHAT_DOCUMENTS, OUT, PIN
 from llmweb.web.api.common import Usage, number, optional, same, unsupported
 from llmweb.web.api.errors import ApiError, bad
 from llmweb.web.api.tools import Shaped, ToolSet, call_text, parse_response_format, parse_tools, result_text
@@ -115,6 +115,9 @@ class ChatRequest:
     )
     shaped: Shaped | None = None  # response_format or tools: the reply's grammar and instruction
     tools: ToolSet | None = None  # tools, tool_choice, parallel_tool_calls
+    turn_views: tuple[tuple[int, str], ...] = ()  # x_llmweb.turns: (0-based turn, Turn.view), set before the turn
+    memory: bool = False  # x_llmweb.memory: a stateless request reads the owner's memory across chats
+    continue_from: str | None = None  # x_llmweb.continue_from: "new" starts from this chat of the caller's
 
     @property
     def stateful(self) -> bool:
@@ -195,6 +198,7 @@ def parse_request(
         logprobs=parse_logprobs(body),
         shaped=shaped,
         tools=tools,
+        **_long_sessions(body, ours, conversation_id),
     )
 
 
@@ -250,7 +254,7 @@ def _use_docs(body: Mapping[str, Any], headers: Mapping[str, str]) -> bool | Non
     return use_docs
 
 
-OURS = ("whole_document", "loop_guard")  # x_llmweb's flags; "documents" is a list (`_documents`)
+OURS = ("whole_document", "loop_guard", "memory")  # x_llmweb's flags; "documents" is a list (`_documents`)
 MAX_DOCUMENT_NAME_CHARS = 1024
 
 
@@ -258,7 +262,7 @@ def _ours(body: Mapping[str, Any]) -> dict[str, bool | None]:
     """llmweb's own flags, `x_llmweb`: {"whole_document": bool, "loop_guard": bool}; None where not sent."""
     ours = optional(body, "x_llmweb", dict) or {}
     for key in ours:
-        if key not in (*OURS, "documents"):
+        if key not in (*OURS, "documents", "turns", "continue_from"):
             raise bad(f"Unrecognized x_llmweb field: {str(key)[:100]}", "x_llmweb", "unknown_parameter")
     return {name: optional(ours, name, bool, f"x_llmweb.{name}") for name in OURS}
 
@@ -274,6 +278,52 @@ def _documents(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     if not all(isinstance(n, str) and 0 < len(n) <= MAX_DOCUMENT_NAME_CHARS for n in names):
         raise bad(f"{where}: each is a document's name or id, 1 to {MAX_DOCUMENT_NAME_CHARS} characters.", where)
     return tuple(names)
+
+
+def _long_sessions(body: Mapping[str, Any], ours: Mapping[str, Any], conversation_id: str | None) -> dict:
+    """x_llmweb's say in a long session: turns kept or left out, memory across chats, continue_from."""
+    return dict(
+        turn_views=_turn_views(body),
+        memory=ours.get("memory") or False,
+        continue_from=_continue_from(body, conversation_id),
+    )
+
+
+def _continue_from(body: Mapping[str, Any], conversation_id: str | None) -> str | None:
+    """`x_llmweb.continue_from`: the id of the caller's chat a new one continues (conversation_id "new")."""
+    from_id = (optional(body, "x_llmweb", dict) or {}).get("continue_from")
+    if from_id is None:
+        return None
+    where = "x_llmweb.continue_from"
+    if not isinstance(from_id, str) or not 0 < len(from_id) <= 64:
+        raise bad(f"{where}: the id of one of your conversations.", where)
+    if conversation_id != NEW_CONVERSATION:
+        raise bad(f'{where} starts a new conversation: send it with conversation_id "new".', where)
+    return from_id
+
+
+MAX_TURN_VIEWS = 100  # entries of x_llmweb.turns in one request
+VIEWS = {"keep": PIN, "leave_out": OUT, "as_planned": ""}  # x_llmweb.turns[i].view -> records.Turn.view
+
+
+def _turn_views(body: Mapping[str, Any]) -> tuple[tuple[int, str], ...]:
+    """`x_llmweb.turns`: [{"turn": n (1-based), "view": "keep" | "leave_out" | "as_planned"}, ...]."""
+    items = (optional(body, "x_llmweb", dict) or {}).get("turns")
+    if items is None:
+        return ()
+    where = "x_llmweb.turns"
+    if not isinstance(items, list) or len(items) > MAX_TURN_VIEWS:
+        raise bad(f"{where} must be a list of at most {MAX_TURN_VIEWS} {{turn, view}} objects.", where)
+    out = []
+    for item in items:
+        n = item.get("turn") if isinstance(item, dict) else None
+        view = item.get("view") if isinstance(item, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(view, str) or view not in VIEWS:
+            raise bad(f'{where}: each is {{"turn": n (from 1), "view": one of {", ".join(VIEWS)}}}.', where)
+        if len(item) != 2:
+            raise bad(f"{where}: each has a turn and a view, nothing else.", where)
+        out.append((n - 1, VIEWS[view]))
+    return tuple(out)
 
 
 def parse_messages(raw: Any, max_chars: int, stateful: bool = False) -> tuple[Message, ...]:

@@ -22,7 +22,9 @@ from typing import Any, NamedTuple
 
 import gradio as gr
 
+from llmweb.chat.facts import suggestions
 from llmweb.errors import InputError
+from llmweb.records import OUT
 from llmweb.store.models import DEFAULT_TITLE, ChatSettings, Conversation
 from llmweb.web.failures import public_message
 from llmweb.web.formatting import (
@@ -31,11 +33,14 @@ from llmweb.web.formatting import (
     fact_label,
     history_messages,
     line_chart_html,
+    memories_markdown,
+    memory_choices,
     plot_frames,
     scope_label,
     sections_html,
     stats_markdown,
     summary_markdown,
+    turn_choices,
     version_choices,
 )
 from llmweb.web.trust import origin_of
@@ -98,6 +103,10 @@ class Panel(NamedTuple):
     versions_row: Any  # the version switcher, shown when the chat has versions
     version_dd: Any
     doc_scope: Any  # the documents this chat reads (empty: all), among those the owner can read
+    turn_dd: Any  # the turns, to keep in context or leave out (panels/memory.py)
+    memories_md: Any  # what the owner asked all their chats to remember (panels/memory.py)
+    memory_dd: Any
+    suggest_dd: Any  # this chat's fact sentences, offered to remember in all the owner's chats
     source_box: Any  # the source panel (panels/sources.py): closed when another view of the chat is shown
 
     @classmethod
@@ -225,6 +234,18 @@ class PanelHandlers:
             doc_scope=self.scope_shown(owner, conv.settings),
             **self._settings_shown(conv.settings),
             source_box=gr.update(visible=False),
+            turn_dd=gr.update(choices=turn_choices(conv), value=None),
+            **self._memories_shown(owner, conv),
+        )
+
+    def _memories_shown(self, owner: str, conv) -> dict:
+        memories = self.store.memories(owner)
+        said = [t.user for t in conv.turns if t.view != OUT]
+        offered = suggestions(said, [m.text for m in memories])
+        return dict(
+            memories_md=memories_markdown(memories),
+            memory_dd=gr.update(choices=memory_choices(memories), value=None),
+            suggest_dd=gr.update(choices=offered, value=None),
         )
 
     def scope_shown(self, owner: str, chosen: ChatSettings):

@@ -22,6 +22,15 @@ class ChatListHandlers(PanelHandlers):
         return self._open(self.owner(token, request), "")
 
     @user_errors
+    def continue_chat(self, conv_id, token, request: gr.Request) -> Panel:
+        """Continue the open chat in a new one (chat/carry.py), one at a time per owner, and open it."""
+        owner = self.owner(token, request)
+        old = self._current(owner, conv_id)
+        with self.slots.take(owner, "continuation in a new chat"):
+            new = self._chat().carry.continue_in_new(owner, conv_id)
+        return self._reshown(owner, new, f"This chat continues “{old.title}”: its summary, facts and last turns.")
+
+    @user_errors
     def switch(self, conv_id, token, request: gr.Request) -> Panel:
         owner = self.owner(token, request)
         return self._warmed(owner, self._open(owner, conv_id or ""))

@@ -101,13 +101,31 @@ class TransferHandlers(PanelHandlers):
     def export_json(self, conv_id, token, request: gr.Request) -> str:
         return self._export(self.owner(token, request), conv_id, "json")
 
+    @user_errors
+    def export_memories(self, token, request: gr.Request) -> str:
+        """The caller's memory across chats, as a JSON file to download."""
+        owner = self.owner(token, request)
+        return self._write(owner, "memories.json", self.store.export_memories(owner))
+
+    @user_errors
+    def import_memories(self, file, conv_id, token, request: gr.Request) -> Panel:
+        """Add the memories of an exported memories file to the caller's (the chat shown stays open)."""
+        owner = self.owner(token, request)
+        added = self.store.import_memories(owner, self._read_upload(file, "memories"))
+        panel = self._open(owner, conv_id or "")
+        return panel._replace(stats_md=f"{panel.stats_md}\n\nAdded {added} memories across your chats.")
+
     def _export(self, owner: str, conv_id: str, kind: str) -> str:
         self._current(owner, conv_id)
         text = self.store.export_markdown(owner, conv_id) if kind == "md" else self.store.export_json(owner, conv_id)
+        return self._write(owner, f"conversation-{conv_id[:8]}.{kind}", text)
+
+    def _write(self, owner: str, name: str, text: str) -> str:
+        """`text` as the owner's export file `name`, private to them, swept after EXPORT_TTL_S."""
         sweep_exports()
         folder = export_folder(owner)
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = folder / f"conversation-{conv_id[:8]}.{kind}"
+        path = folder / name
         path.unlink(missing_ok=True)  # a fresh file, created 0600 (never through a link)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -119,19 +137,23 @@ class TransferHandlers(PanelHandlers):
         """Import a JSON export as a new chat of the caller's and open it; a bad file is a toast and
         changes nothing."""
         owner = self.owner(token, request)
-        if not file:
-            raise InputError("Pick an llmweb .json export to import.")
-        path = Path(file if isinstance(file, str) else file.name)
-        try:
-            if path.stat().st_size > self.settings.max_file_mb * 2**20:
-                raise InputError(f"That file is larger than {self.settings.max_file_mb} MB (LLMWEB_MAX_FILE_MB).")
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise InputError("That file is not text (UTF-8): it is not an llmweb .json export.") from None
-        finally:
-            forget_upload(path)  # read (or refused): Gradio's upload copy is not kept
+        text = self._read_upload(file, "conversation")
         with self.slots.take(owner, "import"):
             conv_id = self._chat().import_json(owner, text)
         conv = self.store.get(owner, conv_id)
         # not warmed: an import is a stranger's cheapest way to ask for a long prefill
         return self.panel(owner, conv, f"Imported “{conv.title}” ({len(conv.turns)} turns).")
+
+    def _read_upload(self, file, what: str) -> str:
+        """An uploaded export's text (Gradio's copy deleted once read); too large or not text: InputError."""
+        if not file:
+            raise InputError(f"Pick an llmweb .json export of a {what} to import.")
+        path = Path(file if isinstance(file, str) else file.name)
+        try:
+            if path.stat().st_size > self.settings.max_file_mb * 2**20:
+                raise InputError(f"That file is larger than {self.settings.max_file_mb} MB (LLMWEB_MAX_FILE_MB).")
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError("That file is not text (UTF-8): it is not an llmweb .json export.") from None
+        finally:
+            forget_upload(path)  # read (or refused): Gradio's upload copy is not kept
