@@ -240,8 +240,7 @@ class Chat:
         only = scope.turn_scope(self.library, conv, how.documents)
         gone = use_docs and how.documents is None and conv.settings.documents is not None and not only
         prompt = self._prompt(conv, text, mine, use_docs, only)
-        if how.sampling is not None and how.sampling.instruction:  # the reply's grammar, told (web/api/tools.py)
-            prompt = replace(prompt, system=f"{prompt.system}\n\n{how.sampling.instruction}")
+        prompt = _told(prompt, how.sampling)
         plan = prompt.plan(budget, self.fmt)  # InputError with the numbers when the message cannot fit
         self.windows.note(conv.id, conv.summarized_upto + plan.window_start)
         job = Job(
@@ -351,9 +350,8 @@ class Chat:
         self.store.set_turn_view(owner, conv_id, turn, view)
 
     def undo(self, owner: str, conv_id: str):
-        """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is
-        already folded into the summary. The session's KV cache is left as it is: the next prompt
-        shares its prefix up to the removed turn, and the runner reuses only the common prefix."""
+        """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is folded
+        into the summary. The KV cache stays: the runner reuses only the next prompt's common prefix."""
         self.wait_background(conv_id)  # a fold in flight may be taking the last turn
         return self.store.pop_last_turn(owner, conv_id)
 
@@ -439,3 +437,10 @@ def _names(documents: Sequence[str] | None) -> tuple[str, ...] | None:
     if isinstance(documents, str):  # one name, not its characters
         return (documents,)
     return tuple(documents)
+
+
+def _told(prompt, sampling):
+    """The prompt with the reply's grammar told in its system message (web/api/tools.py), if any."""
+    if sampling is None or not sampling.instruction:
+        return prompt
+    return replace(prompt, system=f"{prompt.system}\n\n{sampling.instruction}")

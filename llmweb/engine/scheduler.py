@@ -356,10 +356,9 @@ class Engine:
             s.handle._finish(None, error)
 
     def _give_way(self, victim: Slot, reason: str, refusal: str = "") -> None:
-        """`victim` alone gives way, after an OOM in its pass (`reason` "oom") or the backend's refusal of
-        its prompt (a `GiveWay` reason, its words in `refusal`): its cache is freed (after an OOM, also
-        the allocator's, and idle caches the retry needs), then it retries once with its smaller
-        `fallback` (its streamed ids void: `Restarted`), first in line, or fails; the rest go on."""
+        """`victim` alone gives way, after an OOM in its pass ("oom") or the backend's refusal of its prompt
+        (a `GiveWay` reason, its words in `refusal`): its cache is freed (after an OOM also the allocator's,
+        and idle caches the retry needs), then it retries once with its `fallback`, first in line, or fails."""
         self._remove(victim)
         self.runner.release(victim, keep=False)
         smaller = retry_plan(victim, reason, refusal, self.limits.max_new_tokens)

@@ -112,21 +112,7 @@ class ChatCompletions:
         """Start the chat turn for `req` on `chat` (nothing runs until its events are read)."""
         cap = chat.budget.max_new_tokens
         max_tokens = chat.budget.capped(req.max_tokens).max_new_tokens
-        shaped = req.shaped
-        sampling = Sampling(
-            req.temperature,
-            req.top_p,
-            max_tokens,
-            req.loop_guard,
-            logprobs=req.logprobs,
-            constraint=shaped.constraint if shaped is not None else None,
-            instruction=shaped.instruction if shaped is not None else "",
-        )
-        cancel = Cancel()
-        if req.logprobs is not None and req.whole_document:
-            raise bad("logprobs are not available with x_llmweb.whole_document.", "logprobs")
-        if req.logprobs is not None and not logprobs_supported(chat.engine):
-            raise logprobs_unsupported()
+        sampling, cancel = _sampling(req, chat, max_tokens), Cancel()
         notes = []
         if req.max_tokens is not None and req.max_tokens > cap:
             notes.append(f"max_tokens was capped at {cap} (the reply budget, LLMWEB_MAX_NEW_TOKENS).")
@@ -405,3 +391,21 @@ class _Reply:
                     yield sse(self.c.chunk(None, usage=self.usage(event), include_usage=True))
                 yield sse("[DONE]")
                 return
+
+
+def _sampling(req: ChatRequest, chat, max_tokens: int) -> Sampling:
+    """The request's sampling over the chat's: its grammar (response_format, tools) and logprobs."""
+    if req.logprobs is not None and req.whole_document:
+        raise bad("logprobs are not available with x_llmweb.whole_document.", "logprobs")
+    if req.logprobs is not None and not logprobs_supported(chat.engine):
+        raise logprobs_unsupported()
+    shaped = req.shaped
+    return Sampling(
+        req.temperature,
+        req.top_p,
+        max_tokens,
+        req.loop_guard,
+        logprobs=req.logprobs,
+        constraint=shaped.constraint if shaped is not None else None,
+        instruction=shaped.instruction if shaped is not None else "",
+    )
