@@ -782,7 +782,9 @@ def test_a_chats_system_prompt_survives_a_reload_and_is_in_its_prompt(page, serv
             server,
             page,
         )
-        assert prompt.startswith(f"### system\n{PERSONA}"), prompt[:300]
+        head, _, body = prompt.partition("\n\n")  # what is in the prompt and why, then the prompt itself
+        assert head.startswith("In this prompt: system prompt"), prompt[:300]
+        assert body.startswith(f"### system\n{PERSONA}"), prompt[:300]
         assert "Hello!" in prompt
         shot(page, "chat-settings.png")
 

@@ -146,9 +146,13 @@ class LocalRunner(BaseRunner):
             raise InputError(f"The prompt holds token id {bad}, outside this model's {self.vocab} embeddings.")
         if not self._batch.slots:
             reset_peak(self.device)  # the CUDA peak is the batch's, from its first request
-        matcher = self.matcher(request, self.model.get_output_embeddings().out_features)
+        matcher = None if request.constraint is None else self.matcher(request, self._logits_width())
         sampler = TorchSampler(request, prompt, self.device, self.pieces, matcher)
         return _Seq(prompt=prompt, sampler=sampler, cache=self._new_cache(self.model.config))
+
+    def _logits_width(self) -> int:
+        """The width of a row of logits (the output layer's, which may pad the tokenizer's vocabulary)."""
+        return self.model.get_output_embeddings().out_features
 
     def _restore(self, seq: Seq, entry, reused: int) -> int:
         """The session's cache, cropped to its longest common prefix with the prompt."""
