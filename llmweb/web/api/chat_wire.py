@@ -24,8 +24,8 @@ from llmweb.chat.turn import held_back
 from llmweb.engine.request import MAX_TOP_LOGPROBS
 from llmweb.errors import InputError
 from llmweb.records import MAX_CHAT_DOCUMENTS, OUT, PIN
-from llmweb.web.api.common import Usage, number, optional, same, unsupported
-from llmweb.web.api.errors import ApiError, bad
+from llmweb.web.api.common import Usage, checked_fields, model_named, number, optional, same, unsupported
+from llmweb.web.api.errors import bad
 from llmweb.web.api.tools import Shaped, ToolSet, call_text, parse_response_format, parse_tools, result_text
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -129,24 +129,8 @@ def parse_request(
 ) -> ChatRequest:
     """Validate a chat-completions body (and the llmweb headers) into a `ChatRequest`; raise ApiError."""
     headers = {k.lower(): v for k, v in (headers or {}).items()}
-    for name in body:
-        if name not in KNOWN_FIELDS:
-            raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
-    for name, neutral in NEUTRAL.items():
-        if name in body and not any(same(body[name], v) for v in neutral):
-            raise bad(unsupported(name), name, "unsupported_parameter")
-
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("You must provide a model (GET /v1/models lists it).", "model", "missing_required_parameter")
-    if model not in models:
-        raise ApiError(
-            404,
-            f"The model {model[:100]!r} does not exist here; this server has {', '.join(map(repr, models))}.",
-            type="not_found_error",
-            code="model_not_found",
-            param="model",
-        )
+    checked_fields(body, KNOWN_FIELDS, NEUTRAL)
+    model = model_named(body, models)
 
     stream = optional(body, "stream", bool) or False
     include_usage = _include_usage(body, stream)

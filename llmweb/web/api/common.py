@@ -152,6 +152,33 @@ def number(body: Mapping[str, Any], name: str, low: float, high: float, low_open
     return float(value)
 
 
+def checked_fields(body: Mapping[str, Any], known: Any, neutral: Mapping[str, tuple[Any, ...]]) -> None:
+    """Refuse, as OpenAI does, a field the endpoint does not know, and one it does not implement
+    (`neutral`: the values that change nothing) unless it holds a neutral value."""
+    for name in body:
+        if name not in known:
+            raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+    for name, values in neutral.items():
+        if name in body and not any(same(body[name], v) for v in values):
+            raise bad(unsupported(name), name, "unsupported_parameter")
+
+
+def model_named(body: Mapping[str, Any], models: Sequence[str]) -> str:
+    """The body's `model`: one of `models`, else a 400 (missing) or 404 (unknown) as OpenAI answers."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("You must provide a model (GET /v1/models lists it).", "model", "missing_required_parameter")
+    if model not in models:
+        raise ApiError(
+            404,
+            f"The model {model[:100]!r} does not exist here; this server has {', '.join(map(repr, models))}.",
+            type="not_found_error",
+            code="model_not_found",
+            param="model",
+        )
+    return model
+
+
 def unsupported(name: str) -> str:
     """The refusal of an OpenAI feature this server does not implement, by its field's name."""
     why = {

@@ -18,8 +18,8 @@ from typing import Any
 from llmweb.chat.tokens import token_bytes
 from llmweb.engine.request import MAX_TOP_LOGPROBS, TokenLogprob
 from llmweb.web.api.chat_wire import _max_tokens, _stop
-from llmweb.web.api.common import Usage, number, optional, same, unsupported
-from llmweb.web.api.errors import ApiError, bad
+from llmweb.web.api.common import Usage, checked_fields, model_named, number, optional
+from llmweb.web.api.errors import bad
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for a completion
 IGNORED_FIELDS = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
@@ -68,23 +68,8 @@ class CompletionRequest:
 
 def parse_completion(body: dict[str, Any], models: Sequence[str], max_chars: int) -> CompletionRequest:
     """Validate a completions body into a `CompletionRequest`; raise ApiError naming the field."""
-    for name in body:
-        if name not in KNOWN_FIELDS:
-            raise bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
-    for name, neutral in NEUTRAL.items():
-        if name in body and not any(same(body[name], v) for v in neutral):
-            raise bad(unsupported(name), name, "unsupported_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("You must provide a model (GET /v1/models lists it).", "model", "missing_required_parameter")
-    if model not in models:
-        raise ApiError(
-            404,
-            f"The model {model[:100]!r} does not exist here; this server has {', '.join(map(repr, models))}.",
-            type="not_found_error",
-            code="model_not_found",
-            param="model",
-        )
+    checked_fields(body, KNOWN_FIELDS, NEUTRAL)
+    model = model_named(body, models)
     stream = optional(body, "stream", bool) or False
     options = optional(body, "stream_options", dict)
     if options is not None and not stream:
