@@ -318,9 +318,7 @@ class _Lines:
                 try:
                     event = await pump.next()
                 except Exception as e:
-                    yield (
-                        json.dumps({"error": (e if isinstance(e, ApiError) else api_error(e)).message}).encode() + b"\n"
-                    )
+                    yield _error_line(e)
                     return
                 if event is None:
                     return
@@ -369,9 +367,7 @@ class _Lines:
                 try:
                     event = await pump.next()
                 except Exception as e:
-                    yield (
-                        json.dumps({"error": (e if isinstance(e, ApiError) else api_error(e)).message}).encode() + b"\n"
-                    )
+                    yield _error_line(e)
                     return
                 if event is None:
                     return
