@@ -344,10 +344,10 @@ class Chat:
         folded = conv.turns[fork : conv.summarized_upto] if self.turn_settings(conv.settings).recall else []
         self.recalls.follow(conv_id, fork, ((t.idx, t.as_turn()) for t in folded), alive=self._alive(conv))
 
-    def set_view(self, owner: str, conv_id: str, turn: int, view: str) -> None:
-        """Keep turn `turn` in context (PIN), leave it out (OUT) or neither: the next prompt re-prefills from it."""
+    def set_view(self, owner: str, conv_id: str, views: Sequence[tuple[int, str]]) -> None:
+        """Each (turn, view): keep it in context (PIN), leave it out (OUT) or neither; all or none."""
         self.wait_background(conv_id)
-        self.store.set_turn_view(owner, conv_id, turn, view)
+        self.store.set_turn_views(owner, conv_id, views)
 
     def undo(self, owner: str, conv_id: str):
         """Remove the conversation's last turn and return it (`StoredTurn`); refused when it is folded

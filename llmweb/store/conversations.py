@@ -194,20 +194,29 @@ class ConversationQueries(Connection):
             )
 
     def set_turn_view(self, owner: str, conv_id: str, idx: int, view: str) -> None:
-        """Keep turn `idx` in context (PIN), leave it out (OUT) or let the planner decide (""). Leaving
-        out a turn already folded into the summary is refused (InputError): the summary carries it.
-        Does not touch `updated`. Another owner's conversation is `NotFound`."""
-        if view not in TURN_VIEWS:
-            raise InputError(f"A turn is kept in context, left out, or neither: not {view!r}.")
+        """Keep turn `idx` in context (PIN), leave it out (OUT) or let the planner decide (""): `set_turn_views`."""
+        self.set_turn_views(owner, conv_id, [(idx, view)])
+
+    def set_turn_views(self, owner: str, conv_id: str, views: Sequence[tuple[int, str]]) -> None:
+        """Set each (turn index, view) in one transaction: all of them, or none when one is refused
+        (InputError). Leaving out a turn already folded into the summary is refused: the summary
+        carries it. Does not touch `updated`. Another owner's conversation is `NotFound`."""
+        for _, view in views:
+            if view not in TURN_VIEWS:
+                raise InputError(f"A turn is kept in context, left out, or neither: not {view!r}.")
         with self._write() as db:
             n, upto = turn_count(db, owner, conv_id)
-            if not 0 <= idx < n:
-                raise InputError("That turn is no longer in this chat: reload it and try again.")
-            if view == OUT and idx < upto:
-                raise InputError(
-                    "That turn is already folded into this chat's summary, so it can no longer be left out."
-                )
-            db.execute("UPDATE turns SET view = ? WHERE conversation_id = ? AND idx = ?", (view, conv_id, idx))
+            for idx, view in views:
+                if not 0 <= idx < n:
+                    raise InputError("That turn is no longer in this chat: reload it and try again.")
+                if view == OUT and idx < upto:
+                    raise InputError(
+                        "That turn is already folded into this chat's summary, so it can no longer be left out."
+                    )
+            db.executemany(
+                "UPDATE turns SET view = ? WHERE conversation_id = ? AND idx = ?",
+                [(view, conv_id, idx) for idx, view in views],
+            )
 
     def rename(self, owner: str, conv_id: str, title: str) -> str:
         """Give the owner's conversation a new title and return it as stored: one line, whitespace

@@ -112,8 +112,8 @@ def test_a_pinned_turn_is_in_the_prompt_60_turns_later_and_a_left_out_one_in_no_
         fin = chat.ask(OWNER, conv, text, wait_summary=True)
         conv = fin.conv_id
         if i == 1:
-            chat.set_view(OWNER, conv, 0, PIN)
-            chat.set_view(OWNER, conv, 1, OUT)
+            chat.set_view(OWNER, conv, [(0, PIN)])
+            chat.set_view(OWNER, conv, [(1, OUT)])
         if i >= 2:
             assert PINNED in prompt_text(fin), f"the pinned turn is in the prompt of turn {i + 1}"
             assert fin.prompt_text().startswith("In this prompt:") and "you keep in context" in fin.prompt_text()
@@ -132,7 +132,7 @@ def test_a_change_re_prefills_the_prompt_once_from_the_changed_turn(rig):
     for i in range(4):
         conv = chat.ask(OWNER, conv, f"message {i} here", wait_summary=True).conv_id
     before = chat.ask(OWNER, conv, "next")
-    chat.set_view(OWNER, conv, 1, OUT)
+    chat.set_view(OWNER, conv, [(1, OUT)])
     changed = chat.ask(OWNER, conv, "and next")
     again = chat.ask(OWNER, conv, "and then")
     assert changed.stats.gen.reused_tokens < before.stats.gen.prompt_tokens, "the prefix ends at the change"
@@ -146,8 +146,8 @@ def test_leaving_out_a_folded_turn_is_refused(rig):
         conv = chat.ask(OWNER, conv, f"message {i} " + "x " * 12, wait_summary=True).conv_id
     assert store.get(OWNER, conv).summarized_upto > 0
     with pytest.raises(InputError, match="folded"):
-        chat.set_view(OWNER, conv, 0, OUT)
-    chat.set_view(OWNER, conv, 0, PIN)  # pinning one brings it back into the prompt
+        chat.set_view(OWNER, conv, [(0, OUT)])
+    chat.set_view(OWNER, conv, [(0, PIN)])  # pinning one brings it back into the prompt
     assert "message 0" in prompt_text(chat.ask(OWNER, conv, "now"))
 
 

@@ -133,8 +133,8 @@ class ChatCompletions:
                     code="conversation_not_found",
                     param="conversation_id",
                 )
-            for turn, view in req.turn_views:  # the caller's say in what the model sees, before this turn
-                chat.set_view(owner, conv_id, turn, view)
+            if req.turn_views:  # the caller's say in what the model sees, before this turn: all or none
+                chat.set_view(owner, conv_id, req.turn_views)
             use_docs = True if req.use_docs is None else req.use_docs
             whole = {"whole_document": True} if req.whole_document else {}
             text = req.messages[0].text if req.messages[0].role == "user" else self.results(chat, owner, conv_id, req)

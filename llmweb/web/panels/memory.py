@@ -55,7 +55,7 @@ class MemoryHandlers(PanelHandlers):
             raise InputError("Pick a turn first.")
         owner = self.owner(token, request)
         self._current(owner, conv_id)
-        self._chat().set_view(owner, conv_id, int(turn), view)
+        self._chat().set_view(owner, conv_id, [(int(turn), view)])
         return tuple(self._reshown(owner, conv_id))
 
     @user_errors

@@ -41,6 +41,14 @@ def test_bad_turn_entries_and_stateless_requests_are_refused(api):
     assert [t.view for t in api.store.get(LOCAL_OWNER, conv).turns] == [""]
 
 
+def test_a_turns_list_refused_partway_changes_no_turn(api):
+    conv = ask(api, "new", "first").json()["x_llmweb"]["conversation_id"]
+    ask(api, conv, "second")
+    r = ask(api, conv, "x", turns=[{"turn": 1, "view": "keep"}, {"turn": 9, "view": "leave_out"}])
+    assert r.status_code == 400 and "no longer in this chat" in r.json()["error"]["message"]
+    assert [t.view for t in api.store.get(LOCAL_OWNER, conv).turns] == ["", ""], "all or none"
+
+
 # ---- memory across chats and "continue in a new chat" through the API
 
 
