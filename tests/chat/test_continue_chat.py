@@ -55,8 +55,8 @@ def long_chat(chat, turns=120) -> tuple[str, object]:
 def test_a_continued_chat_starts_small_and_fresh_with_the_planted_facts(rig):
     chat, store = rig
     old, last = long_chat(chat)
-    chat.set_view(ANA, old, 110, PIN)
-    chat.set_view(ANA, old, 118, OUT)
+    chat.set_view(ANA, old, [(110, PIN)])
+    chat.set_view(ANA, old, [(118, OUT)])
     new = chat.carry.continue_in_new(ANA, old)
     got = store.get(ANA, new)
     assert got.continues == (old, store.get(ANA, old).title) and got.title.endswith("(continued)")

@@ -33,8 +33,8 @@ def test_a_kept_turn_outlives_60_turns_and_a_left_out_one_reaches_no_prompt_or_s
         fin = chat.ask(LOCAL_OWNER, conv, text, use_docs=False, wait_summary=True)
         conv = fin.conv_id
         if i == 1:
-            chat.set_view(LOCAL_OWNER, conv, 0, PIN)
-            chat.set_view(LOCAL_OWNER, conv, 1, OUT)
+            chat.set_view(LOCAL_OWNER, conv, [(0, PIN)])
+            chat.set_view(LOCAL_OWNER, conv, [(1, OUT)])
         elif i > 1:
             prompt = fin.prompt_text()
             assert PINNED in prompt, f"turn {i + 1}: the kept turn is not in the prompt"
