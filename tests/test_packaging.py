@@ -104,3 +104,55 @@ def test_pyproject_describes_this_package():
     assert set(setuptools["packages"]) == on_disk, "every package (folder with __init__.py) ships"
     module, func = project["scripts"]["llmweb"].split(":")
     assert callable(getattr(importlib.import_module(module), func))
+
+
+def _installed_by_requirements() -> set[str]:
+    """Every distribution a clean `make install-dev` brings: the pinned names and, through their
+    installed metadata, everything they require (with the extras the pins ask for)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    todo = [
+        Requirement(p.split(";")[0].split()[0]) for n in ("requirements.txt", "requirements-dev.txt") for p in _pins(n)
+    ]
+    seen: set[str] = set()
+    while todo:
+        req = todo.pop()
+        if norm(req.name) in seen:
+            continue
+        seen.add(norm(req.name))
+        for line in metadata.requires(req.name) or []:
+            dep = Requirement(line)
+            extras = req.extras or {""}
+            if dep.marker is None or any(dep.marker.evaluate({"extra": e}) for e in extras):
+                todo.append(dep)
+    return seen
+
+
+def test_every_package_the_tests_import_comes_from_the_requirements():
+    """A test module that imports a package no requirement brings fails CI at collection, though it
+    passes on a machine where someone once installed the package by hand."""
+    import ast
+    import sys
+    from importlib import metadata
+
+    modules: set[str] = set()
+    for path in (REPO / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    local = {"llmweb", "tests", "app", "conftest"}
+    provides = metadata.packages_distributions()
+    installed = _installed_by_requirements()
+    missing = {
+        module
+        for module in modules - set(sys.stdlib_module_names) - local
+        if not any(re.sub(r"[-_.]+", "-", d).lower() in installed for d in provides.get(module, []))
+    }
+    assert not missing, f"imported by tests, brought by no requirement: {sorted(missing)}"
