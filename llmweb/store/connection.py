@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,6 +53,9 @@ class Connection:
         self._lock = threading.RLock()  # the writer's
         self._readers: list[sqlite3.Connection] = []  # idle read-only connections
         self._readers_lock = threading.Lock()
+        # owner -> the address group last written to its row (store/owners.py `note_address`), bounded
+        self._addresses: OrderedDict[str, str] = OrderedDict()
+        self._addresses_lock = threading.Lock()
         self._closed = False
         self._reader_uri = self.path.resolve().as_uri() + "?mode=ro"
         self._db = sqlite3.connect(

@@ -1,6 +1,6 @@
 """The records the store takes and returns: `ChatSettings`, `Conversation`, `StoredTurn`, `Fact`,
-`ConversationInfo`, `SearchHit`, `OwnerCaps`, the `NotFound` error, conversation ids (`new_id`),
-and how a turn's stats and sources are kept as JSON text.
+`ConversationInfo`, `SearchHit`, `OwnerCaps` (per owner and per client address), the `NotFound`
+error, conversation ids (`new_id`), and how a turn's stats and sources are kept as JSON text.
 
 It owns the shape of these values (ChatSettings checks the kind of each field; chat/session.py
 checks them against the server's limits). It must not run SQL or know who owns what: that is the
@@ -28,6 +28,7 @@ MEMORY_MODES = ("window", "summary", "recall")  # window only; + a rolling summa
 MAX_SYSTEM_PROMPT_CHARS = 4000  # a chat's own system prompt may be this long
 MAX_DOC_ID_CHARS = 128  # a document id (a content hash) is far shorter
 MAX_DOC_NAME_CHARS = 1024  # a document's name (a relative path for a folder's files)
+ADDRESS_SHARES = 4  # one client address's budgets, by default: this many owners' caps (as LLMWEB_RUNNING_PER_ADDRESS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,13 +197,23 @@ def sources_text(sources: Sequence[Source]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class OwnerCaps:
-    """What one owner may keep (0: no cap). The local owner of a single-user install is not capped
-    (`exempt`): it is the machine's owner, and these caps are for strangers sharing a server."""
+    """What one owner may keep (0: no cap), and what all the owners of one client address may keep
+    together (`address_bytes`: their chats' text; `address_doc_bytes`: their private documents). The
+    local owner of a single-user install is not capped (`exempt`): it is the machine's owner, and these
+    caps are for strangers sharing a server."""
 
     chats: int = 0
     stored_bytes: int = 0
     exempt: frozenset[str] = frozenset({LOCAL_OWNER})
+    address_bytes: int = 0
+    address_doc_bytes: int = 0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OwnerCaps:
-        return cls(settings.owner_max_chats, settings.owner_max_stored_mb * 2**20)
+        stored, docs = settings.owner_max_stored_mb, settings.user_docs_mb
+        return cls(
+            settings.owner_max_chats,
+            stored * 2**20,
+            address_bytes=(settings.stored_per_address_mb or ADDRESS_SHARES * stored) * 2**20,
+            address_doc_bytes=(settings.docs_per_address_mb or ADDRESS_SHARES * docs) * 2**20,
+        )

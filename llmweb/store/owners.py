@@ -26,6 +26,7 @@ from llmweb.errors import InputError
 from llmweb.store.connection import Connection
 from llmweb.store.models import OwnerCaps, deleted, missing
 
+ADDRESSES_KEPT = 10_000  # owners whose last written address this process remembers (`note_address`)
 # a fact is the caller's when its conversation is (parameters: conversation id, owner)
 FACT_OWNED = "conversation_id = ? AND conversation_id IN (SELECT id FROM conversations WHERE owner = ?)"
 
@@ -73,8 +74,9 @@ def seen(db: sqlite3.Connection, owner: str, now: float) -> None:
 
 def check_room(db: sqlite3.Connection, caps: OwnerCaps, owner: str, chats: int = 0, size: int = 0) -> None:
     """An InputError naming the limit when `chats` more conversations or `size` more bytes of text
-    would take the owner past `caps` (inside the write's transaction, so two tabs cannot both pass).
-    One indexed count and a sum over the owner's chats (conversations.bytes, migration 9)."""
+    would take the owner past `caps`, or all the owners of its address past `caps.address_bytes`
+    (inside the write's transaction, so two tabs cannot both pass). One indexed count and a sum over
+    the owner's chats (conversations.bytes, migration 9), and one over its address's owners' chats."""
     if owner in caps.exempt:
         return
     if chats and caps.chats:
@@ -84,14 +86,65 @@ def check_room(db: sqlite3.Connection, caps: OwnerCaps, owner: str, chats: int =
                 f"You have {n:,} chats here, the most one person may keep (LLMWEB_OWNER_MAX_CHATS = "
                 f"{caps.chats:,}). Delete one to start another."
             )
-    if size > 0 and caps.stored_bytes:
-        (used,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM conversations WHERE owner = ?", (owner,)).fetchone()
-        if used + size > caps.stored_bytes:
+    if size <= 0 or not (caps.stored_bytes or caps.address_bytes):
+        return
+    (used,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM conversations WHERE owner = ?", (owner,)).fetchone()
+    if caps.stored_bytes and used + size > caps.stored_bytes:
+        raise InputError(
+            f"Your chats hold {_mb(used)} of text; this would add {_mb(size)}, past the "
+            f"{_mb(caps.stored_bytes)} one person may keep (LLMWEB_OWNER_MAX_STORED_MB). "
+            "Delete some chats first."
+        )
+    address = address_of(db, owner)
+    if caps.address_bytes and address is not None:
+        (others,) = db.execute(ADDRESS_CHAT_BYTES, (address, owner)).fetchone()
+        if others + used + size > caps.address_bytes:
             raise InputError(
-                f"Your chats hold {_mb(used)} of text; this would add {_mb(size)}, past the "
-                f"{_mb(caps.stored_bytes)} one person may keep (LLMWEB_OWNER_MAX_STORED_MB). "
-                "Delete some chats first."
+                f"The visitors from your network already keep {_mb(others + used)} of chats here; this would "
+                f"add {_mb(size)}, past the {_mb(caps.address_bytes)} one address may keep "
+                "(LLMWEB_STORED_PER_ADDRESS_MB). Delete some chats first."
             )
+
+
+# the bytes of chats kept by the owners of one address (parameters: the address, the owner left out):
+# owners_by_address finds the owners, conversations_by_owner their chats
+ADDRESS_CHAT_BYTES = (
+    "SELECT COALESCE(SUM(c.bytes), 0) FROM owners o JOIN conversations c ON c.owner = o.owner "
+    "WHERE o.address = ? AND o.owner != ?"
+)
+ADDRESS_DOC_BYTES = "SELECT COALESCE(SUM(doc_bytes), 0) FROM owners WHERE address = ? AND owner != ?"
+
+
+def address_of(db: sqlite3.Connection, owner: str) -> str | None:
+    """The address group the owner's requests last came from (None: never said; its own group)."""
+    row = db.execute("SELECT address FROM owners WHERE owner = ?", (owner,)).fetchone()
+    return None if row is None else row[0]
+
+
+def check_document_room(db: sqlite3.Connection, caps: OwnerCaps, owner: str, total: int) -> None:
+    """An InputError naming LLMWEB_DOCS_PER_ADDRESS_MB when the owner's private documents, grown to
+    `total` bytes, would take all the owners of its address past `caps.address_doc_bytes`."""
+    if owner in caps.exempt or not caps.address_doc_bytes:
+        return
+    row = db.execute("SELECT address, doc_bytes FROM owners WHERE owner = ?", (owner,)).fetchone()
+    if row is None or row[0] is None or total <= row[1]:
+        return  # no address known, or no growth
+    (others,) = db.execute(ADDRESS_DOC_BYTES, (row[0], owner)).fetchone()
+    if others + total > caps.address_doc_bytes:
+        raise InputError(
+            f"Not added: the visitors from your network already keep {_mb(others + row[1])} of documents here, "
+            f"and these files would bring that to {_mb(others + total)}, past the {_mb(caps.address_doc_bytes)} "
+            "one address may keep (LLMWEB_DOCS_PER_ADDRESS_MB). Remove some documents first."
+        )
+
+
+def _set_doc_bytes(db: sqlite3.Connection, owner: str, total: int) -> None:
+    now = time.time()
+    db.execute(
+        "INSERT INTO owners (owner, created, last_seen, doc_bytes) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT(owner) DO UPDATE SET doc_bytes = excluded.doc_bytes",
+        (owner, now, now, max(total, 0)),
+    )
 
 
 def text_bytes(*texts: str) -> int:
@@ -111,9 +164,52 @@ class OwnerQueries(Connection):
         with self._write() as db:
             seen(db, owner, time.time())
 
+    def note_address(self, owner: str, address: str) -> None:
+        """The web layer's word: `owner`'s requests come from client address group `address` (web/trust.py,
+        from the connection, never from what the client says). The per-address budgets count the owner
+        there from now on (`check_room`, `check_document_room`). Written only when it changes: this
+        store remembers the last it wrote per owner (forgotten with the row, `delete_owner`)."""
+        if not address or owner in self.caps.exempt:
+            return
+        with self._addresses_lock:
+            if self._addresses.get(owner) == address:
+                self._addresses.move_to_end(owner)
+                return
+        now = time.time()
+        with self._write() as db:
+            db.execute(
+                "INSERT INTO owners (owner, created, last_seen, address) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(owner) DO UPDATE SET address = excluded.address WHERE address IS NOT excluded.address",
+                (owner, now, now, address),
+            )
+        with self._addresses_lock:
+            self._addresses[owner] = address
+            self._addresses.move_to_end(owner)
+            while len(self._addresses) > ADDRESSES_KEPT:
+                self._addresses.popitem(last=False)
+
+    def document_room(self, owner: str, total: int) -> None:
+        """`check_document_room` ahead of an upload's parse: the InputError before OCR is paid for."""
+        with self._read() as db:
+            check_document_room(db, self.caps, owner, total)
+
+    def claim_document_bytes(self, owner: str, total: int) -> None:
+        """Check and record, in one transaction, that the owner's private documents are about to count
+        `total` bytes: two uploads of one address cannot both pass. `record_document_bytes` after."""
+        with self._write() as db:
+            check_document_room(db, self.caps, owner, total)
+            _set_doc_bytes(db, owner, total)
+
+    def record_document_bytes(self, owner: str, total: int) -> None:
+        """What the owner's private documents count now (after an upload, or a removal)."""
+        with self._write() as db:
+            _set_doc_bytes(db, owner, total)
+
     def delete_owner(self, owner: str) -> list[str]:
         """Delete everything the owner stored here (conversations, turns, facts); return the
         conversation ids. Bumps the owner's generation: a write begun before commits nothing."""
+        with self._addresses_lock:  # its row goes: the next `note_address` writes it again
+            self._addresses.pop(owner, None)
         with self._write() as db:
             ids = [r[0] for r in db.execute("SELECT id FROM conversations WHERE owner = ?", (owner,))]
             db.execute("DELETE FROM conversations WHERE owner = ?", (owner,))

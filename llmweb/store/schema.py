@@ -220,6 +220,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX memories_by_owner ON memories(owner, id)",
         "ALTER TABLE conversations ADD COLUMN continues TEXT",
     ),
+    (  # 12: where each owner's requests come from (its client address group as the web layer computes it
+        # from the connection, web/trust.py: an IPv6 /64 or an IPv4 address; NULL: never said, its own
+        # group), and the bytes of its private documents (the library's count, recorded at each upload
+        # and removal), so what all the owners of one address keep is an indexed sum (store/owners.py)
+        "ALTER TABLE owners ADD COLUMN address TEXT",
+        "ALTER TABLE owners ADD COLUMN doc_bytes INTEGER NOT NULL DEFAULT 0 CHECK (doc_bytes >= 0)",
+        "CREATE INDEX owners_by_address ON owners(address)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
