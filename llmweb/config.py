@@ -126,9 +126,8 @@ class Settings:
     warmups_per_user_min: int = 6  # ... and from one visitor
     owner_max_chats: int = 1000  # conversations one owner may keep (the local owner: not capped)
     owner_max_stored_mb: int = 200  # text one owner's chats may hold, imports included (the local owner: not capped)
-    # ... and all the anonymous visitors of one client address together (its identities are one share)
-    stored_per_address_mb: int = 0  # text their chats may hold; 0 = 4 x LLMWEB_OWNER_MAX_STORED_MB
-    docs_per_address_mb: int = 0  # their private uploads; 0 = 4 x LLMWEB_USER_DOCS_MB
+    stored_per_address_mb: int = 0  # ... all the anonymous owners of one client address; 0 = 4 x the figure above
+    docs_per_address_mb: int = 0  # their private uploads, together; 0 = 4 x LLMWEB_USER_DOCS_MB
     owner_document_jobs: int = 2  # whole-document tasks one owner may run at once (the local owner: not capped)
     anon_retention_days: float = 30.0  # purge anonymous owners idle this long; 0 = keep forever
     secret: str = ""  # signs browser state; "" = a random secret kept in data_dir/secret (mode 600)
@@ -214,16 +213,8 @@ class Settings:
         )
         self.proxy_networks  # noqa: B018  (ConfigError for an address that is not one)
         check(self.anon_retention_days >= 0, "LLMWEB_ANON_RETENTION_DAYS must be >= 0 (0 = keep forever)")
-        check(
-            min(
-                self.running_per_address,
-                self.prompt_tokens_per_address_min,
-                self.stored_per_address_mb,
-                self.docs_per_address_mb,
-            )
-            >= 0,
-            "per-address caps: >= 0",
-        )
+        address_caps = (self.prompt_tokens_per_address_min, self.stored_per_address_mb, self.docs_per_address_mb)
+        check(min(self.running_per_address, *address_caps) >= 0, "per-address caps: >= 0")
         check(self.temperature >= 0, "LLMWEB_TEMPERATURE must be >= 0")
         check(
             not self.reranker or Path(self.reranker).expanduser().is_dir(),

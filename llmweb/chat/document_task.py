@@ -247,6 +247,7 @@ def remove_document(library, store, owner: str, doc_id: str):
         store.delete_document_pieces_everywhere(doc_id)
     else:
         store.delete_document_pieces(owner, doc_id)
+        store.record_document_bytes(owner, library.usage_bytes(owner))  # room again for its address
     return info
 
 

@@ -36,8 +36,8 @@ maps it to its private library through `private_namespace`, which refuses a miss
 (`_check_owner`: never a fallback to some common library) and hashes it into a folder name:
   - `ingest_uploads`: into that owner's private library (or the shared one when
     `settings.uploads_shared`, LLMWEB_SHARED_UPLOADS=1), one upload at a time per owner (`_gate`),
-    within the owner's quota
-    (`_check_quota`), before anything is written;
+    within the owner's quota (`_check_quota`) and its client address's budget (`DocumentRoom`, the
+    store's count of every owner's documents), before anything is written;
   - `documents` / `is_empty` / `usage_bytes` / `search` / `chunks` / `resolve` / `scope`: the shared
     library plus that owner's own,
     with `removable` set per owner; `remove`: that owner's own (plus the shared one only when
@@ -63,6 +63,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from llmweb.config import Settings
 from llmweb.errors import InputError
@@ -103,6 +104,20 @@ def _check_owner(owner: str) -> None:
     # A missing owner must never fall back to some common library: that would mix visitors.
     if not isinstance(owner, str) or not owner:
         raise ValueError(f"an owner is a non-empty string, not {owner!r}")
+
+
+class DocumentRoom(Protocol):
+    """Where what every owner of one client address keeps in documents is counted together (the store,
+    store/owners.py): `total` is what the owner's private library counts, in `_quota_size` bytes."""
+
+    def document_room(self, owner: str, total: int) -> None:
+        """InputError when the owner's library at `total` would take its address past its budget."""
+
+    def claim_document_bytes(self, owner: str, total: int) -> None:
+        """The same check, and `total` recorded, at once: two uploads of one address cannot both pass."""
+
+    def record_document_bytes(self, owner: str, total: int) -> None:
+        """What the owner's library counts now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,22 +282,35 @@ class Library:
     # -- changing --------------------------------------------------------------
 
     def ingest_uploads(
-        self, owner: str, files: Sequence[tuple[str | os.PathLike, str]], progress: Progress | None = None
+        self,
+        owner: str,
+        files: Sequence[tuple[str | os.PathLike, str]],
+        progress: Progress | None = None,
+        room: DocumentRoom | None = None,
     ) -> list[IngestReport]:
         """Add files uploaded by `owner`, given as (temp path, the name the user gave).
 
         Private library (or the shared one when settings.uploads_shared). One report per file as
         `Index.ingest_uploads` gives them. Raises InputError, writing nothing, if the files would
-        take the owner's private library past settings.user_docs_mb.
+        take the owner's private library past settings.user_docs_mb, or (`room`: the store) all the
+        libraries of the owner's client address past their budget.
         """
         namespace = private_namespace(owner)  # checks the owner in either mode
         if self.shares_uploads(owner):
             return self.shared.ingest_uploads(files, progress)
         with self._gate(namespace):  # one upload at a time per owner: the quota check stays true
             index = self._private(owner)
-            read = index.read_uploads(files, progress, self._admit(index))  # parsed once, measured, added
-            self._check_quota(index, read)
-            return index.add_read(read, progress)
+            admit = self._admit(index, owner, room)
+            read = index.read_uploads(files, progress, admit)  # parsed once, measured, added
+            used, adding = self._check_quota(index, read)
+            if room is None:
+                return index.add_read(read, progress)
+            if adding:  # the address's budget, checked and claimed in one transaction
+                room.claim_document_bytes(owner, used + adding)
+            try:
+                return index.add_read(read, progress)
+            finally:
+                room.record_document_bytes(owner, self.usage_bytes(owner))
 
     def ingest_shared(self, paths: Sequence[str | os.PathLike], progress: Progress | None = None) -> list[IngestReport]:
         """Add files and folders to the shared library (the CLI, the bundled guide)."""
@@ -329,13 +357,14 @@ class Library:
                 self._private_cache.move_to_end(namespace)
             return index
 
-    def _check_quota(self, index: Index, read: Read) -> None:
+    def _check_quota(self, index: Index, read: Read) -> tuple[int, int]:
         """Refuse (InputError) uploads that would take a private library past settings.user_docs_mb.
 
         Counts what would really be stored: not files the index refuses anyway (too big, unreadable,
         nameless: they have reports, no document), not content already held, and a same-named file
         replaces the earlier version. A document counts its file's bytes or its text's characters,
         whichever is more (`_quota_size`): a small .docx or .pdf may hold far more text than its bytes.
+        Returns (what the library counts now, what the upload adds).
         """
         limit = self.settings.user_docs_mb * MB
         docs = index.documents()
@@ -352,10 +381,12 @@ class Library:
             adding += max(size - (_quota_size(index, old) if old is not None else 0), 0)
         if adding and used + adding > limit:
             raise self._over_quota(adding, used)
+        return used, adding
 
-    def _admit(self, index: Index) -> Callable[[str, int], None]:
+    def _admit(self, index: Index, owner: str, room: DocumentRoom | None) -> Callable[[str, int], None]:
         """The quota before each new file is parsed: its bytes (a lower bound of what it will count,
-        `_quota_size`) beside the library's use refuse the upload before OCR or a parse is paid for."""
+        `_quota_size`) beside the library's use refuse the upload before OCR or a parse is paid for;
+        so does the budget of the owner's address (`room`)."""
         limit = self.settings.user_docs_mb * MB
         docs = index.documents()
         used = sum(_quota_size(index, d) for d in docs)
@@ -368,6 +399,8 @@ class Library:
             adding += max(size - (_quota_size(index, old) if old is not None else 0), 0)
             if adding and used + adding > limit:
                 raise self._over_quota(adding, used)
+            if adding and room is not None:
+                room.document_room(owner, used + adding)
 
         return admit
 

@@ -72,6 +72,9 @@ class FakeLibrary:
     def delete_owner(self, owner):
         return self.docs.pop(owner, None) is not None
 
+    def usage_bytes(self, owner):
+        return sum(c.end for chunks in self.docs.get(owner, {}).values() for c in chunks[-1:])
+
     def is_empty(self, owner):
         return True
 

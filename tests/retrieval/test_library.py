@@ -299,3 +299,30 @@ def test_the_sample_guide_is_seeded_into_the_shared_library_despite_the_old_mark
         assert rt.library.documents(ALICE) == [], "seeded once: a removed guide does not come back"
     finally:
         rt.close()
+
+
+def test_one_addresss_visitors_share_its_documents_budget_and_a_removal_frees_it(tmp_path, embedder):
+    """A1 and A2 from one address, B from another, each within their own 1 MB: A1's upload fills most
+    of the address's budget, A2's is refused naming it (nothing written), B's is added; A1 removes its
+    document (chat/document_task.py's `remove_document` records it), and A2's upload is added."""
+    from llmweb.chat.document_task import remove_document
+    from llmweb.store.db import Store
+    from llmweb.store.models import OwnerCaps
+
+    library = Library(make_settings(tmp_path, user_docs_mb=1), embedder)
+    a1, a2, b = "anon:a1", "anon:a2", "anon:b"
+    with Store(tmp_path / "llmweb.sqlite3", caps=OwnerCaps(address_doc_bytes=1200 * 1024)) as store:
+        for owner, address in ((a1, "2001:db8:5:6::/64"), (a2, "2001:db8:5:6::/64"), (b, "203.0.113.5")):
+            store.note_address(owner, address)
+        [first] = library.ingest_uploads(a1, [upload(tmp_path, "a1.html", padded_html(LLAMA, 700))], room=store)
+        assert first.status == "added"
+        page = padded_html(OWL, 600)
+        before = tree(tmp_path / "data")
+        with pytest.raises(InputError, match="LLMWEB_DOCS_PER_ADDRESS_MB"):
+            library.ingest_uploads(a2, [upload(tmp_path, "a2.html", page)], room=store)
+        assert tree(tmp_path / "data") == before and library.is_empty(a2)
+        assert library.ingest_uploads(b, [upload(tmp_path, "b.html", page)], room=store)[0].status == "added"
+        remove_document(library, store, a1, first.doc_id)
+        assert library.ingest_uploads(a2, [upload(tmp_path, "a2.html", page)], room=store)[0].status == "added"
+        counted = dict(store._db.execute("SELECT owner, doc_bytes FROM owners").fetchall())
+        assert counted[a1] == 0 and counted[a2] == library.usage_bytes(a2) > 600 * 1024

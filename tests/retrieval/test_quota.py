@@ -43,3 +43,24 @@ def test_a_stored_document_counts_its_extracted_text(tmp_path):
     index = SimpleNamespace(chunks=lambda doc_id: [SimpleNamespace(end=500), SimpleNamespace(end=90_000)])
     assert library_module._quota_size(index, doc) == 90_000
     assert library_module._quota_size(SimpleNamespace(chunks=lambda d: []), doc) == 1000
+
+
+def test_an_upload_past_its_addresss_budget_is_refused_before_it_is_read(tmp_path):
+    """The store counts every owner's documents by client address: A2 shares X with A1, whose documents
+    fill most of X's budget; A2's upload, within A2's own quota, is refused with the store's message
+    at its admission (before a parse), writing nothing. B, of another address, is not refused by it."""
+    from llmweb.store.db import Store
+    from llmweb.store.models import OwnerCaps
+
+    library = Library(make_settings(tmp_path, user_docs_mb=1), embedder=SimpleNamespace(dim=384, label="fake"))
+    a1, a2, b = "anon:a1", "anon:a2", "anon:b"
+    with Store(tmp_path / "llmweb.sqlite3", caps=OwnerCaps(address_doc_bytes=2**20)) as store:
+        for owner, address in ((a1, "198.51.100.7"), (a2, "198.51.100.7"), (b, "203.0.113.5")):
+            store.note_address(owner, address)
+        store.claim_document_bytes(a1, 900 * 1024)
+        before = tree(tmp_path / "data")
+        with pytest.raises(InputError, match="LLMWEB_DOCS_PER_ADDRESS_MB") as e:
+            library.ingest_uploads(a2, [upload(tmp_path, "notes.txt", "word " * 40_000)], room=store)
+        assert "your network" in str(e.value) and "Remove some documents" in str(e.value)
+        assert tree(tmp_path / "data") == before, "refused before anything is written"
+        store.document_room(b, 900 * 1024)  # another address: room

@@ -106,7 +106,7 @@ def test_exports_expire_and_go_with_delete_all(runtime, tmp_path, monkeypatch, g
 
 def test_uploaded_documents_are_deleted_once_indexed(runtime, gradio_cache):  # noqa: F811
     seen = []
-    runtime.library.ingest_uploads = lambda owner, files, progress=None: seen.extend(files) or []
+    runtime.library.ingest_uploads = lambda owner, files, progress=None, room=None: seen.extend(files) or []
     up = gradio_cache / "abc" / "notes.txt"
     up.parent.mkdir(parents=True)
     up.write_text("hello")
@@ -175,7 +175,7 @@ def test_one_visitors_long_upload_holds_one_place_and_never_anothers_actions(run
     reading, release = threading.Event(), threading.Event()
     owners: list[str] = []
 
-    def ingest(owner, files, progress=None):
+    def ingest(owner, files, progress=None, room=None):
         owners.append(owner)
         if len(owners) == 1:
             reading.set()

@@ -36,6 +36,7 @@ class AccountHandlers(PanelHandlers):
         if owner != LOCAL_OWNER and self.settings.is_single_user and origin_of(self.settings, request).local:
             gr.Warning(OWNER_NOTICE, duration=None)
         self.store.touch_owner(owner)
+        self._note_stored_address(owner, request)
         sweep_exports()  # every page load: no export file outlives EXPORT_TTL_S by long, even unrequested
         return (kept or token, *self._open(owner, conv_id or ""))
 

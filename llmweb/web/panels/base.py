@@ -43,6 +43,7 @@ from llmweb.web.formatting import (
     turn_choices,
     version_choices,
 )
+from llmweb.web.identity import ANONYMOUS
 from llmweb.web.trust import origin_of
 from llmweb.web.visitors import visitors_for
 
@@ -188,7 +189,16 @@ class PanelHandlers:
     def owner(self, token: str, request: gr.Request | None) -> str:
         """The caller's owner (web/identity.py): the single user, the login account, or the browser's
         token; an event sent before its page had a token gets the page's, minted now (web/visitors.py)."""
-        return self.visitors.resolve(token, request)[0]
+        owner = self.visitors.resolve(token, request)[0]
+        self._note_stored_address(owner, request)
+        return owner
+
+    def _note_stored_address(self, owner: str, request: gr.Request | None) -> None:
+        """Tell the store which client address an anonymous owner came from: what all the anonymous
+        owners of one address store is bounded together (store/owners.py). Login accounts, keys and
+        the single user are counted per account only, like the count of new visitors (web/visitors.py)."""
+        if request is not None and owner.startswith(ANONYMOUS):
+            self.store.note_address(owner, origin_of(self.settings, request).group)
 
     def _chat(self):
         return self.runtime.wait_ready(WAIT_READY_S)

@@ -46,7 +46,8 @@ class DocumentHandlers(PanelHandlers):
 
         try:
             with self.slots.take(owner, "upload"):
-                reports = self.runtime.library.ingest_uploads(owner, [(p, Path(p).name) for p in paths], progress=tell)
+                named = [(p, Path(p).name) for p in paths]  # the store counts its address's documents
+                reports = self.runtime.library.ingest_uploads(owner, named, progress=tell, room=self.store)
         finally:
             for p in paths:  # indexed (or refused): Gradio's upload copy is not kept
                 forget_upload(p)

@@ -42,6 +42,7 @@ class EndpointHandlers(PanelHandlers):
         if new:
             visitors_for(self.settings).admit_api_conversation(owner, request)
         self._note_address(chat, owner, request)
+        self._note_stored_address(owner, request)
         for event in chat.send(owner, conv_id, message, new=new):
             if isinstance(event, (Started, Queued)):
                 yield "", conv_id  # lets Gradio notice a client that left while queued
