@@ -11,7 +11,11 @@ its transaction, and a write that read an older one (a reply or a fold that bega
 delete) commits nothing (`check_generation`, inside the write's transaction: `Deleted`).
 
 `check_room` holds the per-owner caps (`OwnerCaps`: conversations, bytes of text) that every
-write adding a chat or text checks in its transaction.
+write adding a chat or text checks in its transaction, and the budget of the owner's client address:
+one visitor can start many anonymous owners, so `owners` keeps each one's address group (the web
+layer's word, `note_address`; NULL: its own) and its private documents' bytes (`claim_document_bytes`,
+`record_document_bytes`), and what all the owners of one address keep is an indexed sum
+(`check_room`, `check_document_room`).
 
 It must not decide who the caller is (web/ does) nor open transactions of its own beyond the
 owner methods of `OwnerQueries`.
