@@ -80,7 +80,8 @@ def check_room(db: sqlite3.Connection, caps: OwnerCaps, owner: str, chats: int =
     """An InputError naming the limit when `chats` more conversations or `size` more bytes of text
     would take the owner past `caps`, or all the owners of its address past `caps.address_bytes`
     (inside the write's transaction, so two tabs cannot both pass). One indexed count and a sum over
-    the owner's chats (conversations.bytes, migration 9), and one over its address's owners' chats."""
+    the owner's chats (conversations.bytes, migration 9), and one over its address's other owners'
+    rows (owners.chat_bytes, migration 12)."""
     if owner in caps.exempt:
         return
     if chats and caps.chats:
@@ -110,12 +111,9 @@ def check_room(db: sqlite3.Connection, caps: OwnerCaps, owner: str, chats: int =
             )
 
 
-# the bytes of chats kept by the owners of one address (parameters: the address, the owner left out):
-# owners_by_address finds the owners, conversations_by_owner their chats
-ADDRESS_CHAT_BYTES = (
-    "SELECT COALESCE(SUM(c.bytes), 0) FROM owners o JOIN conversations c ON c.owner = o.owner "
-    "WHERE o.address = ? AND o.owner != ?"
-)
+# what the other owners of one address keep (parameters: the address, the owner left out): one row
+# each, found through owners_by_address (owners.chat_bytes: triggers keep it, migration 12)
+ADDRESS_CHAT_BYTES = "SELECT COALESCE(SUM(chat_bytes), 0) FROM owners WHERE address = ? AND owner != ?"
 ADDRESS_DOC_BYTES = "SELECT COALESCE(SUM(doc_bytes), 0) FROM owners WHERE address = ? AND owner != ?"
 
 

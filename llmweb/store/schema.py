@@ -222,11 +222,31 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     (  # 12: where each owner's requests come from (its client address group as the web layer computes it
         # from the connection, web/trust.py: an IPv6 /64 or an IPv4 address; NULL: never said, its own
-        # group), and the bytes of its private documents (the library's count, recorded at each upload
-        # and removal), so what all the owners of one address keep is an indexed sum (store/owners.py)
+        # group), the bytes of its chats (the sum of its conversations.bytes, kept by triggers: a
+        # conversation never changes owner) and of its private documents (the library's count, recorded
+        # at each upload and removal), so what all the owners of one address keep is an indexed sum over
+        # their rows (store/owners.py). An owner's row exists before its first conversation's (BEFORE
+        # INSERT), so every change of that conversation's bytes reaches it.
         "ALTER TABLE owners ADD COLUMN address TEXT",
+        "ALTER TABLE owners ADD COLUMN chat_bytes INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE owners ADD COLUMN doc_bytes INTEGER NOT NULL DEFAULT 0 CHECK (doc_bytes >= 0)",
         "CREATE INDEX owners_by_address ON owners(address)",
+        """INSERT OR IGNORE INTO owners (owner, created, last_seen)
+           SELECT owner, MIN(created), MAX(updated) FROM conversations GROUP BY owner""",
+        """UPDATE owners SET chat_bytes = COALESCE(
+            (SELECT SUM(bytes) FROM conversations c WHERE c.owner = owners.owner), 0)""",
+        """CREATE TRIGGER owners_row_for_conversation BEFORE INSERT ON conversations BEGIN
+            INSERT OR IGNORE INTO owners (owner, created, last_seen) VALUES (new.owner, new.created, new.updated);
+        END""",
+        """CREATE TRIGGER owners_chat_bytes_insert AFTER INSERT ON conversations BEGIN
+            UPDATE owners SET chat_bytes = chat_bytes + new.bytes WHERE owner = new.owner;
+        END""",
+        """CREATE TRIGGER owners_chat_bytes_update AFTER UPDATE OF bytes ON conversations BEGIN
+            UPDATE owners SET chat_bytes = chat_bytes + new.bytes - old.bytes WHERE owner = new.owner;
+        END""",
+        """CREATE TRIGGER owners_chat_bytes_delete AFTER DELETE ON conversations BEGIN
+            UPDATE owners SET chat_bytes = chat_bytes - old.bytes WHERE owner = old.owner;
+        END""",
     ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -16,7 +16,7 @@ from llmweb.errors import InputError
 from llmweb.records import LOCAL_OWNER
 from llmweb.store.db import Store
 from llmweb.store.models import OwnerCaps
-from llmweb.store.owners import text_bytes
+from llmweb.store.owners import ADDRESS_CHAT_BYTES, ADDRESS_DOC_BYTES, text_bytes
 from llmweb.store.schema import MIGRATIONS, SCHEMA_VERSION
 
 A1, A2, B = "anon:a1-token", "anon:a2-token", "anon:b-token"
@@ -154,11 +154,7 @@ def test_documents_bytes_of_one_address_are_claimed_against_its_budget(tmp_path:
 
 def test_the_address_sums_are_indexed_queries(tmp_path: Path):
     with budgeted(tmp_path) as store:
-        for sql in (
-            "SELECT COALESCE(SUM(c.bytes), 0) FROM owners o JOIN conversations c ON c.owner = o.owner "
-            "WHERE o.address = ? AND o.owner != ?",
-            "SELECT COALESCE(SUM(doc_bytes), 0) FROM owners WHERE address = ? AND owner != ?",
-        ):
+        for sql in (ADDRESS_CHAT_BYTES, ADDRESS_DOC_BYTES):
             plan = " ".join(r[-1] for r in store._db.execute("EXPLAIN QUERY PLAN " + sql, (X, A1)))
             assert "owners_by_address" in plan, plan
             assert "SCAN c" not in plan and "SCAN conversations" not in plan, plan
@@ -171,12 +167,25 @@ def test_a_file_in_the_previous_schema_migrates_with_every_owner_its_own_group(t
     for statement in (s for migration in MIGRATIONS[: SCHEMA_VERSION - 1] for s in migration):
         db.execute(statement)
     db.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION - 1,))
-    db.execute("INSERT INTO conversations (id, title, created, updated, owner) VALUES ('c1', 't', 1, 1, ?)", (A1,))
+    for conv, owner in (("c1", A1), ("c2", "anon:without-a-row")):
+        db.execute(
+            "INSERT INTO conversations (id, title, created, updated, owner) VALUES (?, 't', 1, 1, ?)", (conv, owner)
+        )
+        db.execute(
+            "INSERT INTO turns (conversation_id, idx, user, assistant, created, owner_tag) "
+            "VALUES (?, 0, 'hello', 'hi', 1, 'o' || lower(hex(?)) || 'x')",
+            (conv, owner),
+        )
     db.execute("INSERT INTO owners (owner, created, last_seen) VALUES (?, 1, 1)", (A1,))
     db.close()
     with Store(path, caps=OwnerCaps(stored_bytes=4 * KB, address_bytes=6 * KB)) as store:
         assert store.schema_version() == SCHEMA_VERSION
-        assert store._db.execute("SELECT address, doc_bytes FROM owners").fetchall() == [(None, 0)]
+        rows = store._db.execute("SELECT owner, address, chat_bytes, doc_bytes FROM owners ORDER BY owner").fetchall()
+        assert rows == [
+            (A1, None, stored(store, A1), 0),
+            ("anon:without-a-row", None, stored(store, "anon:without-a-row"), 0),
+        ]
+        assert stored(store, A1) > 0
         store.add_turn(A1, "c1", "x" * (3 * KB), "ok")  # its own group: only its own cap
         store.note_address(A2, X)
         store.add_turn(A2, "b" * 32, "y" * (3 * KB), "ok", create=True)

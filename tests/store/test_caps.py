@@ -87,7 +87,8 @@ def test_imports_without_end_stop_at_the_byte_cap_and_the_other_owner_is_not_aff
 
 def test_the_byte_count_follows_every_write(tmp_path):
     """conversations.bytes (kept by triggers) equals the bytes the chat holds, through turns, edits,
-    versions, a switch, undo, a regenerated reply, facts, a summary, an import and a delete."""
+    versions, a switch, undo, a regenerated reply, facts, a summary, an import and a delete; and
+    owners.chat_bytes their sum per owner."""
     with capped(tmp_path) as store:
 
         def check() -> None:
@@ -106,6 +107,11 @@ def test_the_byte_count_follows_every_write(tmp_path):
                 for cid in kept
             }
             assert kept == real
+            # ... and owners.chat_bytes (what an address's sum reads) equals the sum over each owner's chats
+            totals = dict(store._db.execute("SELECT owner, SUM(bytes) FROM conversations GROUP BY owner"))
+            owners = dict(store._db.execute("SELECT owner, chat_bytes FROM owners"))
+            assert {o: owners.get(o) for o in totals} == totals
+            assert all(n == 0 for o, n in owners.items() if o not in totals)
 
         conv = store.create_conversation(A)
         for i in range(3):
@@ -126,6 +132,11 @@ def test_the_byte_count_follows_every_write(tmp_path):
         store.delete(A, conv)
         check()
         assert store._db.execute("SELECT bytes FROM conversations WHERE id = ?", (copy,)).fetchone()[0] > 0
+        fresh = "anon:first-write-is-an-import"  # no owners row before its write
+        store.import_json(fresh, store.export_json(B, copy))
+        check()
+        store.delete_owner(B)
+        check()
 
 
 def test_an_earlier_releases_database_counts_what_it_holds(tmp_path: Path):
