@@ -210,8 +210,6 @@ class OwnerQueries(Connection):
     def delete_owner(self, owner: str) -> list[str]:
         """Delete everything the owner stored here (conversations, turns, facts); return the
         conversation ids. Bumps the owner's generation: a write begun before commits nothing."""
-        with self._addresses_lock:  # its row goes: the next `note_address` writes it again
-            self._addresses.pop(owner, None)
         with self._write() as db:
             ids = [r[0] for r in db.execute("SELECT id FROM conversations WHERE owner = ?", (owner,))]
             db.execute("DELETE FROM conversations WHERE owner = ?", (owner,))
@@ -223,6 +221,8 @@ class OwnerQueries(Connection):
                 "ON CONFLICT(owner) DO UPDATE SET generation = generation + 1",
                 (owner,),
             )
+        with self._addresses_lock:  # its row is gone: the next `note_address` writes it again
+            self._addresses.pop(owner, None)
         return ids
 
     def room(self, owner: str, chats: int = 0, size: int = 0) -> None:
