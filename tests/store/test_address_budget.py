@@ -7,6 +7,7 @@ the previous schema."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,31 @@ def test_a_file_in_the_previous_schema_migrates_with_every_owner_its_own_group(t
         store.note_address(A2, X)
         store.add_turn(A2, "b" * 32, "y" * (3 * KB), "ok", create=True)
         assert text_bytes("x" * (3 * KB)) <= stored(store, A1)
+
+
+def test_two_identities_of_one_address_writing_at_once_cannot_both_pass(tmp_path: Path):
+    """The check and the write are one transaction: of two owners of X racing for the last room, in
+    chats and in documents, one gets it and the other the message."""
+    with budgeted(tmp_path, address_doc_bytes=10 * KB) as store:
+        store.add_turn(A1, "a" * 32, "x" * KB, "ok", create=True)  # each racer fits its own cap, not both X's
+        for write in (
+            lambda owner, i: store.add_turn(owner, f"{i}" * 32, "y" * (3 * KB), "ok", create=True),
+            lambda owner, i: store.claim_document_bytes(owner, 6 * KB),
+        ):
+            outcomes: list[str] = []
+            start = threading.Barrier(2)
+
+            def go(owner: str, i: int, write=write, outcomes=outcomes, start=start) -> None:
+                start.wait()
+                try:
+                    write(owner, i)
+                    outcomes.append("stored")
+                except InputError:
+                    outcomes.append("refused")
+
+            threads = [threading.Thread(target=go, args=(o, i)) for i, o in enumerate((A1, A2))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert sorted(outcomes) == ["refused", "stored"]
