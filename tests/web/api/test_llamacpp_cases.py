@@ -274,63 +274,77 @@ def the_calls(d: dict, tools: list[dict]) -> list[dict]:
     return calls
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize(("tool", "key"), [(TEST_TOOL, "success"), (PYTHON_TOOL, "code")], ids=["test", "python"])
+# their python tool, closed to properties it does not list: left open, the 135M model writes made-up
+# ones after `code` until max_tokens cuts the call
+CLOSED_PYTHON_TOOL = {
+    "type": "function",
+    "function": {
+        **PYTHON_TOOL["function"],
+        "parameters": {**PYTHON_TOOL["function"]["parameters"], "additionalProperties": False},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("tool", "key", "stream"),
+    [(TEST_TOOL, "success", False), (TEST_TOOL, "success", True), (CLOSED_PYTHON_TOOL, "code", False)],
+    ids=["test-whole", "test-streamed", "python-whole"],
+)
 def test_a_required_tool_is_called_once_with_arguments_that_validate(served, tool, key, stream):
     """test_completion_with_required_tool_real_model (and its tiny-model variants, commented out
     there since llama-server lets content come before a required call): one call, no content."""
-    d = chat(served, stream, messages=CODING, tools=[tool], tool_choice="required", parallel_tool_calls=False)
+    kw = dict(tools=[tool], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=48)
+    d = chat(served, stream, messages=CODING, **kw)
     (call,) = the_calls(d, [tool])
     assert call["function"]["name"] == tool["function"]["name"] and key in json.loads(call["function"]["arguments"])
     if tool is TEST_TOOL:
         assert json.loads(call["function"]["arguments"]) == {"success": True}, "const holds"
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize(
-    ("tools", "choice"), [([], None), ([PYTHON_TOOL], "none")], ids=["no-tools", "choice-none"]
+    ("tools", "choice", "stream"), [([], None, False), ([PYTHON_TOOL], "none", True)], ids=["no-tools", "choice-none"]
 )
 def test_without_tools_or_under_none_no_tool_is_called(served, tools, choice, stream):
     """test_completion_without_tool_call_fast/slow: no tools, or tool_choice "none"."""
-    d = chat(served, stream, messages=CODING, tools=tools or None, tool_choice=choice, max_tokens=12)
+    d = chat(served, stream, messages=CODING, tools=tools or None, tool_choice=choice, max_tokens=6)
     m = d["choices"][0]["message"]
     assert "tool_calls" not in m and m["content"] and d["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_weather_and_hello_world_under_auto_are_a_valid_call_or_an_answer(served, stream):
+@pytest.mark.parametrize(
+    ("question", "stream"),
+    [("What is the weather in Istanbul?", False), ("say hello world with python", True)],
+    ids=["weather", "hello-world"],
+)
+def test_weather_and_hello_world_under_auto_are_a_valid_call_or_an_answer(served, question, stream):
     """test_weather, test_hello_world (and the auto case of test_completion_without_tool_call): they
     want "Istanbul" and `print("Hello world")`, which a 135M model does not reliably write. The
-    contract: under auto the reply is either content or calls whose arguments validate."""
-    tools = [WEATHER_TOOL, PYTHON_TOOL]
-    for question in ("What is the weather in Istanbul?", "say hello world with python"):
-        messages = [{"role": "system", "content": "You are a tool-calling agent."}, {"role": "user", "content": question}]
-        d = chat(served, stream, messages=messages, tools=tools)
-        m = d["choices"][0]["message"]
-        if m.get("tool_calls"):
-            the_calls(d, tools)
-        else:
-            assert isinstance(m["content"], str) and d["choices"][0]["finish_reason"] in ("stop", "length")
+    contract: under auto the reply is content, or calls whose arguments validate."""
+    tools = [WEATHER_TOOL, CLOSED_PYTHON_TOOL]
+    messages = [{"role": "system", "content": "You are a tool-calling agent."}, {"role": "user", "content": question}]
+    d = chat(served, stream, messages=messages, tools=tools, max_tokens=32)
+    m = d["choices"][0]["message"]
+    if m.get("tool_calls"):
+        the_calls(d, tools)
+    else:
+        assert isinstance(m["content"], str) and d["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_a_named_weather_tool_gets_a_location_string(served):
-    """test_weather's contract with the call made certain: tool_choice names it."""
+def test_a_named_tool_streamed_adds_up_to_the_same_call_whole(served):
+    """test_weather's contract with the call made certain (tool_choice names it), and
+    make_any_request's streamed mode: the id, type and name once, then argument fragments by index,
+    adding up to the call the same request gets whole (greedy)."""
     named = {"type": "function", "function": {"name": "get_current_weather"}}
     messages = [{"role": "user", "content": "What is the weather in Istanbul?"}]
-    d = chat(served, messages=messages, tools=[WEATHER_TOOL, PYTHON_TOOL], tool_choice=named)
-    (call,) = the_calls(d, [WEATHER_TOOL])
+    kw = dict(messages=messages, tools=[WEATHER_TOOL, PYTHON_TOOL], tool_choice=named, temperature=0, max_tokens=32)
+    whole = chat(served, **kw)
+    (call,) = the_calls(whole, [WEATHER_TOOL])
     assert isinstance(json.loads(call["function"]["arguments"])["location"], str)
-
-
-def test_streamed_tool_call_deltas_add_up_to_the_whole_call(served):
-    """make_any_request's streamed mode: the id, type and name once, then argument fragments by index."""
-    named = {"type": "function", "function": {"name": "python"}}
-    d = chat(served, True, messages=CODING, tools=[PYTHON_TOOL], tool_choice=named, temperature=0)
-    (call,) = the_calls(d, [PYTHON_TOOL])
+    d = chat(served, True, **kw)
+    (streamed,) = the_calls(d, [WEATHER_TOOL])
     parts = [p for c in d["_chunks"] for ch in c["choices"] for p in ch["delta"].get("tool_calls") or []]
-    assert sum("id" in p for p in parts) == 1 and parts[0]["function"]["name"] == "python"
-    whole = chat(served, messages=CODING, tools=[PYTHON_TOOL], tool_choice=named, temperature=0)
-    assert whole["choices"][0]["message"]["tool_calls"][0]["function"] == call["function"], "greedy: the same call"
+    assert sum("id" in p for p in parts) == 1 and parts[0]["function"]["name"] == "get_current_weather"
+    assert streamed["function"] == call["function"], "greedy: the same call"
 
 
 CALC_HISTORY = [
@@ -354,18 +368,17 @@ CALC_HISTORY = [
 ]
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_tool_result_in_the_history_is_answered(served, stream):
+def test_a_tool_result_in_the_history_is_answered(served):
     """test_calc_result: they want "0.56" in the answer (a bigger model's arithmetic); here the
     history with its call and result is taken, and under auto the reply is an answer or a valid
-    call, under "none" an answer."""
-    d = chat(served, stream, messages=CALC_HISTORY, tools=[CALCULATE_TOOL], max_tokens=32)
+    call, under "none" (streamed) an answer."""
+    d = chat(served, messages=CALC_HISTORY, tools=[CALCULATE_TOOL], max_tokens=16)
     m = d["choices"][0]["message"]
     if m.get("tool_calls"):
         the_calls(d, [CALCULATE_TOOL])
     else:
         assert isinstance(m["content"], str)
-    d = chat(served, stream, messages=CALC_HISTORY, tools=[CALCULATE_TOOL], tool_choice="none", max_tokens=12)
+    d = chat(served, True, messages=CALC_HISTORY, tools=[CALCULATE_TOOL], tool_choice="none", max_tokens=6)
     assert d["choices"][0]["message"]["content"] and "tool_calls" not in d["choices"][0]["message"]
 
 
@@ -385,7 +398,7 @@ def test_a_tool_result_in_the_history_is_answered(served, stream):
 def test_a_json_schema_reply_matches_its_schema(served, schema, check):
     """test_completion_with_response_format's schemas (their `json_object` + `schema` sent as
     json_schema, with a name; their draft-4 `items: [...]` as `prefixItems`)."""
-    d = chat(served, messages=CODING, response_format=_schema(schema), max_tokens=24)
+    d = chat(served, messages=CODING, response_format=_schema(schema), max_tokens=16)
     content = d["choices"][0]["message"]["content"]
     value = json.loads(content)
     assert check(value), content
@@ -394,7 +407,7 @@ def test_a_json_schema_reply_matches_its_schema(served, schema, check):
 
 def test_json_object_is_an_object_and_a_cut_one_says_length(served):
     """test_completion_with_response_format's json_object, and max_tokens cutting it: "length"."""
-    d = chat(served, messages=CODING, response_format={"type": "json_object"})
+    d = chat(served, messages=CODING, response_format={"type": "json_object"}, temperature=0, max_tokens=48)
     assert isinstance(json.loads(d["choices"][0]["message"]["content"]), dict)
     cut = chat(served, messages=CODING, response_format={"type": "json_object"}, max_tokens=3)
     assert cut["choices"][0]["finish_reason"] == "length"
@@ -486,7 +499,9 @@ def test_completions_n_probs_whole_and_streamed(served):
     with served.http.stream("POST", "/v1/completions", json={**b, "logprobs": 5, "stream": True}) as r:
         chunks = [c for c in events(r) if c != "[DONE]"]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    streamed = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    streamed = [
+        t for c in chunks if c["choices"] and c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]
+    ]
     assert text == d["choices"][0]["text"] and "".join(streamed) == text
 
 
@@ -496,13 +511,16 @@ def test_a_completion_streamed_is_the_completion_whole(served):
     whole = served.sdk.completions.create(**kw)
     streamed = list(served.sdk.completions.create(**kw, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
-    assert whole.choices[0].finish_reason in ("stop", "length") and streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert (
+        whole.choices[0].finish_reason in ("stop", "length")
+        and streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    )
 
 
 def test_stop_strings_end_the_text_before_them(served):
     """test_completion_stream_with_openai_library_stops: whatever the model writes, a stop string
     never shows, whole or streamed, and the reply ends there with "stop"."""
-    kw = dict(model="llmweb", prompt="1, 2, 3, 4, 5, 6,", max_tokens=16, temperature=0.0)
+    kw = dict(model="llmweb", prompt="1, 2, 3, 4, 5, 6,", max_tokens=8, temperature=0.0)
     free = served.sdk.completions.create(**kw).choices[0].text
     stop = free.strip()[:2] if free.strip() else " "
     cut = served.sdk.completions.create(**kw, stop=[stop])
@@ -514,10 +532,10 @@ def test_stop_strings_end_the_text_before_them(served):
 
 def test_the_same_seed_gives_the_same_text_and_other_seeds_others(served):
     """test_consistent_result_same_seed (here at temperature 1, where the seed matters) and
-    test_different_result_different_seed (at least two of four seeds differ: 16 tokens of a small
-    model can agree by chance, their case asks every pair)."""
-    b = {"model": "llmweb", "prompt": "I believe the meaning of life is", "max_tokens": 16, "temperature": 1.0}
-    same = {served.http.post("/v1/completions", json={**b, "seed": 42}).json()["choices"][0]["text"] for _ in range(3)}
+    test_different_result_different_seed (at least two of three seeds differ: 8 tokens of a small
+    model can agree by chance, their case asks every pair of four)."""
+    b = {"model": "llmweb", "prompt": "I believe the meaning of life is", "max_tokens": 8, "temperature": 1.0}
+    same = {served.http.post("/v1/completions", json={**b, "seed": 42}).json()["choices"][0]["text"] for _ in range(2)}
     assert len(same) == 1
-    seeds = {served.http.post("/v1/completions", json={**b, "seed": s}).json()["choices"][0]["text"] for s in range(4)}
+    seeds = {served.http.post("/v1/completions", json={**b, "seed": s}).json()["choices"][0]["text"] for s in range(3)}
     assert len(seeds) > 1
