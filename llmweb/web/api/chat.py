@@ -19,7 +19,6 @@ Owns: a request's turn and its response. Must not work out an owner itself (web/
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import threading
 import weakref
@@ -50,7 +49,6 @@ from llmweb.web.api.common import (
     EventStream,
     Pump,
     Usage,
-    disconnected,
     logprob_entries,
     logprobs_supported,
     logprobs_unsupported,
@@ -58,6 +56,7 @@ from llmweb.web.api.common import (
     read_body,
     require_json,
     sse,
+    whole_reply,
     within,
 )
 from llmweb.web.api.errors import ApiError, api_error, bad, error_response
@@ -308,35 +307,22 @@ class _Reply:
 
     async def whole(self, pump: Pump, request: Request) -> Response:
         """A response without streaming; a client that leaves first cancels the request."""
-        gone = asyncio.ensure_future(disconnected(request))
-        try:
-            while True:
-                step = asyncio.ensure_future(pump.next())
-                await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    pump.close()
-                    return Response(status_code=499)  # nobody reads it
-                try:
-                    event = step.result()
-                except Exception as e:
-                    return error_response(api_error(e))
-                if event is None:
-                    return error_response(ApiError(500, "The chat turn ended without a reply.", type="server_error"))
-                if isinstance(event, Delta):
-                    self.on_delta(event.text)
-                elif isinstance(event, Finished):
-                    content, reason = self.content(event), self.finish_reason(event)
-                    text, calls = self.calls(content, event)
-                    if calls:
-                        reason = "tool_calls"
-                    tool_calls = [c.to_dict() for c in calls]
-                    logprobs = self.final_logprobs(event, event.logprobs)
-                    usage, ext = self.usage(event), self.extension(event)
-                    body = self.c.response(text, reason, usage, ext, tool_calls, logprobs)
-                    return JSONResponse(body, headers=self.headers(event))
-        finally:
-            gone.cancel()
+        return await whole_reply(pump, request, self.take, _failed, "The chat turn ended without a reply.")
+
+    def take(self, event) -> JSONResponse | None:
+        """One event of a reply without streaming: the response once it is finished."""
+        if isinstance(event, Delta):
+            self.on_delta(event.text)
+        if not isinstance(event, Finished):
+            return None
+        content, reason = self.content(event), self.finish_reason(event)
+        text, calls = self.calls(content, event)
+        if calls:
+            reason = "tool_calls"
+        tool_calls = [c.to_dict() for c in calls]
+        logprobs = self.final_logprobs(event, event.logprobs)
+        body = self.c.response(text, reason, self.usage(event), self.extension(event), tool_calls, logprobs)
+        return JSONResponse(body, headers=self.headers(event))
 
     async def stream(self, pump: Pump) -> AsyncIterator[bytes]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
@@ -391,6 +377,10 @@ class _Reply:
                     yield sse(self.c.chunk(None, usage=self.usage(event), include_usage=True))
                 yield sse("[DONE]")
                 return
+
+
+def _failed(e: BaseException) -> Response:
+    return error_response(api_error(e))
 
 
 def _sampling(req: ChatRequest, chat, max_tokens: int) -> Sampling:

@@ -366,7 +366,8 @@ def parse_messages(raw: Any, max_chars: int, stateful: bool = False) -> tuple[Me
         out.append(Message("system" if role == "developer" else role, text))
     if out[-1].role not in ("user", "tool"):
         raise bad(
-            f"The last message must be the user's (it is {out[-1].role!r}): llmweb answers it.",
+            f"messages[{len(out) - 1}]: the last message must be the user's (it is {out[-1].role!r}): "
+            "llmweb answers it.",
             f"messages[{len(out) - 1}].role",
         )
     return tuple(out)

@@ -4,8 +4,8 @@ moving a blocking turn's events to the event loop (`Pump`) and out as server-sen
 (`EventStream`, `sse`).
 
 A turn blocks (it waits on the engine), so each request's turn runs on its own thread (`Pump`), and
-the event loop only moves its events. A client that disconnects (streaming or not) cancels its
-engine request at once (`Pump.close`): it stops within a token.
+the event loop only moves its events. A client that disconnects (streaming or not: `whole_reply`)
+cancels its engine request at once (`Pump.close`): it stops within a token.
 
 Owns: the body's size limit (LLMWEB_API_MAX_BODY_KB) and media type, JSON's parsing, the stream's
 framing. Must not know any family's fields, run a turn itself, or work out who is calling.
@@ -17,12 +17,12 @@ import asyncio
 import json
 import math
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from llmweb.chat.session import Started
 from llmweb.chat.tokens import token_bytes
@@ -339,6 +339,38 @@ def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event: `data: <json>` and a blank line."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {text}\n\n".encode()
+
+
+async def whole_reply(
+    pump: Pump,
+    request: Request,
+    take: Callable[[Any], Response | None],
+    failed: Callable[[BaseException], Response],
+    ended: str,
+) -> Response:
+    """A reply without streaming: each of the turn's events goes to `take` until it returns the
+    response; the turn's error, or its end without a reply (`ended`), goes to `failed`. A client
+    that leaves first cancels the engine request (`Pump.close`), and nobody reads the 499."""
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        while True:
+            step = asyncio.ensure_future(pump.next())
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                pump.close()
+                return Response(status_code=499)
+            try:
+                event = step.result()
+            except Exception as e:
+                return failed(e)
+            if event is None:
+                return failed(ApiError(500, ended, type="server_error"))
+            response = take(event)
+            if response is not None:
+                return response
+    finally:
+        gone.cancel()
 
 
 async def disconnected(request: Request) -> None:

@@ -15,7 +15,6 @@ work out an owner (web/identity.py).
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,13 +32,13 @@ from llmweb.web.api.common import (
     EventStream,
     Pump,
     Usage,
-    disconnected,
     logprobs_supported,
     logprobs_unsupported,
     parse_body,
     read_body,
     require_json,
     sse,
+    whole_reply,
     within,
 )
 from llmweb.web.api.completions_wire import CompletionRequest, TextCompletion, legacy_logprobs, parse_completion
@@ -145,6 +144,10 @@ def raw_turn(chat, owner: str, ids: list[int], raw: Raw, cancel: Cancel, notes: 
     yield Done(text, stats, stopped, tuple(handle.logprobs), tuple(notes))
 
 
+def _failed(e: BaseException) -> Response:
+    return error_response(api_error(e))
+
+
 class Completions:
     """The route of `POST /v1/completions`."""
 
@@ -202,29 +205,15 @@ class _Reply:
         return within(self.fmt, done.logprobs, len(done.text.encode())) if done.stopped else list(done.logprobs)
 
     async def whole(self, pump: Pump, request: Request) -> Response:
-        gone = asyncio.ensure_future(disconnected(request))
-        try:
-            while True:
-                step = asyncio.ensure_future(pump.next())
-                await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    pump.close()
-                    return Response(status_code=499)
-                try:
-                    event = step.result()
-                except Exception as e:
-                    return error_response(api_error(e))
-                if event is None:
-                    return error_response(ApiError(500, "The completion ended without a reply.", type="server_error"))
-                if isinstance(event, Done):
-                    logprobs = self.logprobs(self.kept(event), 0)
-                    body = self.c.response(
-                        self.prefix + event.text, event.finish_reason, self.usage(event), logprobs, list(event.notes)
-                    )
-                    return JSONResponse(body)
-        finally:
-            gone.cancel()
+        """A response without streaming; a client that leaves first cancels the request."""
+        return await whole_reply(pump, request, self.take, _failed, "The completion ended without a reply.")
+
+    def take(self, event) -> JSONResponse | None:
+        if not isinstance(event, Done):
+            return None
+        logprobs = self.logprobs(self.kept(event), 0)
+        text = self.prefix + event.text
+        return JSONResponse(self.c.response(text, event.finish_reason, self.usage(event), logprobs, list(event.notes)))
 
     async def stream(self, pump: Pump) -> AsyncIterator[bytes]:
         usage = self.req.include_usage

@@ -39,7 +39,7 @@ from llmweb.web.api import models
 from llmweb.web.api import ollama_wire as wire
 from llmweb.web.api.chat import ChatCompletions, _Reply
 from llmweb.web.api.chat_wire import NEUTRAL, Completion, parse_request
-from llmweb.web.api.common import EventStream, Pump, parse_body, read_body, require_json
+from llmweb.web.api.common import EventStream, Pump, parse_body, read_body, require_json, whole_reply
 from llmweb.web.api.completions import Done, Raw, encode_prompt, raw_turn
 from llmweb.web.api.embeddings import Embeddings
 from llmweb.web.api.embeddings_wire import EmbeddingsRequest, texts
@@ -179,7 +179,7 @@ class Ollama:
         writer = _Lines(wire.model_name(body), "response" if generate else "message")
         if req.stream:
             return Lines(writer.chat_stream(reply, pump), on_close=pump.close, headers={})
-        return await writer.chat_whole(reply, pump)
+        return await writer.chat_whole(reply, pump, request)
 
     async def _raw(self, request: Request, caller, body: dict[str, Any]) -> Response:
         """`/api/generate` with "raw": true: the prompt as written, as /v1/completions runs it."""
@@ -209,7 +209,7 @@ class Ollama:
         writer = _Lines(name, "response")
         if stream:
             return Lines(writer.raw_stream(pump), on_close=pump.close, headers={})
-        return await writer.raw_whole(pump)
+        return await writer.raw_whole(pump, request)
 
     # ---- embeddings
     async def embed(self, request: Request) -> Response:
@@ -293,23 +293,18 @@ class _Lines:
             reply.finish_reason(f), reply.usage(f).to_dict(), g.total_s, g.ttft_s, g.decode_tok_s, **piece
         )
 
-    async def chat_whole(self, reply: _Reply, pump: Pump) -> Response:
-        while True:
-            try:
-                event = await pump.next()
-            except Exception as e:
-                return ollama_error(e)
-            if event is None:
-                return ollama_error(ApiError(500, "The chat turn ended without a reply."))
+    async def chat_whole(self, reply: _Reply, pump: Pump, request: Request) -> Response:
+        """The reply as one object; a client that leaves first cancels the request."""
+
+        def take(event) -> Response | None:
             if isinstance(event, Delta):
                 reply.on_delta(event.text)
-            elif isinstance(event, Finished):
-                body = {
-                    "model": self.model,
-                    "created_at": wire.now(),
-                    **self._chat_final(reply, event, reply.content(event)),
-                }
-                return JSONResponse(body)
+            if not isinstance(event, Finished):
+                return None
+            final = self._chat_final(reply, event, reply.content(event))
+            return JSONResponse({"model": self.model, "created_at": wire.now(), **final})
+
+        return await whole_reply(pump, request, take, ollama_error, "The chat turn ended without a reply.")
 
     async def chat_stream(self, reply: _Reply, pump: Pump) -> AsyncIterator[bytes]:
         sent = ""
@@ -347,18 +342,15 @@ class _Lines:
         usage = {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.generated_tokens}
         return self._final(done.finish_reason, usage, g.total_s, g.ttft_s, g.decode_tok_s, response=text)
 
-    async def raw_whole(self, pump: Pump) -> Response:
-        while True:
-            try:
-                event = await pump.next()
-            except Exception as e:
-                return ollama_error(e)
-            if event is None:
-                return ollama_error(ApiError(500, "The completion ended without a reply."))
-            if isinstance(event, Done):
-                return JSONResponse(
-                    {"model": self.model, "created_at": wire.now(), **self._raw_final(event, event.text)}
-                )
+    async def raw_whole(self, pump: Pump, request: Request) -> Response:
+        """The completion as one object; a client that leaves first cancels the request."""
+
+        def take(event) -> Response | None:
+            if not isinstance(event, Done):
+                return None
+            return JSONResponse({"model": self.model, "created_at": wire.now(), **self._raw_final(event, event.text)})
+
+        return await whole_reply(pump, request, take, ollama_error, "The completion ended without a reply.")
 
     async def raw_stream(self, pump: Pump) -> AsyncIterator[bytes]:
         sent = ""

@@ -56,6 +56,14 @@ def parse_response_format(body: Mapping[str, Any]) -> Shaped | None:
     if not isinstance(rf, dict):
         raise bad("response_format must be an object with a type.", "response_format", "invalid_type")
     kind = rf.get("type")
+    for key in rf:
+        if key not in ("type", *(("json_schema",) if kind == "json_schema" else ())):
+            how = ' (for a schema, send {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}})'
+            raise bad(
+                f"Unrecognized field response_format.{str(key)[:60]}{how if key == 'schema' else ''}.",
+                f"response_format.{str(key)[:60]}",
+                "unknown_parameter",
+            )
     if kind == "text":
         return None
     if kind == "json_object":
@@ -150,6 +158,12 @@ class ToolSet:
         try:
             c = tools_schema(schema, "tools")
         except ConstraintError as e:
+            for i, t in enumerate(self.tools):  # name the tool whose parameters cannot compile
+                if t in self.callable:
+                    try:
+                        json_schema(t.parameters, f"tools[{i}].function.parameters")
+                    except ConstraintError as one:
+                        raise _constraint_error(one) from None
             raise _constraint_error(e) from None
         return Shaped(c, self.instruction())
 

@@ -4,13 +4,15 @@ generate, the key, and the refusals, each naming its field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 
 from llmweb.web.api import ollama_wire as wire
 from llmweb.web.api.errors import ApiError
-from tests.web.api.conftest import say
+from tests.web.api.conftest import LOCAL_PEER, body, say
 
 
 def lines(r) -> list[dict]:
@@ -180,3 +182,73 @@ def test_a_prompt_past_the_context_is_a_400_never_a_hang(api):
     r = api.client.post("/api/chat", json={"model": "llmweb", "messages": [{"role": "user", "content": long}]})
     assert r.status_code == 400 and r.json()["error"]
     assert api.runner.requests == [], "nothing reached the engine"
+
+
+# ---- a client that leaves before a reply without streaming
+
+
+def leave_midway(api, path: str, payload: dict) -> list[dict]:
+    """POST `payload` to `path` straight into the ASGI app, and disconnect once the engine runs it;
+    what the app sent back. Fails if the app is still busy 4 s later (the reply takes 10 s)."""
+    raw = json.dumps(payload).encode()
+    headers = [(b"host", b"127.0.0.1:7860"), (b"content-type", b"application/json")]
+    headers += [(b"content-length", str(len(raw)).encode())]
+    headers += [(b"authorization", f"Bearer {api.key}".encode())] if api.key else []
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": LOCAL_PEER,
+        "server": ("127.0.0.1", 7860),
+    }
+    given, sent = False, []
+
+    async def receive():
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        while not api.runner.running.is_set():  # the engine runs the request: leave
+            await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    async def run():
+        await asyncio.wait_for(api.client.app(scope, receive, send), 4)
+
+    asyncio.run(run())
+    return sent
+
+
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        ("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/api/generate", {"prompt": "hi"}),
+        ("/api/generate", {"prompt": "hi", "raw": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ],
+    ids=["ollama-chat", "ollama-generate", "ollama-raw", "v1-chat", "v1-completions"],
+)
+def test_a_client_that_leaves_a_reply_without_streaming_frees_the_engine(api, path, payload):
+    say(api, " ".join(f"w{i}" for i in range(20)))
+    api.runner.token_delay_s = 0.5  # the whole reply: 10 s
+    leave_midway(api, path, {"model": "llmweb", "stream": False, **payload})
+    deadline = time.monotonic() + 2
+    while api.runner.running.is_set() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not api.runner.running.is_set(), "the engine request was cancelled"
+    api.runner.token_delay_s = 0
+    say(api, "Next.")
+    r = api.client.post("/v1/chat/completions", json=body())
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Next."
