@@ -207,3 +207,27 @@ def test_a_decode_batch_is_fed_in_sequence_id_order(llama_model):
         assert ran is not None and [slot.state.seq for slot in ran[0]] == [0, 1, 2, 3]
     finally:
         runner.close()
+
+
+def test_a_background_prompt_alone_reads_in_full_chunks(llama_model):
+    """A whole-document step (background) with nobody else in the engine reads its prompt in the
+    runner's full chunks; the small ones are for when another owner's request runs or waits
+    (tests/engine/test_owner_share.py)."""
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.request import EngineLimits
+    from llmweb.engine.runners.llama_cpp import PREFILL_CHUNK
+
+    engine = llama_engine(llama_model.model, KVStore(0, 1), EngineLimits(max_new_tokens=4), 1024)
+    chunks: list[int] = []
+    prefill = engine.runner._prefill
+
+    def counted(seq, chunk, last):
+        chunks.append(len(chunk))
+        return prefill(seq, chunk, last)
+
+    engine.runner._prefill = counted
+    try:
+        engine.submit(GenerationRequest(list(range(100, 700)), 2, owner="reader", background=True)).result()
+    finally:
+        engine.close()
+    assert chunks == [PREFILL_CHUNK, PREFILL_CHUNK, 600 - 2 * PREFILL_CHUNK], chunks
