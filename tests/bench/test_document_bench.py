@@ -75,7 +75,8 @@ def test_without_llama_bench_there_is_no_ratio_and_it_says_so():
 def test_the_command_sets_the_cold_task_beside_llama_bench_on_the_shipped_file(tmp_path):
     from tests.conftest import MODEL_CACHE
 
-    s = Settings(data_dir=tmp_path, cache_dir=MODEL_CACHE, threads=int(os.environ.get("LLMWEB_THREADS", "0")))
+    threads = int(os.environ.get("LLMWEB_THREADS", "0"))
+    s = Settings(data_dir=tmp_path, cache_dir=MODEL_CACHE, threads=threads, request_timeout_s=900)  # a loaded CI
     r = document.run(s, parts=1, piece_tokens=8, progress=lambda _: None, bench_repeats=1)
     cold, p = r["runs"][0], r["prefill"]
     assert cold["run"] == "cold" and cold["coverage"] == 1.0 and cold["from_cache"] == 0
