@@ -54,7 +54,7 @@ def run(settings, loaded=None, parts: int = 4, piece_tokens: int = 48, progress=
         rt = Runtime(scratch_settings(settings, Path(root) / "data"), loaded=loaded).start(background=False)
         try:
             chat = rt.wait_ready()
-            served = rt.loaded
+            model = rt.loaded  # what the engine serves (its encoding, its weights)
             chat.documents.note_tokens = piece_tokens
             rt.library.ingest_uploads(READER, [(path, NAME)])
             reference = [_llama_bench_prefill(shipped, settings, bench_repeats, progress)]
@@ -97,8 +97,8 @@ def run(settings, loaded=None, parts: int = 4, piece_tokens: int = 48, progress=
         "document_chars": len(long_text(parts)),
         "context_limit": chat.budget.context_limit,
         "piece_tokens": piece_tokens,
-        "served": served.quant if served is not None else None,
-        "weights_mib": round(served.weights_bytes / 2**20, 1) if served is not None else None,
+        "served": model.quant if model is not None else None,
+        "weights_mib": round(model.weights_bytes / 2**20, 1) if model is not None else None,
         "runs": runs,
         "visitor_idle": idle,
         "visitor_during_task": during,
