@@ -23,7 +23,7 @@ from llmweb.errors import ConfigError, InputError
 
 QUANTS = ("auto", "4bit", "8bit", "int8-cpu", "bf16", "fp16", "fp32")
 BACKENDS = ("auto", "llama.cpp", "transformers")
-GGUF_REQUANTS = ("off", "q8_0")  # llama.REQUANT_TYPES
+GGUF_REQUANTS = ("auto", "q8_0", "none", "off")  # gguf.requant_kind; none and off are the same
 DEVICES = ("auto", "cpu", "cuda")
 CPU_CONTEXT_CAP = 2048  # tokens; prefill cost on CPU grows fast past this
 
@@ -45,7 +45,7 @@ class Settings:
     quant: str = "auto"  # 4bit on CUDA, int8-cpu on the CPU (models.resolve_quant)
     backend: str = "auto"  # llama.cpp for a GGUF model on the CPU, else transformers (models.resolve_backend)
     threads: int = 0  # llama.cpp's threads; 0 = the cores this process may use
-    gguf_requant: str = "off"  # llama.cpp: re-encode the GGUF file once as q8_0 (faster kernels)
+    gguf_requant: str = "auto"  # llama.cpp: re-encode the GGUF file once as q8_0 (auto: a Q4_1 file; none: never)
     max_download_gb: float = 64.0  # `models fetch` (engine/hub.py) refuses a model bigger than this, in GB (10^9 B)
     device: str = "auto"
     offload: bool = False

@@ -65,8 +65,9 @@ def app_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama_model(tmp_path_factory):
-    """The embedded GGUF file as it ships, on llama.cpp (engine/runners/llama_cpp.py)."""
-    return _load("auto", tmp_path_factory, backend="llama.cpp")
+    """The embedded GGUF file as it ships (Q4_1, not the Q8_0 copy the app serves by default), on
+    llama.cpp (engine/runners/llama_cpp.py): the runner's tests keep their figures and replies."""
+    return _load("auto", tmp_path_factory, backend="llama.cpp", gguf_requant="none")
 
 
 @pytest.fixture(params=["transformers", "llama.cpp"])

@@ -3,6 +3,8 @@
     python tools/bench_releases.py --before ../old decode --prompts 32,512,1536
     python tools/bench_releases.py --before ../old ttft --turns 30
     python tools/bench_releases.py --before ../old concurrency --concurrency 1,2,4 --max-new-tokens 128
+    python tools/bench_releases.py --before ../old document
+    python tools/bench_releases.py --before ../old peer --chats 4
 
 A round runs `python -m llmweb bench ARGS --json` in the checkout before and then in this one (the
 next round the other way round, so the machine's drift hits both alike), each in a process of its
@@ -36,7 +38,11 @@ def headline(result: dict) -> dict[str, str]:
         return _ttft(result)
     if kind == "concurrency":
         return _concurrency(result)
-    raise SystemExit(f"bench_releases knows decode, ttft and concurrency, not {kind!r}")
+    if kind == "document":
+        return _document(result)
+    if kind == "peer":
+        return _peer(result)
+    raise SystemExit(f"bench_releases knows decode, ttft, concurrency, document and peer, not {kind!r}")
 
 
 def _decode(r: dict) -> dict[str, str]:
@@ -77,6 +83,45 @@ def _concurrency(r: dict) -> dict[str, str]:
             out[f"{k} chats, batched: TTFT p95 s"] = f"{row['ttft_p95_s']:.2f}"
     for ref in r.get("llama_batched_bench") or []:
         out[f"{ref['concurrency']} chats: llama-batched-bench k / 1"] = f"{ref['aggregate_vs_serial']:.2f}"
+    return out
+
+
+def _document(r: dict) -> dict[str, str]:
+    """Cold and cached times, the read rate and its ratio to llama-bench (a release without them
+    leaves those rows blank), and the visitor's turn beside the task."""
+    runs = {x["run"]: x for x in r["runs"]}
+    out = {}
+    if served := r.get("served"):
+        out["served"] = f"{served}, {r['weights_mib']:.0f} MiB"
+    for name in ("cold", "cached"):
+        if name in runs:
+            out[f"{name} summary s"] = f"{runs[name].get('outside_total_s', runs[name]['seconds']):.2f}"
+    if "cold" in runs:
+        cold = runs["cold"]
+        out["cold: tokens read"] = f"{cold['tokens_read']:,}"
+        out["cold: coverage"] = f"{cold['coverage']:.0%}"
+        total = cold.get("outside_total_s") or cold["seconds"]
+        out["cold: read tok/s"] = f"{cold['tokens_read'] / total:.1f}"
+        if cold.get("rss_mib"):
+            out["cold: engine RSS MiB"] = f"{cold['rss_mib']:.0f}"
+    p = r.get("prefill") or {}
+    if p.get("llama_bench_tok_s"):
+        out[f"llama-bench -p {p['llama_bench_prompt']} tok/s (shipped file)"] = f"{p['llama_bench_tok_s']:.1f}"
+        out["cold read / llama-bench prefill"] = f"{p['ratio']:.2f}"
+    for label, key in (("idle", "visitor_idle"), ("beside the task", "visitor_during_task")):
+        v = r[key]
+        out[f"visitor {label}: first token s"] = f"{v['ttft_s']:.2f}"
+        out[f"visitor {label}: turn s"] = f"{v['seconds']:.2f}"
+    return out
+
+
+def _peer(r: dict) -> dict[str, str]:
+    out = {"file": r["model_file"]}
+    for s in r["summary"]:
+        k = s["concurrency"]
+        out[f"{k} chats: llmweb tok/s"] = f"{s['llmweb_tok_s']:.1f}"
+        out[f"{k} chats: llama-server tok/s"] = f"{s['llama_server_tok_s']:.1f}"
+        out[f"{k} chats: llmweb / llama-server"] = f"{s['ours_vs_peer']:.2f}"
     return out
 
 

@@ -23,7 +23,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
   load.py       `bench load`: 16 visitors x 3 turns at once through `/chat` of a scratch server: busy
                 refusals, p50/p95; one visitor's turn idle vs. while a client sends pathological messages
   document.py   `bench document`: a whole-document summary of a text several contexts long, cold and from
-                the cache; another visitor's turn idle and while a task reads
+                the cache; the cold read rate against `llama-bench`'s prefill of the shipped file;
+                another visitor's turn idle and while a task reads
   loops.py      `bench loops`: the most copies of one sentence per reply, loop guard off and on, for 8
                 ordinary requests and 2 known loops
   busy.py       `bench busy`: a reply's speed as people get it: through the API alone, typed into the
@@ -135,7 +136,7 @@ def register(sub) -> None:
         type=int,
         default=3,
         help="suite: A/B repeats of the engine-overhead runs; decode: repeats of every step; busy: of every case; "
-        "ocr: timed reads of every page",
+        "ocr: timed reads of every page; document: llama-bench's repetitions, before and after the runs",
     )
     b.add_argument("--fillers", type=int, default=12, help="fidelity: filler turns before each checkpoint")
     b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
@@ -375,7 +376,7 @@ def _bench_document(args) -> int:
     from . import document
 
     settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 64)
-    result = document.run(settings, parts=args.parts, progress=_stderr)
+    result = document.run(settings, parts=args.parts, progress=_stderr, bench_repeats=args.repeats)
     _print(result, args.json, document.markdown)
     return 0
 

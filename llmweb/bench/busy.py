@@ -231,8 +231,9 @@ def _reference_table(r: dict) -> list[str]:
 
 
 def _llama_bench(depths: list[int], new_tokens: int, progress: Callable[[str], None]) -> list[dict]:
-    """llama-bench's decode of `new_tokens` after each of `depths` on the embedded file, on 1 thread
+    """llama-bench's decode of `new_tokens` after each of `depths` on the file served, on 1 thread
     and on every core (what the server decodes with); [] without llama-bench."""
+    from llmweb.config import Settings
     from llmweb.engine import gguf, models
 
     from .common import llama_bench_tests, llama_tool
@@ -240,11 +241,11 @@ def _llama_bench(depths: list[int], new_tokens: int, progress: Callable[[str], N
     if not llama_tool("llama-bench") or not depths:
         progress("bench busy: no llama-bench (LLMWEB_LLAMA_BENCH), so no reference rates")
         return []
-    folder, name = models.embedded_gguf()
+    served, _, _ = models.served_gguf(Settings.from_env(), progress)  # the file the served app loads
     threads = sorted({1, gguf.default_threads()})
     progress(f"bench busy: llama-bench at the page's prompt lengths, on {' and '.join(map(str, threads))} threads…")
     args = ["-p", "0", "-n", str(new_tokens), "-d", ",".join(map(str, depths)), "-t", ",".join(map(str, threads))]
-    tests = llama_bench_tests(Path(folder) / name, [*args, "-r", "1"], progress, "busy") or []
+    tests = llama_bench_tests(served, [*args, "-r", "1"], progress, "busy") or []
     return [
         {"prompt_tokens": t["n_depth"], "threads": t["n_threads"], "decode_tok_s": round(float(t["avg_ts"]), 1)}
         for t in tests

@@ -11,7 +11,8 @@ threads, at N = each turn's prompt tokens (every depth any run of ours had). Eac
 both, the order alternating, so the machine's drift hits both alike; per turn, the medians and
 ours against llama-bench's.
 
-The served model must be the embedded file as shipped (as `bench peer`'s); llama-bench comes from
+The served model must be the embedded file (as `bench peer`'s); llama-bench runs the file served
+(by default its Q8_0 copy: LLMWEB_GGUF_REQUANT) and comes from
 LLMWEB_LLAMA_BENCH or the PATH (built from the pinned sdist: .ci/run). Without either, the command
 says so and stops.
 
@@ -42,14 +43,11 @@ def run(settings, new_tokens: int = 128, repeats: int = 3, progress: Callable[[s
     from .common import llama_tool
     from .decode import llama_bench
 
-    if settings.model or settings.engine_url or settings.gguf_requant != "off":
-        raise ConfigError(
-            "bench chatpath compares the embedded GGUF file as shipped: unset LLMWEB_MODEL, LLMWEB_ENGINE_URL "
-            "and LLMWEB_GGUF_REQUANT"
-        )
+    if settings.model or settings.engine_url:
+        raise ConfigError("bench chatpath compares the embedded GGUF file: unset LLMWEB_MODEL and LLMWEB_ENGINE_URL")
     if not llama_tool("llama-bench"):
         raise ConfigError("bench chatpath needs llama.cpp's llama-bench: set LLMWEB_LLAMA_BENCH or put it on the PATH")
-    folder, name = models.embedded_gguf()
+    gguf_file, _, _ = models.served_gguf(settings, progress)  # what the chat path below serves
     threads = settings.threads or gguf.default_threads()
     ours: list[list[dict]] = []
     theirs: list[dict[int, float]] = []
@@ -59,7 +57,6 @@ def run(settings, new_tokens: int = 128, repeats: int = 3, progress: Callable[[s
             progress(f"bench chatpath: a warm-up run of the {len(SCRIPT)} turns (it gives their depths)…")
             chat = runtime.wait_ready()
             depths = {t["prompt_tokens"] for t in _script(chat)}
-            gguf_file = Path(folder) / name
             for r in range(repeats):
                 for side in ("ours", "llama-bench") if r % 2 == 0 else ("llama-bench", "ours"):
                     if side == "ours":

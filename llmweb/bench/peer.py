@@ -17,9 +17,9 @@ and ours against llama-server's at the same k (the median over repeats of each s
 
 The k requests come through the one local key, so the server's waiting-room cap per owner is
 raised to k for the run (LLMWEB_QUEUE_PER_USER): without it, a third request of one owner is
-refused as busy; it sets nothing about speed. The served model must be the embedded file at its
-shipped encoding (no LLMWEB_MODEL, LLMWEB_ENGINE_URL or LLMWEB_GGUF_REQUANT): else the command says
-so and stops.
+refused as busy; it sets nothing about speed. The served model must be the embedded file (no
+LLMWEB_MODEL or LLMWEB_ENGINE_URL): else the command says so and stops. llama-server serves the
+file llmweb serves: by default its Q8_0 copy (LLMWEB_GGUF_REQUANT, engine/models.py `served_gguf`).
 
 Must not: be imported by the product; leave either server running when it ends.
 """
@@ -63,18 +63,15 @@ def run(
 ) -> dict:
     from llmweb.engine import gguf, models
 
-    if settings.model or settings.engine_url or settings.gguf_requant != "off":
-        raise ConfigError(
-            "bench peer compares the embedded GGUF file as shipped: unset LLMWEB_MODEL, LLMWEB_ENGINE_URL "
-            "and LLMWEB_GGUF_REQUANT"
-        )
+    if settings.model or settings.engine_url:
+        raise ConfigError("bench peer compares the embedded GGUF file: unset LLMWEB_MODEL and LLMWEB_ENGINE_URL")
     exe = llama_tool("llama-server")
     if not exe:
         raise ConfigError("bench peer needs llama-server: put it on the PATH or name it in LLMWEB_LLAMA_SERVER")
     concurrencies = sorted(set(concurrencies))
     if not concurrencies or min(concurrencies) < 1 or repeats < 1 or new_tokens < 1:
         raise ConfigError("--chats needs positive integers, --repeats and --max-new-tokens at least 1")
-    folder, name = models.embedded_gguf()
+    served, _, _ = models.served_gguf(settings, progress)  # the file the server below loads too
     threads = settings.threads or gguf.default_threads()
     rows: list[dict] = []
     env = {"LLMWEB_QUEUE_PER_USER": str(max(concurrencies))}
@@ -83,7 +80,7 @@ def run(
         headers = {"Authorization": f"Bearer {srv.key}"}
         srv.api_turn("Say hello.", 8)  # warm-up: the model is loaded and has run once
         for k in concurrencies:
-            with llama_server(exe, folder / name, k, threads, progress) as peer:
+            with llama_server(exe, served, k, threads, progress) as peer:
                 post_json(peer, chat_body("Say hello.", 8), {})
                 for r in range(repeats):
                     asks = questions(k, r)
@@ -96,7 +93,7 @@ def run(
                         )
     return {
         "bench": "peer",
-        "model_file": name,
+        "model_file": served.name,
         "threads": threads,
         "new_tokens": new_tokens,
         "repeats": repeats,

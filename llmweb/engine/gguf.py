@@ -88,9 +88,23 @@ def default_threads() -> int:
 
 
 # LLMWEB_GGUF_REQUANT: llama.cpp's own quantiser re-encodes the GGUF file into a type whose CPU
-# kernels run faster (README "Re-encoding the GGUF file"). Q8_0 holds a 4-bit file's weights almost
-# exactly; Q4_0 (faster still) re-rounds them, and halved bench fidelity's right answers: not offered.
+# kernels run faster (docs/benchmarks.md "Re-encoding the GGUF file"). Q8_0 holds a 4-bit file's
+# weights almost exactly; Q4_0 (faster still) re-rounds them, and halved bench fidelity's right
+# answers: not offered.
 REQUANT_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+# what `auto` re-encodes: the types llama.cpp has no repacked CPU kernels for and Q8_0 holds
+# exactly. The embedded Q4_1 file prefills ~2x faster as Q8_0 on 2 cores (~500 against ~250 tok/s
+# in llama-bench) and decodes as fast, at 136 instead of 92 MiB. Q4_0 and Q4_K are repacked (they
+# prefill faster than Q8_0 as they ship); a Q8_0 or 16-bit file would gain nothing.
+AUTO_REQUANT = {"Q4_1": "q8_0"}
+
+
+def requant_kind(setting: str, file_type: str) -> str | None:
+    """The type LLMWEB_GGUF_REQUANT=`setting` re-encodes a file of `file_type` ("Q4_1", llama.cpp's
+    name) into, or None: served as it ships (`none`/`off`, or `auto` for a type it leaves)."""
+    if setting == "auto":
+        return AUTO_REQUANT.get(file_type)
+    return setting if setting in REQUANT_TYPES else None
 
 
 def requantised(source: Path, kind: str, folder: Path, threads: int, progress: Callable[[str], None]) -> Path:
@@ -105,7 +119,7 @@ def requantised(source: Path, kind: str, folder: Path, threads: int, progress: C
     if target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    progress(f"First start with LLMWEB_GGUF_REQUANT={kind}: re-encoding {source.name} as {kind.upper()} (once)…")
+    progress(f"First start: re-encoding {source.name} as {kind.upper()} for faster CPU kernels (once)…")
     t0 = time.perf_counter()
     tmp = folder / f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}"
     params = ll.llama_model_quantize_default_params()

@@ -48,7 +48,7 @@ from typing import Any
 
 from llmweb.config import Settings
 from llmweb.engine.catalog import EMBEDDED_NAME, embedded_gguf
-from llmweb.errors import ConfigError
+from llmweb.errors import ConfigError, LlmwebError
 
 log = logging.getLogger(__name__)
 
@@ -518,19 +518,15 @@ def template_notes(tokenizer) -> list[str]:
 
 def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
     """The GGUF model on llama.cpp (engine/gguf.py) and its transformers tokenizer (same ids)."""
-    from llmweb.engine.gguf import GgufModel, openmp_note, requantised
+    from llmweb.engine.gguf import GgufModel, openmp_note
 
     t0 = time.perf_counter()
     source = gguf_file(settings)
     assert source is not None, "resolve_backend chose llama.cpp for a GGUF file"
-    path, name = source
+    name = source[1]
     tokenizer = load_tokenizer(settings, "llama.cpp", progress)
-    shipped = ""
-    if settings.gguf_requant != "off":
-        original = GgufModel(path, threads=settings.threads)  # memory-mapped: its type for the status line
-        shipped = f" from {_gguf_type(original)}"
-        original.close()
-        path = requantised(path, settings.gguf_requant, settings.copies_dir, original.threads, progress)
+    path, was, requant_note = served_gguf(settings, progress)
+    shipped = f" from {was}" if was else ""
     progress(f"Loading {name} on llama.cpp (CPU)…")
     gguf = GgufModel(path, threads=settings.threads)
     loaded = LoadedModel(
@@ -548,12 +544,43 @@ def load_gguf(settings: Settings, progress: Progress = log.info) -> LoadedModel:
         backend="llama.cpp",
         stop_ids=gguf.end_ids,
     )
+    if requant_note:
+        loaded.notes.append(requant_note)
     note = openmp_note()
     if note:
         loaded.notes.append(note)
         log.warning(note)
     progress(f"Loaded {loaded.describe()} in {loaded.load_s:.1f} s ({gguf.threads} threads).")
     return loaded
+
+
+def served_gguf(settings: Settings, progress: Progress = log.info) -> tuple[Path, str, str]:
+    """(the GGUF file llama.cpp serves, the type it was re-encoded from or "", a note for the status
+    line or ""): LLMWEB_GGUF_REQUANT's copy of the configured file (made now, once, if missing:
+    gguf.requantised) or the file itself. Under `auto` a copy that cannot be made (a read-only
+    models dir, a full disk) is a note and the file as it ships; `q8_0`, asked for by name, fails.
+    The benchmarks that set llama.cpp's own tools beside ours run them on this file."""
+    from llmweb.engine import gguf
+
+    source = gguf_file(settings)
+    assert source is not None, "llama.cpp serves a GGUF file"
+    path = source[0]
+    if settings.gguf_requant in ("none", "off"):
+        return path, "", ""
+    original = gguf.GgufModel(path, threads=settings.threads)  # memory-mapped: its type, no weights read
+    file_type = _gguf_type(original)
+    original.close()
+    kind = gguf.requant_kind(settings.gguf_requant, file_type)
+    if kind is None:
+        return path, "", ""
+    try:
+        return gguf.requantised(path, kind, settings.copies_dir, original.threads, progress), file_type, ""
+    except (OSError, LlmwebError) as e:
+        if settings.gguf_requant != "auto":
+            raise
+        note = f"Serving {path.name} as it ships: its {kind.upper()} copy could not be made ({e})."
+        log.warning(note)
+        return path, "", note
 
 
 def _gguf_type(gguf) -> str:
@@ -569,7 +596,7 @@ def load(settings: Settings, progress: Progress = log.info) -> LoadedModel:
     backend, note = resolve_backend(settings, device)
     if backend == "llama.cpp":
         return load_gguf(settings, progress)
-    if settings.gguf_requant != "off":
+    if settings.gguf_requant == "q8_0":  # asked for by name (auto is quiet where it does not apply)
         note = " ".join(x for x in (note, f"LLMWEB_GGUF_REQUANT={settings.gguf_requant} is for llama.cpp only.") if x)
     loaded = load_transformers(settings, device, progress)
     if note:

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from llmweb.engine.request import EngineLimits, Handle, Slot
+from llmweb.engine.request import EngineLimits, GenerationRequest, Handle, Slot
 from llmweb.errors import BusyError
 from llmweb.records import LOCAL_OWNER
 
@@ -133,16 +133,22 @@ class Shares:
             self.address_of,
         )
 
-    def small_chunks(self, slot: Slot, running: list[Slot]) -> bool:
+    def small_chunks(self, slot: Slot, running: list[Slot], waiting: list[GenerationRequest]) -> bool:
         """Should `slot`'s next chunk be a small one? Yes for every visitor's prompt: a chunk is never
         cut, and another stranger may arrive at any step (a short turn that met a light visitor's
         full 256-token chunk on llama.cpp waited ~1.4 s for it on 2 cores, ~3x its time alone); the
         small ones cost a long prompt ~15% (`llama-bench -p 256 -t 1`: 147-152 tok/s in 64-token
         batches, 174 in 256). The owner of a single-user install alone, or beside only their own
-        requests, keeps the runner's own size: there is nobody to protect."""
+        requests, keeps the runner's own size: there is nobody to protect.
+
+        A background prompt (a whole-document step, a summary) keeps the full size while nobody
+        else's request runs or waits (`waiting`): the queue is checked at every step, so a visitor
+        who comes waits for at most the one full chunk that runs, and the next ones are small. Its
+        owner's own background work does not count; their own turn does."""
         owner = slot.request.owner
-        if slot.request.background:  # background prompts have small chunks of their own (the runner's)
-            return False
+        if slot.request.background:
+            others = [s.request for s in running if s is not slot] + waiting
+            return any(not r.background or r.owner != owner for r in others)
         return owner not in EXEMPT or any(s.request.owner != owner for s in running)
 
     def take_warmup(self, owner: str, busy: bool) -> None:

@@ -40,7 +40,10 @@ def run_cli(tmp_path, *args: str, timeout: float = 600) -> subprocess.CompletedP
 
 
 # the CPU default: llama.cpp on the GGUF file (f16 KV) where llama-cpp-python loads, else int8-cpu (fp32 KV)
-DEFAULT_QUANT, DEFAULT_KV_PER_TOKEN = ("Q4_1 GGUF", 23_040) if gguf.available() is None else ("int8-cpu", 46_080)
+# the default on the CPU: the embedded Q4_1 file re-encoded as Q8_0 on llama.cpp (LLMWEB_GGUF_REQUANT=auto)
+DEFAULT_QUANT, DEFAULT_KV_PER_TOKEN = (
+    ("Q8_0 GGUF from Q4_1", 23_040) if gguf.available() is None else ("int8-cpu", 46_080)
+)
 
 
 def printed_paths(stdout: str) -> dict[str, str]:

@@ -66,3 +66,35 @@ def test_table_keeps_a_column_per_run_and_blanks_what_one_lacks():
 def test_an_unknown_bench_is_refused():
     with pytest.raises(SystemExit, match="not 'load'"):
         br.headline({"bench": "load"})
+
+
+def test_document_headline_has_the_times_the_ratio_and_the_visitor_and_blanks_what_an_older_release_lacks():
+    visitor = {"seconds": 0.5, "ttft_s": 0.21, "decode_tok_s": 90.0, "tokens": 16, "batch_size": 1}
+    cold = {"run": "cold", "tokens_read": 11_430, "seconds": 30.4, "coverage": 1.0, "outside_total_s": 30.48}
+    now = {
+        "bench": "document",
+        "served": "Q8_0 GGUF from Q4_1",
+        "weights_mib": 136.0,
+        "runs": [dict(cold, rss_mib=612.0), {"run": "cached", "seconds": 1.4, "outside_total_s": 1.5}],
+        "visitor_idle": visitor,
+        "visitor_during_task": visitor,
+        "prefill": {"llama_bench_prompt": 512, "llama_bench_tok_s": 250.0, "ratio": 1.5},
+    }
+    h = br.headline(now)
+    assert h["cold summary s"] == "30.48" and h["cached summary s"] == "1.50" and h["cold: read tok/s"] == "375.0"
+    assert h["llama-bench -p 512 tok/s (shipped file)"] == "250.0" and h["cold read / llama-bench prefill"] == "1.50"
+    assert h["served"] == "Q8_0 GGUF from Q4_1, 136 MiB" and h["visitor beside the task: first token s"] == "0.21"
+    old = {k: v for k, v in now.items() if k not in ("served", "weights_mib", "prefill")}
+    old["runs"] = [{k: v for k, v in cold.items() if k != "outside_total_s"}]  # an older release's JSON
+    h = br.headline(old)
+    assert h["cold summary s"] == "30.40" and "cold read / llama-bench prefill" not in h
+
+
+def test_peer_headline_is_each_servers_rate_and_the_ratio():
+    r = {
+        "bench": "peer",
+        "model_file": "SmolLM2-135M-Instruct.q8_0-0123456789ab.gguf",
+        "summary": [{"concurrency": 4, "llmweb_tok_s": 140.0, "llama_server_tok_s": 150.0, "ours_vs_peer": 0.93}],
+    }
+    h = br.headline(r)
+    assert h["4 chats: llmweb / llama-server"] == "0.93" and h["file"].endswith(".gguf")

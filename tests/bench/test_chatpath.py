@@ -36,9 +36,9 @@ def test_a_depth_llama_bench_did_not_run_has_no_ratio():
     assert "| 1 | 45 | 110.0 | — | — |" in table
 
 
-def test_it_compares_only_the_shipped_file():
-    with pytest.raises(ConfigError, match="LLMWEB_GGUF_REQUANT"):
-        chatpath.run(Settings(gguf_requant="q8_0"))
+def test_it_compares_only_the_embedded_file():
+    with pytest.raises(ConfigError, match="LLMWEB_MODEL"):
+        chatpath.run(Settings(model="/elsewhere/model.gguf"))
 
 
 @pytest.mark.slow

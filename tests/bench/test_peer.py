@@ -53,10 +53,10 @@ def test_each_repeat_asks_new_questions_and_each_chat_its_own():
     assert len(set(first)) == 4 and not set(first) & set(second), "a round could be answered from the last one's cache"
 
 
-def test_it_compares_only_the_shipped_file(monkeypatch):
+def test_it_compares_only_the_embedded_file(monkeypatch):
     monkeypatch.setenv("LLMWEB_LLAMA_SERVER", "/bin/true")
-    with pytest.raises(ConfigError, match="LLMWEB_GGUF_REQUANT"):
-        peer.run(Settings(gguf_requant="q8_0"))
+    with pytest.raises(ConfigError, match="LLMWEB_MODEL"):
+        peer.run(Settings(model="/elsewhere/model.gguf"))
 
 
 @pytest.mark.slow

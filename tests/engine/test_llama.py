@@ -133,8 +133,19 @@ def test_an_openmp_build_is_named_with_the_fix(monkeypatch):
 
 
 def test_the_requant_setting_is_checked():
-    with pytest.raises(ConfigError, match="LLMWEB_GGUF_REQUANT must be one of off, q8_0"):
+    with pytest.raises(ConfigError, match="LLMWEB_GGUF_REQUANT must be one of auto, q8_0, none, off"):
         Settings(gguf_requant="q4_0")
+
+
+def test_auto_reencodes_only_a_q4_1_file_and_none_or_off_keeps_any_file_as_it_ships():
+    """The default (auto) re-encodes the type llama.cpp has no repacked CPU kernels for and Q8_0 holds
+    exactly (Q4_1, the embedded file's); Q4_0 and Q4_K are repacked (faster than Q8_0 already), and
+    a Q8_0 or F16 file gains nothing. q8_0 asks for it whatever the type; none and off never."""
+    assert Settings().gguf_requant == "auto"
+    assert gguf.requant_kind("auto", "Q4_1") == "q8_0"
+    assert [gguf.requant_kind("auto", t) for t in ("Q4_0", "Q4_K", "Q8_0", "F16", "")] == [None] * 5
+    assert gguf.requant_kind("q8_0", "Q4_K") == "q8_0"
+    assert gguf.requant_kind("none", "Q4_1") is None and gguf.requant_kind("off", "Q4_1") is None
 
 
 @pytest.mark.slow  # re-encodes the embedded file (~3 s) and loads it
@@ -172,6 +183,20 @@ def test_requant_reencodes_the_gguf_once_and_the_copy_answers(tmp_path):
     assert not any("re-encoding" in m for m in said), "the second start reuses the copy"
 
 
+@pytest.mark.slow  # loads the embedded file twice (its Q8_0 copy is in the shared models dir)
+def test_the_default_serves_the_shipped_q4_1_file_as_q8_0_and_none_serves_it_as_it_ships(tmp_path):
+    """On the CPU llama.cpp path the embedded Q4_1 file is served re-encoded as Q8_0 (about twice
+    the prefill, docs/benchmarks.md), and the status names it; LLMWEB_GGUF_REQUANT=none turns it off."""
+    from tests.conftest import make_settings
+
+    loaded = models.load(make_settings(tmp_path, device="cpu", backend="llama.cpp"))
+    loaded.model.close()
+    assert loaded.quant == "Q8_0 GGUF from Q4_1" and "Q8_0 GGUF from Q4_1" in loaded.describe(), loaded.describe()
+    plain = models.load(make_settings(tmp_path, device="cpu", backend="llama.cpp", gguf_requant="none"))
+    plain.model.close()
+    assert plain.quant == "Q4_1 GGUF" and plain.model.path.name == models.embedded_gguf()[1]
+
+
 def test_requant_on_the_transformers_path_is_named_not_ignored_silently(tmp_path, monkeypatch):
     def stub(settings, device, progress):
         return models.LoadedModel(None, None, "m", "int8-cpu", "cpu", 0, 1, 1, 4, 0.0)
@@ -207,3 +232,52 @@ def test_a_decode_batch_is_fed_in_sequence_id_order(llama_model):
         assert ran is not None and [slot.state.seq for slot in ran[0]] == [0, 1, 2, 3]
     finally:
         runner.close()
+
+
+def test_a_background_prompt_alone_reads_in_full_chunks(llama_model):
+    """A whole-document step (background) with nobody else in the engine reads its prompt in the
+    runner's full chunks; the small ones are for when another owner's request runs or waits
+    (tests/engine/test_owner_share.py)."""
+    from llmweb.engine.kvcache import KVStore
+    from llmweb.engine.request import EngineLimits
+    from llmweb.engine.runners.llama_cpp import PREFILL_CHUNK
+
+    engine = llama_engine(llama_model.model, KVStore(0, 1), EngineLimits(max_new_tokens=4), 1024)
+    chunks: list[int] = []
+    prefill = engine.runner._prefill
+
+    def counted(seq, chunk, last):
+        chunks.append(len(chunk))
+        return prefill(seq, chunk, last)
+
+    engine.runner._prefill = counted
+    try:
+        engine.submit(GenerationRequest(list(range(100, 700)), 2, owner="reader", background=True)).result()
+    finally:
+        engine.close()
+    assert chunks == [PREFILL_CHUNK, PREFILL_CHUNK, 600 - 2 * PREFILL_CHUNK], chunks
+
+
+def test_a_copy_that_cannot_be_made_serves_the_file_as_it_ships_under_auto_and_fails_when_asked(tmp_path, monkeypatch):
+    """The default must not stop a start on a read-only models dir or a full disk: the file as it
+    ships, and a note for the status line; LLMWEB_GGUF_REQUANT=q8_0, asked for by name, fails."""
+
+    class Shipped:
+        threads, type_name = 2, "llama 135M Q4_1"
+
+        def __init__(self, path, threads=0):
+            pass
+
+        def close(self):
+            pass
+
+    def no_room(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf, "GgufModel", Shipped)
+    monkeypatch.setattr(gguf, "requantised", no_room)
+    path, was, note = models.served_gguf(settings(tmp_path))
+    assert path.name == models.embedded_gguf()[1] and was == ""
+    assert note.startswith(f"Serving {path.name} as it ships: its Q8_0 copy could not be made") and "space" in note
+    with pytest.raises(OSError):
+        models.served_gguf(settings(tmp_path, gguf_requant="q8_0"))

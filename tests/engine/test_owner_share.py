@@ -148,7 +148,7 @@ def test_every_strangers_prompt_goes_in_small_chunks_and_only_the_single_users_a
         for ids in [list(range(300)), [1, 2, 3]]:  # the owner of a single-user install alone: full chunks
             engine.submit(GenerationRequest(ids, 2, owner=LOCAL_OWNER)).result()
         background = GenerationRequest(list(range(300)), 2, owner="light", background=True)
-        engine.submit(background).result()  # a background prompt has the runner's own small chunks
+        engine.submit(background).result()  # a background prompt alone: the runner's full chunks
         assert runner.flags == [
             ("light", True),  # a stranger, alone and light: still small chunks
             (LOCAL_OWNER, False),
@@ -307,5 +307,47 @@ def test_identities_from_one_address_share_its_prompt_tokens_and_the_other_addre
             engine.submit(GenerationRequest(list(range(200, 260)), 3, owner="a3"))
         engine.submit(GenerationRequest(list(range(300, 360)), 3, owner="b")).result()
         assert engine.counters.refused == 1
+    finally:
+        engine.close()
+
+
+class BackgroundFlagRunner(ChunkRunner):
+    """ChunkRunner that also records (owner, small_chunks) of each background prefill step."""
+
+    def __init__(self, reply_len: dict[str, int]):
+        super().__init__(reply_len)
+        self.background_flags: list[tuple[str, bool]] = []
+
+    def prefill(self, slot) -> bool:
+        if slot.request.background:
+            self.background_flags.append((slot.request.owner, slot.small_chunks))
+        return super().prefill(slot)
+
+
+def test_a_background_prompt_reads_in_full_chunks_until_another_owner_comes():
+    """A whole-document step alone reads in the runner's full chunks (nobody waits behind it); from
+    the step another owner's request waits or runs, its chunks are small (that visitor waits for at
+    most one of them), and full again once the visitor has gone. The same owner's other background
+    work does not make them small."""
+    runner = BackgroundFlagRunner({"visitor": 30})
+    engine, _ = fake_engine(runner, max_batch=4)
+    try:
+        alone = engine.submit(GenerationRequest(list(range(40)), 2, owner="reader", background=True))
+        mine = engine.submit(GenerationRequest(list(range(100, 120)), 2, owner="reader", background=True))
+        alone.result(), mine.result()
+        assert runner.background_flags and not any(small for _, small in runner.background_flags)
+        runner.background_flags.clear()
+        task = engine.submit(GenerationRequest(list(range(400)), 2, owner="reader", background=True))
+        deadline = time.monotonic() + 5
+        while len(runner.background_flags) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        visitor = engine.submit(GenerationRequest([1, 2, 3], 30, owner="visitor"))
+        visitor.result()
+        seen = len(runner.background_flags)
+        task.result()
+        flags = [small for _, small in runner.background_flags]
+        assert flags[:3] == [False] * 3, flags  # alone: full chunks
+        assert True in flags[3:seen], flags  # beside the visitor: small ones
+        assert flags[-1] is False, flags  # the visitor gone: full again
     finally:
         engine.close()

@@ -36,7 +36,8 @@ class Boundary:
     """An Engine over a ProcessRunner whose engine processes load `runner`'s model from settings."""
 
     def __init__(self, runner, tmp_path, fault: str = "", recycle: Recycle | None = None, **limits):
-        extra = {"quant": "fp32"} if runner.name == "transformers" else {}
+        # the model of `runner` in this process: fp32, or the GGUF file as it ships (conftest's llama_model)
+        extra = {"quant": "fp32"} if runner.name == "transformers" else {"gguf_requant": "none"}
         limits.setdefault("max_batch", 4)
         settings = make_settings(
             tmp_path / "engine", backend=runner.name, device="cpu", max_batch=limits["max_batch"], **extra

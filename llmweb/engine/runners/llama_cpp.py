@@ -13,8 +13,8 @@ cancel, time limits, the session KV store and the stats are the ones the transfo
                             the prompt (`llama_memory_seq_rm`); a sliding-window model's only
                             where its saved window reaches back to the cut
     prefill(slot)           one `llama_decode` of the next prompt chunk (PREFILL_CHUNK tokens,
-                            BACKGROUND_CHUNK for a background request, and for a
-                            visitor's when the scheduler asks: `Slot.small_chunks`)
+                            SMALL_CHUNK when the scheduler asks: `Slot.small_chunks`, a
+                            visitor's, or a background one beside another owner's request)
                             on the slot's sequence; the last chunk asks for logits and samples
     decode(slots)           ONE `llama_decode` carrying one token per slot, each on its sequence
                             at its own position: the batch, with no padding
@@ -55,11 +55,11 @@ from llmweb.errors import LlmwebError
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 256  # prompt tokens per llama_decode: ~1 s on 2 cores, so the batch goes on between chunks
-# a background prompt's (a summary, a whole-document step) chunk: a visitor who arrives while one
-# runs waits for it to end, so it is a quarter of the size (~0.25 s); prefill is compute-bound here,
-# so the smaller chunks cost the background little
-BACKGROUND_CHUNK = 64
+PREFILL_CHUNK = 256  # prompt tokens per llama_decode: ~0.5-1 s on 2 cores, so the batch goes on between chunks
+# the small chunk, when the scheduler asks for it (`Slot.small_chunks`: a visitor's prompt, or a
+# background one beside another owner's request): whoever arrives while a chunk runs waits for it
+# to end, so it is a quarter of the size; a background prompt alone keeps the full one
+SMALL_CHUNK = 64
 
 
 @dataclass(eq=False, kw_only=True)
@@ -73,7 +73,7 @@ class LlamaRunner(BaseRunner):
     name = "llama runner"
     out_of_memory = (MemoryError,)
     shares_prefixes = True  # llama_state_seq_set_data reads the saved bytes
-    small_chunk = BACKGROUND_CHUNK  # a visitor's prompt, or beside another owner's request (share.py)
+    small_chunk = SMALL_CHUNK  # a visitor's prompt, or a background one beside another owner's (share.py)
 
     def __init__(self, model: GgufModel, kv: KVStore, slots: int, context: int, *, mem_limit_bytes: int = 0):
         import llama_cpp as ll
@@ -142,7 +142,7 @@ class LlamaRunner(BaseRunner):
 
     # ---- the sequences
     def _chunk(self, request: GenerationRequest) -> int:
-        return BACKGROUND_CHUNK if request.background else PREFILL_CHUNK
+        return PREFILL_CHUNK
 
     def _open(self, request: GenerationRequest, prompt: list[int]) -> Seq:
         assert self._free, f"more running slots than the context's {self.slots} sequences"
