@@ -25,7 +25,10 @@ The prompt goes as token ids where the server takes them (vLLM, SGLang, llama.cp
 text decoded with the special tokens kept in (the chat template's markers); `Server.probe`
 finds out once, with a one-token request, and the answer is cached. Extra fields some servers
 know and strict ones refuse (`cache_salt`, `repetition_penalty`, `add_special_tokens`,
-`return_token_ids`) are probed the same way. A constrained request (engine/constraint.py) goes
+`return_token_ids`) are probed the same way, and so is whether a completion with `logprobs` comes
+back with them (llama.cpp's shape, with ids; vLLM's legacy one): a request that asks for them gets
+the server's ids and figures (`_logprobs`), or, from a server without them, a refusal (web/api/common.py).
+A constrained request (engine/constraint.py) goes
 with the server's own field: llama.cpp's `json_schema`, vLLM's `structured_outputs`; a server
 with neither refuses it rather than answer unconstrained. The reply comes back as text (or ids, with vLLM's
 `return_token_ids`); text is tokenised piece by piece with our tokenizer, so the engine still

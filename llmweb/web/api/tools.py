@@ -4,15 +4,26 @@
     fmt = parse_response_format(body)      -> Shaped | None   (a constraint, a system instruction)
     ts = parse_tools(body)                 -> ToolSet | None
     ts.shaped()                            -> Shaped | None   (None under tool_choice "none")
+    ts = ts.written_as(model_format(chat.fmt))   the answering model's own format, where it has one
     ts.reply(text)                         -> (content | None, [ToolCall])
+    ts.scanner(ids).feed(text_so_far)      -> the stream's tool_calls deltas, as the reply grows
 
-The model answers in a generic JSON format, as llama.cpp does for a chat template without a tool
-format (the embedded SmolLM2 has none): a system instruction lists the tools and asks for
+The tool format is the model's (`model_format`, read from its chat template as llama.cpp's
+common/chat.cpp tells formats by their markers). A Hermes/Qwen template (`<tool_call>`) lists the
+tools itself (its tools block, rendered by the template: chat/tokens.py's `tools_text`); a call is
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, a result a user-side
+`<tool_response>` as the template renders a `tool` message; under `required` and a named tool the
+reply is constrained to such blocks (engine/constraint.py's `tagged_calls`), under `auto` it is free.
+Every other model answers in a generic JSON format, as llama.cpp does for a chat template without a
+tool format (the embedded SmolLM2 has none): a system instruction lists the tools and asks for
 `{"tool_calls": [{"name": ..., "arguments": {...}}]}` or, under `auto`, `{"response": "..."}`; the
-reply is constrained to exactly that (engine/constraint.py), each call's arguments to its tool's
-parameters schema, so they always parse and validate. History renders the same way: an assistant's
-calls as that JSON, a tool's result as a user-side message that restates its call (chat/stateless.py
-cuts a result too long for the context, with a note, and folds old steps into the summary).
+reply is constrained to exactly that, each call's arguments to its tool's parameters schema, so they
+always parse and validate. History renders the same way: an assistant's calls as that JSON, a tool's
+result as a user-side message that restates its call (chat/stateless.py cuts a result too long for
+the context, with a note, and folds old steps into the summary).
+
+`CallScanner` reads a reply's calls as it grows (the stream's head and argument fragments) and
+whole; the arguments are the model's own JSON text either way.
 
 Pure: no I/O, no model. Every refusal is an `ApiError` naming the field. Must not know how the turn
 runs (web/api/chat.py) or sample (the engine).
