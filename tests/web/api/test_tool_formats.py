@@ -249,3 +249,17 @@ def test_a_random_qwen_model_constrained_in_its_own_format_calls_a_valid_tool(qw
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         rt.close()
+
+
+def test_the_generic_format_streams_arguments_with_braces_and_quotes_in_strings_whole():
+    args = ['{"q": "a}b\\"c]{", "n": [1, {"x": null}], "ok": true}', '{"note": "\\\\"}']
+    text = '{"tool_calls": [' + ", ".join(f'{{"name": "f{i}", "arguments": {a}}}' for i, a in enumerate(args)) + "]}"
+    scanner = CallScanner(ToolFormat(GENERIC))
+    streamed = []
+    for k in range(1, len(text) + 1):
+        streamed += scanner.feed(text[:k])
+    content, calls = scanner.result(text)
+    assert content is None and [c.arguments for c in calls] == args and [c.name for c in calls] == ["f0", "f1"]
+    for i, a in enumerate(args):
+        assert "".join(d["function"].get("arguments", "") for d in streamed if d["index"] == i) == a
+    assert CallScanner(ToolFormat(GENERIC)).result('{"response": "Hi."}') == ("Hi.", [])
