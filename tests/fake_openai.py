@@ -54,6 +54,9 @@ class FakeOpenAI:
         self.last_delay_s = knobs.pop("last_delay_s", 0.0)
         self.llama_slots = knobs.pop("llama_slots", 0)
         self.replicas: tuple[int, int] | None = knobs.pop("replicas", None)
+        self.logprobs = knobs.pop(
+            "logprobs", False
+        )  # answer `logprobs: n` as llama.cpp does (ids in this fake's encoding)
         assert not knobs, f"unknown knobs {knobs}"
         self.requests: list[tuple[dict, dict]] = []
         self.in_flight = 0
@@ -132,7 +135,10 @@ class FakeOpenAI:
         pieces = [self.reply[i : i + 3] for i in range(0, len(self.reply), 3)][: body["max_tokens"]]
         finish = "length" if len(pieces) * 3 >= body["max_tokens"] and body["max_tokens"] < len(self.reply) else "stop"
         if not body.get("stream"):
-            return self._json(h, 200, {"choices": [{"text": pieces[0] if pieces else "", "finish_reason": finish}]})
+            first = {"text": pieces[0] if pieces else "", "finish_reason": finish}
+            if self.logprobs and body.get("logprobs"):
+                first["logprobs"] = self._logprobs(first["text"], body["logprobs"])
+            return self._json(h, 200, {"choices": [first]})
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -147,6 +153,8 @@ class FakeOpenAI:
                 choice = {"index": 0, "text": piece, "finish_reason": None}
                 if body.get("return_token_ids") and self.sends_ids:
                     choice["token_ids"] = encode(piece)
+                if self.logprobs and body.get("logprobs"):
+                    choice["logprobs"] = self._logprobs(piece, body["logprobs"])
                 self._event(h, {"choices": [choice]})
                 time.sleep(self.delay_s)
             if self.eos and finish == "stop":
@@ -165,6 +173,24 @@ class FakeOpenAI:
             with self._lock:
                 self.in_flight -= 1
             h.close_connection = True
+
+    @staticmethod
+    def _logprobs(text: str, n: int) -> dict:
+        """llama.cpp's shape: a token per character here, its log-probability -0.25, and `n`
+        alternatives (the token itself first, then the next characters)."""
+        return {
+            "content": [
+                {
+                    "id": ord(c),
+                    "token": c,
+                    "logprob": -0.25,
+                    "top_logprobs": [
+                        {"id": ord(c) + k, "token": chr(ord(c) + k), "logprob": -0.25 - k} for k in range(n)
+                    ],
+                }
+                for c in text
+            ]
+        }
 
     def _event(self, h, data: dict) -> None:
         h.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")

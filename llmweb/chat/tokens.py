@@ -116,17 +116,37 @@ class TemplateFormat:
         self.end_of_turn_ids = self._end_of_turn_ids(specials)
         self._stop_ids = self._stops(specials, model_stops)
 
-    def _render(self, messages, add_generation_prompt=False) -> str:
+    def _render(self, messages, add_generation_prompt=False, tools=None) -> str:
         """The template's text, less the closing it adds when no reply is asked for."""
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=self._template
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=self._template,
+                **({"tools": tools} if tools else {}),
             )
         except Exception as e:  # jinja's TemplateError for templates without a system role, etc.
             raise ConfigError(f"this model's chat template cannot render this conversation: {e}") from e
         if not add_generation_prompt and self._closing and text.endswith(self._closing):
             text = text[: -len(self._closing)]
         return text
+
+    def tools_text(self, tools: list[dict]) -> str:
+        """What the template writes after the system prompt when it is given `tools` (OpenAI's
+        `{"type": "function", "function": {...}}` dicts): a Hermes or Qwen template's tools block,
+        from the template itself; "" where it puts them elsewhere or nowhere. The system prompt and
+        this text join with a blank line, as those templates join them."""
+        system = [{"role": "system", "content": _PROBE_SYSTEM}]
+        try:
+            bare, full = self._render(system), self._render(system, tools=tools)
+        except ConfigError:
+            return ""
+        at = bare.find(_PROBE_SYSTEM) + len(_PROBE_SYSTEM)
+        tail = bare[at:]
+        if at < len(_PROBE_SYSTEM) or not full.startswith(bare[:at]) or not full.endswith(tail):
+            return ""
+        return full[at : len(full) - len(tail)].strip()
 
     def _closing_text(self) -> str:
         """What the template appends only when no reply is asked for (Phi-3: its eos token): the

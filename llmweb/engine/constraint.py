@@ -123,6 +123,23 @@ def tools_schema(schema: Any, param: str) -> Constraint:
     return Constraint(_compiled(_json_grammar(text), param), text, "tools")
 
 
+def tagged_calls(call_schema: Any, open_tag: str, close_tag: str, parallel: bool, param: str) -> Constraint:
+    """A reply of tool calls in a model's own tagged format (Hermes, Qwen: `<tool_call>\\n{...}\\n</tool_call>`):
+    one call (or, `parallel`, one or more on lines of their own), each `open_tag`, a JSON value
+    matching `call_schema`, `close_tag`. A lark grammar with the JSON schema inside it."""
+    text = check_schema(call_schema, param)
+    body = json.dumps({**json.loads(text), "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+    more = ' ("\\n" call)*' if parallel else ""
+    lark = f"start: call{more}\ncall: {json.dumps(open_tag)} body {json.dumps(close_tag)}\nbody: %json {body}\n"
+    return Constraint(_compiled(_lark_grammar(lark), param), "", "tools")
+
+
+def _lark_grammar(lark: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
 def _json_grammar(schema_text: str) -> str:
     import llguidance
 

@@ -25,7 +25,10 @@ The prompt goes as token ids where the server takes them (vLLM, SGLang, llama.cp
 text decoded with the special tokens kept in (the chat template's markers); `Server.probe`
 finds out once, with a one-token request, and the answer is cached. Extra fields some servers
 know and strict ones refuse (`cache_salt`, `repetition_penalty`, `add_special_tokens`,
-`return_token_ids`) are probed the same way. A constrained request (engine/constraint.py) goes
+`return_token_ids`) are probed the same way, and so is whether a completion with `logprobs` comes
+back with them (llama.cpp's shape, with ids; vLLM's legacy one): a request that asks for them gets
+the server's ids and figures (`_logprobs`), or, from a server without them, a refusal (web/api/common.py).
+A constrained request (engine/constraint.py) goes
 with the server's own field: llama.cpp's `json_schema`, vLLM's `structured_outputs`; a server
 with neither refuses it rather than answer unconstrained. The reply comes back as text (or ids, with vLLM's
 `return_token_ids`); text is tokenised piece by piece with our tokenizer, so the engine still
@@ -64,9 +67,18 @@ from typing import Any
 import psutil
 
 from llmweb.engine.kvcache import KVStore
-from llmweb.engine.request import EngineLimits, GenerationRequest, GiveWay, Slot, Unmetered
+from llmweb.engine.request import EngineLimits, GenerationRequest, GiveWay, Slot, TokenLogprob, Unmetered
 from llmweb.engine.scheduler import Engine
-from llmweb.engine.server import RETRY_STATUS, Capabilities, HTTPStatus, RemoteConfig, RemoteError, Server, SlotTable
+from llmweb.engine.server import (
+    RETRY_STATUS,
+    Capabilities,
+    HTTPStatus,
+    RemoteConfig,
+    RemoteError,
+    Server,
+    SlotTable,
+    reply_logprobs,
+)
 from llmweb.errors import InputError, LlmwebError
 from llmweb.records import MemorySnapshot
 
@@ -80,7 +92,8 @@ DRAIN_S = 0.5  # longest wait at a reply's normal end for the stream's last even
 class _Call:
     """One request's stream, fed by its own thread, read by the engine's worker."""
 
-    events: deque = field(default_factory=deque)  # (ids, arrival time)
+    events: deque = field(default_factory=deque)  # (ids, arrival time, their TokenLogprobs or None)
+    top: int | None = None  # the request's logprobs (how many alternatives), when it asked and the server gives them
     accepted: bool = False  # HTTP 200 came
     done: bool = False  # the stream ended (finish_reason below) or failed (error)
     finish: str = ""  # eos | length
@@ -96,7 +109,6 @@ class RemoteRunner(Unmetered):
     """A `Runner` whose model is on an OpenAI-compatible server (see the module docstring)."""
 
     device = "remote"
-    logprobs = False  # the reply's text is tokenised again here: a server's log-probabilities are not our ids'
 
     def __init__(
         self,
@@ -120,6 +132,16 @@ class RemoteRunner(Unmetered):
         """What the server takes (asked once, then remembered): the status line shows it at start."""
         sample = self.encode("Hello")
         return self.server.capabilities(sample, self.decode_text(sample))
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the server gives log-probabilities (probed with the other fields): llama.cpp's
+        and vLLM's do, with ids; a server that does not, or cannot be asked now, gets a request's
+        `logprobs` refused (web/api/common.py) rather than answered without them."""
+        try:
+            return self.probe().logprobs
+        except (LlmwebError, OSError, ValueError):
+            return False
 
     # ---- the batch
     def start(self, slot: Slot) -> None:
@@ -183,10 +205,10 @@ class RemoteRunner(Unmetered):
         """Record the ids the stream delivered; end the slot when its stream ended."""
         call: _Call = slot.state
         while call.events and slot.finish is None:
-            ids, arrived = call.events.popleft()
-            for token in ids:
+            ids, arrived, logprobs = call.events.popleft()
+            for i, token in enumerate(ids):
                 first = slot.t_first is None
-                slot.record(token)
+                slot.record(token, logprobs[i] if logprobs else None)
                 if first and slot.t_first is not None:  # timed by arrival, not by when this step looked
                     slot.t_first, slot.stats.ttft_s = arrived, arrived - slot.t0
                 if slot.t_last is not None:
@@ -223,6 +245,8 @@ class RemoteRunner(Unmetered):
         }
         if request.seed is not None:
             body["seed"] = request.seed
+        if request.logprobs is not None and caps.logprobs:
+            body["logprobs"] = max(1, request.logprobs)  # llama.cpp sends none for 0
         if server_slot >= 0:
             body["id_slot"] = server_slot  # llama.cpp: the slot that holds this conversation's prefix
             body["cache_prompt"] = True
@@ -283,6 +307,7 @@ class RemoteRunner(Unmetered):
                 return None
             try:
                 body, headers = self._body(request, call.server_slot)
+                call.top = request.logprobs if "logprobs" in body else None
                 call.conn = self.server.connect(cfg.read_timeout_s)  # a cancel can shut it while we wait
                 if call.closed:
                     return None
@@ -334,17 +359,47 @@ class RemoteRunner(Unmetered):
         finished = False
         for choice in chunk.get("choices") or []:
             ids = choice.get("token_ids")
+            logprobs = None
+            if call.top is not None:
+                ids, logprobs = self._logprobs(choice, ids, call.top)
             if ids is None and choice.get("text"):
                 ids = self.encode(choice["text"])
             if ids:
                 with self._news:
-                    call.events.append((list(ids), time.perf_counter()))
+                    call.events.append((list(ids), time.perf_counter(), logprobs))
                     self._news.notify_all()
             reason = choice.get("finish_reason")
             if reason:
                 call.finish = "length" if reason == "length" else "eos"
                 finished = True
         return finished
+
+    def _logprobs(self, choice: dict, ids: list[int] | None, top: int) -> tuple[list[int] | None, list | None]:
+        """A chunk's tokens as (ids, TokenLogprobs): llama.cpp names each token's id, vLLM gives
+        `token_ids` beside them; a token named only by its text is its id when it tokenises to one.
+        (ids, None) where they cannot be paired: that chunk's tokens go without log-probabilities."""
+        entries = reply_logprobs(choice.get("logprobs"))
+        if not entries:
+            return ids, None
+
+        def one(known: int | None, text: str) -> int | None:
+            if known is not None:
+                return known
+            got = self.encode(text) if text else []
+            return got[0] if len(got) == 1 else None
+
+        named = [e[0] for e in entries]
+        if ids is not None and len(ids) == len(entries):
+            named = list(ids)
+        found = [one(n, e[1]) for n, e in zip(named, entries, strict=True)]
+        if any(i is None for i in found):
+            return ids, None
+        tokens = [t for t in found if t is not None]
+        out = []
+        for token, (_, _, lp, alts) in zip(tokens, entries, strict=True):
+            pairs = [(a, alp) for a, alp in ((one(i, t), alp) for i, t, alp in alts) if a is not None]
+            out.append(TokenLogprob(token, lp, tuple(pairs[:top])))
+        return tokens, out
 
 
 def _user_error(config: RemoteConfig, err: BaseException, partial: bool = False) -> LlmwebError:

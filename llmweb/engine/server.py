@@ -81,6 +81,7 @@ class HTTPStatus(Exception):
 class Capabilities:
     ids: bool  # the prompt may be a list of token ids
     extras: bool  # the server accepts the non-OpenAI fields (cache_salt, repetition_penalty, ...)
+    logprobs: bool = False  # a completion with `logprobs` comes back with them (llama.cpp's or vLLM's shape)
 
 
 class Server:
@@ -223,7 +224,13 @@ class Server:
             if self._caps is None:
                 self._caps = self._probe(list(sample_ids), sample_text)
                 caps = self._caps
-                log.info("remote: %s takes token ids: %s; extra fields: %s", self.config.url, caps.ids, caps.extras)
+                log.info(
+                    "remote: %s takes token ids: %s; extra fields: %s; logprobs: %s",
+                    self.config.url,
+                    caps.ids,
+                    caps.extras,
+                    caps.logprobs,
+                )
             return self._caps
 
     def _probe(self, ids: list[int], text: str) -> Capabilities:
@@ -240,9 +247,66 @@ class Server:
             conn.close()
             return True
 
+        def logprobs(prompt) -> bool:
+            try:
+                conn, r = self.post("/v1/completions", {**plain, "prompt": prompt, "logprobs": 1}, timeout=timeout)
+            except HTTPStatus as e:
+                if e.status in RETRY_STATUS or e.status in (401, 403, 404):
+                    raise
+                return False
+            try:
+                data = _json_or_none(r.read().decode("utf-8", "replace"))
+            finally:
+                conn.close()
+            choices = data.get("choices") if isinstance(data, dict) else None
+            first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+            return reply_logprobs(first.get("logprobs")) is not None
+
+        timeout = self.config.read_timeout_s
         takes_ids = accepted({**plain, "prompt": ids})
         extras = accepted({**plain, "prompt": ids if takes_ids else text, **_EXTRAS_PROBE})
-        return Capabilities(ids=takes_ids, extras=extras)
+        return Capabilities(ids=takes_ids, extras=extras, logprobs=logprobs(ids if takes_ids else text))
+
+
+def reply_logprobs(raw: Any) -> list[tuple[int | None, str, float, list[tuple[int | None, str, float]]]] | None:
+    """A completion choice's `logprobs` as [(id, token text, logprob, [(id, text, logprob) of the
+    most likely])], one per token; None when there are none or the shape is neither of these:
+    llama.cpp's (`{"content": [{"id", "token", "logprob", "top_logprobs": [...]}]}`, ids given)
+    and OpenAI's legacy one that vLLM writes (`tokens`, `token_logprobs`, `top_logprobs` as
+    {text: logprob}; ids None: the caller has them as `token_ids`, or tokenises the text)."""
+    if not isinstance(raw, dict):
+        return None
+    content = raw.get("content")
+    if isinstance(content, list) and content:
+        out = []
+        for e in content:
+            if not isinstance(e, dict) or not isinstance(e.get("logprob"), int | float):
+                return None
+            top = [
+                (t.get("id"), str(t.get("token", "")), float(t["logprob"]))
+                for t in e.get("top_logprobs") or []
+                if isinstance(t, dict) and isinstance(t.get("logprob"), int | float)
+            ]
+            out.append(
+                (
+                    e.get("id") if isinstance(e.get("id"), int) else None,
+                    str(e.get("token", "")),
+                    float(e["logprob"]),
+                    top,
+                )
+            )
+        return out
+    tokens, lps = raw.get("tokens"), raw.get("token_logprobs")
+    if isinstance(tokens, list) and isinstance(lps, list) and tokens and len(tokens) == len(lps):
+        tops = raw.get("top_logprobs") or [None] * len(tokens)
+        out = []
+        for tok, lp, top in zip(tokens, lps, tops, strict=False):
+            if not isinstance(lp, int | float):
+                return None
+            alts = [(None, str(k), float(v)) for k, v in (top or {}).items() if isinstance(v, int | float)]
+            out.append((None, str(tok), float(lp), sorted(alts, key=lambda a: -a[2])))
+        return out
+    return None
 
 
 def _json_or_none(text: str) -> Any:

@@ -69,3 +69,47 @@ def test_thirty_turns_through_llama_server_each_report_their_reuse(llama_server,
     heavy = [(i + 2, p, r) for i, (p, r) in enumerate(pairs) if p - r >= ttft.LOW_PREFILL * p]
     assert not heavy, f"turns that prefilled 30% or more of their prompt (turn, prompt, reused): {heavy}"
     print(f"llama-server, 30 turns: late/early TTFT {mode.ratio():.2f}")
+
+
+def test_logprobs_come_through_from_llama_server_in_openais_shape(llama_server, tmp_path):
+    """llama-server gives each token's log-probability and its alternatives with their ids: the
+    chat and completions endpoints pass them on in OpenAI's shape, as the local engine does."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from llmweb.runtime import Runtime
+    from llmweb.web.api.routes import api_routes
+    from llmweb.web.owner import owner_secrets
+
+    settings = make_settings(tmp_path / "data", engine_url=llama_server, max_new_tokens=16)
+    rt = Runtime(settings).start(background=False)
+    try:
+        rt.wait_ready(120)
+        assert rt.engine.runner.logprobs is True, "probed: llama-server gives logprobs"
+        key = owner_secrets(settings).api_key
+        client = TestClient(
+            FastAPI(routes=api_routes(rt)),
+            base_url="http://127.0.0.1:7860",
+            client=("127.0.0.1", 5000),
+            headers={"Authorization": f"Bearer {key}"} if key else {},
+        )
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        ask = {"model": model, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8}
+        r = client.post("/v1/chat/completions", json={**ask, "logprobs": True, "top_logprobs": 3, "seed": 1})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        content = choice["logprobs"]["content"]
+        assert content and "".join(e["token"] for e in content) == choice["message"]["content"]
+        for e in content:
+            assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 3
+            tops = [t["logprob"] for t in e["top_logprobs"]]
+            assert tops == sorted(tops, reverse=True) and e["logprob"] <= tops[0] + 1e-6
+        r = client.post(
+            "/v1/completions", json={"model": model, "prompt": "Once upon a time", "max_tokens": 5, "logprobs": 2}
+        )
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) > 0
+        assert all(len(t) <= 2 for t in lp["top_logprobs"])
+    finally:
+        rt.close()

@@ -72,6 +72,24 @@ def test_a_server_that_does_not_report_its_cache_is_not_reported_as_zero_reuse(m
     assert h.stats.reuse_reported is False and h.stats.prefilled_tokens == len(PROMPT)
 
 
+def test_a_server_that_gives_logprobs_passes_them_through_with_its_ids(make):
+    e, server, _ = make(logprobs=True)
+    assert e.runner.logprobs is True, "probed at start with the other fields"
+    h = e.submit(req(logprobs=2))
+    assert decode(h.result()) == "Hello there."
+    assert server.completions[-1][0]["logprobs"] == 2
+    assert [(t.id, t.logprob) for t in h.logprobs] == [(ord(c), -0.25) for c in "Hello there."]
+    assert h.logprobs[0].top == ((ord("H"), -0.25), (ord("H") + 1, -1.25))
+    plain = e.submit(req())
+    plain.result()
+    assert "logprobs" not in server.completions[-1][0] and plain.logprobs == []
+
+
+def test_a_server_without_logprobs_says_so(make):
+    e, _, _ = make()
+    assert e.runner.logprobs is False
+
+
 def test_a_server_that_refuses_ids_and_extra_fields_gets_text_and_plain_openai(make):
     e, server, _ = make(takes_ids=False, strict=True)
     h = e.submit(req(session_id="conv-1", owner="alice", repetition_penalty=1.2))
@@ -80,7 +98,7 @@ def test_a_server_that_refuses_ids_and_extra_fields_gets_text_and_plain_openai(m
     assert body["prompt"] == decode(PROMPT)
     assert "cache_salt" not in body and "repetition_penalty" not in body
     e.submit(req()).result()
-    assert len(server.requests) == 2 + 2, "the server was probed once (ids, extras), then two requests"
+    assert len(server.requests) == 3 + 2, "the server was probed once (ids, extras, logprobs), then two requests"
 
 
 def test_routing_key_per_conversation_and_cache_salt_per_owner(make):
@@ -291,7 +309,7 @@ def test_the_replys_own_token_ids_win_over_its_text_when_the_server_sends_them()
     assert runner._chunk(call, {"choices": [{"text": "ab"}]}) is False  # no ids: our tokenizer's
     done = {"choices": [{"text": "", "finish_reason": "length"}], "timings": {"cache_n": 7}}
     assert runner._chunk(call, done) is True  # llama.cpp's cache count
-    assert [ids for ids, _ in call.events] == [[198], encode("ab")]
+    assert [ids for ids, _, _ in call.events] == [[198], encode("ab")]
     assert call.finish == "length" and call.cached == 7
 
 

@@ -60,11 +60,32 @@ from llmweb.web.api.common import (
     within,
 )
 from llmweb.web.api.errors import ApiError, api_error, bad, error_response
-from llmweb.web.api.tools import ToolCall, result_text, stored_call_id, stored_calls
+from llmweb.web.api.tools import (
+    CallScanner,
+    ToolCall,
+    ToolFormat,
+    model_format,
+    result_text,
+    stored_call_id,
+    stored_calls,
+)
 from llmweb.web.identity import ApiCallers, Caller
 from llmweb.web.trust import origin_of
 
-ARGUMENT_CHARS = 16  # a streamed tool call's arguments, in fragments of this many characters
+
+def tool_format_of(chat) -> ToolFormat:
+    """The tool format of the model behind `chat` (web/api/tools.py); a remote engine's is generic."""
+    local = getattr(getattr(chat.engine, "runner", None), "device", None) != "remote"
+    return model_format(chat.fmt, local)
+
+
+def uses_tools(body: dict[str, Any]) -> bool:
+    """Whether a body sends tools, tool calls or tool results: what a model's tool format writes."""
+    messages = body.get("messages")
+    listed = messages if isinstance(messages, list) else []
+    return bool(body.get("tools")) or any(
+        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")) for m in listed
+    )
 
 
 class ChatCompletions:
@@ -87,6 +108,8 @@ class ChatCompletions:
             req = parse_request(body, known, self.settings.max_message_chars, request.headers)
             # the model that answers, held until the turn's events end (the pump's thread runs them)
             lease = await run_in_threadpool(models.ensure, self.runtime, caller, req.model)
+            if uses_tools(body) and (fmt := tool_format_of(lease.chat)) != req.tool_format:  # the model's own
+                req = parse_request(body, known, self.settings.max_message_chars, request.headers, fmt)
             turn = self.start(caller, req, lease.chat, origin_of(self.settings, request).group)
             pump = Pump(lease.around(turn.events), turn.cancel)
             try:
@@ -137,6 +160,8 @@ class ChatCompletions:
             use_docs = True if req.use_docs is None else req.use_docs
             whole = {"whole_document": True} if req.whole_document else {}
             text = req.messages[0].text if req.messages[0].role == "user" else self.results(chat, owner, conv_id, req)
+            last = None if new else chat.store.last_turn(owner, conv_id)
+            number = (last.stats.turn if last is not None and last.stats is not None else 0) + 1
             events = chat.send(
                 owner,
                 conv_id,
@@ -150,7 +175,7 @@ class ChatCompletions:
                 documents=req.documents,
                 **whole,
             )
-            return _Turn(events, cancel, "stateful", conv_id, max_tokens, notes)
+            return _Turn(events, cancel, "stateful", conv_id, max_tokens, notes, number)
         owner = caller.stateless_owner
         if req.memory and not caller.owner:
             raise bad("x_llmweb.memory needs an API key: it reads the memory of the key's account.", "x_llmweb")
@@ -185,12 +210,12 @@ class ChatCompletions:
         and together they are cut to the user budget (chat/stateless.py's `cut_results`)."""
         last = None if req.conversation_id == NEW_CONVERSATION else chat.store.last_turn(owner, conv_id)
         turn = last.stats.turn if last is not None and last.stats is not None else 0
-        calls = stored_calls(conv_id, turn, last.assistant) if last is not None else {}
+        calls = stored_calls(conv_id, turn, last.assistant, req.tool_format) if last is not None else {}
         for i, m in enumerate(req.messages):
             if m.call_id not in calls:
                 where = f"messages[{i}].tool_call_id"
                 raise bad(f"{where}: {m.call_id[:60]!r} is not a call of this conversation's last reply.", where)
-        rendered = [("tool", result_text(m.call_id, calls[m.call_id], m.text)) for m in req.messages]
+        rendered = [("tool", result_text(m.call_id, calls[m.call_id], m.text, req.tool_format)) for m in req.messages]
         return "\n\n".join(t for _, t in cut_results(rendered, chat.fmt, chat.budget.user_tokens))
 
     def stateless(self, chat) -> StatelessChat:
@@ -214,6 +239,7 @@ class _Turn:
     conv_id: str | None
     max_tokens: int
     notes: list[str]
+    number: int = 0  # a stateful turn's number, as its stats will say: its calls' ids (`stored_call_id`)
 
 
 class _Reply:
@@ -225,6 +251,11 @@ class _Reply:
         self.cut = ""  # the reply up to the stop string, once one appeared
         self.fmt = fmt  # the model's tokens, for log-probabilities
         self.pending: list[TokenLogprob] = []  # streamed: the tokens not yet sent with a chunk
+        self.calls_read: CallScanner | None = None  # under tools: the reply's calls as they are decoded
+        if req.tools is not None and req.shaped is not None:
+            conv_id, number = turn.conv_id, turn.number
+            ids = None if conv_id is None else (lambda i: stored_call_id(conv_id, number, i))
+            self.calls_read = req.tools.scanner(ids)
 
     def logprobs(self, items: Sequence[TokenLogprob]) -> list[dict[str, Any]] | None:
         """`logprobs.content` of these tokens; None when the request did not ask."""
@@ -290,13 +321,11 @@ class _Reply:
         return self.scanner.scan(text, final=True)[0].strip()
 
     def calls(self, content: str, f: Finished) -> tuple[str | None, list[ToolCall]]:
-        """The reply as (content, tool calls): under tools, the model's JSON read (web/api/tools.py);
+        """The reply as (content, tool calls), read in the model's tool format (web/api/tools.py);
         a stateful turn's calls get ids the next request can answer (`stored_call_id`)."""
-        if self.req.tools is None or self.req.shaped is None:
+        if self.calls_read is None:
             return content, []
-        conv_id, turn = self.turn.conv_id, f.stats.turn
-        ids = None if conv_id is None else (lambda i: stored_call_id(conv_id, turn, i))
-        return self.req.tools.reply(content, ids)
+        return self.calls_read.result(content)
 
     def usage(self, f: Finished) -> Usage:
         g = f.stats.gen
@@ -346,8 +375,10 @@ class _Reply:
             elif isinstance(event, Delta):
                 shown = self.on_delta(event.text)
                 self.pending.extend(event.logprobs)
-                if self.req.tools is not None and self.req.shaped is not None:
-                    continue  # a reply under tools is read whole: calls or content, at the end
+                if self.calls_read is not None:  # the calls as they are decoded; content only before them
+                    for delta in self.calls_read.feed(shown):
+                        yield sse(self.c.chunk({"tool_calls": [delta]}, include_usage=usage))
+                    shown = shown[: self.calls_read.shown(shown)]
                 if len(shown) > len(sent) and shown.startswith(sent):
                     logprobs, self.pending = self.logprobs(self.pending), []
                     yield sse(self.c.chunk({"content": shown[len(sent) :]}, include_usage=usage, logprobs=logprobs))
@@ -355,19 +386,16 @@ class _Reply:
             elif isinstance(event, Finished):
                 final = self.content(event)
                 reason = self.finish_reason(event)
+                if self.calls_read is not None:  # what the last tokens added to the calls
+                    for delta in self.calls_read.feed(final):
+                        yield sse(self.c.chunk({"tool_calls": [delta]}, include_usage=usage))
                 text, calls = self.calls(final, event)
                 n = len(event.logprobs) - len(self.pending)  # the tokens sent already
                 logprobs = self.final_logprobs(event, event.logprobs)
                 rest = None if logprobs is None else logprobs[n:]
-                for i, call in enumerate(calls):  # as OpenAI streams them: the head, then the arguments
-                    head = {"index": i, "id": call.id, "type": "function"}
-                    head["function"] = {"name": call.name, "arguments": ""}
-                    yield sse(self.c.chunk({"tool_calls": [head]}, include_usage=usage))
-                    for j in range(0, len(call.arguments), ARGUMENT_CHARS):
-                        part = {"index": i, "function": {"arguments": call.arguments[j : j + ARGUMENT_CHARS]}}
-                        yield sse(self.c.chunk({"tool_calls": [part]}, include_usage=usage))
+                if calls:
                     reason = "tool_calls"
-                final = text if not calls and text is not None else "" if calls else final
+                final = text if text is not None else ""
                 if len(final) > len(sent) and final.startswith(sent):
                     yield sse(self.c.chunk({"content": final[len(sent) :]}, include_usage=usage, logprobs=rest))
                     rest = None

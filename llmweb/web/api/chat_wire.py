@@ -26,7 +26,16 @@ from llmweb.errors import InputError
 from llmweb.records import MAX_CHAT_DOCUMENTS, OUT, PIN
 from llmweb.web.api.common import Usage, checked_fields, model_named, number, optional, same, unsupported
 from llmweb.web.api.errors import bad
-from llmweb.web.api.tools import Shaped, ToolSet, call_text, parse_response_format, parse_tools, result_text
+from llmweb.web.api.tools import (
+    GENERIC_FORMAT,
+    Shaped,
+    ToolFormat,
+    ToolSet,
+    call_text,
+    parse_response_format,
+    parse_tools,
+    result_text,
+)
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 200
@@ -115,6 +124,7 @@ class ChatRequest:
     )
     shaped: Shaped | None = None  # response_format or tools: the reply's grammar and instruction
     tools: ToolSet | None = None  # tools, tool_choice, parallel_tool_calls
+    tool_format: ToolFormat = GENERIC_FORMAT  # how the model writes calls and reads results (tools.model_format)
     turn_views: tuple[tuple[int, str], ...] = ()  # x_llmweb.turns: (0-based turn, Turn.view), set before the turn
     memory: bool = False  # x_llmweb.memory: a stateless request reads the owner's memory across chats
     continue_from: str | None = None  # x_llmweb.continue_from: "new" starts from this chat of the caller's
@@ -125,9 +135,15 @@ class ChatRequest:
 
 
 def parse_request(
-    body: dict[str, Any], models: Sequence[str], max_message_chars: int, headers: Mapping[str, str] | None = None
+    body: dict[str, Any],
+    models: Sequence[str],
+    max_message_chars: int,
+    headers: Mapping[str, str] | None = None,
+    tool_format: ToolFormat = GENERIC_FORMAT,
 ) -> ChatRequest:
-    """Validate a chat-completions body (and the llmweb headers) into a `ChatRequest`; raise ApiError."""
+    """Validate a chat-completions body (and the llmweb headers) into a `ChatRequest`; raise ApiError.
+    `tool_format`: the answering model's (tools.model_format), once it is known: calls and results
+    in the history are written in it, and so is the reply's grammar."""
     headers = {k.lower(): v for k, v in (headers or {}).items()}
     checked_fields(body, KNOWN_FIELDS, NEUTRAL)
     model = model_named(body, models)
@@ -153,8 +169,9 @@ def parse_request(
     use_docs = _use_docs(body, headers)
     ours = _ours(body)
 
-    messages = parse_messages(body.get("messages"), max_message_chars, stateful=conversation_id is not None)
-    tools, shaped = _shaped(body, ours, conversation_id)
+    stateful = conversation_id is not None
+    messages = parse_messages(body.get("messages"), max_message_chars, stateful=stateful, tool_format=tool_format)
+    tools, shaped = _shaped(body, ours, tool_format)
     results = bool(messages) and all(m.role == "tool" for m in messages)  # answers to the stored turn's calls
     if conversation_id is not None and not results and (len(messages) != 1 or messages[0].role != "user"):
         raise bad(
@@ -182,6 +199,7 @@ def parse_request(
         logprobs=parse_logprobs(body),
         shaped=shaped,
         tools=tools,
+        tool_format=tool_format,
         **_long_sessions(body, ours, conversation_id),
     )
 
@@ -212,10 +230,12 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
 
 
 def _shaped(
-    body: Mapping[str, Any], ours: Mapping[str, Any], conversation_id: str | None
+    body: Mapping[str, Any], ours: Mapping[str, Any], tool_format: ToolFormat
 ) -> tuple[ToolSet | None, Shaped | None]:
     """`tools` and `response_format` (web/api/tools.py), and the grammar of the reply: one of them."""
     tools, shaped = parse_tools(body), parse_response_format(body)
+    if tools is not None:
+        tools = tools.written_as(tool_format)
     if tools is not None and (from_tools := tools.shaped()) is not None:
         if shaped is not None:
             raise bad(
@@ -310,9 +330,11 @@ def _turn_views(body: Mapping[str, Any]) -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
-def parse_messages(raw: Any, max_chars: int, stateful: bool = False) -> tuple[Message, ...]:
+def parse_messages(
+    raw: Any, max_chars: int, stateful: bool = False, tool_format: ToolFormat = GENERIC_FORMAT
+) -> tuple[Message, ...]:
     """The messages; `stateful`: a tool result may answer a call of the stored conversation (the
-    route checks its id, and renders it)."""
+    route checks its id, and renders it). Calls and results are written in `tool_format`."""
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty array of {role, content} objects.", "messages")
     out = []
@@ -340,7 +362,7 @@ def parse_messages(raw: Any, max_chars: int, stateful: bool = False) -> tuple[Me
             elif name not in MESSAGE_FIELDS:
                 raise bad(f"Unrecognized field {where}.{name}.", f"{where}.{name}", "unknown_parameter")
         if role == "assistant" and m.get("tool_calls"):
-            text, calls = call_text(m["tool_calls"], where)
+            text, calls = call_text(m["tool_calls"], where, tool_format)
             if m.get("content"):
                 text = _content(m["content"], where) + "\n" + text
             out.append(Message("assistant", clean_message(text, max_chars)))
@@ -362,7 +384,7 @@ def parse_messages(raw: Any, max_chars: int, stateful: bool = False) -> tuple[Me
                     f"(tool_call_id {str(call_id)[:60]!r} is not one of its tool_calls).",
                     f"{where}.tool_call_id",
                 )
-            text = result_text(call_id, calls[call_id], text)
+            text = result_text(call_id, calls[call_id], text, tool_format)
         out.append(Message("system" if role == "developer" else role, text))
     if out[-1].role not in ("user", "tool"):
         raise bad(

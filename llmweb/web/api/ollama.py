@@ -37,7 +37,7 @@ from llmweb.chat.stateless import Fitted
 from llmweb.chat.turn import Cancel
 from llmweb.web.api import models
 from llmweb.web.api import ollama_wire as wire
-from llmweb.web.api.chat import ChatCompletions, _Reply
+from llmweb.web.api.chat import ChatCompletions, _Reply, tool_format_of, uses_tools
 from llmweb.web.api.chat_wire import NEUTRAL, Completion, parse_request
 from llmweb.web.api.common import EventStream, Pump, parse_body, read_body, require_json, whole_reply
 from llmweb.web.api.completions import Done, Raw, encode_prompt, raw_turn
@@ -163,6 +163,8 @@ class Ollama:
             known = await run_in_threadpool(models.names, self.runtime)
             req = parse_request(openai_body, known, self.settings.max_message_chars)
             lease = await run_in_threadpool(models.ensure, self.runtime, caller, req.model)
+            if uses_tools(openai_body) and (fmt := tool_format_of(lease.chat)) != req.tool_format:
+                req = parse_request(openai_body, known, self.settings.max_message_chars, None, fmt)
             turn = self.chat_route.start(caller, req, lease.chat)
             pump = Pump(lease.around(turn.events), turn.cancel)
             try:

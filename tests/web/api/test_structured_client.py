@@ -6,6 +6,7 @@ because the grammar allows nothing else (engine/constraint.py)."""
 from __future__ import annotations
 
 import json
+import time
 from enum import StrEnum
 
 import jsonschema
@@ -170,6 +171,46 @@ def test_a_streamed_tool_call_accumulates_into_the_same_arguments_and_its_result
     r = c.chat.completions.create(model="llmweb", messages=history, tools=[WEATHER], tool_choice="none")
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
     assert not r.choices[0].message.tool_calls
+
+
+NOTE = {
+    "type": "function",
+    "function": {
+        "name": "save_note",
+        "description": "Save a note.",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "minLength": 60, "maxLength": 120}},
+            "required": ["text"],
+        },
+    },
+}
+
+
+def test_a_streamed_call_arrives_in_fragments_as_decoded_and_equals_the_whole_one(served):
+    """The SDK's streaming helper accumulates the same call as the whole reply with the same seed,
+    and a long argument arrives in fragments spread over its decoding, not in one burst at the end."""
+    c = client(served)
+    ask = {
+        "model": "llmweb",
+        "messages": [{"role": "user", "content": "Save a note about Tuesday's meeting with the design team."}],
+        "tools": [NOTE],
+        "tool_choice": {"type": "function", "function": {"name": "save_note"}},
+        "seed": 7,
+    }
+    whole = c.chat.completions.create(**ask).choices[0].message.tool_calls[0]
+    arrived = []
+    with c.chat.completions.stream(**ask) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                arrived.append(time.perf_counter())
+        final = stream.get_final_completion()
+    call = final.choices[0].message.tool_calls[0]
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert (call.function.name, call.function.arguments) == (whole.function.name, whole.function.arguments)
+    assert len(json.loads(call.function.arguments)["text"]) >= 60
+    assert len(arrived) > 10, "a fragment per decoded token or so"
+    assert arrived[-1] - arrived[0] > 0.05, "the fragments came as the model decoded them, not all at the end"
 
 
 def test_langchain_bind_tools_and_with_structured_output(served):

@@ -35,6 +35,7 @@ def test_a_tool_call_comes_back_in_openais_shape_and_the_engine_was_constrained(
 
 
 def test_a_streamed_tool_call_sends_its_head_once_then_argument_fragments_then_the_finish(api):
+    api.runner.token_delay_s = 0.02  # each token its own delta
     say(api, CALL)
     with api.client.stream("POST", "/v1/chat/completions", json=body(tools=[WEATHER], stream=True)) as r:
         chunks = [c for c in events(r) if c != "[DONE]"]
@@ -46,6 +47,19 @@ def test_a_streamed_tool_call_sends_its_head_once_then_argument_fragments_then_t
     assert json.loads("".join(p["function"]["arguments"] for p in parts)) == {"city": "Oslo in Norway"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert not any(d.get("content") for d in deltas), "no content next to the calls"
+
+
+def test_a_streamed_call_cut_by_max_tokens_has_sent_its_arguments_as_they_were_decoded(api):
+    api.runner.token_delay_s = 0.02
+    say(api, '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "a b c d e f g h i j k l m"}}]}')
+    ask = body(tools=[WEATHER], tool_choice="required", stream=True, max_tokens=9)
+    with api.client.stream("POST", "/v1/chat/completions", json=ask) as r:
+        chunks = [c for c in events(r) if c != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    head, *parts = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert head["function"]["name"] == "get_weather" and len(parts) >= 3, "each token's fragment as it came"
+    assert "".join(p["function"]["arguments"] for p in parts).startswith('{"city": "a b')
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", "the call was cut: no tool_calls finish"
 
 
 def test_under_auto_a_plain_answer_is_content(api):
