@@ -97,7 +97,7 @@ def plan(rehearse: bool, quick: bool = False) -> dict:
         "device": "cpu",
         "prompts": 2 if quick else 4,
         "new_tokens": 8 if quick else 16,
-        "frag_requests": 24 if quick else 120,
+        "frag_requests": 16 if quick else 120,  # quick: two waves of 8, every length and two samples
         "shape": LLAMA_TINY,
         "shape_name": "tiny Llama shape (rehearsal)",
         "grid": [[1, 64], [8, 64], [32, 64], [64, 64], [1, 256]] + ([] if quick else [[8, 256], [1, 512]]),

@@ -77,6 +77,26 @@ def run(chat, conv, text):
     return [e for e in chat.send(LOCAL, conv, text, use_docs=False, wait_summary=True) if isinstance(e, Finished)][0]
 
 
+ASKED_EVERY = 12  # of a long chat's filler turns, every 12th is asked of the model; the others are stored
+
+
+def grow(rt, conv, fillers: list[str], answer) -> list[int]:
+    """The filler turns of a long chat: each 12th asked of the model, the ones between stored with
+    `answer(filler)` as an import stores its turns. Twelve stored turns pass the window's
+    high-water mark of a 512-token context, so every asked turn folds (summary, facts, recall
+    index), and a fact is carried from fold to fold as in a chat typed turn by turn; what is
+    under test is that memory and the prompt's plan, not the fillers' replies. Returns the chat's
+    summary mark after each asked turn."""
+    marks = []
+    for i, text in enumerate(fillers, 1):
+        if i % ASKED_EVERY:
+            rt.store.add_turn(LOCAL, conv, text, answer(text))
+        else:
+            run(rt.chat, conv, text)
+            marks.append(rt.store.get(LOCAL, conv).summarized_upto)
+    return marks
+
+
 def test_fact_from_turn_1_is_in_the_prompt_sixty_turns_later(tmp_path, app_model):
     rt = Runtime(
         make_settings(tmp_path, context_limit=512, max_new_tokens=16, summary_tokens=64),
@@ -86,11 +106,14 @@ def test_fact_from_turn_1_is_in_the_prompt_sixty_turns_later(tmp_path, app_model
         chat, conv = rt.chat, rt.store.create_conversation(LOCAL)
         run(chat, conv, "My dog is called Pixel, a border collie.")
         fillers = ["the weather", "trains", "bread", "rivers", "music", "chess", "tea", "maps", "snow", "bees"]
-        for i in range(58):
-            run(chat, conv, f"Filler {i}: say one short thing about {fillers[i % len(fillers)]}.")
+        texts = [f"Filler {i}: say one short thing about {fillers[i % len(fillers)]}." for i in range(58)]
+        marks = grow(rt, conv, texts, lambda t: "One short thing: " + t.split("about ")[1])
+        assert 1 < marks[0] < marks[-1], f"a fold at each asked turn, turn 1 in the first: {marks}"
+        assert len(set(marks)) == len(marks), marks
         fin = run(chat, conv, "What is my dog called, and what breed is she?")
         prompt = fin.prompt_text()
         stored = rt.store.get(LOCAL, conv)
+        assert len(stored.turns) == 60
         assert stored.summarized_upto > 1, "turn 1 left the window long ago"
         assert "- My dog is called Pixel, a border collie." in fin.prompt[0][1], "verbatim, as a kept fact"
         assert fin.stats.sections["facts"] > 0
@@ -207,6 +230,7 @@ FOREIGN_FACTS = {
     "ko": ("제 사물함 번호는 4471이에요.", "{i}번: {topic}에 대해 짧게 말해 주세요.", "제 사물함 번호가 뭐였죠?"),
     "de": ("Meine Schließfachnummer ist 4471.", "Frage {i}: Sag etwas Kurzes über {topic}.", "Wie war meine Nummer?"),
 }
+FOREIGN_ANSWER = {"ko": "짧게 답할게요: ", "de": "Kurz gesagt: "}  # a stored filler turn's answer, before its question
 FOREIGN_TOPICS = {
     "ko": ["날씨", "기차", "빵", "강", "음악", "체스", "차", "지도", "눈", "벌"],
     "de": ["das Wetter", "Züge", "Brot", "Flüsse", "Musik", "Schach", "Tee", "Karten", "Schnee", "Bienen"],
@@ -224,10 +248,12 @@ def test_a_fact_stated_in_turn_1_in_korean_or_german_is_in_the_prompt_at_turn_40
         chat, conv = rt.chat, rt.store.create_conversation(LOCAL)
         run(chat, conv, fact)
         topics = FOREIGN_TOPICS[lang]
-        for i in range(38):
-            run(chat, conv, filler.format(i=i + 1, topic=topics[i % len(topics)]))
+        texts = [filler.format(i=i + 1, topic=topics[i % len(topics)]) for i in range(38)]
+        marks = grow(rt, conv, texts, lambda t: FOREIGN_ANSWER[lang] + t)
+        assert 1 < marks[0] < marks[-1] and len(set(marks)) == len(marks), f"a fold at each asked turn: {marks}"
         fin = run(chat, conv, question)
         stored = rt.store.get(LOCAL, conv)
+        assert len(stored.turns) == 40
         assert stored.summarized_upto > 1, "turn 1 left the window long ago"
         assert f"- {fact}" in fin.prompt[0][1], "verbatim, as a kept fact"
         assert fin.stats.sections["facts"] > 0 and any(f.text == fact for f in stored.facts)
