@@ -504,6 +504,8 @@ def test_two_visitors_never_touch_each_others_memories_turn_views_or_continuatio
     ):
         with pytest.raises(gr.Error, match="no longer exists"):
             call()
+    assert h.memory.picked_memory(mid, A_TOKEN, NOBODY) == "My cat is called Quokka.", "picked: its text to edit"
+    assert h.memory.picked_memory(mid, B_TOKEN, NOBODY) == "", "A's text is never B's to see"
     for call in (
         lambda: h.memory.save_memory("", mid, "My cat is called Mine.", B_TOKEN, NOBODY),
         lambda: h.memory.toggle_memory("", mid, "", B_TOKEN, NOBODY),
