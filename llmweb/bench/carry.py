@@ -28,10 +28,13 @@ QUESTION = "Where were we? Remind me in one sentence."
 FACT_EVERY = 11  # a planted fact every this many turns, from turn 4 on
 
 
-def long_chat(store, turns: int) -> tuple[str, list[str]]:
+REPLY = "An earlier answer, number {n}: " + "the tide comes in " * 16
+
+
+def long_chat(store, turns: int, reply: str = REPLY) -> tuple[str, list[str]]:
     """A chat of the local user with `turns` turns stored, none folded, and fidelity's fact
     sentences planted every FACT_EVERY turns (as many as fit before its last few turns); its id
-    and the facts planted."""
+    and the facts planted. Each reply is `reply`, its {n} the turn's number."""
     from .fidelity import FACTS
 
     conv = store.create_conversation(LOCAL, "A long chat")
@@ -41,7 +44,7 @@ def long_chat(store, turns: int) -> tuple[str, list[str]]:
         if i >= 3 and (i - 3) % FACT_EVERY == 0 and k < len(FACTS) and i < turns - 4:
             text = FACTS[k][0]
             planted.append(text)
-        store.add_turn(LOCAL, conv, text, f"An earlier answer, number {i + 1}: " + "the tide comes in " * 16)
+        store.add_turn(LOCAL, conv, text, reply.format(n=i + 1))
     return conv, planted
 
 
@@ -73,6 +76,8 @@ def run(settings, loaded, history: int = 120, repeats: int = 3, progress=lambda 
         t0 = time.perf_counter()
         new = chat.carry.continue_in_new(LOCAL, old)
         continue_s = time.perf_counter() - t0
+        summary = store.get(LOCAL, new).summary  # "" when the fold failed (a time limit): facts and turns only
+        summary_tokens = chat.fmt.count(summary) if summary else 0
         copy = store.export_json(LOCAL, new)
         pairs = []
         for k in range(repeats):
@@ -99,6 +104,7 @@ def run(settings, loaded, history: int = 120, repeats: int = 3, progress=lambda 
         "repeats": repeats,
         **(describe_setup(settings, loaded, budget) if loaded is not None else {}),
         "continue_s": round(continue_s, 3),
+        "summary_tokens": summary_tokens,
         "facts_planted": len(planted),
         "facts_in_first_prompt": sum(f in first_prompt for f in planted),
         "pairs": [{name: {k: v for k, v in d.items() if k != "prompt"} for name, d in p.items()} for p in pairs],
@@ -122,8 +128,9 @@ def markdown(r: dict) -> str:
             f"## Continue in a new chat from a {r['history']}-turn chat "
             f"({r.get('model', '?')}, {r.get('quant', '?')}, {r.get('device', '?')})",
             "",
-            f"Continuing took {r['continue_s']:.2f} s (the window folded into the summary); the continued "
-            f"chat's first prompt holds {r['facts_in_first_prompt']} of the {r['facts_planted']} planted facts.",
+            f"Continuing took {r['continue_s']:.2f} s (the window folded into a summary of {r['summary_tokens']} "
+            f"tokens; 0: the fold failed, see the log); the continued chat's first prompt holds "
+            f"{r['facts_in_first_prompt']} of the {r['facts_planted']} planted facts.",
             "",
             "| pair | continued TTFT (s) | prompt tokens | reused | fresh TTFT (s) | prompt tokens | reused |",
             "|---:|---:|---:|---:|---:|---:|---:|",
