@@ -22,8 +22,6 @@ import time
 
 from llmweb.records import LOCAL_OWNER as LOCAL
 
-from .common import scripted_turns
-
 QUESTION = "Where were we? Remind me in one sentence."
 FACT_EVERY = 11  # a planted fact every this many turns, from turn 4 on
 
@@ -35,11 +33,14 @@ def long_chat(store, turns: int, reply: str = REPLY) -> tuple[str, list[str]]:
     """A chat of the local user with `turns` turns stored, none folded, and fidelity's fact
     sentences planted every FACT_EVERY turns (as many as fit before its last few turns); its id
     and the facts planted. Each reply is `reply`, its {n} the turn's number."""
-    from .fidelity import FACTS
+    from .fidelity import FACTS, FILLERS
 
     conv = store.create_conversation(LOCAL, "A long chat")
     planted: list[str] = []
-    for i, text in enumerate(scripted_turns(turns)):
+    # fidelity's fillers, not scripted_turns: "Question 96: ..." reads as a fact sentence (it has a
+    # number), and a hundred of those would crowd the planted facts out of the facts' budget
+    for i in range(turns):
+        text = f"Tell me one short fact about {FILLERS[i % len(FILLERS)]}."
         k = (i - 3) // FACT_EVERY
         if i >= 3 and (i - 3) % FACT_EVERY == 0 and k < len(FACTS) and i < turns - 4:
             text = FACTS[k][0]
