@@ -17,6 +17,7 @@ MAX_CHAT_DOCUMENTS = 100  # documents one chat may choose to read (ChatSettings.
 # context (never folded, never dropped while it fits), OUT left out (of every prompt, summary and recall)
 PIN, OUT = "pin", "out"
 TURN_VIEWS = ("", PIN, OUT)
+VIEW_WORDS = {"keep": PIN, "leave_out": OUT, "as_planned": ""}  # as the API and a replay script name each view
 
 
 @dataclass(frozen=True, slots=True)

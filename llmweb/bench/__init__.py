@@ -1,5 +1,5 @@
 """Benchmarks, apart from the product: `python -m llmweb bench
-[all|ttft|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|recycle|gpu|ocr|
+[all|ttft|continue|retrieval|quant|fidelity|concurrency|decode|hostile|load|document|loops|busy|peer|recycle|gpu|ocr|
 constrained|router]`
 and `capacity`.
 
@@ -8,6 +8,8 @@ One module per benchmark, each with `run(...) -> dict` and `markdown(dict) -> st
   suite.py      `bench` (all): one model load, then overhead, TTFT, memory replay, retrieval; a report
   overhead.py   our Engine vs a bare `model.generate` loop, decode tokens/s
   ttft.py       `bench ttft`: time-to-first-token over a growing chat, with and without KV reuse
+  carry.py      `bench continue`: a 120-turn chat continued in a new chat: its first TTFT beside a fresh
+                chat's, side by side, and the planted facts in its first prompt
   memory.py     the 200-turn replay: memory growth the KV store does not explain, live tensors
   quant.py      `bench quant`: weights size and decode speed per quantisation
   retrieval.py  `bench retrieval`: ingest chunks/s and query latency at ~10k chunks; ranking quality
@@ -65,6 +67,7 @@ from llmweb.errors import ConfigError
 BENCHES = [
     "all",
     "ttft",
+    "continue",
     "retrieval",
     "quant",
     "fidelity",
@@ -89,8 +92,8 @@ def register(sub) -> None:
     """Add the `bench` and `capacity` commands to the CLI's subparsers."""
     b = sub.add_parser(
         "bench",
-        help="benchmarks: all (the default suite) | ttft | retrieval | quant | fidelity | concurrency | decode "
-        "| hostile | load | document | loops | busy | peer | recycle | gpu | ocr | constrained | router",
+        help="benchmarks: all (the default suite) | ttft | continue | retrieval | quant | fidelity | concurrency "
+        "| decode | hostile | load | document | loops | busy | peer | recycle | gpu | ocr | constrained | router",
     )
     b.add_argument("which", nargs="?", default="all", choices=BENCHES)
     b.add_argument(
@@ -136,7 +139,8 @@ def register(sub) -> None:
         type=int,
         default=3,
         help="suite: A/B repeats of the engine-overhead runs; decode: repeats of every step; busy: of every case; "
-        "ocr: timed reads of every page; document: llama-bench's repetitions, before and after the runs",
+        "ocr: timed reads of every page; document: llama-bench's repetitions, before and after the runs; "
+        "continue: pairs of first turns (continued, fresh)",
     )
     b.add_argument("--fillers", type=int, default=12, help="fidelity: filler turns before each checkpoint")
     b.add_argument("--checkpoints", type=int, default=3, help="fidelity: times each planted fact is asked about")
@@ -146,7 +150,8 @@ def register(sub) -> None:
         "--history",
         type=int,
         default=0,
-        help="busy, ttft: turns of an imported chat the measured chat starts with (ttft: none folded)",
+        help="busy, ttft: turns of an imported chat the measured chat starts with (ttft: none folded); "
+        "continue: turns of the chat continued (default 120)",
     )
     _gpu_arguments(b)
     _router_arguments(b)
@@ -211,6 +216,7 @@ def bench_command(args) -> int:
         "decode": _bench_decode,
         "quant": _bench_quant,
         "ttft": _bench_ttft,
+        "continue": _bench_continue,
         "hostile": _bench_hostile,
         "load": _bench_load,
         "document": _bench_document,
@@ -345,6 +351,25 @@ def _bench_ttft(args) -> int:
             history=args.history,
         )
     _print(result, args.json, ttft.markdown)
+    return 0
+
+
+def _bench_continue(args) -> int:
+    import tempfile
+
+    from llmweb.config import Settings
+    from llmweb.engine import models
+
+    from . import carry
+    from .common import scratch_settings
+
+    settings = Settings.from_env(max_new_tokens=args.max_new_tokens or 32)
+    loaded = models.load(settings, progress=_stderr)
+    with tempfile.TemporaryDirectory(prefix="llmweb-bench-") as tmp:  # the chats never touch the user's database
+        result = carry.run(
+            scratch_settings(settings, tmp), loaded, history=args.history or 120, repeats=args.repeats, progress=_stderr
+        )
+    _print(result, args.json, carry.markdown)
     return 0
 
 

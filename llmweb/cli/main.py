@@ -21,6 +21,7 @@ from pathlib import Path
 from llmweb.config import Settings
 from llmweb.errors import LlmwebError
 from llmweb.records import LOCAL_OWNER as LOCAL
+from llmweb.records import VIEW_WORDS
 
 log = logging.getLogger("llmweb")
 
@@ -106,20 +107,24 @@ def launch_app(runtime, **overrides):
 
 def read_script(path: Path) -> list[str | dict]:
     """A replay script's lines: {"user": "..."}, optionally with "documents": [names or ids] (the
-    documents the chat reads from that line on; [] none). A line is its message, or the object when
-    it sets documents."""
+    documents the chat reads from that line on; [] none) and "view": "keep" | "leave_out" |
+    "as_planned" (the say its turn gets once answered, as the page's "What the model sees" gives
+    it). A line is its message, or the object when it sets either."""
     lines: list[str | dict] = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             d = json.loads(line)
-            user, documents = d["user"], d.get("documents")
+            user, documents, view = d["user"], d.get("documents"), d.get("view")
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise LlmwebError(f'{path}:{n}: expected a JSON object like {{"user": "..."}}') from None
         if documents is not None and not (isinstance(documents, list) and all(isinstance(x, str) for x in documents)):
             raise LlmwebError(f'{path}:{n}: "documents" is a list of document names or ids') from None
-        lines.append(user if documents is None else {"user": user, "documents": documents})
+        if view is not None and (not isinstance(view, str) or view not in VIEW_WORDS):
+            raise LlmwebError(f'{path}:{n}: "view" is "keep", "leave_out" or "as_planned"') from None
+        extra = {k: v for k, v in (("documents", documents), ("view", view)) if v is not None}
+        lines.append({"user": user, **extra} if extra else user)
     return lines
 
 
@@ -137,11 +142,14 @@ def replay(
     chat = runtime.wait_ready()
     for n, line in enumerate(users, 1):
         user = line["user"] if isinstance(line, dict) else line
+        said = line if isinstance(line, dict) else {}
         try:
-            if isinstance(line, dict):  # the documents the chat reads from here on, kept with it as in the page
+            if "documents" in said:  # the documents the chat reads from here on, kept with it as in the page
                 conv_id = conv_id or runtime.store.create_conversation(LOCAL)
-                scope.choose(runtime.store, chat.library, LOCAL, conv_id, line["documents"])
+                scope.choose(runtime.store, chat.library, LOCAL, conv_id, said["documents"])
             event = chat.ask(LOCAL, conv_id, user, wait_summary=True, seed=seed)  # the first turn creates the chat
+            if "view" in said:  # this turn kept in context or left out from the next prompt on
+                chat.set_view(LOCAL, event.conv_id, [(event.stats.turn - 1, VIEW_WORDS[said["view"]])])
         except LlmwebError as e:
             yield {"turn": n, "user": user, "error": str(e)}
             continue

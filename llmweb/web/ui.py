@@ -680,6 +680,7 @@ def _wire_panel(ui: Layout, h: Handlers, shown: list, me: list) -> None:
         (ui.memory_del_btn, h.memory.delete_memory),
     ):
         button.click(handler, picked + me, shown + [ui.memory_text], **PRIVATE)
+    ui.memory_dd.input(h.memory.picked_memory, [ui.memory_dd] + me, [ui.memory_text], **PRIVATE)  # to edit
     offered = [ui.conv_state, ui.suggest_dd, ui.memory_text]
     ui.suggest_btn.click(h.memory.remember_offered, offered + me, shown + [ui.memory_text], **PRIVATE)
 

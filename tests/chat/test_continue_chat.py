@@ -90,3 +90,29 @@ def test_an_export_carries_the_link_where_the_importer_owns_the_chat_it_names(ri
     exported = store.export_json(ANA, new)
     assert store.get(ANA, store.import_json(ANA, exported)).continues == (conv, store.get(ANA, conv).title)
     assert store.get(BOB, store.import_json(BOB, exported)).continues is None, "another owner's chat is not named"
+
+
+def test_a_continued_chats_link_and_its_turns_say_hold_across_an_edit_a_version_switch_and_an_export(rig):
+    """A continued chat edited at its first turn (a new version from there) keeps its link; going
+    back to the first version brings back its kept turn; an export with both versions, imported
+    by the owner, keeps the link and each version's turns' say."""
+    chat, store = rig
+    conv = None
+    for text in ("My locker code is 4471.", "second " + "x " * 6, "third", "fourth", "fifth"):
+        conv = chat.ask(ANA, conv, text, wait_summary=True).conv_id
+    chat.set_view(ANA, conv, [(0, PIN)])
+    new = chat.carry.continue_in_new(ANA, conv)
+    link = (conv, store.get(ANA, conv).title)
+    views = [t.view for t in store.get(ANA, new).turns]
+    assert views[0] == PIN and store.get(ANA, new).continues == link
+    list(chat.edit(ANA, new, 0, "A new start."))
+    assert store.get(ANA, new).continues == link, "an edit keeps the link"
+    assert [t.view for t in store.get(ANA, new).turns] == [""]
+    chat.switch_version(ANA, new, 0, 0)
+    assert [t.view for t in store.get(ANA, new).turns] == views and store.get(ANA, new).continues == link
+    copy = store.import_json(ANA, store.export_json(ANA, new))
+    got = store.get(ANA, copy)
+    assert got.continues == link and [t.view for t in got.turns] == views
+    store.switch_version(ANA, copy, 0, 1)
+    assert [t.user for t in store.get(ANA, copy).turns] == ["A new start."]
+    assert store.get(ANA, copy).continues == link

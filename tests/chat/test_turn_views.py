@@ -3,6 +3,8 @@ the folds, the store (owner-scoped) and an export. FakeRunner and the word-level
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llmweb.chat.context import Budget, plan
@@ -199,3 +201,35 @@ def test_each_version_of_a_chat_keeps_its_turns_say_and_an_export_carries_it(tmp
         for owner, chat in ((OWNER, conv), (OTHER, copy)):
             store.switch_version(owner, chat, 1, 0)
             assert [t.view for t in store.get(owner, chat).turns] == [PIN, "", OUT, ""], owner
+
+
+# ---- replay: a script says which turns to keep in context or leave out; the local owner's memories
+
+
+def test_replay_keeps_and_leaves_out_the_turns_its_script_says_and_uses_the_owners_memories(rig, tmp_path):
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from llmweb.cli.main import read_script, replay
+    from llmweb.errors import LlmwebError
+    from llmweb.records import LOCAL_OWNER
+
+    chat, runner, fmt, store = rig
+    chat.budget = replace(chat.budget, memory_tokens=20)
+    store.add_memory(LOCAL_OWNER, "My cat is called Quokka.")
+    script = tmp_path / "script.jsonl"
+    lines = [{"user": PINNED, "view": "keep"}, {"user": SECRET, "view": "leave_out"}]
+    lines += [{"user": f"message {i} " + "x " * 10} for i in range(2, 30)]
+    script.write_text("\n".join(json.dumps(d) for d in lines), encoding="utf-8")
+    rows = list(replay(SimpleNamespace(wait_ready=lambda: chat, store=store), read_script(script), prompt_text=True))
+    assert all("error" not in r for r in rows), rows
+    assert all("Quokka" in r["prompt_text"] for r in rows), "the local owner's memories in every prompt"
+    for r in rows[2:]:
+        assert PINNED in r["prompt_text"] and "narwhal" not in r["prompt_text"], r["turn"]
+    (conv,) = store.list_conversations(LOCAL_OWNER)
+    got = store.get(LOCAL_OWNER, conv.id)
+    assert got.summarized_upto > 2 and "narwhal" not in got.summary, "folded meanwhile, without the left-out turn"
+    assert [t.view for t in got.turns[:3]] == [PIN, OUT, ""]
+    script.write_text(json.dumps({"user": "hi", "view": "pin"}), encoding="utf-8")
+    with pytest.raises(LlmwebError, match='"view" is "keep", "leave_out" or "as_planned"'):
+        read_script(script)

@@ -985,17 +985,26 @@ def last_prompt(page, server: Server, marker: str = "In this prompt:") -> str:
 def test_memory_across_chats_is_added_in_the_page_reaches_another_chat_and_goes_when_off_or_deleted(
     page, server, tmp_path
 ):
-    """A memory added in the page is in a new chat's prompt; turned off it is not; deleted it is gone
-    from the list; a fact of a chat becomes one with "Remember in all my chats"."""
+    """A memory added in the page, then its text edited, is in a new chat's prompt as edited; turned
+    off it is not; deleted it is gone from the list; a fact of a chat becomes one with "Remember in
+    all my chats"."""
     colour = "My favourite colour is teal."
     with step(page, "memory-across-chats"):
-        remember_in_all_chats(page, server, colour)
+        remember_in_all_chats(page, server, "My favourite colour is mauve.")
+        pick_option(page, "#llmweb-memory-pick input", "mauve")
+        box = field(page, "llmweb-memory-text")
+        poll(lambda: box.input_value() == "My favourite colour is mauve.", 60, "its text to edit", server, page)
+        box.fill(colour)
+        page.locator("#llmweb-memory-save").click()
+        poll(lambda: colour in page.locator("#llmweb-memories").inner_text(), 60, "the memory edited", server, page)
+        assert "mauve" not in page.locator("#llmweb-memories").inner_text()
         page.get_by_role("button", name="New chat", exact=True).click()
         poll(lambda: user_texts(page) == [], 60, "a blank new chat", server, page)
         idle(page)
         ask(page, server, "Hi!")
         prompt = last_prompt(page, server, "Hi!")
         assert colour in prompt and "1 thing you asked all your chats to remember" in prompt, prompt[:400]
+        assert "mauve" not in prompt, prompt[:400]
         open_accordion(page, "#llmweb-all-memory", "Memory across chats", "#llmweb-memories")
         pick_option(page, "#llmweb-memory-pick input", "teal")
         page.locator("#llmweb-memory-toggle").click()
@@ -1118,6 +1127,58 @@ def test_a_long_imported_chat_shows_its_last_turns_and_a_click_on_the_note_shows
             poll(lambda: len(user_texts(pg)) == n, 60, "the whole chat after a click on the note", server, pg)
             assert user_texts(pg) == [f"Question number {i}?" for i in range(n)]
             assert "earlier turns" not in pg.locator('#llmweb-chat [data-testid="bot"]').first.inner_text()
+    finally:
+        context.close()
+
+
+PREFILL_LINE = re.compile(r"Reading your message and this chat: ([\d,]+) of ([\d,]+) tokens")
+
+
+def test_a_long_prompt_shows_its_progress_before_the_first_token_and_not_once_the_reply_streams(
+    server, browser, tmp_path
+):
+    """A long imported chat (never opened before, so nothing of it is cached) and a pasted text of
+    ~900 tokens: the page reads over 1,000 tokens before the first token (seconds on 2 cores), and the
+    reply bubble says "Reading your message and this chat: N of M tokens…" meanwhile, N growing;
+    once the reply streams, the line is gone and the finished reply never shows it."""
+    from llmweb.records import LOCAL_OWNER
+    from llmweb.store.db import Store
+
+    count = token_counter()
+    with Store(tmp_path / "long.sqlite3") as store:  # the export of a long chat, as another server wrote it
+        conv = store.create_conversation(LOCAL_OWNER)
+        for i in range(24):  # all shown in the page (under SHOWN_TURNS), ~3,000 tokens
+            store.add_turn(
+                LOCAL_OWNER, conv, f"Tell me about harbour number {i}.", f"Harbour {i}: " + "boats come and go. " * 24
+            )
+        exported = tmp_path / "long-prefill-chat.json"
+        exported.write_text(store.export_json(LOCAL_OWNER, conv), encoding="utf-8")
+    sentences = [f"Line {i}: the lighthouse keeper counted {i} gulls on the rocks today." for i in range(200)]
+    pasted, n = "Summarise this log in one sentence:", 0
+    while n < len(sentences) and count(pasted + " " + sentences[n]) < 900:
+        pasted, n = pasted + " " + sentences[n], n + 1
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        pg = open_page(context, server)
+        with step(pg, "prefill-progress"):
+            wait_ready(pg, server)
+            pg.locator(IMPORT_INPUT).set_input_files(str(exported))
+            poll(lambda: "Imported" in pg.locator("#llmweb-stats").inner_text(), 60, "the import", server, pg)
+            idle(pg)
+            old = reply_texts(pg)[-1]  # the last imported reply: the recorder sees it until the new bubble comes
+            reply, _turn = ask(pg, server, pasted)
+            seen = [t for t in recorded(pg) if t != old]
+            shown = [(i, m) for i, t in enumerate(seen) if (m := PREFILL_LINE.search(t))]
+            assert shown, f"no progress shown while the prompt was read: {seen[:6]}"
+            done = [int(m.group(1).replace(",", "")) for _, m in shown]
+            total = {int(m.group(2).replace(",", "")) for _, m in shown}
+            assert len(total) == 1 and min(total) > 1000 and done == sorted(done) and done[-1] < min(total), seen
+            texts = [i for i, t in enumerate(seen) if is_real_text(t) and not PREFILL_LINE.search(t)]
+            assert texts and texts[0] > shown[-1][0], f"reply text before or during the progress: {seen}"
+            first_text = texts[0]
+            assert not any(PREFILL_LINE.search(t) for t in seen[first_text:]), f"the progress stayed: {seen}"
+            assert is_real_text(reply) and "Reading your message" not in reply, reply
+            shot(pg, "prefill-progress.png")
     finally:
         context.close()
 

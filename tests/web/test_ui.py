@@ -484,6 +484,44 @@ def test_two_visitors_never_see_each_others_chats_through_any_handler(runtime):
     assert browser_owner(runtime.settings, A_TOKEN, bob) == "user:bob"
 
 
+def test_two_visitors_never_touch_each_others_memories_turn_views_or_continuations(runtime):
+    """B holds A's chat id and A's memory id (in B's browser state or guessed): B can neither keep
+    nor leave out A's turns, continue A's chat, remember its facts, nor see, edit, turn off,
+    delete or export A's memories across chats. A's own stay as they were."""
+    h = Handlers(runtime)
+    a_conv, a = _one_chat(h), f"anon:{A_TOKEN}"
+    h.memory.add_memory(a_conv, None, "My cat is called Quokka.", A_TOKEN, NOBODY)
+    (mid,) = [m.id for m in runtime.store.memories(a)]
+    b_panel = h.chats.new_chat(B_TOKEN, NOBODY)
+    assert "Quokka" not in b_panel.memories_md and b_panel.memory_dd["choices"] == []
+    n_chats = len(runtime.store.list_conversations(f"anon:{B_TOKEN}"))
+    for call in (
+        lambda: h.memory.keep_turn(a_conv, 0, B_TOKEN, NOBODY),
+        lambda: h.memory.leave_out_turn(a_conv, 0, B_TOKEN, NOBODY),
+        lambda: h.memory.plan_turn(a_conv, 0, B_TOKEN, NOBODY),
+        lambda: h.memory.remember_fact(a_conv, 1, B_TOKEN, NOBODY),
+        lambda: h.chats.continue_chat(a_conv, B_TOKEN, NOBODY),
+    ):
+        with pytest.raises(gr.Error, match="no longer exists"):
+            call()
+    assert h.memory.picked_memory(mid, A_TOKEN, NOBODY) == "My cat is called Quokka.", "picked: its text to edit"
+    assert h.memory.picked_memory(mid, B_TOKEN, NOBODY) == "", "A's text is never B's to see"
+    for call in (
+        lambda: h.memory.save_memory("", mid, "My cat is called Mine.", B_TOKEN, NOBODY),
+        lambda: h.memory.toggle_memory("", mid, "", B_TOKEN, NOBODY),
+    ):
+        with pytest.raises(gr.Error, match="That memory is gone"):
+            call()
+    after = h.memory.delete_memory("", mid, "", B_TOKEN, NOBODY)
+    assert "Quokka" not in Panel(*after[:-1]).memories_md
+    exported = Path(h.transfer.export_memories(B_TOKEN, NOBODY)).read_text(encoding="utf-8")
+    assert "Quokka" not in exported
+    assert [(m.text, m.enabled) for m in runtime.store.memories(a)] == [("My cat is called Quokka.", True)]
+    assert [t.view for t in runtime.store.get(a, a_conv).turns] == [""], "A's turn as it was"
+    assert len(runtime.store.list_conversations(f"anon:{B_TOKEN}")) == n_chats, "B continued nothing"
+    assert [c.id for c in runtime.store.list_conversations(a)] == [a_conv], "nor made A a chat"
+
+
 def test_a_chat_opened_by_its_owner_is_warmed_and_a_strangers_open_warms_nothing(runtime):
     """Picking a chat in the list and a search result prefill the chat's next prompt (Chat.warm) as
     its owner's; B naming A's chat opens a blank chat and warms nothing; an import warms nothing."""

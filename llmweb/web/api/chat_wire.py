@@ -23,7 +23,7 @@ from llmweb.chat.session import clean_message
 from llmweb.chat.turn import held_back
 from llmweb.engine.request import MAX_TOP_LOGPROBS
 from llmweb.errors import InputError
-from llmweb.records import MAX_CHAT_DOCUMENTS, OUT, PIN
+from llmweb.records import MAX_CHAT_DOCUMENTS, VIEW_WORDS
 from llmweb.web.api.common import Usage, checked_fields, model_named, number, optional, same, unsupported
 from llmweb.web.api.errors import bad
 from llmweb.web.api.tools import (
@@ -307,7 +307,7 @@ def _continue_from(body: Mapping[str, Any], conversation_id: str | None) -> str 
 
 
 MAX_TURN_VIEWS = 100  # entries of x_llmweb.turns in one request
-VIEWS = {"keep": PIN, "leave_out": OUT, "as_planned": ""}  # x_llmweb.turns[i].view -> records.Turn.view
+VIEWS = VIEW_WORDS  # x_llmweb.turns[i].view -> records.Turn.view
 
 
 def _turn_views(body: Mapping[str, Any]) -> tuple[tuple[int, str], ...]:

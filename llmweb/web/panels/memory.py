@@ -79,6 +79,14 @@ class MemoryHandlers(PanelHandlers):
         return self._memory(conv_id, token, request, lambda o: self.store.add_memory(o, offered))
 
     @user_errors
+    def picked_memory(self, memory_id, token, request: gr.Request) -> str:
+        """The text of the memory just picked, into the box to edit ("" when it is not the caller's)."""
+        if memory_id is None:
+            return ""
+        owner = self.owner(token, request)
+        return next((m.text for m in self.store.memories(owner) if m.id == int(memory_id)), "")
+
+    @user_errors
     def save_memory(self, conv_id, memory_id, text, token, request: gr.Request) -> tuple:
         return self._memory(conv_id, token, request, lambda o: self.store.edit_memory(o, _picked(memory_id), text=text))
 

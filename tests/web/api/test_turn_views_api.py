@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llmweb.records import LOCAL_OWNER, OUT, PIN
-from tests.web.api.conftest import body, say
+from tests.web.api.conftest import body, rig, say
 
 
 def ask(api, conv, text, **ours):
@@ -79,3 +79,36 @@ def test_continue_from_starts_a_new_conversation_linked_to_the_callers_one(api):
     assert gone.status_code == 404
     not_new = ask(api, conv, "x", continue_from=conv)
     assert not_new.status_code == 400 and not_new.json()["error"]["param"] == "x_llmweb.continue_from"
+
+
+def test_two_api_keys_never_reach_each_others_memories_turns_or_chats_to_continue(tmp_path):
+    """alice's memory is in alice's stateful prompts, not bob's; bob can neither keep nor leave out
+    alice's turns nor continue her chat (404, nothing made or changed)."""
+    keyed = rig(tmp_path, host="0.0.0.0", api_keys="alice:key-of-alice,bob:key-of-bob")
+    keyed.chat.budget = replace(keyed.chat.budget, memory_tokens=40)
+    alice, bob = ({"Authorization": f"Bearer key-of-{n}"} for n in ("alice", "bob"))
+
+    def post(headers, conv, text, **ours):
+        say(keyed, "ok")
+        extra = {"x_llmweb": ours} if ours else {}
+        msgs = [{"role": "user", "content": text}]
+        return keyed.client.post(
+            "/v1/chat/completions", json=body(conversation_id=conv, messages=msgs, **extra), headers=headers
+        )
+
+    try:
+        keyed.store.add_memory("user:alice", "My cat is called Quokka.")
+        conv = post(alice, "new", "first words").json()["x_llmweb"]["conversation_id"]
+        assert "Quokka" in keyed.fmt.decode(keyed.runner.requests[-1].prompt_ids)
+        assert post(bob, "new", "hello").status_code == 200
+        assert "Quokka" not in keyed.fmt.decode(keyed.runner.requests[-1].prompt_ids)
+        bobs = {c.id for c in keyed.store.list_conversations("user:bob")}
+        for ours in ({"turns": [{"turn": 1, "view": "leave_out"}]}, {}):
+            assert post(bob, conv, "mine now", **ours).status_code == 404, ours
+        assert post(bob, "new", "go on", continue_from=conv).status_code == 404
+        assert {c.id for c in keyed.store.list_conversations("user:bob")} == bobs, "bob continued nothing"
+        assert [t.view for t in keyed.store.get("user:alice", conv).turns] == [""]
+        assert [c.id for c in keyed.store.list_conversations("user:alice")] == [conv]
+    finally:
+        keyed.engine.close()
+        keyed.store.close()
