@@ -40,6 +40,10 @@ def test_bench_continue_prints_the_continued_and_fresh_first_ttft_and_their_rati
     ratio = round(statistics.median(continued) / statistics.median(fresh), 3)
     assert r["continued_fresh_ratio"] == ratio
     assert all(p["continued"]["prompt_tokens"] < r["stay"]["prompt_tokens"] for p in r["pairs"]), "it starts small"
+    for p in r["pairs"]:  # prefilled as it opens: its first message prefills only itself
+        assert p["continued"]["reused_tokens"] > p["cold"]["reused_tokens"], p
+        assert p["continued"]["prompt_tokens"] - p["continued"]["reused_tokens"] < 40, p
+    assert r["cold_fresh_ratio"] == round(r["median_cold_ttft_s"] / statistics.median(fresh), 3)
     md = carry.markdown(r)
     assert f"| {r['continued_fresh_ratio']:.2f} |" in md and "continued / fresh" in md
     assert "2 of the 2 planted facts" in md and len(seen) == 3

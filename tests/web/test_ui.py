@@ -924,3 +924,21 @@ def test_an_edit_and_a_sources_click_on_a_long_chat_find_their_turn_past_the_hid
     assert runtime.store.get(a, conv).turns[3].user == "Question three?", "on the whole chat: no offset"
     with pytest.raises(gr.Error, match="Only your own messages"):
         list(h.chat.edit(conv, True, A_TOKEN, page, NOBODY, SimpleNamespace(index=0, value="the note")))
+
+
+def test_a_chat_continued_in_a_new_one_is_warmed_as_it_opens(runtime):
+    """ "Continue in a new chat" opens the new chat as picking one does: its first prompt (summary,
+    facts, last turns) is prefilled in the background, so the first message prefills only itself."""
+    h = Handlers(runtime)
+    a_conv, a = _one_chat(h), f"anon:{A_TOKEN}"
+    made = []
+
+    def continue_in_new(owner, conv_id):
+        made.append(runtime.store.create_conversation(owner))
+        return made[-1]
+
+    runtime.chat.carry = SimpleNamespace(continue_in_new=continue_in_new)
+    runtime.chat.warmed.clear()
+    panel = h.chats.continue_chat(a_conv, A_TOKEN, NOBODY)
+    assert panel.conv_state == made[0] != a_conv
+    assert runtime.chat.warmed == [(a, made[0])]

@@ -28,7 +28,8 @@ class ChatListHandlers(PanelHandlers):
         old = self._current(owner, conv_id)
         with self.slots.take(owner, "continuation in a new chat"):
             new = self._chat().carry.continue_in_new(owner, conv_id)
-        return self._reshown(owner, new, f"This chat continues “{old.title}”: its summary, facts and last turns.")
+        notes = f"This chat continues “{old.title}”: its summary, facts and last turns."
+        return self._warmed(owner, self._reshown(owner, new, notes))  # its first prompt prefilled meanwhile
 
     @user_errors
     def switch(self, conv_id, token, request: gr.Request) -> Panel:
