@@ -21,7 +21,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Container
 
-from llmweb.engine.request import EngineLimits, GenerationRequest, Handle
+from llmweb.engine.request import EngineLimits, Handle
 from llmweb.engine.waitroom import busy_message
 from llmweb.errors import BusyError
 
@@ -162,10 +162,6 @@ class Lanes:
             self.interactive.remove(handle)
             raise BusyError(busy_message(wait, self.limits.max_wait_s))
         return wait
-
-    def requests(self) -> list[GenerationRequest]:
-        """Every waiting request, interactive and background (in no particular order)."""
-        return [h.request for h in self.interactive.serving_order()] + [h.request for h in self.background]
 
     def peek(self, full: Container[str] = ()) -> Handle | None:
         """The request to admit next: interactive first (fair between owners; none of an owner in

@@ -283,8 +283,8 @@ class Engine:
         # most a share of the time (`_joining`)
         joining, beside = self._turns.pick(self._running)
         if joining is not None:
-            with self._lock:  # a visitor's prompt, or a background one beside others: small chunks (share.py)
-                joining.small_chunks = self.shares.small_chunks(joining, self._running, self._waiting.requests())
+            with self._lock:  # a visitor's or a background prompt: small chunks (share.py)
+                joining.small_chunks = self.shares.small_chunks(joining, self._running)
             before, t0 = joining.stats.prefilled_tokens, time.perf_counter()
             try:
                 if not self.runner.prefill(joining):

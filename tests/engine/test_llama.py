@@ -234,13 +234,13 @@ def test_a_decode_batch_is_fed_in_sequence_id_order(llama_model):
         runner.close()
 
 
-def test_a_background_prompt_alone_reads_in_full_chunks(llama_model):
-    """A whole-document step (background) with nobody else in the engine reads its prompt in the
-    runner's full chunks; the small ones are for when another owner's request runs or waits
+def test_a_background_prompt_reads_in_small_chunks_even_alone(llama_model):
+    """A whole-document step (background) reads its prompt in the runner's small chunks even with
+    nobody else in the engine: whoever arrives waits for at most one of them
     (tests/engine/test_owner_share.py)."""
     from llmweb.engine.kvcache import KVStore
     from llmweb.engine.request import EngineLimits
-    from llmweb.engine.runners.llama_cpp import PREFILL_CHUNK
+    from llmweb.engine.runners.llama_cpp import SMALL_CHUNK
 
     engine = llama_engine(llama_model.model, KVStore(0, 1), EngineLimits(max_new_tokens=4), 1024)
     chunks: list[int] = []
@@ -255,7 +255,7 @@ def test_a_background_prompt_alone_reads_in_full_chunks(llama_model):
         engine.submit(GenerationRequest(list(range(100, 700)), 2, owner="reader", background=True)).result()
     finally:
         engine.close()
-    assert chunks == [PREFILL_CHUNK, PREFILL_CHUNK, 600 - 2 * PREFILL_CHUNK], chunks
+    assert chunks == [SMALL_CHUNK] * (600 // SMALL_CHUNK) + [600 % SMALL_CHUNK], chunks
 
 
 def test_a_copy_that_cannot_be_made_serves_the_file_as_it_ships_under_auto_and_fails_when_asked(tmp_path, monkeypatch):

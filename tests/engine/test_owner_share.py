@@ -148,14 +148,14 @@ def test_every_strangers_prompt_goes_in_small_chunks_and_only_the_single_users_a
         for ids in [list(range(300)), [1, 2, 3]]:  # the owner of a single-user install alone: full chunks
             engine.submit(GenerationRequest(ids, 2, owner=LOCAL_OWNER)).result()
         background = GenerationRequest(list(range(300)), 2, owner="light", background=True)
-        engine.submit(background).result()  # a background prompt alone: the runner's full chunks
+        engine.submit(background).result()  # a background prompt, even alone: small chunks
         assert runner.flags == [
             ("light", True),  # a stranger, alone and light: still small chunks
             (LOCAL_OWNER, False),
             ("other", True),  # beside another owner's request
             (LOCAL_OWNER, False),
             (LOCAL_OWNER, False),
-            ("light", False),
+            ("light", True),
         ]
     finally:
         engine.close()
@@ -324,30 +324,20 @@ class BackgroundFlagRunner(ChunkRunner):
         return super().prefill(slot)
 
 
-def test_a_background_prompt_reads_in_full_chunks_until_another_owner_comes():
-    """A whole-document step alone reads in the runner's full chunks (nobody waits behind it); from
-    the step another owner's request waits or runs, its chunks are small (that visitor waits for at
-    most one of them), and full again once the visitor has gone. The same owner's other background
-    work does not make them small."""
+def test_a_background_prompt_goes_in_small_chunks_alone_and_beside_a_visitor():
+    """A whole-document step reads in small chunks, alone or not: a visitor who arrives while a
+    full chunk runs waits for all of it (`bench document`: first token 0.67 s beside the task
+    against 0.13 s), and full chunks did not make the task faster."""
     runner = BackgroundFlagRunner({"visitor": 30})
     engine, _ = fake_engine(runner, max_batch=4)
     try:
-        alone = engine.submit(GenerationRequest(list(range(40)), 2, owner="reader", background=True))
-        mine = engine.submit(GenerationRequest(list(range(100, 120)), 2, owner="reader", background=True))
-        alone.result(), mine.result()
-        assert runner.background_flags and not any(small for _, small in runner.background_flags)
-        runner.background_flags.clear()
+        engine.submit(GenerationRequest(list(range(40)), 2, owner="reader", background=True)).result()
         task = engine.submit(GenerationRequest(list(range(400)), 2, owner="reader", background=True))
         deadline = time.monotonic() + 5
         while len(runner.background_flags) < 3 and time.monotonic() < deadline:
             time.sleep(0.001)
-        visitor = engine.submit(GenerationRequest([1, 2, 3], 30, owner="visitor"))
-        visitor.result()
-        seen = len(runner.background_flags)
+        engine.submit(GenerationRequest([1, 2, 3], 30, owner="visitor")).result()
         task.result()
-        flags = [small for _, small in runner.background_flags]
-        assert flags[:3] == [False] * 3, flags  # alone: full chunks
-        assert True in flags[3:seen], flags  # beside the visitor: small ones
-        assert flags[-1] is False, flags  # the visitor gone: full again
+        assert len(runner.background_flags) > 3 and all(small for _, small in runner.background_flags)
     finally:
         engine.close()

@@ -14,7 +14,7 @@ cancel, time limits, the session KV store and the stats are the ones the transfo
                             where its saved window reaches back to the cut
     prefill(slot)           one `llama_decode` of the next prompt chunk (PREFILL_CHUNK tokens,
                             SMALL_CHUNK when the scheduler asks: `Slot.small_chunks`, a
-                            visitor's, or a background one beside another owner's request)
+                            visitor's, and every background one)
                             on the slot's sequence; the last chunk asks for logits and samples
     decode(slots)           ONE `llama_decode` carrying one token per slot, each on its sequence
                             at its own position: the batch, with no padding
@@ -56,9 +56,9 @@ from llmweb.errors import LlmwebError
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256  # prompt tokens per llama_decode: ~0.5-1 s on 2 cores, so the batch goes on between chunks
-# the small chunk, when the scheduler asks for it (`Slot.small_chunks`: a visitor's prompt, or a
-# background one beside another owner's request): whoever arrives while a chunk runs waits for it
-# to end, so it is a quarter of the size; a background prompt alone keeps the full one
+# the small chunk, when the scheduler asks for it (`Slot.small_chunks`: a visitor's prompt, and
+# every background one): whoever arrives while a chunk runs waits for it to end, so it is a
+# quarter of the size; prefill is compute-bound here, so the smaller chunks cost it little
 SMALL_CHUNK = 64
 
 
@@ -73,7 +73,7 @@ class LlamaRunner(BaseRunner):
     name = "llama runner"
     out_of_memory = (MemoryError,)
     shares_prefixes = True  # llama_state_seq_set_data reads the saved bytes
-    small_chunk = SMALL_CHUNK  # a visitor's prompt, or a background one beside another owner's (share.py)
+    small_chunk = SMALL_CHUNK  # a visitor's prompt, a background one (share.py)
 
     def __init__(self, model: GgufModel, kv: KVStore, slots: int, context: int, *, mem_limit_bytes: int = 0):
         import llama_cpp as ll
