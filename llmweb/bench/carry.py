@@ -92,12 +92,14 @@ def run(settings, loaded, history: int = 120, repeats: int = 3, progress=lambda 
         pairs = []
         for k in range(repeats):
             owner = f"user:bench-continue-{k}"
-            mine, cold = store.import_json(owner, copy), store.import_json(owner, copy)
+            # the not-warmed copy is another owner's: an owner's chats share their longest cached prefix
+            stranger = f"user:bench-continue-cold-{k}"
+            mine, cold = store.import_json(owner, copy), store.import_json(stranger, copy)
             order = ("continued", "fresh") if k % 2 == 0 else ("fresh", "continued")
             pair = {
                 name: _first(chat, owner, _warmed(chat, owner, mine) if name == "continued" else None) for name in order
             }
-            pair["cold"] = _first(chat, owner, cold)  # the same chat had it not been prefilled as it opened
+            pair["cold"] = _first(chat, stranger, cold)  # the same chat had it not been prefilled as it opened
             pairs.append(pair)
             progress(
                 f"bench continue: pair {k + 1}/{repeats}: continued {pair['continued']['ttft_s']:.3f} s, "
