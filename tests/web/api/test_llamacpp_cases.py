@@ -274,13 +274,18 @@ def the_calls(d: dict, tools: list[dict]) -> list[dict]:
     return calls
 
 
-# their python tool, closed to properties it does not list: left open, the 135M model writes made-up
-# ones after `code` until max_tokens cuts the call
+# their python tool, closed to properties it does not list and with `code` bounded: left open, the
+# 135M model writes made-up properties after `code`, or prose inside it, until max_tokens cuts the call
+_PY = PYTHON_TOOL["function"]["parameters"]
 CLOSED_PYTHON_TOOL = {
     "type": "function",
     "function": {
         **PYTHON_TOOL["function"],
-        "parameters": {**PYTHON_TOOL["function"]["parameters"], "additionalProperties": False},
+        "parameters": {
+            **_PY,
+            "properties": {**_PY["properties"], "code": {**_PY["properties"]["code"], "maxLength": 60}},
+            "additionalProperties": False,
+        },
     },
 }
 
@@ -387,7 +392,8 @@ def test_a_tool_result_in_the_history_is_answered(served):
     [
         ({"const": "42"}, lambda v: v == "42"),
         ({"const": "foooooo"}, lambda v: v == "foooooo"),
-        ({"type": "array", "items": {"type": "integer"}}, lambda v: isinstance(v, list)),
+        # bounded: unbounded, the 135M model writes integers until max_tokens cuts the array
+        ({"type": "array", "items": {"type": "integer"}, "maxItems": 3}, lambda v: isinstance(v, list)),
         (
             {"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 1, "maxItems": 1},
             lambda v: isinstance(v, list) and len(v) == 1 and isinstance(v[0], int),
@@ -398,7 +404,7 @@ def test_a_tool_result_in_the_history_is_answered(served):
 def test_a_json_schema_reply_matches_its_schema(served, schema, check):
     """test_completion_with_response_format's schemas (their `json_object` + `schema` sent as
     json_schema, with a name; their draft-4 `items: [...]` as `prefixItems`)."""
-    d = chat(served, messages=CODING, response_format=_schema(schema), max_tokens=16)
+    d = chat(served, messages=CODING, response_format=_schema(schema), temperature=0, max_tokens=16)
     content = d["choices"][0]["message"]["content"]
     value = json.loads(content)
     assert check(value), content
