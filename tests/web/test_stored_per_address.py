@@ -11,13 +11,12 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-from llmweb.runtime.resident import Lease
 from llmweb.store.db import Store
 from llmweb.store.models import OwnerCaps
 from llmweb.web.identity import new_owner_token
 from llmweb.web.ui import Handlers
 from tests.conftest import make_settings
-from tests.web.test_ui import FakeChat
+from tests.web.test_ui import fake_runtime
 from tests.web.test_visitors import page
 
 KB = 1024
@@ -27,19 +26,7 @@ X1, X2, Y = "2001:db8:1:2::1", "2001:db8:1:2::99", "203.0.113.5"  # X1 and X2: o
 @pytest.fixture
 def runtime(tmp_path):
     store = Store(tmp_path / "llmweb.sqlite3", caps=OwnerCaps(stored_bytes=7 * KB, address_bytes=9 * KB))
-    rt = SimpleNamespace(
-        store=store,
-        settings=make_settings(tmp_path, single_user="0"),
-        status="Ready",
-        ready=True,
-        engine=None,
-        library=SimpleNamespace(documents=lambda *owner: []),
-        secret="s" * 64,
-    )
-    rt.chat = FakeChat(store, rt.settings)
-    rt.wait_ready = lambda timeout=None: rt.chat
-    rt.hold = lambda model=None, timeout=None: Lease("fake", rt.chat)
-    yield rt
+    yield fake_runtime(store, tmp_path)
     store.close()
 
 

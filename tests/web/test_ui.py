@@ -300,9 +300,8 @@ A_TOKEN, B_TOKEN = new_owner_token(), new_owner_token()
 NOBODY = SimpleNamespace(username=None)  # a gr.Request without login
 
 
-@pytest.fixture
-def runtime(tmp_path):
-    store = Store(tmp_path / "llmweb.sqlite3")
+def fake_runtime(store, tmp_path) -> SimpleNamespace:
+    """A Runtime's face for the handlers: the real store, FakeChat, a multi-user server."""
     rt = SimpleNamespace(
         store=store,
         settings=make_settings(tmp_path, single_user="0"),
@@ -315,7 +314,13 @@ def runtime(tmp_path):
     rt.chat = FakeChat(store, rt.settings)
     rt.wait_ready = lambda timeout=None: rt.chat
     rt.hold = lambda model=None, timeout=None: Lease("fake", rt.chat)
-    yield rt
+    return rt
+
+
+@pytest.fixture
+def runtime(tmp_path):
+    store = Store(tmp_path / "llmweb.sqlite3")
+    yield fake_runtime(store, tmp_path)
     store.close()
 
 
